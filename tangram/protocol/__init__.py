@@ -1,0 +1,80 @@
+"""Sans-IO wire protocol (design §6): frame codec, envelopes, op table, error codes.
+
+Bytes in, messages out: nothing here touches sockets, asyncio or the clock.
+"""
+
+from tangram.protocol.codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError, decode_body, encode
+from tangram.protocol.errors import (
+    ERROR_CLASSES,
+    ERROR_CODES,
+    BadRequest,
+    ConnectionFailed,
+    InfraError,
+    InternalError,
+    NotFound,
+    QuotaExceeded,
+    ShuttingDown,
+    Timeout,
+    UnknownOp,
+    error_from_wire,
+    error_to_wire,
+)
+from tangram.protocol.messages import (
+    MalformedResponse,
+    Request,
+    Response,
+    error_response,
+    make_request,
+    ok_response,
+    parse_request,
+    parse_response,
+)
+from tangram.protocol.ops import (
+    LEASE_POLICIES,
+    OPS,
+    OUTCOMES,
+    PROTOCOL_VERSION,
+    Arg,
+    Op,
+    parse_size,
+    render_markdown,
+    validate_args,
+)
+
+__all__ = [
+    "DEFAULT_MAX_FRAME",
+    "ERROR_CLASSES",
+    "ERROR_CODES",
+    "LEASE_POLICIES",
+    "OPS",
+    "OUTCOMES",
+    "PROTOCOL_VERSION",
+    "Arg",
+    "BadRequest",
+    "ConnectionFailed",
+    "FrameDecoder",
+    "FrameError",
+    "InfraError",
+    "InternalError",
+    "MalformedResponse",
+    "NotFound",
+    "Op",
+    "QuotaExceeded",
+    "Request",
+    "Response",
+    "ShuttingDown",
+    "Timeout",
+    "UnknownOp",
+    "decode_body",
+    "encode",
+    "error_from_wire",
+    "error_response",
+    "error_to_wire",
+    "make_request",
+    "ok_response",
+    "parse_request",
+    "parse_response",
+    "parse_size",
+    "render_markdown",
+    "validate_args",
+]

@@ -1,0 +1,137 @@
+"""Wire error codes (design §6) and the typed exception for each.
+
+The set of codes is fixed: a client maps each code back to the same exception class the
+server raised, so ``except QuotaExceeded`` works across the socket. Every class derives
+from :class:`tangram.model.TangramError` and carries the code as ``.code``; the model's own
+errors (``InvalidDemand`` → ``bad_request``, ``Unschedulable`` → ``unschedulable``) travel
+unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from tangram.model import TangramError, Unschedulable
+
+BAD_REQUEST: Final = "bad_request"
+UNKNOWN_OP: Final = "unknown_op"
+NOT_FOUND: Final = "not_found"
+UNSCHEDULABLE: Final = "unschedulable"
+QUOTA_EXCEEDED: Final = "quota_exceeded"
+TIMEOUT: Final = "timeout"
+INFRA_ERROR: Final = "infra_error"
+INTERNAL: Final = "internal"
+SHUTTING_DOWN: Final = "shutting_down"
+
+ERROR_CODES: Final[tuple[str, ...]] = (
+    BAD_REQUEST,
+    UNKNOWN_OP,
+    NOT_FOUND,
+    UNSCHEDULABLE,
+    QUOTA_EXCEEDED,
+    TIMEOUT,
+    INFRA_ERROR,
+    INTERNAL,
+    SHUTTING_DOWN,
+)
+
+
+class BadRequest(TangramError):
+    """The request is malformed: a field is missing, of the wrong type or out of range.
+
+    ``request_id`` is the id of the offending request when it could be read, so the
+    transport can answer it; ``None`` means the answer goes out with ``"id": null``.
+    """
+
+    code = BAD_REQUEST
+
+    def __init__(self, message: str, *, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class UnknownOp(TangramError):
+    """The op name is not in the op table of the daemon that received it."""
+
+    code = UNKNOWN_OP
+
+
+class NotFound(TangramError):
+    """The named object (environment, lease, profile, service, action, API) does not exist."""
+
+    code = NOT_FOUND
+
+
+class QuotaExceeded(TangramError):
+    """An API quota is exhausted and the lease policy said not to wait (``reject``)."""
+
+    code = QUOTA_EXCEEDED
+
+
+class Timeout(TangramError):
+    """A deadline passed before the request could be served (e.g. a lease ``deadline_s``)."""
+
+    code = TIMEOUT
+
+
+class InfraError(TangramError):
+    """The infrastructure failed (docker, NVML, a node, the socket): not the task's fault."""
+
+    code = INFRA_ERROR
+
+
+class ConnectionFailed(InfraError):
+    """The client could not reach the daemon, or the connection dropped mid-request."""
+
+
+class InternalError(TangramError):
+    """A bug in the daemon: the request may be fine, the server failed to handle it."""
+
+    code = INTERNAL
+
+
+class ShuttingDown(TangramError):
+    """The daemon is stopping and no longer accepts (or finishes) this request."""
+
+    code = SHUTTING_DOWN
+
+
+ERROR_CLASSES: Final[dict[str, type[TangramError]]] = {
+    BAD_REQUEST: BadRequest,
+    UNKNOWN_OP: UnknownOp,
+    NOT_FOUND: NotFound,
+    UNSCHEDULABLE: Unschedulable,
+    QUOTA_EXCEEDED: QuotaExceeded,
+    TIMEOUT: Timeout,
+    INFRA_ERROR: InfraError,
+    INTERNAL: InternalError,
+    SHUTTING_DOWN: ShuttingDown,
+}
+
+
+def error_from_wire(code: str, message: str) -> TangramError:
+    """The exception a client raises for a wire error.
+
+    An unknown code (a newer daemon) yields a plain ``TangramError`` that keeps the code.
+    """
+    cls = ERROR_CLASSES.get(code)
+    if cls is None:
+        exc = TangramError(message)
+        exc.code = code
+        return exc
+    return cls(message)
+
+
+def error_to_wire(exc: BaseException) -> dict[str, str]:
+    """The ``{"code", "message"}`` map for an exception raised while serving a request.
+
+    Typed errors keep their code and message; anything else is a bug and becomes
+    ``internal`` with the exception's type and text.
+    """
+    if isinstance(exc, TangramError) and exc.code in ERROR_CLASSES:
+        return {"code": exc.code, "message": exc.message}
+    text = str(exc)
+    return {
+        "code": INTERNAL,
+        "message": f"{type(exc).__name__}: {text}" if text else type(exc).__name__,
+    }

@@ -1,0 +1,473 @@
+"""The op table (design §6): every op the daemon serves, documented once.
+
+Each :class:`Op` lists its arguments with a small type language (:class:`ArgType`) that
+both validates incoming args (:func:`validate_args`) and renders ``docs/protocol.md``
+(:func:`render_markdown`). Units: memory in bytes, durations in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from tangram.protocol.errors import BadRequest, UnknownOp
+
+PROTOCOL_VERSION: Final = "1"
+
+# --------------------------------------------------------------------------- arg types
+
+
+def _type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+class ArgType:
+    """A wire type: ``check`` raises BadRequest naming the field, ``doc`` describes it."""
+
+    doc: str = "any"
+
+    def check(self, name: str, value: object) -> None:
+        """Raise BadRequest if ``value`` is not of this type."""
+
+    def _fail(self, name: str, value: object, why: str = "") -> BadRequest:
+        detail = why or f"got {_type_name(value)}"
+        return BadRequest(f"{name}: expected {self.doc}, {detail}")
+
+
+class AnyType(ArgType):
+    """Any msgpack value."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Str(ArgType):
+    """A string; non-empty unless ``allow_empty``."""
+
+    allow_empty: bool = False
+
+    @property
+    def doc(self) -> str:  # type: ignore[override]  # computed, not a class constant
+        return "str" if self.allow_empty else "non-empty str"
+
+    def check(self, name: str, value: object) -> None:
+        if not isinstance(value, str):
+            raise self._fail(name, value)
+        if not value and not self.allow_empty:
+            raise self._fail(name, value, "got an empty string")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Bool(ArgType):
+    """``true`` or ``false`` (integers are not booleans)."""
+
+    doc = "bool"
+
+    def check(self, name: str, value: object) -> None:
+        if not isinstance(value, bool):
+            raise self._fail(name, value)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Int(ArgType):
+    """A whole number (bool excluded), optionally bounded below."""
+
+    min: int | None = None
+    unit: str = ""
+
+    @property
+    def doc(self) -> str:  # type: ignore[override]  # computed, not a class constant
+        text = "int" if self.min is None else f"int >= {self.min}"
+        return f"{text} ({self.unit})" if self.unit else text
+
+    def check(self, name: str, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._fail(name, value)
+        if self.min is not None and value < self.min:
+            raise self._fail(name, value, f"got {value}")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Number(ArgType):
+    """A finite int or float (NaN and infinities rejected), optionally bounded below."""
+
+    min: float | None = None
+    exclusive: bool = False  # min itself is not allowed
+    unit: str = ""
+
+    @property
+    def doc(self) -> str:  # type: ignore[override]  # computed, not a class constant
+        text = "finite number"
+        if self.min is not None:
+            text += f" {'>' if self.exclusive else '>='} {self.min:g}"
+        return f"{text} ({self.unit})" if self.unit else text
+
+    def check(self, name: str, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self._fail(name, value)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise self._fail(name, value, f"got {value}")
+        if self.min is not None and (value < self.min or (self.exclusive and value == self.min)):
+            raise self._fail(name, value, f"got {value}")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Enum(ArgType):
+    """One of a fixed set of strings."""
+
+    values: tuple[str, ...]
+
+    @property
+    def doc(self) -> str:  # type: ignore[override]  # computed, not a class constant
+        return "one of " + "|".join(repr(v) for v in self.values)
+
+    def check(self, name: str, value: object) -> None:
+        if not isinstance(value, str) or value not in self.values:
+            raise self._fail(name, value, f"got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ListOf(ArgType):
+    """A list whose items all have type ``item``, with at least ``min_len`` items."""
+
+    item: ArgType
+    min_len: int = 0
+
+    @property
+    def doc(self) -> str:  # type: ignore[override]  # computed, not a class constant
+        text = f"list[{self.item.doc}]"
+        return f"non-empty {text}" if self.min_len == 1 else text
+
+    def check(self, name: str, value: object) -> None:
+        if not isinstance(value, list):
+            raise self._fail(name, value)
+        if len(value) < self.min_len:
+            raise self._fail(name, value, f"got {len(value)} item(s)")
+        for index, item in enumerate(value):
+            self.item.check(f"{name}[{index}]", item)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MapOf(ArgType):
+    """A map from str keys (matching ``key_pattern`` if given) to values of type ``value``."""
+
+    value: ArgType
+    key_pattern: str = ""
+    key_doc: str = "str"
+
+    @property
+    def doc(self) -> str:  # type: ignore[override]  # computed, not a class constant
+        return f"map[{self.key_doc} -> {self.value.doc}]"
+
+    def check(self, name: str, value: object) -> None:
+        if not isinstance(value, dict):
+            raise self._fail(name, value)
+        for key, item in value.items():
+            if not isinstance(key, str) or (
+                self.key_pattern and re.fullmatch(self.key_pattern, key) is None
+            ):
+                raise self._fail(name, value, f"got key {key!r}")
+            self.value.check(f"{name}.{key}", item)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class IntRange(ArgType):
+    """``[min, max]``: two ints with ``lo <= min <= max``."""
+
+    lo: int = 0
+
+    @property
+    def doc(self) -> str:  # type: ignore[override]  # computed, not a class constant
+        return f"[min, max] with {self.lo} <= min <= max"
+
+    def check(self, name: str, value: object) -> None:
+        if not isinstance(value, list) or len(value) != 2:
+            raise self._fail(name, value)
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise self._fail(name, value, f"got item {item!r}")
+        if not self.lo <= value[0] <= value[1]:
+            raise self._fail(name, value, f"got {value}")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class OneOf(ArgType):
+    """Any of several types (tried in order)."""
+
+    options: tuple[ArgType, ...]
+
+    @property
+    def doc(self) -> str:  # type: ignore[override]  # computed, not a class constant
+        return " or ".join(option.doc for option in self.options)
+
+    def check(self, name: str, value: object) -> None:
+        for option in self.options:
+            try:
+                option.check(name, value)
+            except BadRequest:
+                continue
+            return
+        raise self._fail(name, value, f"got {_type_name(value)} {value!r}"[:200])
+
+
+# --------------------------------------------------------------------------- the table
+
+_DOP_KEY = r"[1-9][0-9]{0,5}"  # a degree of parallelism, as a decimal string
+
+
+def _dop_map(value: ArgType) -> MapOf:
+    return MapOf(value, key_pattern=_DOP_KEY, key_doc="dop (decimal str)")
+
+
+NAME = Str()
+ID = Str()
+BYTES = Int(min=0, unit="bytes")
+POSITIVE_S = Number(min=0, exclusive=True, unit="seconds")
+SECONDS = Number(min=0, unit="seconds")
+FRACTION = Number(min=0, exclusive=True)
+LEASE_POLICIES: Final = ("wait", "reject", "deadline")
+OUTCOMES: Final = ("ok", "failed", "timeout", "rejected", "infra_error")
+
+
+@dataclass(frozen=True, slots=True)
+class Arg:
+    """One argument of an op."""
+
+    name: str
+    type: ArgType
+    required: bool = False
+    doc: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One op: its arguments, what it returns, which error codes it may raise."""
+
+    name: str
+    doc: str
+    args: tuple[Arg, ...] = ()
+    result: str = "{}"
+    errors: tuple[str, ...] = ()
+    extra_args: bool = False  # accept (and pass through) args not listed here
+    check: Callable[[Mapping[str, Any]], None] | None = None
+    by_name: dict[str, Arg] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_name", {arg.name: arg for arg in self.args})
+
+
+def _check_lease_acquire(args: Mapping[str, Any]) -> None:
+    policy, deadline = args.get("policy"), args.get("deadline_s")
+    if policy == "deadline" and deadline is None:
+        raise BadRequest("deadline_s: required when policy is 'deadline'")
+    if deadline is not None and policy not in (None, "deadline"):
+        raise BadRequest(f"deadline_s: only allowed with policy 'deadline', not {policy!r}")
+
+
+_EXEC_ARGS: Final = (
+    Arg(
+        "cmd",
+        OneOf((ListOf(Str(allow_empty=True), min_len=1), Str())),
+        True,
+        "argv list, or a shell command string",
+    ),
+    Arg("env", ID, doc="run in this open environment (else a throwaway one)"),
+    Arg("image", NAME, doc="image of the throwaway environment"),
+    Arg("cpus", OneOf((Int(min=1), IntRange(lo=1))), doc="cores: fixed, or elastic [min, max]"),
+    Arg("mem", BYTES, doc="memory limit"),
+    Arg("timeout_s", POSITIVE_S, doc="wall-clock limit of the command"),
+    Arg("profile", NAME, doc="elasticity profile to use (see profile.save)"),
+    Arg("elastic", Bool(), doc="let the scheduler pick the core count in cpus"),
+    Arg("trajectory", ID, doc="trajectory this action belongs to"),
+    Arg("task", NAME, doc="task name (history estimator key)"),
+    Arg("t1_s", POSITIVE_S, doc="inline elasticity: duration on one core"),
+    Arg("eff", _dop_map(FRACTION), doc="inline elasticity: efficiency per dop"),
+    Arg("env_vars", MapOf(Str(allow_empty=True)), doc="environment variables of the command"),
+)
+
+OPS: Final[dict[str, Op]] = {
+    op.name: op
+    for op in (
+        Op("ping", "liveness check", result='{"pong": true, "version": str}'),
+        Op("status", "daemon summary: role, uptime, capacity, usage, counts", result="map"),
+        Op(
+            "nodes",
+            "nodes with capacity, free resources and heartbeat age",
+            result='{"nodes": [map]}',
+        ),
+        Op("queue", "waiting and running actions", result='{"waiting": [map], "running": [map]}'),
+        Op(
+            "story",
+            "what happened to one action (bounded event log)",
+            (Arg("action_id", ID, True),),
+            result='{"action_id": str, "events": [map]}',
+            errors=("not_found",),
+        ),
+        Op(
+            "env.open",
+            "open a persistent environment (sandbox)",
+            (
+                Arg("image", NAME, doc="container image (default from config)"),
+                Arg("mem", BYTES, doc="memory limit"),
+                Arg("trajectory", ID, doc="trajectory owning the environment"),
+            ),
+            result='{"id": str}',
+            errors=("infra_error", "unschedulable"),
+        ),
+        Op(
+            "env.close",
+            "close an environment and free its resources",
+            (Arg("id", ID, True),),
+            errors=("not_found", "infra_error"),
+        ),
+        Op("env.list", "open environments", result='{"envs": [map]}'),
+        Op(
+            "exec",
+            "run one command as an exec action; the outcome is data, not an error",
+            _EXEC_ARGS,
+            result=(
+                "{action_id, outcome: " + "|".join(OUTCOMES) + ", exit_code: int|null, "
+                "stdout, stderr, queue_s, exec_s, act_s, cores: [int], truncated: bool}"
+            ),
+            errors=("not_found", "unschedulable", "infra_error", "shutting_down"),
+        ),
+        Op(
+            "lease.acquire",
+            "take one unit of an API quota",
+            (
+                Arg("api", NAME, True),
+                Arg("ttl_s", POSITIVE_S, doc="auto-release after this long"),
+                Arg(
+                    "policy", Enum(LEASE_POLICIES), doc="when the quota is exhausted (default wait)"
+                ),
+                Arg("deadline_s", SECONDS, doc="give up after this long (policy 'deadline')"),
+            ),
+            result='{"lease_id": str, "api": str, "ttl_s": float|null}',
+            errors=("not_found", "quota_exceeded", "timeout"),
+            check=_check_lease_acquire,
+        ),
+        Op(
+            "lease.release",
+            "give a lease back",
+            (Arg("lease_id", ID, True),),
+            errors=("not_found",),
+        ),
+        Op("api.list", "API endpoints with quota and usage", result='{"apis": [map]}'),
+        Op(
+            "profile.save",
+            "store a measured elasticity profile",
+            (
+                Arg("name", NAME, True),
+                Arg("dop", _dop_map(SECONDS), True, doc="median duration per dop"),
+                Arg("t1_s", POSITIVE_S, True, doc="duration on one core"),
+                Arg("eff", _dop_map(FRACTION), True, doc="efficiency per dop"),
+                Arg("speedup", _dop_map(FRACTION), True, doc="speedup per dop"),
+                Arg("elastic", Bool(), True, doc="worth scheduling elastically"),
+            ),
+            errors=("bad_request",),
+        ),
+        Op(
+            "profile.get",
+            "one stored profile",
+            (Arg("name", NAME, True),),
+            result="{name, dop, t1_s, eff, speedup, elastic}",
+            errors=("not_found",),
+        ),
+        Op("profile.list", "stored profiles", result='{"profiles": [map]}'),
+        Op(
+            "service.register",
+            "register a GPU service (further args are service config)",
+            (Arg("name", NAME, True), Arg("mem", BYTES, True, doc="GPU memory it needs")),
+            extra_args=True,
+            errors=("bad_request",),
+        ),
+        Op(
+            "service.list",
+            "registered services and where they are resident",
+            result='{"services": [map]}',
+        ),
+        Op(
+            "service.remove",
+            "unregister a service",
+            (Arg("name", NAME, True),),
+            errors=("not_found",),
+        ),
+    )
+}
+
+
+def validate_args(op: str, args: Mapping[str, Any]) -> None:
+    """Check ``args`` against the op table; raise UnknownOp or BadRequest naming the field.
+
+    A ``null`` value for an optional arg means "not given".
+    """
+    spec = OPS.get(op)
+    if spec is None:
+        raise UnknownOp(f"unknown op {op!r}")
+    for arg in spec.args:
+        value = args.get(arg.name)
+        if value is None:
+            if arg.required:
+                raise BadRequest(f"{op}: missing required arg {arg.name!r} ({arg.type.doc})")
+            continue
+        arg.type.check(f"{op}: {arg.name}", value)
+    if not spec.extra_args:
+        unknown = [name for name in args if name not in spec.by_name]
+        if unknown:
+            allowed = ", ".join(spec.by_name) or "none"
+            raise BadRequest(f"{op}: unknown arg(s) {sorted(unknown)} (allowed: {allowed})")
+    if spec.check is not None:
+        try:
+            spec.check(args)
+        except BadRequest as exc:
+            raise BadRequest(f"{op}: {exc.message}") from None
+
+
+# --------------------------------------------------------------------------- sizes
+
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(i?b?)\s*", re.IGNORECASE)
+_SIZE_SHIFT: Final = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"512M"``, ``"2GiB"``, ``"1.5g"`` or a plain int (binary units).
+
+    Raises BadRequest for anything else (negative, NaN, unknown suffix).
+    """
+    if isinstance(text, bool):
+        raise BadRequest(f"size: expected bytes or a size like '512M', got {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise BadRequest(f"size: negative size {text}")
+        return text
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise BadRequest(f"size: expected bytes or a size like '512M', got {text!r}")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * (1 << _SIZE_SHIFT[unit]))
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def render_markdown() -> str:
+    """The op table as Markdown (the op section of ``docs/protocol.md``)."""
+    lines: list[str] = []
+    for op in OPS.values():
+        lines += [f"### `{op.name}`", "", op.doc[0].upper() + op.doc[1:] + ".", ""]
+        if op.args:
+            lines += ["| arg | type | required | meaning |", "|---|---|---|---|"]
+            for arg in op.args:
+                typ = arg.type.doc.replace("|", "\\|")
+                lines.append(
+                    f"| `{arg.name}` | {typ} | {'yes' if arg.required else 'no'} | {arg.doc} |"
+                )
+            if op.extra_args:
+                lines.append("| … | any | no | further args are passed through |")
+        else:
+            lines.append("Args: none.")
+        lines += ["", f"Result: `{op.result}`", ""]
+        errors = ", ".join(f"`{code}`" for code in op.errors) or "none beyond the common ones"
+        lines += [f"Errors: {errors}.", ""]
+    return "\n".join(lines)

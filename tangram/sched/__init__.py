@@ -1,0 +1,33 @@
+"""The elastic scheduler: candidates, greedy eviction, objective, dp_arrange, operators."""
+
+from tangram.sched.dp import Arrangement, DPTable, InfeasibleArrangement, dp_arrange
+from tangram.sched.operators import BaseOperator, ChunkOperator, Operator, chunk_level
+from tangram.sched.schedule import (
+    ORDERS,
+    Decision,
+    Infeasible,
+    Placement,
+    SchedConfig,
+    Snapshot,
+    pool_of,
+    schedule,
+)
+
+__all__ = [
+    "ORDERS",
+    "Arrangement",
+    "BaseOperator",
+    "ChunkOperator",
+    "DPTable",
+    "Decision",
+    "InfeasibleArrangement",
+    "Infeasible",
+    "Operator",
+    "Placement",
+    "SchedConfig",
+    "Snapshot",
+    "chunk_level",
+    "dp_arrange",
+    "pool_of",
+    "schedule",
+]

@@ -1,0 +1,440 @@
+"""The elastic scheduler (design §4, paper §4.2 Alg. 1–2): one pure scheduling pass.
+
+Contract
+--------
+``schedule(snapshot, now, config) -> Decision`` reads the waiting queue (FCFS order), the
+pools and the running actions' expected finish times, and returns which actions to place
+(pool, amount, concrete units), which wait, and which can never run here (with a
+``Shortfall``). Inputs are read-only: pools are only *asked* (``operator``, ``pick_units``,
+``extra_cost``); the driver applies the placements. No I/O, no clock (``now`` is an
+argument), no randomness: the same snapshot gives the same decision.
+
+Algorithm, per pool (one CPU pool per node, one GPU pool, one pool per API endpoint)
+----------------------------------------------------------------------------------
+1. Candidates: the longest FCFS prefix of the pool's queue whose *minimum* key amounts fit
+   the pool's free units jointly and topology-aware (through the pool's DP operator).
+   ``order="backfill"`` (our improvement, selectable) lets later actions that fit start past
+   a blocked one unless the blocked one has waited ``starvation_s`` (then strict FCFS
+   resumes, so no action is overtaken forever).
+2. Non-elastic candidates are placed at their minimum; elastic ones share the rest.
+3. Greedy eviction over one DP table (row ``t`` = optimal split among the first ``t``
+   elastic candidates): start with all, evict the last while the objective drops.
+4. Objective (Alg. 2): exact ACTs of the placed candidates + an FCFS replay of the waiting
+   queue against the completion heap, each waiting action at its minimum as soon as it fits;
+   the first ``depth - 1`` replayed actions try each allowed amount instead.
+5. Cache awareness: a service action's duration includes the pool's restore cost where the
+   service is not resident (``SchedPool.extra_cost``).
+
+Trajectories without a node yet (first exec action) are given the memory-balanced node
+with room; one that has waited ``starvation_s`` is pinned to a node and queued there in
+FCFS order, so it cannot be starved by other trajectories' actions.
+
+Complexity
+----------
+Per pool with ``q`` queued actions, ``n`` elastic candidates, ``R`` free units, allowed-set
+size ``|s|``: candidates ``O(q)``, DP ``O(n·R·|s|)`` vectorised, each objective evaluation
+``O(W log W + |s|·W)`` with the replay window ``W = min(q, replay_limit)``, and the eviction
+loop evaluates the objective until it stops improving (usually 1–3 times).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from tangram.model import Action, ActionId, Shortfall, TrajectoryId
+from tangram.sched.dp import DPTable
+from tangram.sched.operators import Operator
+
+if TYPE_CHECKING:  # pools depend on sched, not the other way round
+    from tangram.pools.base import SchedPool
+
+Order = Literal["fcfs", "backfill"]
+ORDERS: tuple[str, ...] = ("fcfs", "backfill")
+_NEVER = 1e9  # replay penalty (seconds) for an action that cannot start at all
+
+
+@dataclass(frozen=True, slots=True)
+class SchedConfig:
+    depth: int = 2
+    order: Order = "fcfs"
+    starvation_s: float = 30.0
+    replay_limit: int = 512
+    max_branch: int = 8  # amounts tried per depth level in the replay (spread over the set)
+
+    def __post_init__(self) -> None:
+        if self.depth < 1:
+            raise ValueError(f"depth must be >= 1, got {self.depth}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order {self.order!r} not in {ORDERS}")
+        if self.replay_limit < 1 or self.max_branch < 1:
+            raise ValueError("replay_limit and max_branch must be >= 1")
+
+
+class MemoryView(Protocol):
+    """What node choice needs from a CPU node pool."""
+
+    pool_id: str
+
+    @property
+    def mem_free(self) -> int: ...
+
+    @property
+    def mem_reserved(self) -> int: ...
+
+    def free_units(self) -> int: ...
+
+    def never_fits(self, action: Action) -> Shortfall | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Read-only view of everything one pass needs."""
+
+    waiting: Sequence[Action]  # FCFS order (ascending seq)
+    pools: Mapping[str, SchedPool]
+    affinity: Mapping[TrajectoryId, str] = field(default_factory=dict)  # trajectory -> pool_id
+    running: Mapping[str, Sequence[tuple[float, int]]] = field(default_factory=dict)
+    estimate: Callable[[str], float] = lambda klass: 1.0
+    env_mem: Callable[[Action], int] = lambda action: 0  # memory to reserve on first action
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    action_id: ActionId
+    pool_id: str
+    amount: int
+    units: tuple[int, ...]
+    expected_s: float
+    new_node: bool = False  # first action of its trajectory: the driver records affinity
+
+
+@dataclass(frozen=True, slots=True)
+class Infeasible:
+    action_id: ActionId
+    shortfall: Shortfall
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    placements: tuple[Placement, ...]
+    waiting: tuple[ActionId, ...]
+    infeasible: tuple[Infeasible, ...]
+    objective: float
+    evicted: int  # elastic candidates sent back to the queue by greedy eviction
+
+    def placed_ids(self) -> set[ActionId]:
+        return {p.action_id for p in self.placements}
+
+
+def pool_of(action: Action, affinity: Mapping[TrajectoryId, str]) -> str | None:
+    """The pool an action's key resource lives in (None: exec action without a node yet)."""
+    if action.kind == "exec":
+        return affinity.get(action.trajectory)
+    if action.kind == "service":
+        return "gpu"
+    return action.key
+
+
+def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) -> Decision:
+    cfg = config or SchedConfig()
+    infeasible: list[Infeasible] = []
+    queues: dict[str, list[Action]] = {}
+    new_nodes: set[ActionId] = set()
+    unplaced_new: list[Action] = []
+    for action in snapshot.waiting:
+        pid = pool_of(action, snapshot.affinity)
+        if pid is None:
+            unplaced_new.append(action)
+            continue
+        pool = snapshot.pools.get(pid)
+        if pool is None:
+            infeasible.append(Infeasible(action.id, _no_pool(action, pid)))
+            continue
+        short = pool.never_fits(action)
+        if short is not None:
+            infeasible.append(Infeasible(action.id, short))
+            continue
+        queues.setdefault(pid, []).append(action)
+    if unplaced_new:
+        assigned, never = _assign_nodes(unplaced_new, snapshot, now, cfg)
+        infeasible.extend(never)
+        for action, pid in assigned:
+            queues.setdefault(pid, []).append(action)
+            new_nodes.add(action.id)
+        for pid in {pid for _, pid in assigned}:
+            queues[pid].sort(key=lambda a: a.seq)
+
+    placements: list[Placement] = []
+    objective = 0.0
+    evicted = 0
+    for pid in sorted(queues):
+        pool = snapshot.pools[pid]
+        result = _schedule_pool(pool, queues[pid], snapshot, now, cfg)
+        objective += result.objective
+        evicted += result.evicted
+        if not result.placed:
+            continue
+        units = pool.pick_units(result.placed)
+        for (action, amount), unit_ids, dur in zip(result.placed, units, result.durs, strict=True):
+            placements.append(
+                Placement(action.id, pid, amount, unit_ids, dur, action.id in new_nodes)
+            )
+    placed = {p.action_id for p in placements}
+    bad = {i.action_id for i in infeasible}
+    waiting = tuple(a.id for a in snapshot.waiting if a.id not in placed and a.id not in bad)
+    return Decision(tuple(placements), waiting, tuple(infeasible), objective, evicted)
+
+
+def _no_pool(action: Action, pid: str) -> Shortfall:
+    requested = action.min_units
+    what = action.service or action.api or pid
+    return Shortfall(action.key, requested, 0, 0, f"no pool {pid!r} serves {what!r}")
+
+
+# ----------------------------------------------------------------------------- node choice
+
+
+def _assign_nodes(
+    actions: Sequence[Action], snap: Snapshot, now: float, cfg: SchedConfig
+) -> tuple[list[tuple[Action, str]], list[Infeasible]]:
+    """Memory-balanced node for each trajectory's first action (design §5.2 placement)."""
+    nodes: list[Any] = [p for pid, p in sorted(snap.pools.items()) if pid.startswith("cpu:")]
+    mem_free = {p.pool_id: p.mem_free for p in nodes}
+    mem_used = {p.pool_id: p.mem_reserved for p in nodes}
+    cores_free = {p.pool_id: p.free_units() for p in nodes}
+    assigned: list[tuple[Action, str]] = []
+    never: list[Infeasible] = []
+    for action in actions:
+        need_mem = snap.env_mem(action)
+        fits_ever = [p for p in nodes if p.never_fits(action) is None]
+        fits_ever = [p for p in fits_ever if need_mem <= mem_free[p.pool_id] + mem_used[p.pool_id]]
+        if not fits_ever:
+            cap = max((p.capacity for p in nodes), default=0)
+            reason = (
+                "no CPU nodes"
+                if not nodes
+                else f"needs {action.min_units} cores and "
+                f"{need_mem} bytes of memory on one node; largest node has {cap} cores"
+            )
+            never.append(Infeasible(action.id, Shortfall("cpu", action.min_units, 0, cap, reason)))
+            continue
+        room = [
+            p
+            for p in fits_ever
+            if mem_free[p.pool_id] >= need_mem and cores_free[p.pool_id] >= action.min_units
+        ]
+        starving = now - action.submitted_at >= cfg.starvation_s
+        if not room and not starving:
+            continue  # waits; no node has room now
+        pick = min(room or fits_ever, key=lambda p: (_mem_load(p, mem_free, mem_used), p.pool_id))
+        pid = pick.pool_id
+        if mem_free[pid] >= need_mem:
+            mem_free[pid] -= need_mem
+            mem_used[pid] += need_mem
+            cores_free[pid] = max(0, cores_free[pid] - action.min_units)
+            assigned.append((action, pid))
+        elif starving:
+            # pinned but memory not free yet: queue it there so it blocks later work (FCFS)
+            assigned.append((action, pid))
+    return assigned, never
+
+
+def _mem_load(pool: Any, free: Mapping[str, int], used: Mapping[str, int]) -> float:
+    total = free[pool.pool_id] + used[pool.pool_id]
+    return used[pool.pool_id] / total if total else 1.0
+
+
+# ----------------------------------------------------------------------------- one pool
+
+
+@dataclass(slots=True)
+class _PoolResult:
+    placed: list[tuple[Action, int]]
+    durs: list[float]
+    objective: float
+    evicted: int
+
+
+class _Durations:
+    """Per-pass cache of durations (history estimate + pool extra cost)."""
+
+    __slots__ = ("_cache", "_estimate", "_pool")
+
+    def __init__(self, pool: SchedPool, estimate: Callable[[str], float]) -> None:
+        self._pool = pool
+        self._estimate = estimate
+        self._cache: dict[tuple[ActionId, int], float] = {}
+
+    def __call__(self, action: Action, amount: int) -> float:
+        key = (action.id, amount)
+        dur = self._cache.get(key)
+        if dur is None:
+            base = action.duration(amount, self._estimate(action.klass))
+            dur = base + self._pool.extra_cost(action, amount)
+            self._cache[key] = dur
+        return dur
+
+
+def _elastic_amounts(action: Action, max_single: int) -> tuple[int, ...]:
+    return tuple(a for a in action.allowed_units() if a <= max_single)
+
+
+def _schedule_pool(
+    pool: SchedPool, queue: Sequence[Action], snap: Snapshot, now: float, cfg: SchedConfig
+) -> _PoolResult:
+    op = pool.operator()
+    dur = _Durations(pool, snap.estimate)
+    cands, rest = _candidates(op, queue, now, cfg)
+    if not cands:
+        return _PoolResult([], [], 0.0, 0)
+    max_single = pool.max_single()
+    fixed: list[Action] = []
+    elastic: list[Action] = []
+    for a in cands:
+        (elastic if a.is_elastic() and len(_elastic_amounts(a, max_single)) > 1 else fixed).append(
+            a
+        )
+    state = op.start()
+    for a in fixed:
+        nxt = op.take(state, a.min_units)
+        assert nxt is not None  # the candidate prefix fit at minimum
+        state = nxt
+    choices = [{u: dur(a, u) for u in _elastic_amounts(a, max_single)} for a in elastic]
+    table = DPTable(choices, op, start=state)
+    n = len(elastic)
+    while n > 0 and not table.feasible(n):  # chunk order effects: drop trailing candidates
+        rest.append(elastic.pop())
+        n -= 1
+    if n < len(elastic):
+        elastic = elastic[:n]
+    rest.sort(key=lambda a: a.seq)
+    running = [(max(f - now, 0.0), u) for f, u in snap.running.get(pool.pool_id, ())]
+    fixed_heap = [(dur(a, a.min_units), a.min_units) for a in fixed]
+    fixed_total = sum(d for d, _ in fixed_heap)
+    base_heap = running + fixed_heap
+
+    def objective(t: int) -> tuple[float, list[int]]:
+        arr = table.row(t)
+        heap = list(base_heap)
+        s = state
+        for a, amount in zip(elastic[:t], arr.amounts, strict=True):
+            nxt = op.take(s, amount)
+            assert nxt is not None
+            s = nxt
+            heap.append((dur(a, amount), amount))
+        heapq.heapify(heap)
+        waiting = list(heapq.merge(elastic[t:], rest, key=lambda a: a.seq))[: cfg.replay_limit]
+        total = fixed_total + arr.total + _replay(op, waiting, 0, s, heap, 0.0, cfg.depth, dur, cfg)
+        return total, arr.amounts
+
+    best_t = n
+    best, best_amounts = objective(n) if n else (fixed_total, [])
+    if n == 0:
+        waiting = rest[: cfg.replay_limit]
+        heap = list(base_heap)
+        heapq.heapify(heap)
+        best += _replay(op, waiting, 0, state, heap, 0.0, cfg.depth, dur, cfg)
+    t = n - 1
+    while t >= 1:
+        value, amounts = objective(t)
+        if value >= best:
+            break
+        best_t, best, best_amounts = t, value, amounts
+        t -= 1
+    placed: list[tuple[Action, int]] = []
+    chosen = dict(zip((a.id for a in elastic[:best_t]), best_amounts, strict=True))
+    for a in cands:
+        if a.id in chosen:
+            placed.append((a, chosen[a.id]))
+        elif not (a.is_elastic() and len(_elastic_amounts(a, max_single)) > 1):
+            placed.append((a, a.min_units))
+    durs = [dur(a, amount) for a, amount in placed]
+    return _PoolResult(placed, durs, best, len(elastic) - best_t)
+
+
+def _candidates(
+    op: Operator[Any], queue: Sequence[Action], now: float, cfg: SchedConfig
+) -> tuple[list[Action], list[Action]]:
+    """FCFS prefix whose minimums fit jointly (or backfill up to the starvation bound)."""
+    state = op.start()
+    free = op.units(state)
+    cands: list[Action] = []
+    rest: list[Action] = []
+    blocked = False
+    for i, a in enumerate(queue):
+        if blocked or free == 0:
+            rest.extend(queue[i:])
+            break
+        nxt = op.take(state, a.min_units)
+        if nxt is None:
+            rest.append(a)
+            if cfg.order == "fcfs" or now - a.submitted_at >= cfg.starvation_s:
+                blocked = True
+            continue
+        state = nxt
+        free = op.units(state)
+        cands.append(a)
+    return cands, rest
+
+
+def _spread(values: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """At most k values spread over a sorted tuple, always keeping both ends."""
+    if len(values) <= k:
+        return values
+    step = (len(values) - 1) / (k - 1)
+    return tuple(sorted({values[round(i * step)] for i in range(k)}))
+
+
+def _replay(
+    op: Operator[Any],
+    waiting: Sequence[Action],
+    i: int,
+    state: Any,
+    heap: list[tuple[float, int]],
+    clock: float,
+    depth: int,
+    dur: _Durations,
+    cfg: SchedConfig,
+) -> float:
+    """Estimated sum of ACTs (relative to now) of waiting[i:] replayed FCFS (Alg. 2)."""
+    total = 0.0
+    n = len(waiting)
+    take, give = op.take, op.give
+    while i < n:
+        w = waiting[i]
+        need = w.min_units
+        nxt = take(state, need)
+        while nxt is None:
+            if not heap:
+                return total + _NEVER * (n - i)  # cannot start in the replay at all
+            finish, units = heapq.heappop(heap)
+            if finish > clock:
+                clock = finish
+            state = give(state, units)
+            nxt = take(state, need)
+        if depth > 1 and w.is_elastic():
+            options = [
+                u for u in _spread(w.allowed_units(), cfg.max_branch) if take(state, u) is not None
+            ]
+            if len(options) > 1:
+                best = float("inf")
+                for u in options:
+                    s_u = take(state, u)
+                    d = dur(w, u)
+                    h = list(heap)
+                    heapq.heappush(h, (clock + d, u))
+                    sub = (
+                        clock + d + _replay(op, waiting, i + 1, s_u, h, clock, depth - 1, dur, cfg)
+                    )
+                    if sub < best:
+                        best = sub
+                return total + best
+        d = dur(w, need)
+        total += clock + d
+        heapq.heappush(heap, (clock + d, need))
+        state = nxt
+        i += 1
+    return total

@@ -1,0 +1,251 @@
+"""The execution-backend interface of the node daemon, and what every backend shares.
+
+A backend owns *environments* (a container, or a per-environment directory) and runs
+*execs* in them, each pinned to exactly the cores the scheduler allocated for that one
+action (design §5.2, allocate-on-execution). Backends never raise for a failed command:
+every exec ends with one `ExecResult` whose `outcome` says what happened —
+
+- ``ok``: exit status 0;
+- ``failed``: the command ran and exited non-zero (or could not be found: 127);
+- ``timeout``: the deadline passed; the whole process group was killed and the partial
+  output is returned;
+- ``infra_error``: the environment or the engine failed (container gone, dockerd down,
+  daemon shutting down). The command's own behaviour never produces this outcome.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+Outcome = Literal["ok", "failed", "timeout", "infra_error"]
+
+DEFAULT_MAX_OUTPUT = 1 << 20  # bytes kept per stream
+TRUNCATION_MARKER = "\n[tangram: output truncated, {dropped} bytes dropped]\n"
+SIGTERM_GRACE_S = 0.5  # between SIGTERM and SIGKILL of a timed-out process group
+SHUTDOWN_DETAIL = "daemon shutting down"
+
+_ENV_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class EnvError(RuntimeError):
+    """An environment could not be created (bad image, engine down, bad id)."""
+
+
+def check_env_id(env_id: str) -> str:
+    """Return `env_id` if it is safe as a path component and container-name part."""
+    if not _ENV_ID_RE.match(env_id):
+        raise EnvError(f"invalid environment id {env_id!r}: want [A-Za-z0-9][A-Za-z0-9_.-]*")
+    return env_id
+
+
+@dataclass(frozen=True, slots=True)
+class ExecRequest:
+    """One action's command, with the cores allocated to it for this exec only."""
+
+    env_id: str
+    cmd: list[str] | str  # a str runs through /bin/sh -c
+    cores: tuple[int, ...]  # host core ids
+    timeout_s: float | None = None
+    elastic: bool = True  # False: the action opted out of the pytest -n rewrite
+    env_vars: dict[str, str] = field(default_factory=dict)
+    max_output: int = DEFAULT_MAX_OUTPUT  # bytes kept per stream
+    action_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.cores:
+            raise ValueError("an exec needs at least one core")
+        if len(set(self.cores)) != len(self.cores) or min(self.cores) < 0:
+            raise ValueError(f"bad core list {self.cores!r}")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        if self.max_output < 0:
+            raise ValueError("max_output must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    """How one exec ended. `exec_s` is the command's own run time (spawn to exit)."""
+
+    outcome: Outcome
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    exec_s: float
+    truncated: bool
+    detail: str = ""
+
+
+def infra_error(detail: str, *, stdout: str = "", stderr: str = "", exec_s: float = 0.0):
+    """An `ExecResult` for a failure of the environment or engine, not of the command."""
+    return ExecResult("infra_error", None, stdout, stderr, exec_s, False, detail)
+
+
+def outcome_for(exit_code: int, timed_out: bool) -> Outcome:
+    """Map a finished command to its outcome."""
+    if timed_out:
+        return "timeout"
+    return "ok" if exit_code == 0 else "failed"
+
+
+def exit_code_from_returncode(returncode: int) -> int:
+    """Signal deaths as the shell reports them (128+N), so every backend agrees."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the node daemon needs from an execution backend."""
+
+    name: str
+
+    async def create_env(self, env_id: str, image: str | None, mem_bytes: int | None) -> None:
+        """Create an environment; raises `EnvError` if it cannot."""
+        ...
+
+    async def exec(self, req: ExecRequest) -> ExecResult:
+        """Run one command pinned to `req.cores`; never raises for the command's failure."""
+        ...
+
+    async def close_env(self, env_id: str) -> None:
+        """Remove an environment and everything in it; unknown ids are ignored."""
+        ...
+
+    async def reconcile(self) -> list[str]:
+        """Adopt or remove what a previous run left behind; returns what was done."""
+        ...
+
+    async def shutdown(self) -> None:
+        """End in-flight execs with `infra_error` ("daemon shutting down"), remove our envs."""
+        ...
+
+    def env_exists(self, env_id: str) -> bool:
+        """Whether the environment is known and, as far as the backend last saw, alive."""
+        ...
+
+
+# --- output capping -------------------------------------------------------------------
+
+
+class OutputBuffer:
+    """Keeps the first `limit` bytes of a stream and counts the rest."""
+
+    __slots__ = ("_chunks", "_kept", "dropped", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._chunks: list[bytes] = []
+        self._kept = 0
+        self.dropped = 0
+
+    def feed(self, data: bytes) -> None:
+        room = self.limit - self._kept
+        if room > 0:
+            keep = data[:room]
+            self._chunks.append(keep)
+            self._kept += len(keep)
+            self.dropped += len(data) - len(keep)
+        else:
+            self.dropped += len(data)
+
+    @property
+    def truncated(self) -> bool:
+        return self.dropped > 0
+
+    def text(self) -> str:
+        out = b"".join(self._chunks).decode("utf-8", errors="replace")
+        if self.dropped:
+            out += TRUNCATION_MARKER.format(dropped=self.dropped)
+        return out
+
+
+def cap_output(data: bytes, limit: int) -> tuple[str, bool]:
+    """Decode `data` keeping its first `limit` bytes; returns (text, truncated)."""
+    buf = OutputBuffer(limit)
+    buf.feed(data)
+    return buf.text(), buf.truncated
+
+
+# --- elastic DoP: pytest -n rewrite ---------------------------------------------------
+
+_PYTHON_RE = re.compile(r"^python(?:3(?:\.\d+)?)?$")
+_SHELL_PREFIX_RE = re.compile(
+    r"""^(?P<head>\s*(?:cd\s+(?:"[^"]*"|'[^']*'|\S+)\s*&&\s*)?
+         (?:\S*/)?(?:pytest|py\.test|python(?:3(?:\.\d+)?)?\s+-m\s+pytest))
+        (?=\s|$|[;&|<>])""",
+    re.VERBOSE,
+)
+_SHELL_OPERATOR_RE = re.compile(r"[;&|<>()`\n]")
+_SHELL_NUMPROC_RE = re.compile(
+    r"[ \t]+(?:-n[ \t]*|--numprocesses(?:=|[ \t]+))(?:\d+|auto|logical)(?=\s|$)"
+)
+_NUMPROC_VALUE_RE = re.compile(r"^(?:\d+|auto|logical)$")
+
+
+def _pytest_arg_start(argv: list[str]) -> int | None:
+    """Index of the first pytest argument in `argv`, or None if it does not run pytest."""
+    if not argv:
+        return None
+    prog = argv[0].rsplit("/", 1)[-1]
+    if prog in ("pytest", "py.test"):
+        return 1
+    if _PYTHON_RE.match(prog) and argv[1:3] == ["-m", "pytest"]:
+        return 3
+    return None
+
+
+def _strip_numprocesses(args: list[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for i, arg in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if arg in ("-n", "--numprocesses") and i + 1 < len(args):
+            skip = True
+            continue
+        if arg.startswith("--numprocesses=") or (
+            arg.startswith("-n") and _NUMPROC_VALUE_RE.match(arg[2:])
+        ):
+            continue
+        out.append(arg)
+    return out
+
+
+def rewrite_pytest(cmd: list[str] | str, cores: int, elastic: bool) -> list[str] | str:
+    """Make a pytest command use all `cores` through pytest-xdist (design §5.2).
+
+    Applies to ``pytest``, ``py.test``, ``python -m pytest`` and ``python3 -m pytest``
+    (argv lists, or shell strings starting with them, optionally after ``cd DIR &&``) when
+    more than one core is allocated and the action did not opt out. Any ``-n N``/``-nN``/
+    ``--numprocesses`` already present is replaced. Anything else is returned unchanged.
+    """
+    if cores <= 1 or not elastic:
+        return cmd
+    if isinstance(cmd, list):
+        start = _pytest_arg_start(cmd)
+        if start is None:
+            return cmd
+        return [*cmd[:start], "-n", str(cores), *_strip_numprocesses(cmd[start:])]
+    m = _SHELL_PREFIX_RE.match(cmd)
+    if m is None:
+        return cmd
+    head, rest = m.group("head"), cmd[m.end("head") :]
+    op = _SHELL_OPERATOR_RE.search(rest)
+    args, tail = (rest[: op.start()], rest[op.start() :]) if op else (rest, "")
+    kept = args.rstrip(" \t")
+    spacing = args[len(kept) :]
+    return f"{head} -n {cores}{_SHELL_NUMPROC_RE.sub('', kept)}{spacing}{tail}"
+
+
+def shell_argv(cmd: list[str] | str) -> list[str]:
+    """The argv to spawn for `cmd`: lists as they are, strings through /bin/sh -c."""
+    return ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+
+
+def describe_cmd(cmd: list[str] | str) -> str:
+    """A short human-readable rendering of a command for logs and errors."""
+    text = cmd if isinstance(cmd, str) else shlex.join(cmd)
+    return text if len(text) <= 200 else text[:197] + "..."

@@ -1,0 +1,536 @@
+"""The Docker backend: environments are long-lived containers (design §5.2).
+
+- An environment is a container started from its image with ``network_mode="none"``, a
+  memory limit reserved for its whole life, our owner label, and docker-init as PID 1. Its
+  main process is the exec agent (``agent.py``, stdlib only) when the image has python3,
+  else ``sleep infinity``. The agent listens on a Unix socket in a host directory
+  bind-mounted at ``/run/tangram-agent``: the only way in, since there is no network.
+- Cores are not reserved between execs. Before each exec the container is pinned to the
+  exact allocated cores (``update(cpuset_cpus=..., cpu_quota=100000*n)``); the cgroup change
+  rewrites the affinity of everything inside, and the agent pins the child as well. After
+  the exec the pinning is left as it is: the scheduler's bookkeeping returns the cores.
+- Exec goes through the agent (fast path) or, when the image has no python3 or the agent
+  cannot be reached, through ``docker exec``. Every exec's processes carry a
+  ``TANGRAM_EXEC_ID`` marker in their environment; on timeout everything carrying it is
+  killed (SIGTERM, then SIGKILL 0.5 s later), so nothing strays, and the partial output is
+  returned.
+- A container that died or was removed behind our back gives ``infra_error`` and the
+  environment is forgotten (`env_exists` false) so the daemon makes a fresh one. An
+  unreachable dockerd gives ``infra_error`` fast (short client timeouts) and the backend
+  works again when it returns.
+- One tangramd owns the containers carrying its label key on a dockerd: `reconcile()`
+  adopts running ones labelled with our own owner id and removes all others.
+
+All SDK calls run in a dedicated thread pool; the agent is spoken to with asyncio directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+import requests.exceptions
+
+from tangramd.backends import agent as agent_mod
+from tangramd.backends.base import (
+    SHUTDOWN_DETAIL,
+    SIGTERM_GRACE_S,
+    EnvError,
+    ExecRequest,
+    ExecResult,
+    OutputBuffer,
+    check_env_id,
+    infra_error,
+    outcome_for,
+    rewrite_pytest,
+)
+
+DEFAULT_IMAGE = "tangram-test:bookworm"
+DEFAULT_LABEL = "org.arl-tangram.owner"
+ENV_LABEL = "org.arl-tangram.env"
+INSTANCE_LABEL = "org.arl-tangram.instance"
+AGENT_MOUNT = "/run/tangram-agent"
+AGENT_SOCK = "agent.sock"
+NO_AGENT_MARK = "no-agent"
+WORKDIR = "/work"
+CPU_PERIOD_US = 100_000
+REPLY_MARGIN_S = 10.0  # how much longer than the exec timeout we wait for the agent
+
+_ENGINE_ERRORS = (requests.exceptions.RequestException, ConnectionError, OSError)
+
+_MAIN_SCRIPT = f"""\
+if [ "$TANGRAM_AGENT" = 1 ] && command -v python3 >/dev/null 2>&1; then
+  exec python3 {AGENT_MOUNT}/agent.py {AGENT_MOUNT}/{AGENT_SOCK}
+fi
+touch {AGENT_MOUNT}/{NO_AGENT_MARK}
+exec sleep infinity 2>/dev/null || while :; do sleep 86400; done
+"""
+
+# Kill every process whose environment carries the marker, a few rounds to catch forks.
+_KILL_SCRIPT = """\
+for round in 1 2 3; do
+  for d in /proc/[0-9]*; do
+    if tr '\\0' '\\n' < "$d/environ" 2>/dev/null | grep -qx "$2"; then
+      kill -"$1" "${d#/proc/}" 2>/dev/null
+    fi
+  done
+done
+"""
+
+
+@dataclass(slots=True, eq=False)
+class _Env:
+    env_id: str
+    container_id: str
+    agent_dir: Path
+    use_agent: bool
+    alive: bool = True
+
+
+class DockerBackend:
+    """Containers as environments, the in-container agent as the exec fast path."""
+
+    name = "docker"
+
+    def __init__(
+        self,
+        client: docker.DockerClient | None = None,
+        default_image: str = DEFAULT_IMAGE,
+        label: str = DEFAULT_LABEL,
+        owner_id: str | None = None,
+        *,
+        state_dir: str | os.PathLike[str] | None = None,
+        use_agent: bool = True,
+        api_timeout_s: float = 10.0,
+        agent_start_timeout_s: float = 20.0,
+    ) -> None:
+        self._client = client
+        self.default_image = default_image
+        self.label = label
+        self.owner_id = owner_id or f"tangramd-{uuid.uuid4().hex[:12]}"
+        self.instance_id = uuid.uuid4().hex[:12]
+        self.state_dir = Path(state_dir or Path(tempfile.gettempdir()) / "tangramd-docker")
+        self.agents_dir = self.state_dir / "agents"
+        self.agents_dir.mkdir(parents=True, exist_ok=True)
+        self.use_agent = use_agent
+        self.api_timeout_s = api_timeout_s
+        self.agent_start_timeout_s = agent_start_timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="tangram-docker")
+        self._envs: dict[str, _Env] = {}
+        self._inflight: set[asyncio.Future[Any]] = set()
+        self._closing = False
+        self._first_core = min(os.sched_getaffinity(0))
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    @property
+    def client(self) -> docker.DockerClient:
+        if self._client is None:
+            self._client = docker.from_env(timeout=int(self.api_timeout_s), max_pool_size=32)
+        return self._client
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def _container_name(self, env_id: str) -> str:
+        return f"tangram-{self.owner_id}-{env_id}"[:200]
+
+    def _agent_dir(self, env_id: str) -> Path:
+        # Short on purpose: a Unix socket path must stay under 108 bytes.
+        return self.agents_dir / uuid.uuid5(uuid.NAMESPACE_URL, f"{self.owner_id}/{env_id}").hex
+
+    def env_exists(self, env_id: str) -> bool:
+        env = self._envs.get(env_id)
+        return env is not None and env.alive
+
+    def uses_agent(self, env_id: str) -> bool:
+        """Whether execs in this environment go through the agent (else docker exec)."""
+        return self._envs[env_id].use_agent
+
+    # --- environments ---------------------------------------------------------------------
+
+    async def create_env(self, env_id: str, image: str | None, mem_bytes: int | None) -> None:
+        check_env_id(env_id)
+        if self._closing:
+            raise EnvError(SHUTDOWN_DETAIL)
+        if self.env_exists(env_id):
+            raise EnvError(f"environment {env_id} exists")
+        stale = self._envs.pop(env_id, None)
+        if stale is not None:
+            await self._remove_container(stale.container_id)
+        agent_dir = self._agent_dir(env_id)
+        shutil.rmtree(agent_dir, ignore_errors=True)
+        agent_dir.mkdir(parents=True)
+        shutil.copyfile(agent_mod.__file__, agent_dir / "agent.py")
+        kwargs: dict[str, Any] = {
+            "command": ["/bin/sh", "-c", _MAIN_SCRIPT],
+            "name": self._container_name(env_id),
+            "detach": True,
+            "init": True,
+            "network_mode": "none",
+            "labels": {self.label: self.owner_id, ENV_LABEL: env_id,
+                       INSTANCE_LABEL: self.instance_id},
+            "environment": {"TANGRAM_AGENT": "1" if self.use_agent else "0"},
+            "working_dir": WORKDIR,
+            "volumes": {str(agent_dir): {"bind": AGENT_MOUNT, "mode": "rw"}},
+            # Parked on one core between execs; each exec re-pins. One core's quota rather
+            # than less, so the agent's own start-up is not throttled.
+            "cpuset_cpus": str(self._first_core),
+            "cpu_period": CPU_PERIOD_US,
+            "cpu_quota": CPU_PERIOD_US,
+        }
+        if mem_bytes is not None:
+            kwargs.update(mem_limit=mem_bytes, memswap_limit=mem_bytes)
+        try:
+            container = await self._call(
+                self.client.containers.run, image or self.default_image, **kwargs
+            )
+        except docker.errors.ImageNotFound as e:
+            raise EnvError(f"image not found: {image or self.default_image}") from e
+        except docker.errors.APIError as e:
+            if e.status_code == 409:  # a leftover with our name: remove and retry once
+                await self._remove_container(self._container_name(env_id))
+                container = await self._call(
+                    self.client.containers.run, image or self.default_image, **kwargs
+                )
+            else:
+                raise EnvError(f"cannot create container: {e.explanation or e}") from e
+        except _ENGINE_ERRORS as e:
+            raise EnvError(f"docker engine unreachable: {e}") from e
+        env = _Env(env_id, container.id, agent_dir, use_agent=False)
+        try:
+            env.use_agent = await self._wait_for_main(env)
+        except BaseException:
+            await self._remove_container(container.id)
+            shutil.rmtree(agent_dir, ignore_errors=True)
+            raise
+        self._envs[env_id] = env
+
+    async def _wait_for_main(self, env: _Env) -> bool:
+        """Wait until the agent answers (True) or the container said it has none (False)."""
+        sock = env.agent_dir / AGENT_SOCK
+        deadline = time.monotonic() + self.agent_start_timeout_s
+        next_check = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            if sock.exists():
+                try:
+                    reply = await _agent_call(sock, {"op": "ping"}, timeout_s=5)
+                except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+                    reply = None
+                if reply and reply.get("ok"):
+                    return True
+            if (env.agent_dir / NO_AGENT_MARK).exists():
+                return False
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + 0.5
+                if await self._container_state(env.container_id) != "running":
+                    raise EnvError("container exited during start-up")
+            await asyncio.sleep(0.01)
+        raise EnvError(f"agent did not start within {self.agent_start_timeout_s} s")
+
+    async def close_env(self, env_id: str) -> None:
+        env = self._envs.pop(env_id, None)
+        if env is None:
+            return
+        env.alive = False
+        await self._remove_container(env.container_id)
+        shutil.rmtree(env.agent_dir, ignore_errors=True)
+
+    async def _remove_container(self, ref: str) -> None:
+        def remove() -> None:
+            with contextlib.suppress(docker.errors.NotFound):
+                self.client.api.remove_container(ref, force=True, v=True)
+
+        with contextlib.suppress(docker.errors.APIError, *_ENGINE_ERRORS):
+            await self._call(remove)
+
+    async def _container_state(self, container_id: str) -> str:
+        """'running', 'exited', ..., 'gone' if removed, 'unknown' if the engine is down."""
+        try:
+            info = await self._call(self.client.api.inspect_container, container_id)
+        except docker.errors.NotFound:
+            return "gone"
+        except (docker.errors.APIError, *_ENGINE_ERRORS):
+            return "unknown"
+        return str(info["State"]["Status"])
+
+    async def reconcile(self) -> list[str]:
+        """Adopt our own running leftovers; remove every other container with our label."""
+        done: list[str] = []
+        try:
+            leftovers = await self._call(
+                self.client.api.containers, all=True, filters={"label": self.label}
+            )
+        except (docker.errors.APIError, *_ENGINE_ERRORS) as e:
+            return [f"cannot list containers: {e}"]
+        for info in leftovers:
+            labels, cid = info.get("Labels") or {}, info["Id"]
+            env_id = labels.get(ENV_LABEL, "")
+            if env_id in self._envs and self._envs[env_id].container_id == cid:
+                continue
+            if (
+                labels.get(self.label) == self.owner_id
+                and info.get("State") == "running"
+                and env_id
+                and env_id not in self._envs
+            ):
+                env = _Env(env_id, cid, self._agent_dir(env_id), use_agent=False)
+                sock = env.agent_dir / AGENT_SOCK
+                with contextlib.suppress(Exception):
+                    reply = await _agent_call(sock, {"op": "ping"}, timeout_s=2)
+                    env.use_agent = bool(reply.get("ok"))
+                self._envs[env_id] = env
+                done.append(f"adopted {env_id} ({cid[:12]})")
+                continue
+            await self._remove_container(cid)
+            done.append(f"removed {env_id or '?'} ({cid[:12]})")
+        known = {env.agent_dir for env in self._envs.values()}
+        for path in self.agents_dir.iterdir():
+            if path not in known:
+                shutil.rmtree(path, ignore_errors=True)
+        return done
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        envs = list(self._envs)
+        await asyncio.gather(*(self.close_env(e) for e in envs), return_exceptions=True)
+        if self._inflight:
+            await asyncio.wait(list(self._inflight), timeout=10)
+
+    # --- execs ------------------------------------------------------------------------------
+
+    async def exec(self, req: ExecRequest) -> ExecResult:
+        if self._closing:
+            return infra_error(SHUTDOWN_DETAIL)
+        env = self._envs.get(req.env_id)
+        if env is None or not env.alive:
+            return infra_error(f"no such environment {req.env_id}")
+        task = asyncio.ensure_future(self._exec(env, req))
+        self._inflight.add(task)
+        try:
+            result = await asyncio.shield(task)
+        finally:
+            self._inflight.discard(task)
+        if self._closing and result.outcome != "ok":
+            return infra_error(SHUTDOWN_DETAIL, stdout=result.stdout, stderr=result.stderr)
+        return result
+
+    async def _exec(self, env: _Env, req: ExecRequest) -> ExecResult:
+        cores = ",".join(map(str, req.cores))
+        try:
+            await self._call(
+                self.client.api.update_container,
+                env.container_id,
+                cpuset_cpus=cores,
+                cpu_period=CPU_PERIOD_US,
+                cpu_quota=CPU_PERIOD_US * len(req.cores),
+            )
+        except docker.errors.NotFound:
+            return await self._lost(env, "container removed behind our back")
+        except docker.errors.APIError as e:
+            return await self._failed(env, f"cannot pin cores: {e.explanation or e}")
+        except _ENGINE_ERRORS as e:
+            return infra_error(f"docker engine unreachable: {e}")
+        cmd = rewrite_pytest(req.cmd, len(req.cores), req.elastic)
+        env_vars = {**req.env_vars, "TANGRAM_CPUS": str(len(req.cores)), "TANGRAM_CORES": cores}
+        if env.use_agent:
+            result = await self._exec_agent(env, req, cmd, env_vars)
+            if result is not None:
+                return result
+            env.use_agent = False  # the agent refused the connection: fall back for good
+        return await self._exec_docker(env, req, cmd, env_vars)
+
+    async def _exec_agent(
+        self, env: _Env, req: ExecRequest, cmd: list[str] | str, env_vars: dict[str, str]
+    ) -> ExecResult | None:
+        """Run through the agent; None if it could not be reached (nothing was started)."""
+        frame = {
+            "op": "exec",
+            "cmd": cmd,
+            "env": env_vars,
+            "cores": list(req.cores),
+            "timeout_s": req.timeout_s,
+            "max_output": req.max_output,
+            "exec_id": f"{req.action_id or 'exec'}-{uuid.uuid4().hex[:8]}",
+        }
+        wait = None if req.timeout_s is None else req.timeout_s + REPLY_MARGIN_S
+        sock = env.agent_dir / AGENT_SOCK
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(sock))
+        except OSError:
+            state = await self._container_state(env.container_id)
+            if state not in ("running", "unknown"):
+                return await self._lost(env, f"container is {state}")
+            return None
+        try:
+            reply = await _exchange(reader, writer, frame, wait)
+        except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+            state = await self._container_state(env.container_id)
+            if state not in ("running", "unknown"):
+                return await self._lost(env, f"container is {state}")
+            return infra_error(f"agent connection failed: {type(e).__name__}: {e}")
+        if not reply.get("ok"):
+            return infra_error(f"agent error: {reply.get('error')}")
+        code = int(reply["exit_code"])
+        return ExecResult(
+            outcome_for(code, bool(reply["timed_out"])),
+            code,
+            reply["stdout"],
+            reply["stderr"],
+            float(reply["exec_s"]),
+            bool(reply["truncated"]),
+            f"killed after {req.timeout_s} s" if reply["timed_out"] else "",
+        )
+
+    async def _exec_docker(
+        self, env: _Env, req: ExecRequest, cmd: list[str] | str, env_vars: dict[str, str]
+    ) -> ExecResult:
+        """Run through `docker exec`; the marker lets a second exec kill strays on timeout."""
+        marker = f"{agent_mod.MARKER_VAR}={req.action_id or 'exec'}-{uuid.uuid4().hex[:8]}"
+        # Through sh so that a missing program is exit 127 as in the other paths.
+        argv = (
+            ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else ["/bin/sh", "-c", 'exec "$@"', "sh", *cmd]
+        )
+        api = self.client.api
+        try:
+            exec_id = (
+                await self._call(
+                    api.exec_create,
+                    env.container_id,
+                    argv,
+                    environment=[f"{k}={v}" for k, v in env_vars.items()] + [marker],
+                    workdir=WORKDIR,
+                )
+            )["Id"]
+        except docker.errors.NotFound:
+            return await self._lost(env, "container removed behind our back")
+        except docker.errors.APIError as e:
+            return await self._failed(env, f"docker exec failed: {e.explanation or e}")
+        except _ENGINE_ERRORS as e:
+            return infra_error(f"docker engine unreachable: {e}")
+        out, err = OutputBuffer(req.max_output), OutputBuffer(req.max_output)
+
+        def pump() -> None:
+            stream = api.exec_start(exec_id, stream=True, demux=True)
+            try:
+                for chunk_out, chunk_err in stream:
+                    if chunk_out:
+                        out.feed(chunk_out)
+                    if chunk_err:
+                        err.feed(chunk_err)
+            finally:
+                stream.close()
+
+        started = time.monotonic()
+        pumping = asyncio.ensure_future(self._call(pump))
+        timed_out = False
+        try:
+            await asyncio.wait_for(asyncio.shield(pumping), req.timeout_s)
+        except asyncio.TimeoutError:
+            timed_out = True
+            await self._kill_marked(env, "TERM", marker)
+            try:
+                await asyncio.wait_for(asyncio.shield(pumping), SIGTERM_GRACE_S)
+            except asyncio.TimeoutError:
+                await self._kill_marked(env, "KILL", marker)
+        except _ENGINE_ERRORS + (docker.errors.APIError,) as e:
+            return infra_error(f"docker exec stream failed: {e}", stdout=out.text())
+        exec_s = time.monotonic() - started
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(pumping, 5)
+            info = await self._call(api.exec_inspect, exec_id)
+        except (docker.errors.APIError, *_ENGINE_ERRORS) as e:
+            return infra_error(f"docker exec inspect failed: {e}", stdout=out.text())
+        code = info.get("ExitCode")
+        if code is None or info.get("Running"):
+            state = await self._container_state(env.container_id)
+            if state != "running":
+                return await self._lost(env, f"container is {state}")
+            return infra_error("docker exec did not finish", stdout=out.text())
+        if code in (137, 143) and not timed_out:
+            state = await self._container_state(env.container_id)
+            if state != "running":
+                return await self._lost(env, f"container is {state}")
+        return ExecResult(
+            outcome_for(code, timed_out),
+            code,
+            out.text(),
+            err.text(),
+            exec_s,
+            out.truncated or err.truncated,
+            f"killed after {req.timeout_s} s" if timed_out else "",
+        )
+
+    async def _kill_marked(self, env: _Env, sig: str, marker: str) -> None:
+        with contextlib.suppress(docker.errors.APIError, *_ENGINE_ERRORS):
+            await self._call(
+                env_container(self.client, env).exec_run,
+                ["/bin/sh", "-c", _KILL_SCRIPT, "sh", sig, marker],
+            )
+
+    async def _failed(self, env: _Env, why: str) -> ExecResult:
+        """An engine call failed: forget the environment only if its container is gone."""
+        state = await self._container_state(env.container_id)
+        if state in ("running", "unknown"):
+            return infra_error(why)
+        return await self._lost(env, f"{why} (container is {state})")
+
+    async def _lost(self, env: _Env, why: str) -> ExecResult:
+        """The container died or vanished: forget it so the daemon makes a fresh one."""
+        if self._closing:
+            return infra_error(SHUTDOWN_DETAIL)
+        env.alive = False
+        if self._envs.get(env.env_id) is env:
+            del self._envs[env.env_id]
+        await self._remove_container(env.container_id)
+        shutil.rmtree(env.agent_dir, ignore_errors=True)
+        return infra_error(why)
+
+
+def env_container(client: docker.DockerClient, env: _Env) -> Any:
+    """A Container handle without an inspect round trip."""
+    return client.containers.prepare_model({"Id": env.container_id})
+
+
+async def _agent_call(sock: Path, frame: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
+    reader, writer = await asyncio.open_unix_connection(str(sock))
+    return await _exchange(reader, writer, frame, timeout_s)
+
+
+async def _exchange(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    frame: dict[str, Any],
+    timeout_s: float | None,
+) -> dict[str, Any]:
+    try:
+        writer.write(agent_mod.encode_frame(frame))
+        await writer.drain()
+
+        async def read() -> dict[str, Any]:
+            size = agent_mod.decode_header(await reader.readexactly(4))
+            reply = json.loads(await reader.readexactly(size))
+            if not isinstance(reply, dict):
+                raise EOFError("malformed agent reply")
+            return reply
+
+        return await asyncio.wait_for(read(), timeout_s)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()

@@ -1,0 +1,113 @@
+"""Process life cycle of the daemons: systemd readiness and stop signals.
+
+- :func:`sd_notify` speaks systemd's notify protocol with the standard library only (one
+  datagram to ``$NOTIFY_SOCKET``, abstract ``@`` names included), so ``Type=notify`` units
+  work without libsystemd; without ``$NOTIFY_SOCKET`` (a terminal, a test) it does nothing.
+- :func:`install_stop_handlers` turns SIGTERM/SIGINT into an :class:`asyncio.Event` that the
+  daemon's main coroutine awaits, so shutdown runs as ordinary code on the loop (ending
+  in-flight actions with a typed outcome, removing the socket) instead of inside a signal
+  handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from collections.abc import Callable, Iterable
+from typing import Final
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+NOTIFY_ENV: Final = "NOTIFY_SOCKET"
+STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
+
+
+def _notify_address(value: str) -> str | bytes:
+    """``@name`` is an abstract socket (a leading NUL byte on the wire)."""
+    if value.startswith("@"):
+        return b"\0" + value[1:].encode()
+    return value
+
+
+def sd_notify(message: str, *, env: dict[str, str] | None = None) -> bool:
+    """Send ``message`` (e.g. ``"READY=1"``, ``"STOPPING=1"``, ``"STATUS=..."``) to systemd.
+
+    Returns True if it was sent, False when there is no ``$NOTIFY_SOCKET`` or sending
+    failed: readiness reporting must never take the daemon down.
+    """
+    target = (env if env is not None else os.environ).get(NOTIFY_ENV)
+    if not target:
+        return False
+    if not target.startswith(("/", "@")):
+        log.warning("sd_notify_bad_socket", notify_socket=target)
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(_notify_address(target))
+            sock.sendall(message.encode())
+    except OSError as exc:
+        log.warning("sd_notify_failed", notify_socket=target, error=str(exc))
+        return False
+    return True
+
+
+def notify_ready(status: str = "") -> bool:
+    """``READY=1`` (plus ``STATUS=`` if given) once the socket serves requests."""
+    return sd_notify("READY=1" + (f"\nSTATUS={status}" if status else ""))
+
+
+def notify_stopping(status: str = "") -> bool:
+    """``STOPPING=1`` when shutdown begins, so systemd shows ``deactivating``."""
+    return sd_notify("STOPPING=1" + (f"\nSTATUS={status}" if status else ""))
+
+
+def install_stop_handlers(
+    loop: asyncio.AbstractEventLoop,
+    stop: asyncio.Event,
+    signals: Iterable[signal.Signals] = STOP_SIGNALS,
+    *,
+    on_signal: Callable[[signal.Signals], object] | None = None,
+) -> Callable[[], None]:
+    """Make each of ``signals`` set ``stop`` (and call ``on_signal``); return an uninstaller.
+
+    A second stop signal while ``stop`` is already set is logged and otherwise ignored:
+    shutdown is already under way and has its own grace period (``TimeoutStopSec`` bounds
+    it from outside). Must be called from the loop's thread (asyncio's rule for
+    ``add_signal_handler``).
+    """
+    installed: list[signal.Signals] = []
+
+    def handle(signum: signal.Signals) -> None:
+        repeated = stop.is_set()
+        log.info("signal_received", signal=signum.name, shutdown_in_progress=repeated)
+        if not repeated:
+            stop.set()
+        if on_signal is not None:
+            on_signal(signum)
+
+    for signum in signals:
+        loop.add_signal_handler(signum, handle, signum)
+        installed.append(signum)
+
+    def uninstall() -> None:
+        for signum in installed:
+            with contextlib.suppress(ValueError, RuntimeError):  # loop already closed
+                loop.remove_signal_handler(signum)
+        installed.clear()
+
+    return uninstall
+
+
+__all__ = [
+    "NOTIFY_ENV",
+    "STOP_SIGNALS",
+    "install_stop_handlers",
+    "notify_ready",
+    "notify_stopping",
+    "sd_notify",
+]

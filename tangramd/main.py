@@ -1,0 +1,88 @@
+"""``tangramd``: the node daemon program (``tangramd up`` is the all-in-one mode)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import click
+import structlog
+
+from tangram.model import TangramError
+from tangramd.config import ConfigError, load_config
+from tangramd.lifecycle import install_stop_handlers, sd_notify
+from tangramd.logs import configure_logging
+
+log = structlog.get_logger("tangramd")
+
+
+@click.group()
+@click.version_option(package_name="arl-tangram")
+def cli() -> None:
+    """ARL-Tangram daemon: action-level resource manager for agentic RL."""
+
+
+@cli.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="TOML config file (see config/tangram.toml).")
+@click.option("--socket", "socket_path", default=None, help="Unix socket path for clients.")
+@click.option("--state-dir", default=None, help="Directory for environments and the registry.")
+@click.option("--cpu-backend", type=click.Choice(["process", "docker"]), default=None,
+              help="Where exec actions run (default from config: process).")
+def up(config_path: str | None, socket_path: str | None, state_dir: str | None,
+       cpu_backend: str | None) -> None:
+    """Run coordinator + node + local socket in one process until SIGTERM/SIGINT."""
+    try:
+        config = load_config(config_path, {
+            "daemon.socket": socket_path, "daemon.state_dir": state_dir,
+            "cpu.backend": cpu_backend,
+        })
+    except ConfigError as exc:
+        click.echo(f"tangramd: {exc}", err=True)
+        sys.exit(2)
+    configure_logging(config.daemon.log_format, config.daemon.log_level)
+    try:
+        asyncio.run(_serve(config))
+    except TangramError as exc:
+        click.echo(f"tangramd: {exc}", err=True)
+        sys.exit(1)
+
+
+async def _serve(config: object) -> None:
+    from tangramd.runtime import build_runtime
+
+    runtime = build_runtime(config)
+    stop = asyncio.Event()
+    uninstall = install_stop_handlers(asyncio.get_running_loop(), stop)
+    try:
+        await runtime.start()
+        sd_notify("READY=1\nSTATUS=serving")
+        await stop.wait()
+        sd_notify("STOPPING=1")
+        log.info("daemon_stopping")
+        await runtime.stop()
+    finally:
+        uninstall()
+
+
+@cli.command()
+def node() -> None:
+    """Per-host node daemon for multi-host clusters (not in this release; use `up`)."""
+    click.echo("tangramd node: multi-host mode is not available yet; run `tangramd up`", err=True)
+    sys.exit(2)
+
+
+@cli.command()
+def coordinator() -> None:
+    """Cluster coordinator for multi-host clusters (not in this release; use `up`)."""
+    click.echo("tangramd coordinator: multi-host mode is not available yet; run `tangramd up`",
+               err=True)
+    sys.exit(2)
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

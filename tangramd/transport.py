@@ -1,0 +1,416 @@
+"""Unix-socket transport of the daemon (design §6): frames in, handler calls, frames out.
+
+One :class:`asyncio.Protocol` per connection (cheaper than streams on the hot path):
+
+- every request runs in its own task, so requests pipeline and answers may leave out of
+  order; ``transport.write`` runs on the loop thread, so writes never interleave;
+- at most ``max_inflight_per_conn`` requests run per connection: past that, reading pauses;
+- a slow reader fills the transport's write buffer past ``WRITE_HIGH_WATER``: reading
+  pauses and finished handlers wait before writing, so memory stays bounded;
+- a bad frame is answered (with the request id when it could be read, else ``null``) and
+  the connection is closed;
+- a client that disconnects does not cancel its handler tasks (an exec keeps its cores
+  until it ends, a lease lives until its TTL): :class:`ConnInfo` exposes ``closed`` and
+  ``on_close`` so the daemon decides;
+- a connection with nothing in flight and no frame for ``idle_timeout_s`` is closed.
+
+The transport knows nothing about ops: the handler dispatches (and validates) them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import itertools
+import os
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from tangram.model import TangramError
+from tangram.protocol import (
+    DEFAULT_MAX_FRAME,
+    BadRequest,
+    FrameDecoder,
+    FrameError,
+    InternalError,
+    ShuttingDown,
+    encode,
+    error_response,
+    ok_response,
+    parse_request,
+)
+
+log = structlog.get_logger(__name__)
+
+SOCKET_MODE = 0o660
+DIR_MODE = 0o750
+WRITE_HIGH_WATER = 1 << 20  # bytes queued to a slow reader before we stop producing
+WRITE_LOW_WATER = 1 << 18
+READ_CHUNK = 1 << 16
+
+_PEERCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+
+
+@dataclass(eq=False)
+class ConnInfo:
+    """What a handler knows about the connection a request came on."""
+
+    id: int
+    pid: int | None = None  # peer credentials (SO_PEERCRED), None where unavailable
+    uid: int | None = None
+    gid: int | None = None
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    _callbacks: list[Callable[[ConnInfo], object]] = field(default_factory=list, repr=False)
+
+    def on_close(self, callback: Callable[[ConnInfo], object]) -> None:
+        """Call ``callback(conn)`` once when the connection closes (now, if it already has).
+
+        Callbacks run on the loop thread and must not block; an exception is logged.
+        """
+        if self.closed.is_set():
+            _run_callback(callback, self)
+        else:
+            self._callbacks.append(callback)
+
+    def _fire(self) -> None:
+        self.closed.set()
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            _run_callback(callback, self)
+
+
+def _run_callback(callback: Callable[[ConnInfo], object], conn: ConnInfo) -> None:
+    try:
+        callback(conn)
+    except Exception:
+        log.exception("conn_close_callback_failed", conn=conn.id)
+
+
+class Handler(Protocol):
+    """``async def handle(op, args, conn) -> result``; raise a TangramError for typed errors."""
+
+    def __call__(self, op: str, args: dict[str, Any], conn: ConnInfo) -> Awaitable[Any]: ...
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: decode, dispatch, answer."""
+
+    def __init__(self, server: UnixServer, conn_id: int) -> None:
+        self._server = server
+        self._loop = asyncio.get_running_loop()
+        self.info = ConnInfo(conn_id)
+        self._decoder = FrameDecoder(server.max_frame)
+        self._transport: asyncio.Transport | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self._read_paused = False
+        self._write_paused = False
+        self._can_write: asyncio.Event | None = None
+        self._last_activity = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        transport.set_write_buffer_limits(WRITE_HIGH_WATER, WRITE_LOW_WATER)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and hasattr(socket, "SO_PEERCRED"):
+            with contextlib.suppress(OSError):
+                raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+                self.info.pid, self.info.uid, self.info.gid = _PEERCRED.unpack(raw)
+        self._server._connections.add(self)
+        self._last_activity = self._loop.time()
+        self._arm_idle_timer(self._server.idle_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        self._last_activity = self._loop.time()
+        try:
+            self._decoder.feed(data)
+            while (msg := self._decoder.next_message()) is not None:
+                self._dispatch(msg)
+                if self._closing:
+                    return
+        except FrameError as exc:
+            log.warning("bad_frame", conn=self.info.id, error=exc.message)
+            self._abort_with(exc.request_id, exc)
+
+    def eof_received(self) -> bool:
+        # The client finished sending; keep the write side open so pending answers still
+        # reach a half-closed peer, then close once nothing is in flight.
+        if not self._tasks:
+            return False
+        self._closing = True
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        if self._can_write is not None:
+            self._can_write.set()  # wake writers so they notice the close
+        self._server._connections.discard(self)
+        self.info._fire()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        if self._can_write is None:
+            self._can_write = asyncio.Event()
+        self._can_write.clear()
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._can_write is not None:
+            self._can_write.set()
+        self._update_reading()
+
+    # -- requests
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        try:
+            request = parse_request(msg)
+        except BadRequest as exc:
+            if exc.request_id is None:
+                # No id: the client cannot match any answer, the stream is unusable.
+                self._abort_with(None, exc)
+            else:
+                self._write(error_response(exc.request_id, exc))
+            return
+        task = self._loop.create_task(self._run(request.id, request.op, request.args))
+        self._tasks.add(task)
+        if len(self._tasks) >= self._server.max_inflight_per_conn:
+            self._update_reading()
+
+    async def _run(self, request_id: int, op: str, args: dict[str, Any]) -> None:
+        try:
+            try:
+                result = await self._server.handler(op, args, self.info)
+                response = ok_response(request_id, result)
+            except asyncio.CancelledError:
+                # Only the server's own shutdown cancels handlers: tell the client why.
+                self._write(error_response(request_id, ShuttingDown("daemon is shutting down")))
+                raise
+            except TangramError as exc:
+                response = error_response(request_id, exc)
+            except Exception as exc:
+                log.exception("handler_failed", conn=self.info.id, op=op, request_id=request_id)
+                response = error_response(request_id, exc)
+            if self._write_paused and self._can_write is not None and not self._closing:
+                await self._can_write.wait()
+            self._write(response)
+        finally:
+            self._finished(asyncio.current_task())
+
+    def _finished(self, task: asyncio.Task[Any] | None) -> None:
+        self._tasks.discard(task)
+        if self._read_paused:
+            self._update_reading()
+        if self._closing and not self._tasks and self._transport is not None:
+            self._transport.close()  # a half-closed peer got all its answers
+
+    def _write(self, response: dict[str, Any]) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return  # the client left; the answer has nowhere to go
+        try:
+            frame = encode(response, max_frame=self._server.max_frame)
+        except (FrameError, TypeError, ValueError, OverflowError) as exc:
+            log.error("response_unencodable", conn=self.info.id, error=str(exc))
+            frame = encode(
+                error_response(
+                    response.get("id"), InternalError(f"response could not be encoded: {exc}")
+                )
+            )
+        transport.write(frame)
+
+    def _abort_with(self, request_id: int | None, exc: TangramError) -> None:
+        """Answer a protocol violation, then close (buffered answers are flushed first)."""
+        self._write(error_response(request_id, exc))
+        self._closing = True
+        if self._transport is not None:
+            self._transport.close()
+
+    def _update_reading(self) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        should_pause = self._write_paused or (
+            len(self._tasks) >= self._server.max_inflight_per_conn
+        )
+        if should_pause and not self._read_paused:
+            transport.pause_reading()
+            self._read_paused = True
+        elif not should_pause and self._read_paused:
+            transport.resume_reading()
+            self._read_paused = False
+
+    # -- idle timeout
+
+    def _arm_idle_timer(self, delay: float) -> None:
+        if self._server.idle_timeout_s > 0:
+            self._idle_timer = self._loop.call_later(delay, self._check_idle)
+
+    def _check_idle(self) -> None:
+        self._idle_timer = None
+        if self._closing or self._transport is None:
+            return
+        timeout = self._server.idle_timeout_s
+        idle_for = self._loop.time() - self._last_activity
+        if self._tasks:
+            self._arm_idle_timer(timeout)  # waiting on us is not idling
+        elif idle_for >= timeout:
+            log.info("conn_idle_closed", conn=self.info.id, idle_s=round(idle_for, 3))
+            self._closing = True
+            self._transport.close()
+        else:
+            self._arm_idle_timer(timeout - idle_for)
+
+    # -- shutdown
+
+    def cancel_tasks(self) -> list[asyncio.Task[None]]:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        return tasks
+
+    def close(self) -> None:
+        self._closing = True
+        if self._transport is not None:
+            self._transport.close()
+
+
+class UnixServer:
+    """Serve ``handler`` on a Unix socket at ``path`` (created with mode 0660)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        handler: Handler | Callable[[str, dict[str, Any], ConnInfo], Awaitable[Any]],
+        *,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        idle_timeout_s: float = 300.0,
+        max_inflight_per_conn: int = 1024,
+    ) -> None:
+        if max_inflight_per_conn < 1:
+            raise ValueError("max_inflight_per_conn must be at least 1")
+        self.path = os.fspath(path)
+        self.handler = handler
+        self.max_frame = max_frame
+        self.idle_timeout_s = idle_timeout_s
+        self.max_inflight_per_conn = max_inflight_per_conn
+        self._server: asyncio.base_events.Server | None = None
+        self._connections: set[_Connection] = set()
+        self._ids = itertools.count(1)
+        self._inode: tuple[int, int] | None = None
+
+    @property
+    def connections(self) -> int:
+        """Open client connections."""
+        return len(self._connections)
+
+    async def start(self) -> None:
+        """Bind, chmod 0660 and listen; a stale socket file is replaced, a live one is not."""
+        loop = asyncio.get_running_loop()
+        sock = _bind_unix(self.path)
+        try:
+            st = os.stat(self.path)
+            self._inode = (st.st_dev, st.st_ino)
+            self._server = await loop.create_unix_server(
+                lambda: _Connection(self, next(self._ids)), sock=sock, backlog=1024
+            )
+        except BaseException:
+            sock.close()
+            self._remove_socket_file()
+            raise
+        log.info("transport_listening", path=self.path)
+
+    async def close(self, *, grace_s: float = 0.0) -> None:
+        """Stop accepting, remove the socket file, finish or cancel in-flight work, close.
+
+        Handlers still running after ``grace_s`` seconds are cancelled; their clients get
+        ``shutting_down``.
+        """
+        if self._server is not None:
+            self._server.close()
+        self._remove_socket_file()
+        tasks = [task for conn in self._connections for task in conn._tasks]
+        if tasks and grace_s > 0:
+            await asyncio.wait(tasks, timeout=grace_s)
+        cancelled = [task for conn in list(self._connections) for task in conn.cancel_tasks()]
+        if cancelled:
+            await asyncio.gather(*cancelled, return_exceptions=True)
+        for conn in list(self._connections):
+            conn.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        await asyncio.sleep(0)  # let connection_lost callbacks run
+
+    async def __aenter__(self) -> UnixServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def _remove_socket_file(self) -> None:
+        """Unlink the socket file only if it is still ours (not a successor's)."""
+        if self._inode is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._inode:
+                os.unlink(self.path)
+        self._inode = None
+
+
+def _bind_unix(path: str) -> socket.socket:
+    """A bound (not yet listening) socket at ``path``, mode 0660 before anyone can connect."""
+    parent = os.path.dirname(path) or "."
+    os.makedirs(parent, mode=DIR_MODE, exist_ok=True)
+    _remove_stale_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        # Connecting needs listen(), which has not happened yet: no window with a wider mode.
+        os.chmod(path, SOCKET_MODE)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Unlink ``path`` if it is a socket nobody listens on; refuse anything else."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(errno.EEXIST, "not a socket, refusing to replace it", path)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        log.info("stale_socket_removed", path=path)
+        return
+    except OSError as exc:
+        raise FileExistsError(errno.EADDRINUSE, f"socket in use ({exc})", path) from exc
+    finally:
+        probe.close()
+    raise FileExistsError(errno.EADDRINUSE, "another daemon is listening on it", path)

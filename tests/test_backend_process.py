@@ -1,0 +1,122 @@
+"""The process backend against real processes, pinning and cgroups (it runs as root in CI)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import psutil
+import pytest
+from backend_conformance import BOTH_CORES, BackendConformance, ex, new_env, run
+
+from tangramd.backends.process import CPUSET_ROOT, ProcessBackend
+
+
+@pytest.fixture
+def backend(tmp_path):
+    b = ProcessBackend(tmp_path / "state")
+    yield b
+    run(b.shutdown())
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+class TestProcessConformance(BackendConformance):
+    """The shared backend contract, for the process backend."""
+
+
+def test_cwd_and_home_are_the_env_dir(backend):
+    """Commands run in their environment's directory, which is also HOME."""
+    env = new_env(backend)
+    result = ex(backend, env, 'pwd; echo "$HOME"')
+    assert result.stdout.split() == [str(backend.env_dir(env))] * 2
+
+
+def test_timeout_kills_process_group_with_grandchild(backend):
+    """A timeout kills the whole group, grandchildren included, and keeps partial output."""
+    env = new_env(backend)
+    result = ex(backend, env, "sleep 60 & echo $!; sleep 60", timeout_s=1.0)
+    assert result.outcome == "timeout"
+    grandchild = int(result.stdout.split()[0])
+    assert gone(grandchild)
+
+
+def test_leftover_background_process_is_killed_at_exit(backend):
+    """What a finished command left running in its group does not outlive the exec."""
+    env = new_env(backend)
+    result = ex(backend, env, "sleep 60 >/dev/null 2>&1 & echo $!")
+    assert result.outcome == "ok"
+    assert gone(int(result.stdout))
+
+
+def test_escaped_session_is_killed_through_the_cgroup(backend):
+    """A descendant that setsid()s out of the group is still swept via the exec cgroup."""
+    assert backend.cgroups is not None, "CI runs as root with cgroup v1 cpuset"
+    env = new_env(backend)
+    result = ex(backend, env, "setsid sleep 60 >/dev/null 2>&1 < /dev/null & echo $!")
+    assert result.outcome == "ok"
+    assert gone(int(result.stdout))
+
+
+def test_exec_runs_in_a_cpuset_cgroup_that_is_removed_after(backend):
+    """As root each exec gets its own cpuset cgroup with its cores, removed afterwards."""
+    assert backend.cgroups is not None, "CI runs as root with cgroup v1 cpuset"
+    env = new_env(backend)
+    result = ex(backend, env, ["cat", "/proc/self/cgroup"], (1,), action_id="act-42")
+    line = next(ln for ln in result.stdout.splitlines() if re.match(r"\d+:cpuset:", ln))
+    rel = line.split(":", 2)[2].lstrip("/")
+    assert "/tangram/act-42-" in f"/{rel}"
+    assert not (CPUSET_ROOT / rel).exists()
+
+
+def test_cgroup_has_the_allocated_cores(backend):
+    """The per-exec cgroup's cpuset.cpus is exactly the allocation."""
+    env = new_env(backend)
+    script = 'cat "/sys/fs/cgroup/cpuset$(grep cpuset /proc/self/cgroup | cut -d: -f3)/cpuset.cpus"'
+    assert ex(backend, env, script, BOTH_CORES).stdout.strip() in {"0-1", "0,1"}
+
+
+def test_reconcile_removes_leftovers_of_a_previous_run(tmp_path):
+    """Env dirs and exec cgroups left by a crashed daemon are removed on start."""
+    crashed = ProcessBackend(tmp_path)
+    run(crashed.create_env("old-env", None, None))
+    leftover_cg = crashed.cgroups.create("old-action-1", (0,)) if crashed.cgroups else None
+    fresh = ProcessBackend(tmp_path)
+    done = run(fresh.reconcile())
+    assert not (tmp_path / "envs" / "old-env").exists()
+    assert any("old-env" in line for line in done)
+    if leftover_cg is not None:
+        assert not leftover_cg.exists()
+
+
+def test_memory_limit_is_advisory(backend):
+    """The process backend accepts a memory size without enforcing it."""
+    run(backend.create_env("big", None, 1 << 40))
+    assert backend.env_exists("big")
+
+
+def test_env_ids_cannot_escape_the_root(backend):
+    """An env id that is not a plain name is refused before touching the filesystem."""
+    from tangramd.backends.base import EnvError
+
+    with pytest.raises(EnvError):
+        run(backend.create_env("../escape", None, None))
+    assert not Path(backend.root.parent / "escape").exists()
+
+
+def test_affinity_without_cgroups(tmp_path):
+    """Without cgroups the exec is still pinned by sched_setaffinity alone."""
+    before = os.sched_getaffinity(0)
+    b = ProcessBackend(tmp_path, use_cgroups=False)
+    env = new_env(b)
+    out = ex(b, env, "grep Cpus_allowed_list /proc/self/status; grep cpuset /proc/self/cgroup", (1,))
+    assert "Cpus_allowed_list:\t1\n" in out.stdout
+    assert "tangram" not in out.stdout
+    run(b.shutdown())
+    assert os.sched_getaffinity(0) == before  # the daemon itself is never pinned

@@ -1,0 +1,455 @@
+"""A real UnixServer on a temp socket, driven by raw sockets, Client and AsyncClient."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import stat
+import struct
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import msgpack
+import pytest
+
+from tangram import (
+    AsyncClient,
+    BadRequest,
+    Client,
+    ConnectionFailed,
+    ExecResult,
+    InternalError,
+    NotFound,
+    ShuttingDown,
+    UnknownOp,
+)
+from tangram.client import default_socket_path
+from tangram.protocol import FrameDecoder, encode, make_request
+from tangramd.transport import ConnInfo, UnixServer
+
+pytestmark = pytest.mark.timeout(30)
+
+EXEC_RESULT = {
+    "action_id": "a1", "outcome": "ok", "exit_code": 0, "stdout": "hi\n", "stderr": "",
+    "queue_s": 0.01, "exec_s": 0.5, "act_s": 0.51, "cores": [2, 3], "truncated": False,
+}  # fmt: skip
+
+
+class Daemon:
+    """A toy handler recording what it saw."""
+
+    def __init__(self) -> None:
+        self.finished: list[int] = []
+        self.started = asyncio.Event()
+        self.conns: list[ConnInfo] = []
+
+    async def __call__(self, op: str, args: dict[str, Any], conn: ConnInfo) -> Any:
+        self.conns.append(conn)
+        if op == "ping":
+            return {"pong": True, "version": "test"}
+        if op == "sleep":
+            self.started.set()
+            await asyncio.sleep(args["s"])
+            self.finished.append(args.get("tag", 0))
+            return {"slept": args["s"]}
+        if op == "boom":
+            raise ZeroDivisionError("division by zero")
+        if op == "env.close":
+            raise NotFound(f"environment {args['id']!r}")
+        if op == "exec":
+            return EXEC_RESULT
+        if op == "big":
+            return {"blob": b"x" * args["n"]}
+        raise UnknownOp(f"unknown op {op!r}")
+
+
+@contextlib.contextmanager
+def short_tmpdir() -> Iterator[str]:
+    """A directory short enough for AF_UNIX paths (108 bytes)."""
+    path = tempfile.mkdtemp(prefix="tg-", dir="/tmp")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def serving(handler: Any = None, **kw: Any) -> AsyncIterator[tuple[UnixServer, Daemon]]:
+    daemon = Daemon()
+    with short_tmpdir() as tmp:
+        server = UnixServer(os.path.join(tmp, "d.sock"), handler or daemon, **kw)
+        await server.start()
+        try:
+            yield server, daemon
+        finally:
+            await server.close()
+
+
+def run(coro: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(coro(), 20))
+
+
+class Raw:
+    """A bare stream connection that speaks frames, for protocol-level assertions."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.decoder = FrameDecoder()
+
+    @classmethod
+    async def open(cls, path: str) -> Raw:
+        return cls(*await asyncio.open_unix_connection(path))
+
+    def send(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    async def recv(self) -> dict[str, Any] | None:
+        """The next message, or None at EOF."""
+        while (msg := self.decoder.next_message()) is None:
+            data = await self.reader.read(65536)
+            if not data:
+                return None
+            self.decoder.feed(data)
+        return msg
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# --------------------------------------------------------------------------- pipelining
+
+
+def test_pipelined_responses_out_of_order() -> None:
+    """Requests on one connection run concurrently; faster ones are answered first."""
+
+    async def main() -> None:
+        async with serving() as (server, _):
+            raw = await Raw.open(server.path)
+            for request_id, seconds in ((1, 0.3), (2, 0.15), (3, 0.0)):
+                raw.send(encode(make_request(request_id, "sleep", {"s": seconds})))
+            order = [(await raw.recv() or {}).get("id") for _ in range(3)]
+            assert order == [3, 2, 1]
+            raw.close()
+
+    run(main)
+
+
+def test_async_client_pipelines_many_calls() -> None:
+    """Many concurrent AsyncClient calls share one connection and get their own answers."""
+
+    async def main() -> None:
+        async with serving() as (server, daemon):
+            async with AsyncClient(server.path) as client:
+                delays = [0.01 * (i % 5) for i in range(50)]
+                results = await asyncio.gather(*(client.call("sleep", s=s) for s in delays))
+                assert [r["slept"] for r in results] == delays
+                assert len({id(c) for c in daemon.conns}) == 1
+                assert server.connections == 1
+
+    run(main)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_malformed_frame_answered_and_closed_others_unaffected() -> None:
+    """Garbage gets a bad_request with id null and a close; a good client keeps working."""
+
+    async def main() -> None:
+        async with serving() as (server, _):
+            async with AsyncClient(server.path) as good:
+                assert (await good.ping())["pong"] is True
+                bad = await Raw.open(server.path)
+                bad.send(struct.pack(">I", 1) + b"\xc1")
+                answer = await bad.recv()
+                assert answer is not None
+                assert answer["id"] is None and answer["ok"] is False
+                assert answer["error"]["code"] == "bad_request"
+                assert await bad.recv() is None  # closed
+                assert (await good.ping())["pong"] is True
+
+    run(main)
+
+
+def test_bad_key_answered_with_its_id() -> None:
+    """A frame whose id is readable is answered with that id before the close."""
+
+    async def main() -> None:
+        async with serving() as (server, _):
+            raw = await Raw.open(server.path)
+            body = msgpack.packb({"id": 41, "op": "ping", "args": {1: 1}})
+            raw.send(struct.pack(">I", len(body)) + body)
+            answer = await raw.recv()
+            assert answer is not None and answer["id"] == 41
+            assert answer["error"]["code"] == "bad_request"
+            assert await raw.recv() is None
+
+    run(main)
+
+
+def test_oversized_frame_rejected_and_closed() -> None:
+    """A length prefix above max_frame is refused at once, without waiting for the body."""
+
+    async def main() -> None:
+        async with serving(max_frame=1024) as (server, _):
+            raw = await Raw.open(server.path)
+            raw.send(struct.pack(">I", 10_000_000))
+            answer = await raw.recv()
+            assert answer is not None and answer["error"]["code"] == "bad_request"
+            assert "exceeds" in answer["error"]["message"]
+            assert await raw.recv() is None
+
+    run(main)
+
+
+def test_bad_envelope_with_id_keeps_connection() -> None:
+    """A request with a valid id but a bad op is answered; the connection stays usable."""
+
+    async def main() -> None:
+        async with serving() as (server, _):
+            raw = await Raw.open(server.path)
+            raw.send(encode({"id": 5, "op": 7}))
+            raw.send(encode(make_request(6, "ping")))
+            first, second = await raw.recv(), await raw.recv()
+            assert first is not None and first["id"] == 5
+            assert first["error"]["code"] == "bad_request"
+            assert second is not None and second["id"] == 6 and second["ok"] is True
+            raw.close()
+
+    run(main)
+
+
+def test_response_too_large_becomes_internal() -> None:
+    """A result larger than max_frame is answered with internal, not a broken frame."""
+
+    async def main() -> None:
+        async with serving(max_frame=4096) as (server, _):
+            async with AsyncClient(server.path) as client:
+                with pytest.raises(InternalError, match="could not be encoded"):
+                    await client.call("big", n=10_000)
+                assert (await client.ping())["pong"]
+
+    run(main)
+
+
+# --------------------------------------------------------------------------- typed errors
+
+
+def test_typed_errors_reach_async_client() -> None:
+    """UnknownOp, NotFound and crashes (internal) come back as typed exceptions."""
+
+    async def main() -> None:
+        async with serving() as (server, _):
+            async with AsyncClient(server.path) as client:
+                with pytest.raises(UnknownOp, match="frob"):
+                    await client.call("frob")
+                with pytest.raises(NotFound, match="e9"):
+                    await client.env_close("e9")
+                with pytest.raises(InternalError, match="ZeroDivisionError"):
+                    await client.call("boom")
+                assert (await client.ping())["pong"] is True  # the server survived
+
+    run(main)
+
+
+def test_sync_client_calls_and_errors() -> None:
+    """The blocking Client gets results, typed errors and an ExecResult."""
+
+    async def main() -> None:
+        async with serving() as (server, _):
+
+            def work() -> None:
+                with Client(server.path) as client:
+                    assert client.ping() == {"pong": True, "version": "test"}
+                    with pytest.raises(UnknownOp):
+                        client.call("nope")
+                    with pytest.raises(InternalError):
+                        client.call("boom")
+                    result = client.exec(["echo", "hi"], cpus=(1, 2), mem="1G")
+                    assert isinstance(result, ExecResult)
+                    assert result.ok and result.cores == (2, 3) and result.stdout == "hi\n"
+                    assert result.to_wire() == EXEC_RESULT
+
+            await asyncio.to_thread(work)
+
+    run(main)
+
+
+def test_sync_client_reconnects_after_idle_close() -> None:
+    """A Client whose connection the server closed reconnects on the next call."""
+
+    async def main() -> None:
+        async with serving(idle_timeout_s=0.1) as (server, _):
+
+            def work() -> None:
+                import time
+
+                with Client(server.path) as client:
+                    client.ping()
+                    time.sleep(0.4)  # the server closes the idle connection meanwhile
+                    assert client.ping()["pong"] is True
+
+            await asyncio.to_thread(work)
+
+    run(main)
+
+
+def test_async_client_reconnects_after_idle_close() -> None:
+    """An AsyncClient reconnects lazily after the server dropped the connection."""
+
+    async def main() -> None:
+        async with serving(idle_timeout_s=0.1) as (server, _):
+            async with AsyncClient(server.path) as client:
+                await client.ping()
+                await asyncio.sleep(0.4)
+                assert (await client.ping())["pong"] is True
+
+    run(main)
+
+
+def test_no_daemon_is_connection_failed() -> None:
+    """Connecting to a missing socket raises ConnectionFailed (an infra_error)."""
+    with short_tmpdir() as tmp:
+        with pytest.raises(ConnectionFailed) as info:
+            Client(os.path.join(tmp, "none.sock")).ping()
+        assert info.value.code == "infra_error"
+
+        async def main() -> None:
+            with pytest.raises(ConnectionFailed):
+                await AsyncClient(os.path.join(tmp, "none.sock")).ping()
+
+        run(main)
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def test_client_disconnect_mid_request() -> None:
+    """A client leaving mid-request fires on_close; the handler is not cancelled."""
+
+    async def main() -> None:
+        async with serving() as (server, daemon):
+            raw = await Raw.open(server.path)
+            raw.send(encode(make_request(1, "sleep", {"s": 0.2, "tag": 77})))
+            await daemon.started.wait()
+            conn = daemon.conns[-1]
+            closed: list[int] = []
+            conn.on_close(lambda c: closed.append(c.id))
+            raw.close()
+            await asyncio.wait_for(conn.closed.wait(), 2)
+            assert closed == [conn.id]
+            await asyncio.sleep(0.35)
+            assert daemon.finished == [77]  # ran to completion
+            async with AsyncClient(server.path) as client:
+                assert (await client.ping())["pong"] is True
+
+    run(main)
+
+
+def test_idle_connection_closed() -> None:
+    """A connection without frames for idle_timeout_s is closed."""
+
+    async def main() -> None:
+        async with serving(idle_timeout_s=0.2) as (server, _):
+            raw = await Raw.open(server.path)
+            assert await asyncio.wait_for(raw.recv(), 3) is None
+            assert server.connections == 0
+
+    run(main)
+
+
+def test_in_flight_request_is_not_idle() -> None:
+    """A connection waiting on a long request is not closed as idle."""
+
+    async def main() -> None:
+        async with serving(idle_timeout_s=0.1) as (server, _):
+            async with AsyncClient(server.path) as client:
+                assert (await client.call("sleep", s=0.4))["slept"] == 0.4
+
+    run(main)
+
+
+def test_close_removes_socket_and_answers_in_flight() -> None:
+    """close() removes the socket file and answers running requests with shutting_down."""
+
+    async def main() -> None:
+        async with serving() as (server, daemon):
+            assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o660
+            client = AsyncClient(server.path)
+            call = asyncio.ensure_future(client.call("sleep", s=10))
+            await daemon.started.wait()
+            await server.close()
+            assert not os.path.exists(server.path)
+            with pytest.raises((ShuttingDown, ConnectionFailed)):
+                await call
+            await client.close()
+
+    run(main)
+
+
+def test_stale_socket_replaced_live_socket_refused() -> None:
+    """A dead socket file is replaced; a live one (or a regular file) is left alone."""
+
+    async def main() -> None:
+        with short_tmpdir() as tmp:
+            path = os.path.join(tmp, "d.sock")
+            stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            stale.bind(path)
+            stale.close()  # the file stays, nobody listens
+            async with UnixServer(path, Daemon()) as server:
+                with pytest.raises(FileExistsError):
+                    await UnixServer(path, Daemon()).start()
+                async with AsyncClient(path) as client:
+                    assert (await client.ping())["pong"] is True
+                assert server.connections >= 0
+            assert not os.path.exists(path)
+            with open(path, "w") as regular:
+                regular.write("not a socket")
+            with pytest.raises(FileExistsError):
+                await UnixServer(path, Daemon()).start()
+            assert os.path.exists(path)
+
+    run(main)
+
+
+def test_inflight_limit_pauses_reading() -> None:
+    """Past max_inflight_per_conn the server stops reading but still answers everything."""
+
+    async def main() -> None:
+        async with serving(max_inflight_per_conn=2) as (server, _):
+            async with AsyncClient(server.path) as client:
+                results = await asyncio.gather(*(client.call("sleep", s=0.01) for _ in range(20)))
+                assert len(results) == 20
+
+    run(main)
+
+
+def test_default_socket_path_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TANGRAM_SOCKET wins; without it the XDG runtime dir is used (when /run has none)."""
+    monkeypatch.setenv("TANGRAM_SOCKET", "/x/y.sock")
+    assert default_socket_path() == "/x/y.sock"
+    monkeypatch.delenv("TANGRAM_SOCKET")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    if not os.path.exists("/run/tangram/tangramd.sock"):
+        assert default_socket_path() == "/run/user/1000/tangram/tangramd.sock"
+        monkeypatch.delenv("XDG_RUNTIME_DIR")
+        assert default_socket_path() == f"/tmp/tangram-{os.getuid()}/tangramd.sock"
+
+
+def test_bad_request_from_handler() -> None:
+    """A BadRequest raised by the handler reaches the client with its message."""
+
+    async def handler(op: str, args: dict[str, Any], conn: ConnInfo) -> Any:
+        raise BadRequest("exec: cpus: expected int >= 1, got 0")
+
+    async def main() -> None:
+        async with serving(handler) as (server, _):
+            async with AsyncClient(server.path) as client:
+                with pytest.raises(BadRequest, match="cpus"):
+                    await client.exec("true", cpus=0)
+
+    run(main)
