@@ -50,7 +50,7 @@ def _serve(path: str, ready: Any) -> None:
         await asyncio.Event().wait()
 
     try:
-        import uvloop  # type: ignore[import-not-found]  # optional, not a dependency
+        import uvloop  # optional speed-up, not a dependency
 
         uvloop.install()
     except ImportError:

@@ -41,7 +41,7 @@ def build(queued: int, units: int, seed: int = 0):
         cores = [list(range(0, half)), list(range(half, per_node))]
         pool = CpuNodePool(f"n{i}", cores, 2048 * GIB)
         pools[pool.pool_id] = pool
-    gpu_nodes = [GpuNodePool(f"g{i}", 8, 80 * GIB, 25e9) for i in range(2)]
+    gpu_nodes = [GpuNodePool(f"g{i}", 8, mem_per_gpu=80 * GIB, h2d_bytes_per_s=25e9) for i in range(2)]
     services = {f"judge{k}": ServiceSpec(f"judge{k}", 30 * GIB) for k in range(4)}
     gpu = GpuCluster(gpu_nodes, services)
     pools[gpu.pool_id] = gpu
@@ -51,7 +51,7 @@ def build(queued: int, units: int, seed: int = 0):
     affinity = {}
     waiting = []
     for i in range(queued):
-        traj = f"t{i % max(1, queued // 2)}"
+        traj = f"t{i}"  # one pending action per trajectory (actions are sequential)
         if rng.random() < 0.5:
             affinity[TrajectoryId(traj)] = cpu_ids[i % len(cpu_ids)]
         r = rng.random()

@@ -281,30 +281,46 @@ class Action:
     klass: str = ""  # history class: task + command class / service
     submitted_at: float = 0.0
     payload: Mapping[str, object] = field(default_factory=dict)
+    # derived once at construction (the scheduler reads them in its inner loops)
+    allowed: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    min_units: int = field(init=False, repr=False, compare=False)
+    elastic: bool = field(init=False, repr=False, compare=False)
+    profiled: Mapping[int, float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        allowed = self.demand[self.key].allowed()
+        if self.elasticity is None:
+            allowed = allowed[:1]
+        else:
+            lo, hi = self.elasticity.lo, self.elasticity.hi
+            allowed = tuple(a for a in allowed if lo <= a <= hi) or allowed[:1]
+        object.__setattr__(self, "allowed", allowed)
+        object.__setattr__(self, "min_units", allowed[0])
+        object.__setattr__(self, "elastic", len(allowed) > 1)
+        e = self.elasticity
+        table = {m: e.dur(m) for m in allowed} if e is not None and e.lo <= allowed[0] else {}
+        object.__setattr__(self, "profiled", table)
 
     @property
     def key_amounts(self) -> Amounts:
         return self.demand[self.key]
 
-    @property
-    def min_units(self) -> int:
-        return self.demand[self.key].min
-
     def is_elastic(self) -> bool:
         """Elastic = more than one allowed amount on the key resource and a known profile."""
-        return self.elasticity is not None and len(self.allowed_units()) > 1
+        return self.elastic
 
     def allowed_units(self) -> tuple[int, ...]:
-        """Allowed key amounts, intersected with the profiled range when there is a profile."""
-        allowed = self.demand[self.key].allowed()
-        if self.elasticity is None:
-            return allowed[:1]
-        lo, hi = self.elasticity.lo, self.elasticity.hi
-        inside = tuple(a for a in allowed if lo <= a <= hi)
-        return inside or allowed[:1]
+        """Allowed key amounts, intersected with the profiled range when there is a profile.
+
+        Without a profile only the minimum is allowed (unknown elasticity = non-elastic).
+        """
+        return self.allowed
 
     def duration(self, units: int, fallback: float) -> float:
         """Expected execution time at ``units`` key units (``fallback`` = history estimate)."""
+        known = self.profiled.get(units)
+        if known is not None:
+            return known
         if self.elasticity is not None:
             e = self.elasticity
             if e.lo <= units <= e.hi:

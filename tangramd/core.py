@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tangram.model import (
-    Action,
     ActionId,
     EnvId,
     HistoryEstimator,
@@ -33,8 +32,8 @@ from tangram.model import (
     make_action,
 )
 from tangram.pools.api import ApiPool
-from tangram.protocol.errors import NotFound, QuotaExceeded, ShuttingDown
 from tangram.pools.cpu import CpuCluster
+from tangram.protocol.errors import NotFound, QuotaExceeded, ShuttingDown
 from tangram.sched import SchedConfig, Snapshot, schedule
 from tangramd import events as ev
 from tangramd.entities import (
@@ -465,7 +464,7 @@ class Core:
         for env in list(self.envs.values()):
             if env.state == "ready" and not env.active and now - env.last_used >= self.cfg.env_idle_ttl_s:
                 self._close_env(env, now, out, "idle TTL expired")
-        if self._pass_due is not None and now >= self._pass_due or self._dirty:
+        if (self._pass_due is not None and now >= self._pass_due) or self._dirty:
             self.run_pass(now, out)
 
     # ------------------------------------------------------------------ views

@@ -17,13 +17,13 @@ from typing import Any
 
 import structlog
 
-from tangram.version import __version__
 from tangram.model import InvalidDemand, TangramError
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster, CpuNodePool
 from tangram.protocol.errors import InfraError, NotFound, UnknownOp
 from tangram.protocol.ops import validate_args
 from tangram.sched import SchedConfig
+from tangram.version import __version__
 from tangramd import events as ev
 from tangramd.backends.base import Backend, ExecRequest, ExecResult
 from tangramd.core import Core, CoreConfig

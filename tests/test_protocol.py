@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -148,7 +150,9 @@ msgpack_values = st.recursive(
     | st.floats(allow_nan=False)
     | st.text(max_size=20)
     | st.binary(max_size=20),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
     max_leaves=30,
 )
 
@@ -164,7 +168,7 @@ def test_round_trip_property(msgs: list[dict[str, Any]], cuts: list[int]) -> Non
     points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
     decoder = FrameDecoder()
     out: list[dict[str, Any]] = []
-    for start, end in zip(points, points[1:], strict=False):
+    for start, end in itertools.pairwise(points):
         decoder.feed(data[start:end])
         out.extend(decoder.messages())
     assert out == msgs
@@ -371,3 +375,9 @@ def test_parse_size_rejects(text: str | int) -> None:
 def test_quota_error_class() -> None:
     """QuotaExceeded carries the quota_exceeded code."""
     assert QuotaExceeded("m").code == "quota_exceeded"
+
+
+def test_docs_match_op_table() -> None:
+    """docs/protocol.md contains the op table exactly as ops.py renders it."""
+    docs = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+    assert render_markdown().strip() in docs.read_text()

@@ -142,13 +142,12 @@ def test_async_client_pipelines_many_calls() -> None:
     """Many concurrent AsyncClient calls share one connection and get their own answers."""
 
     async def main() -> None:
-        async with serving() as (server, daemon):
-            async with AsyncClient(server.path) as client:
-                delays = [0.01 * (i % 5) for i in range(50)]
-                results = await asyncio.gather(*(client.call("sleep", s=s) for s in delays))
-                assert [r["slept"] for r in results] == delays
-                assert len({id(c) for c in daemon.conns}) == 1
-                assert server.connections == 1
+        async with serving() as (server, daemon), AsyncClient(server.path) as client:
+            delays = [0.01 * (i % 5) for i in range(50)]
+            results = await asyncio.gather(*(client.call("sleep", s=s) for s in delays))
+            assert [r["slept"] for r in results] == delays
+            assert len({id(c) for c in daemon.conns}) == 1
+            assert server.connections == 1
 
     run(main)
 
@@ -160,17 +159,17 @@ def test_malformed_frame_answered_and_closed_others_unaffected() -> None:
     """Garbage gets a bad_request with id null and a close; a good client keeps working."""
 
     async def main() -> None:
-        async with serving() as (server, _):
-            async with AsyncClient(server.path) as good:
-                assert (await good.ping())["pong"] is True
-                bad = await Raw.open(server.path)
-                bad.send(struct.pack(">I", 1) + b"\xc1")
-                answer = await bad.recv()
-                assert answer is not None
-                assert answer["id"] is None and answer["ok"] is False
-                assert answer["error"]["code"] == "bad_request"
-                assert await bad.recv() is None  # closed
-                assert (await good.ping())["pong"] is True
+        async with serving() as (server, _), AsyncClient(server.path) as good:
+            assert (await good.ping())["pong"] is True
+            bad = await Raw.open(server.path)
+            bad.send(struct.pack(">I", 1) + b"\xc1")
+            answer = await bad.recv()
+            assert answer is not None
+            assert answer["id"] is None and answer["ok"] is False
+            assert answer["error"]["code"] == "bad_request"
+            assert await bad.recv() is None  # closed
+            bad.close()
+            assert (await good.ping())["pong"] is True
 
     run(main)
 
@@ -187,6 +186,7 @@ def test_bad_key_answered_with_its_id() -> None:
             assert answer is not None and answer["id"] == 41
             assert answer["error"]["code"] == "bad_request"
             assert await raw.recv() is None
+            raw.close()
 
     run(main)
 
@@ -202,6 +202,7 @@ def test_oversized_frame_rejected_and_closed() -> None:
             assert answer is not None and answer["error"]["code"] == "bad_request"
             assert "exceeds" in answer["error"]["message"]
             assert await raw.recv() is None
+            raw.close()
 
     run(main)
 
@@ -227,11 +228,13 @@ def test_response_too_large_becomes_internal() -> None:
     """A result larger than max_frame is answered with internal, not a broken frame."""
 
     async def main() -> None:
-        async with serving(max_frame=4096) as (server, _):
-            async with AsyncClient(server.path) as client:
-                with pytest.raises(InternalError, match="could not be encoded"):
-                    await client.call("big", n=10_000)
-                assert (await client.ping())["pong"]
+        async with (
+            serving(max_frame=4096) as (server, _),
+            AsyncClient(server.path) as client,
+        ):
+            with pytest.raises(InternalError, match="could not be encoded"):
+                await client.call("big", n=10_000)
+            assert (await client.ping())["pong"]
 
     run(main)
 
@@ -243,15 +246,14 @@ def test_typed_errors_reach_async_client() -> None:
     """UnknownOp, NotFound and crashes (internal) come back as typed exceptions."""
 
     async def main() -> None:
-        async with serving() as (server, _):
-            async with AsyncClient(server.path) as client:
-                with pytest.raises(UnknownOp, match="frob"):
-                    await client.call("frob")
-                with pytest.raises(NotFound, match="e9"):
-                    await client.env_close("e9")
-                with pytest.raises(InternalError, match="ZeroDivisionError"):
-                    await client.call("boom")
-                assert (await client.ping())["pong"] is True  # the server survived
+        async with serving() as (server, _), AsyncClient(server.path) as client:
+            with pytest.raises(UnknownOp, match="frob"):
+                await client.call("frob")
+            with pytest.raises(NotFound, match="e9"):
+                await client.env_close("e9")
+            with pytest.raises(InternalError, match="ZeroDivisionError"):
+                await client.call("boom")
+            assert (await client.ping())["pong"] is True  # the server survived
 
     run(main)
 
@@ -302,11 +304,13 @@ def test_async_client_reconnects_after_idle_close() -> None:
     """An AsyncClient reconnects lazily after the server dropped the connection."""
 
     async def main() -> None:
-        async with serving(idle_timeout_s=0.1) as (server, _):
-            async with AsyncClient(server.path) as client:
-                await client.ping()
-                await asyncio.sleep(0.4)
-                assert (await client.ping())["pong"] is True
+        async with (
+            serving(idle_timeout_s=0.1) as (server, _),
+            AsyncClient(server.path) as client,
+        ):
+            await client.ping()
+            await asyncio.sleep(0.4)
+            assert (await client.ping())["pong"] is True
 
     run(main)
 
@@ -358,6 +362,7 @@ def test_idle_connection_closed() -> None:
             raw = await Raw.open(server.path)
             assert await asyncio.wait_for(raw.recv(), 3) is None
             assert server.connections == 0
+            raw.close()
 
     run(main)
 
@@ -366,9 +371,11 @@ def test_in_flight_request_is_not_idle() -> None:
     """A connection waiting on a long request is not closed as idle."""
 
     async def main() -> None:
-        async with serving(idle_timeout_s=0.1) as (server, _):
-            async with AsyncClient(server.path) as client:
-                assert (await client.call("sleep", s=0.4))["slept"] == 0.4
+        async with (
+            serving(idle_timeout_s=0.1) as (server, _),
+            AsyncClient(server.path) as client,
+        ):
+            assert (await client.call("sleep", s=0.4))["slept"] == 0.4
 
     run(main)
 
@@ -420,10 +427,12 @@ def test_inflight_limit_pauses_reading() -> None:
     """Past max_inflight_per_conn the server stops reading but still answers everything."""
 
     async def main() -> None:
-        async with serving(max_inflight_per_conn=2) as (server, _):
-            async with AsyncClient(server.path) as client:
-                results = await asyncio.gather(*(client.call("sleep", s=0.01) for _ in range(20)))
-                assert len(results) == 20
+        async with (
+            serving(max_inflight_per_conn=2) as (server, _),
+            AsyncClient(server.path) as client,
+        ):
+            results = await asyncio.gather(*(client.call("sleep", s=0.01) for _ in range(20)))
+            assert len(results) == 20
 
     run(main)
 
@@ -447,9 +456,8 @@ def test_bad_request_from_handler() -> None:
         raise BadRequest("exec: cpus: expected int >= 1, got 0")
 
     async def main() -> None:
-        async with serving(handler) as (server, _):
-            async with AsyncClient(server.path) as client:
-                with pytest.raises(BadRequest, match="cpus"):
-                    await client.exec("true", cpus=0)
+        async with serving(handler) as (server, _), AsyncClient(server.path) as client:
+            with pytest.raises(BadRequest, match="cpus"):
+                await client.exec("true", cpus=0)
 
     run(main)

@@ -6,18 +6,17 @@ and the simulator apply decisions through ``allocate`` / ``release``.
 
 from tangram.pools.api import OVERFLOW_POLICIES, UNLIMITED_UNITS, ApiPool, Lease, Overflow
 from tangram.pools.base import SchedPool
+from tangram.pools.buddy import BuddyChunks, choose_chunk
 from tangram.pools.cpu import BUSY, NEVER, CpuCluster, CpuNodePool, pick_cores
 from tangram.pools.gpu import (
     ALLOWED_GPU_COUNTS,
     GPU_STRIDE,
-    BuddyChunks,
     Eviction,
     GpuCluster,
     GpuNodePool,
     RestorePlan,
     ServiceKey,
     ServiceSpec,
-    choose_chunk,
 )
 
 __all__ = [

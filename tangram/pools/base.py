@@ -38,7 +38,11 @@ class SchedPool(Protocol):
         ...
 
     def extra_cost(self, action: Action, amount: int) -> float:
-        """Seconds to add to the action's duration at ``amount`` (GPU: restore if not resident)."""
+        """Seconds to add to the action's duration at ``amount`` (GPU: restore if not resident).
+
+        Must depend only on (action.kind, action.service, amount): the scheduler memoises
+        it per pass on that key.
+        """
         ...
 
     def pick_units(self, requests: Sequence[tuple[Action, int]]) -> list[tuple[int, ...]]:

@@ -15,10 +15,10 @@ Contract:
 - ``GpuCluster`` is the scheduler's single ``gpu`` pool over all GPU nodes. Chunks never span
   nodes, so the nodes' free chunk counts add up into one ``ChunkOperator``. Unit ids are
   global: ``node_index * GPU_STRIDE + local_gpu``; ``locate`` maps them back.
-- Chunk choice for a service: a free aligned chunk where the variant is already resident
-  wins (no restore; this is what ``extra_cost`` assumes); otherwise the smallest free chunk
-  that holds the request, preferring more resident GPUs of the variant, then the lowest
-  node and start. Splitting descends into the half with more resident GPUs.
+- Chunk choice for a service (``buddy.choose_chunk``): a free aligned chunk where the variant
+  is already resident wins (no restore; this is what ``extra_cost`` assumes); otherwise the
+  smallest free chunk that holds the request, preferring more resident GPUs of the variant,
+  then the lowest node and start. Splitting descends into the half with more resident GPUs.
 - Pure: no I/O, no clock; LRU order comes from caller-supplied integer ticks.
   Choosing a chunk is ``O(g)`` per node for ``g`` GPUs; eviction ``O(g·s)`` for ``s``
   resident services.
@@ -27,11 +27,18 @@ Contract:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from tangram.model import Action, ActionId, Shortfall
+from tangram.pools.buddy import (
+    BuddyChunks,
+    ResidentScore,
+    check_chunk,
+    choose_chunk,
+    fully_resident,
+)
 from tangram.sched.operators import CHUNK_SIZES, ChunkOperator, chunk_level
 
 GPU_STRIDE = CHUNK_SIZES[-1]  # global GPU id = node index * GPU_STRIDE + local GPU
@@ -75,131 +82,6 @@ class RestorePlan:
     evicted: tuple[Eviction, ...]
     needed: bool  # False when the variant was already resident there
     seconds: float  # host-to-device copy time (0.0 when not needed)
-
-
-# --------------------------------------------------------------------------- buddy chunks
-
-
-def _check_chunk(start: int, size: int, n_gpus: int) -> None:
-    if size not in CHUNK_SIZES or size > n_gpus or start % size or not 0 <= start < n_gpus:
-        raise ValueError(
-            f"({start}, {start + size}) is not an aligned chunk of a {n_gpus}-GPU node"
-        )
-
-
-class BuddyChunks:
-    """The free aligned chunks of one node; ``split`` on take, ``merge`` on give."""
-
-    __slots__ = ("_free", "n_gpus")
-
-    def __init__(self, n_gpus: int) -> None:
-        self.n_gpus = n_gpus
-        self._free: dict[int, set[int]] = {s: set() for s in CHUNK_SIZES if s <= n_gpus}
-        self._free[n_gpus].add(0)
-
-    def copy(self) -> BuddyChunks:
-        other = BuddyChunks(self.n_gpus)
-        other._free = {size: set(starts) for size, starts in self._free.items()}
-        return other
-
-    def counts(self) -> dict[int, int]:
-        return {size: len(self._free.get(size, ())) for size in CHUNK_SIZES}
-
-    def chunks(self) -> list[tuple[int, int]]:
-        """Free chunks as sorted ``(start, size)`` pairs."""
-        return sorted((start, size) for size, starts in self._free.items() for start in starts)
-
-    def free_gpus(self) -> int:
-        return sum(size * len(starts) for size, starts in self._free.items())
-
-    def containing(self, start: int, size: int) -> tuple[int, int] | None:
-        """The free chunk that contains the aligned chunk ``(start, size)``, if any."""
-        for big in sorted(self._free):
-            if big < size:
-                continue
-            outer = start - start % big
-            if outer in self._free[big]:
-                return outer, big
-        return None
-
-    def split(self, start: int, size: int) -> None:
-        """Take the aligned chunk ``(start, size)``, splitting the free chunk around it."""
-        _check_chunk(start, size, self.n_gpus)
-        outer = self.containing(start, size)
-        if outer is None:
-            raise ValueError(f"GPUs ({start}, {start + size}) are not free")
-        ostart, osize = outer
-        self._free[osize].remove(ostart)
-        while osize > size:
-            osize //= 2
-            low, high = ostart, ostart + osize
-            keep, spare = (low, high) if start < high else (high, low)
-            self._free[osize].add(spare)
-            ostart = keep
-
-    def merge(self, start: int, size: int) -> None:
-        """Give back the chunk ``(start, size)``, merging it with free buddies upwards."""
-        _check_chunk(start, size, self.n_gpus)
-        while size < self.n_gpus:
-            buddy = start ^ size
-            if buddy not in self._free[size]:
-                break
-            self._free[size].remove(buddy)
-            start = min(start, buddy)
-            size *= 2
-        self._free[size].add(start)
-
-
-ResidentScore = Callable[[int, int], int]  # (start, size) -> resident GPUs of the variant
-
-
-def choose_chunk(
-    nodes: Sequence[tuple[BuddyChunks, ResidentScore | None]], size: int
-) -> tuple[int, int] | None:
-    """``(node index, start)`` of the chunk of ``size`` GPUs to take, or None if none is free.
-
-    A fully resident aligned chunk inside any free chunk wins (smallest enclosing free chunk,
-    then node, then start). Otherwise the smallest enclosing free chunk, more resident GPUs,
-    node, start; then split towards the half with more resident GPUs.
-    """
-    resident = _fully_resident(nodes, size)
-    if resident is not None:
-        return resident
-    best: tuple[int, int, int, int] | None = None  # (outer size, -score, node, start)
-    for index, (buddy, score) in enumerate(nodes):
-        for start, outer in buddy.chunks():
-            if outer < size:
-                continue
-            key = (outer, -(score(start, outer) if score else 0), index, start)
-            if best is None or key < best:
-                best = key
-    if best is None:
-        return None
-    outer, _, index, start = best
-    score = nodes[index][1]
-    while outer > size:
-        outer //= 2
-        low, high = start, start + outer
-        start = high if score is not None and score(high, outer) > score(low, outer) else low
-    return index, start
-
-
-def _fully_resident(
-    nodes: Sequence[tuple[BuddyChunks, ResidentScore | None]], size: int
-) -> tuple[int, int] | None:
-    best: tuple[int, int, int] | None = None  # (outer size, node, start)
-    for index, (buddy, score) in enumerate(nodes):
-        if score is None:
-            continue
-        for outer_start, outer in buddy.chunks():
-            if outer < size:
-                continue
-            for start in range(outer_start, outer_start + outer, size):
-                if score(start, size) == size:
-                    key = (outer, index, start)
-                    if best is None or key < best:
-                        best = key
-    return None if best is None else (best[1], best[2])
 
 
 # --------------------------------------------------------------------------- one node
@@ -311,7 +193,7 @@ class GpuNodePool:
         ordered = sorted(gpus)
         if not ordered or ordered != list(range(ordered[0], ordered[0] + len(ordered))):
             raise ValueError(f"GPU node {self.node_id!r}: {tuple(gpus)} is not one chunk")
-        _check_chunk(ordered[0], len(ordered), self.n_gpus)
+        check_chunk(ordered[0], len(ordered), self.n_gpus)
         return ordered[0], len(ordered)
 
     # ------------------------------------------------------------------ host backups
@@ -453,7 +335,7 @@ class GpuNodePool:
         """Raise ``AssertionError`` if an invariant is broken (tests run it at teardown)."""
         seen: set[int] = set()
         for action_id, (start, size) in self._held.items():
-            _check_chunk(start, size, self.n_gpus)
+            check_chunk(start, size, self.n_gpus)
             for gpu in range(start, start + size):
                 assert gpu not in seen, f"GPU {gpu} held twice"
                 assert self._holder.get(gpu) == action_id, f"GPU {gpu} holder mismatch"
@@ -461,7 +343,7 @@ class GpuNodePool:
         assert seen == set(self._holder), "GPU holders disagree with held chunks"
         free: set[int] = set()
         for start, size in self.buddy.chunks():
-            _check_chunk(start, size, self.n_gpus)
+            check_chunk(start, size, self.n_gpus)
             span = set(range(start, start + size))
             assert not span & free, f"free chunk ({start}, {start + size}) overlaps another"
             assert not span & seen, f"free chunk ({start}, {start + size}) is held"
@@ -526,9 +408,14 @@ class GpuCluster:
         return tuple(base + gpu for gpu in local)
 
     def register_service(self, spec: ServiceSpec) -> None:
-        self._services[spec.name] = spec
+        """Record a service's host backup on every node (a different spec under a known name
+        is a ``ValueError``; unregister it first)."""
+        known = self._services.get(spec.name)
+        if known is not None and known != spec:
+            raise ValueError(f"service {spec.name!r} already registered as {known}")
         for node in self._nodes:
             node.register_service(spec)
+        self._services[spec.name] = spec
 
     def unregister_service(self, name: str) -> tuple[Eviction, ...]:
         """Forget the service everywhere; evictions carry global GPU ids."""
@@ -615,7 +502,7 @@ class GpuCluster:
         fitting = [node for node in self._nodes if node.fits_memory(spec, size)]
         if not fitting:
             return math.inf
-        if _fully_resident(self._choices(action.service, size), size) is not None:
+        if fully_resident(self._choices(action.service, size), size) is not None:
             return 0.0
         with_room = [n for n in fitting if any(s >= size for _, s in n.buddy.chunks())]
         return min(node.restore_time_s(spec, size) for node in with_room or fitting)

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from tangram.model import Action, ActionId, Shortfall, TrajectoryId
 from tangram.sched.dp import DPTable
-from tangram.sched.operators import Operator
+from tangram.sched.operators import BaseOperator, Operator
 
 if TYPE_CHECKING:  # pools depend on sched, not the other way round
     from tangram.pools.base import SchedPool
@@ -144,6 +144,7 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
     queues: dict[str, list[Action]] = {}
     new_nodes: set[ActionId] = set()
     unplaced_new: list[Action] = []
+    never_memo: dict[tuple[Any, ...], Shortfall | None] = {}
     for action in snapshot.waiting:
         pid = pool_of(action, snapshot.affinity)
         if pid is None:
@@ -153,7 +154,12 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
         if pool is None:
             infeasible.append(Infeasible(action.id, _no_pool(action, pid)))
             continue
-        short = pool.never_fits(action)
+        # never_fits depends only on these fields; memoised because queues are long
+        sig = (pid, action.kind, action.service, action.min_units, action.demand.get("mem"))
+        if sig in never_memo:
+            short = never_memo[sig]
+        else:
+            short = never_memo[sig] = pool.never_fits(action)
         if short is not None:
             infeasible.append(Infeasible(action.id, short))
             continue
@@ -207,10 +213,22 @@ def _assign_nodes(
     cores_free = {p.pool_id: p.free_units() for p in nodes}
     assigned: list[tuple[Action, str]] = []
     never: list[Infeasible] = []
+    memo: dict[tuple[Any, ...], list[Any]] = {}
+    most_free = max(cores_free.values(), default=0)
     for action in actions:
+        starving = now - action.submitted_at >= cfg.starvation_s
+        if action.min_units > most_free and not starving:
+            continue  # no node has the cores now: it waits (cheap exit for long queues)
         need_mem = snap.env_mem(action)
-        fits_ever = [p for p in nodes if p.never_fits(action) is None]
-        fits_ever = [p for p in fits_ever if need_mem <= mem_free[p.pool_id] + mem_used[p.pool_id]]
+        sig = (action.min_units, action.demand.get("mem"), need_mem)
+        fits_ever = memo.get(sig)
+        if fits_ever is None:
+            fits_ever = memo[sig] = [
+                p
+                for p in nodes
+                if p.never_fits(action) is None
+                and need_mem <= mem_free[p.pool_id] + mem_used[p.pool_id]
+            ]
         if not fits_ever:
             cap = max((p.capacity for p in nodes), default=0)
             reason = (
@@ -226,7 +244,6 @@ def _assign_nodes(
             for p in fits_ever
             if mem_free[p.pool_id] >= need_mem and cores_free[p.pool_id] >= action.min_units
         ]
-        starving = now - action.submitted_at >= cfg.starvation_s
         if not room and not starving:
             continue  # waits; no node has room now
         pick = min(room or fits_ever, key=lambda p: (_mem_load(p, mem_free, mem_used), p.pool_id))
@@ -235,6 +252,7 @@ def _assign_nodes(
             mem_free[pid] -= need_mem
             mem_used[pid] += need_mem
             cores_free[pid] = max(0, cores_free[pid] - action.min_units)
+            most_free = max(cores_free.values())
             assigned.append((action, pid))
         elif starving:
             # pinned but memory not free yet: queue it there so it blocks later work (FCFS)
@@ -261,25 +279,38 @@ class _PoolResult:
 class _Durations:
     """Per-pass cache of durations (history estimate + pool extra cost)."""
 
-    __slots__ = ("_cache", "_estimate", "_pool")
+    __slots__ = ("_cache", "_estimate", "_extra", "_pool", "at_min")
 
     def __init__(self, pool: SchedPool, estimate: Callable[[str], float]) -> None:
         self._pool = pool
         self._estimate = estimate
         self._cache: dict[tuple[ActionId, int], float] = {}
+        self.at_min: dict[ActionId, float] = {}  # duration at the minimum, by action id
+        # extra_cost depends only on (kind, service, amount) within one pass (SchedPool doc)
+        self._extra: dict[tuple[str, str | None, int], float] = {}
+
+    def minimum(self, action: Action) -> float:
+        d = self.at_min.get(action.id)
+        if d is None:
+            d = self.at_min[action.id] = self(action, action.min_units)
+        return d
 
     def __call__(self, action: Action, amount: int) -> float:
         key = (action.id, amount)
         dur = self._cache.get(key)
         if dur is None:
             base = action.duration(amount, self._estimate(action.klass))
-            dur = base + self._pool.extra_cost(action, amount)
+            extra_key = (action.kind, action.service, amount)
+            extra = self._extra.get(extra_key)
+            if extra is None:
+                extra = self._extra[extra_key] = self._pool.extra_cost(action, amount)
+            dur = base + extra
             self._cache[key] = dur
         return dur
 
 
 def _elastic_amounts(action: Action, max_single: int) -> tuple[int, ...]:
-    return tuple(a for a in action.allowed_units() if a <= max_single)
+    return tuple(a for a in action.allowed if a <= max_single)
 
 
 def _schedule_pool(
@@ -294,9 +325,10 @@ def _schedule_pool(
     fixed: list[Action] = []
     elastic: list[Action] = []
     for a in cands:
-        (elastic if a.is_elastic() and len(_elastic_amounts(a, max_single)) > 1 else fixed).append(
-            a
-        )
+        if a.elastic and len(_elastic_amounts(a, max_single)) > 1:
+            elastic.append(a)
+        else:
+            fixed.append(a)
     state = op.start()
     for a in fixed:
         nxt = op.take(state, a.min_units)
@@ -308,35 +340,37 @@ def _schedule_pool(
     while n > 0 and not table.feasible(n):  # chunk order effects: drop trailing candidates
         rest.append(elastic.pop())
         n -= 1
-    if n < len(elastic):
-        elastic = elastic[:n]
     rest.sort(key=lambda a: a.seq)
+    # The replay window is a fixed set for every t (evicted candidates + the first
+    # ``replay_limit`` non-candidates), so objective values of different t compare.
+    window = rest[: cfg.replay_limit]
     running = [(max(f - now, 0.0), u) for f, u in snap.running.get(pool.pool_id, ())]
     fixed_heap = [(dur(a, a.min_units), a.min_units) for a in fixed]
     fixed_total = sum(d for d, _ in fixed_heap)
     base_heap = running + fixed_heap
+    replay = _Replay(op, dur, cfg, max_single)
 
     def objective(t: int) -> tuple[float, list[int]]:
         arr = table.row(t)
         heap = list(base_heap)
         s = state
-        for a, amount in zip(elastic[:t], arr.amounts, strict=True):
+        for k, amount in enumerate(arr.amounts):
             nxt = op.take(s, amount)
             assert nxt is not None
             s = nxt
-            heap.append((dur(a, amount), amount))
+            heap.append((choices[k][amount], amount))
         heapq.heapify(heap)
-        waiting = list(heapq.merge(elastic[t:], rest, key=lambda a: a.seq))[: cfg.replay_limit]
-        total = fixed_total + arr.total + _replay(op, waiting, 0, s, heap, 0.0, cfg.depth, dur, cfg)
-        return total, arr.amounts
+        waiting = list(heapq.merge(elastic[t:], window, key=lambda a: a.seq))
+        return fixed_total + arr.total + replay.run(waiting, s, heap), arr.amounts
 
-    best_t = n
-    best, best_amounts = objective(n) if n else (fixed_total, [])
     if n == 0:
-        waiting = rest[: cfg.replay_limit]
         heap = list(base_heap)
         heapq.heapify(heap)
-        best += _replay(op, waiting, 0, state, heap, 0.0, cfg.depth, dur, cfg)
+        best = fixed_total + replay.run(window, state, heap)
+        best_t, best_amounts = 0, []
+    else:
+        best_t = n
+        best, best_amounts = objective(n)
     t = n - 1
     while t >= 1:
         value, amounts = objective(t)
@@ -346,13 +380,14 @@ def _schedule_pool(
         t -= 1
     placed: list[tuple[Action, int]] = []
     chosen = dict(zip((a.id for a in elastic[:best_t]), best_amounts, strict=True))
+    fixed_ids = {a.id for a in fixed}
     for a in cands:
         if a.id in chosen:
             placed.append((a, chosen[a.id]))
-        elif not (a.is_elastic() and len(_elastic_amounts(a, max_single)) > 1):
+        elif a.id in fixed_ids:
             placed.append((a, a.min_units))
     durs = [dur(a, amount) for a, amount in placed]
-    return _PoolResult(placed, durs, best, len(elastic) - best_t)
+    return _PoolResult(placed, durs, best, n - best_t)
 
 
 def _candidates(
@@ -363,16 +398,18 @@ def _candidates(
     free = op.units(state)
     cands: list[Action] = []
     rest: list[Action] = []
-    blocked = False
+    take = op.take
+    fcfs = cfg.order == "fcfs"
     for i, a in enumerate(queue):
-        if blocked or free == 0:
+        if free == 0:
             rest.extend(queue[i:])
             break
-        nxt = op.take(state, a.min_units)
+        nxt = take(state, a.min_units)
         if nxt is None:
             rest.append(a)
-            if cfg.order == "fcfs" or now - a.submitted_at >= cfg.starvation_s:
-                blocked = True
+            if fcfs or now - a.submitted_at >= cfg.starvation_s:
+                rest.extend(queue[i + 1 :])
+                break
             continue
         state = nxt
         free = op.units(state)
@@ -388,53 +425,148 @@ def _spread(values: tuple[int, ...], k: int) -> tuple[int, ...]:
     return tuple(sorted({values[round(i * step)] for i in range(k)}))
 
 
-def _replay(
-    op: Operator[Any],
-    waiting: Sequence[Action],
-    i: int,
-    state: Any,
-    heap: list[tuple[float, int]],
-    clock: float,
-    depth: int,
-    dur: _Durations,
-    cfg: SchedConfig,
-) -> float:
-    """Estimated sum of ACTs (relative to now) of waiting[i:] replayed FCFS (Alg. 2)."""
-    total = 0.0
-    n = len(waiting)
-    take, give = op.take, op.give
-    while i < n:
-        w = waiting[i]
-        need = w.min_units
-        nxt = take(state, need)
-        while nxt is None:
+class _Replay:
+    """Alg. 2: estimated sum of ACTs (relative to now) of a waiting list replayed FCFS.
+
+    Each waiting action starts at its minimum as soon as it fits, popping expected finishes
+    from the completion heap. The first ``depth - 1`` replayed elastic actions try each
+    allowed amount (at most ``max_branch`` of them, spread over the set); each option is
+    judged on a bounded look-ahead of ``branch_window`` actions, then the best one is
+    replayed to the end. The base operator (plain unit counts) has an inlined fast path.
+    """
+
+    branch_window = 64
+
+    def __init__(self, op: Operator[Any], dur: _Durations, cfg: SchedConfig, max_single: int):
+        self.op = op
+        self.dur = dur
+        self.cfg = cfg
+        self.max_single = max_single
+        self.fast = isinstance(op, BaseOperator)
+
+    def run(self, waiting: Sequence[Action], state: Any, heap: list[tuple[float, int]]) -> float:
+        return self._run(waiting, 0, len(waiting), state, heap, 0.0, self.cfg.depth)
+
+    def _run(
+        self,
+        waiting: Sequence[Action],
+        i: int,
+        end: int,
+        state: Any,
+        heap: list[tuple[float, int]],
+        clock: float,
+        depth: int,
+    ) -> float:
+        total = 0.0
+        dur = self.dur
+        if depth > 1:
+            while i < end:
+                w = waiting[i]
+                state, clock, ok = self._wait_for(state, heap, clock, w.min_units)
+                if not ok:
+                    return total + _NEVER * (end - i)
+                if w.elastic:
+                    return total + self._branch(waiting, i, end, state, heap, clock, depth)
+                d = dur.minimum(w)
+                total += clock + d
+                heapq.heappush(heap, (clock + d, w.min_units))
+                state = self.op.take(state, w.min_units)
+                i += 1
+            return total
+        if self.fast:
+            return total + self._plain_fast(waiting, i, end, state, heap, clock)
+        take, give = self.op.take, self.op.give
+        while i < end:
+            w = waiting[i]
+            need = w.min_units
+            nxt = take(state, need)
+            while nxt is None:
+                if not heap:
+                    return total + _NEVER * (end - i)
+                finish, units = heapq.heappop(heap)
+                if finish > clock:
+                    clock = finish
+                state = give(state, units)
+                nxt = take(state, need)
+            d = dur.minimum(w)
+            total += clock + d
+            heapq.heappush(heap, (clock + d, need))
+            state = nxt
+            i += 1
+        return total
+
+    def _plain_fast(
+        self,
+        waiting: Sequence[Action],
+        i: int,
+        end: int,
+        free: int,
+        heap: list[tuple[float, int]],
+        clock: float,
+    ) -> float:
+        total = 0.0
+        at_min = self.dur.at_min
+        minimum = self.dur.minimum
+        pop, push = heapq.heappop, heapq.heappush
+        while i < end:
+            w = waiting[i]
+            need = w.min_units
+            while free < need:
+                if not heap:
+                    return total + _NEVER * (end - i)
+                finish, units = pop(heap)
+                if finish > clock:
+                    clock = finish
+                free += units
+            d = at_min.get(w.id)
+            if d is None:
+                d = minimum(w)
+            total += clock + d
+            push(heap, (clock + d, need))
+            free -= need
+            i += 1
+        return total
+
+    def _wait_for(
+        self, state: Any, heap: list[tuple[float, int]], clock: float, need: int
+    ) -> tuple[Any, float, bool]:
+        take, give = self.op.take, self.op.give
+        while take(state, need) is None:
             if not heap:
-                return total + _NEVER * (n - i)  # cannot start in the replay at all
+                return state, clock, False
             finish, units = heapq.heappop(heap)
             if finish > clock:
                 clock = finish
             state = give(state, units)
-            nxt = take(state, need)
-        if depth > 1 and w.is_elastic():
-            options = [
-                u for u in _spread(w.allowed_units(), cfg.max_branch) if take(state, u) is not None
-            ]
-            if len(options) > 1:
-                best = float("inf")
-                for u in options:
-                    s_u = take(state, u)
-                    d = dur(w, u)
-                    h = list(heap)
-                    heapq.heappush(h, (clock + d, u))
-                    sub = (
-                        clock + d + _replay(op, waiting, i + 1, s_u, h, clock, depth - 1, dur, cfg)
-                    )
-                    if sub < best:
-                        best = sub
-                return total + best
-        d = dur(w, need)
-        total += clock + d
-        heapq.heappush(heap, (clock + d, need))
-        state = nxt
-        i += 1
-    return total
+        return state, clock, True
+
+    def _branch(
+        self,
+        waiting: Sequence[Action],
+        i: int,
+        end: int,
+        state: Any,
+        heap: list[tuple[float, int]],
+        clock: float,
+        depth: int,
+    ) -> float:
+        w = waiting[i]
+        take = self.op.take
+        options = [
+            u
+            for u in _spread(_elastic_amounts(w, self.max_single), self.cfg.max_branch)
+            if take(state, u) is not None
+        ]
+        look = min(end, i + 1 + self.branch_window)
+
+        def cost(u: int, stop: int) -> float:
+            d = self.dur(w, u)
+            h = list(heap)
+            heapq.heappush(h, (clock + d, u))
+            rest = self._run(waiting, i + 1, stop, take(state, u), h, clock, depth - 1)
+            return clock + d + rest
+
+        if len(options) == 1:
+            return cost(options[0], end)
+        best_u = min(options, key=lambda u: cost(u, look))
+        return cost(best_u, end) if look < end else cost(best_u, look)

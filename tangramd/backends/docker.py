@@ -79,14 +79,20 @@ touch {AGENT_MOUNT}/{NO_AGENT_MARK}
 exec sleep infinity 2>/dev/null || while :; do sleep 86400; done
 """
 
-# Kill every process whose environment carries the marker, a few rounds to catch forks.
+# Signal every process whose environment carries the marker ($2) with $1. They are all
+# stopped first, so a shell cannot run on between its child's death and its own; SIGKILL
+# takes a few rounds to catch processes forked during the scan.
 _KILL_SCRIPT = """\
 for round in 1 2 3; do
+  pids=
   for d in /proc/[0-9]*; do
     if tr '\\0' '\\n' < "$d/environ" 2>/dev/null | grep -qx "$2"; then
-      kill -"$1" "${d#/proc/}" 2>/dev/null
+      pids="$pids ${d#/proc/}"
     fi
   done
+  [ -n "$pids" ] || break
+  kill -STOP $pids 2>/dev/null; kill -"$1" $pids 2>/dev/null; kill -CONT $pids 2>/dev/null
+  [ "$1" = KILL ] || break
 done
 """
 
@@ -268,6 +274,15 @@ class DockerBackend:
             return "unknown"
         return str(info["State"]["Status"])
 
+    async def _settled_state(self, container_id: str, wait_s: float = 1.0) -> str:
+        """The container's state, giving dockerd `wait_s` to notice that it is going down."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            state = await self._container_state(container_id)
+            if state not in ("running", "unknown") or time.monotonic() >= deadline:
+                return state
+            await asyncio.sleep(0.1)
+
     async def reconcile(self) -> list[str]:
         """Adopt our own running leftovers; remove every other container with our label."""
         done: list[str] = []
@@ -379,7 +394,7 @@ class DockerBackend:
         try:
             reply = await _exchange(reader, writer, frame, wait)
         except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
-            state = await self._container_state(env.container_id)
+            state = await self._settled_state(env.container_id)
             if state not in ("running", "unknown"):
                 return await self._lost(env, f"container is {state}")
             return infra_error(f"agent connection failed: {type(e).__name__}: {e}")
@@ -463,8 +478,10 @@ class DockerBackend:
                 return await self._lost(env, f"container is {state}")
             return infra_error("docker exec did not finish", stdout=out.text())
         if code in (137, 143) and not timed_out:
-            state = await self._container_state(env.container_id)
-            if state != "running":
+            # Killed by a signal from outside: the container itself may be going down, and
+            # dockerd reports that a little after the exec's end.
+            state = await self._settled_state(env.container_id)
+            if state not in ("running", "unknown"):
                 return await self._lost(env, f"container is {state}")
         return ExecResult(
             outcome_for(code, timed_out),

@@ -1,0 +1,140 @@
+"""GPU buddy chunks (design §5.3): the free aligned chunks of one node and chunk choice.
+
+A chunk ``(start, size)`` has ``size = 2^a`` GPUs, ``a ∈ {0, 1, 2, 3}``, and ``start`` divisible
+by ``size``. Taking a chunk splits the free chunk around it buddy-wise; giving one back merges
+it with its free buddy upwards. ``choose_chunk`` picks where a request lands across nodes,
+preferring GPUs where the requested service variant is already resident.
+
+Pure: no I/O, no clock. ``split``/``merge`` are ``O(log g)``; ``choose_chunk`` is ``O(g)`` per
+node for ``g`` GPUs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from tangram.sched.operators import CHUNK_SIZES
+
+
+def check_chunk(start: int, size: int, n_gpus: int) -> None:
+    if size not in CHUNK_SIZES or size > n_gpus or start % size or not 0 <= start < n_gpus:
+        raise ValueError(
+            f"({start}, {start + size}) is not an aligned chunk of a {n_gpus}-GPU node"
+        )
+
+
+class BuddyChunks:
+    """The free aligned chunks of one node; ``split`` on take, ``merge`` on give."""
+
+    __slots__ = ("_free", "n_gpus")
+
+    def __init__(self, n_gpus: int) -> None:
+        self.n_gpus = n_gpus
+        self._free: dict[int, set[int]] = {s: set() for s in CHUNK_SIZES if s <= n_gpus}
+        self._free[n_gpus].add(0)
+
+    def copy(self) -> BuddyChunks:
+        other = BuddyChunks(self.n_gpus)
+        other._free = {size: set(starts) for size, starts in self._free.items()}
+        return other
+
+    def counts(self) -> dict[int, int]:
+        return {size: len(self._free.get(size, ())) for size in CHUNK_SIZES}
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """Free chunks as sorted ``(start, size)`` pairs."""
+        return sorted((start, size) for size, starts in self._free.items() for start in starts)
+
+    def free_gpus(self) -> int:
+        return sum(size * len(starts) for size, starts in self._free.items())
+
+    def containing(self, start: int, size: int) -> tuple[int, int] | None:
+        """The free chunk that contains the aligned chunk ``(start, size)``, if any."""
+        for big in sorted(self._free):
+            if big < size:
+                continue
+            outer = start - start % big
+            if outer in self._free[big]:
+                return outer, big
+        return None
+
+    def split(self, start: int, size: int) -> None:
+        """Take the aligned chunk ``(start, size)``, splitting the free chunk around it."""
+        check_chunk(start, size, self.n_gpus)
+        outer = self.containing(start, size)
+        if outer is None:
+            raise ValueError(f"GPUs ({start}, {start + size}) are not free")
+        ostart, osize = outer
+        self._free[osize].remove(ostart)
+        while osize > size:
+            osize //= 2
+            low, high = ostart, ostart + osize
+            keep, spare = (low, high) if start < high else (high, low)
+            self._free[osize].add(spare)
+            ostart = keep
+
+    def merge(self, start: int, size: int) -> None:
+        """Give back the chunk ``(start, size)``, merging it with free buddies upwards."""
+        check_chunk(start, size, self.n_gpus)
+        while size < self.n_gpus:
+            buddy = start ^ size
+            if buddy not in self._free[size]:
+                break
+            self._free[size].remove(buddy)
+            start = min(start, buddy)
+            size *= 2
+        self._free[size].add(start)
+
+
+ResidentScore = Callable[[int, int], int]  # (start, size) -> resident GPUs of the variant
+
+
+def choose_chunk(
+    nodes: Sequence[tuple[BuddyChunks, ResidentScore | None]], size: int
+) -> tuple[int, int] | None:
+    """``(node index, start)`` of the chunk of ``size`` GPUs to take, or None if none is free.
+
+    A fully resident aligned chunk inside any free chunk wins (smallest enclosing free chunk,
+    then node, then start). Otherwise the smallest enclosing free chunk, more resident GPUs,
+    node, start; then split towards the half with more resident GPUs.
+    """
+    resident = fully_resident(nodes, size)
+    if resident is not None:
+        return resident
+    best: tuple[int, int, int, int] | None = None  # (outer size, -score, node, start)
+    for index, (buddy, score) in enumerate(nodes):
+        for start, outer in buddy.chunks():
+            if outer < size:
+                continue
+            key = (outer, -(score(start, outer) if score else 0), index, start)
+            if best is None or key < best:
+                best = key
+    if best is None:
+        return None
+    outer, _, index, start = best
+    score = nodes[index][1]
+    while outer > size:
+        outer //= 2
+        low, high = start, start + outer
+        start = high if score is not None and score(high, outer) > score(low, outer) else low
+    return index, start
+
+
+def fully_resident(
+    nodes: Sequence[tuple[BuddyChunks, ResidentScore | None]], size: int
+) -> tuple[int, int] | None:
+    """``(node index, start)`` of a free aligned chunk of ``size`` GPUs that is fully resident
+    (smallest enclosing free chunk, then node, then start), or None."""
+    best: tuple[int, int, int] | None = None  # (outer size, node, start)
+    for index, (buddy, score) in enumerate(nodes):
+        if score is None:
+            continue
+        for outer_start, outer in buddy.chunks():
+            if outer < size:
+                continue
+            for start in range(outer_start, outer_start + outer, size):
+                if score(start, size) == size:
+                    key = (outer, index, start)
+                    if best is None or key < best:
+                        best = key
+    return None if best is None else (best[1], best[2])

@@ -1,0 +1,618 @@
+"""Discrete-event simulator (design §8): the real scheduler and pure pools, a virtual clock.
+
+Contract
+--------
+``simulate(cluster, trajectories, policy) -> SimResult`` replays a trace under one policy.
+The engine is the *driver* of ``tangram.sched.schedule`` and the pools of ``tangram.pools``,
+exactly like the daemon: it builds a ``Snapshot``, applies the ``Decision`` with
+``allocate``/``release``/``reserve_mem``/``restore_for``, and feeds observed durations into a
+``HistoryEstimator``. Baselines (``k8s`` pods, ``static-services`` replicas, ``api-retry``)
+are simulated here with the same pools for bookkeeping; they never touch the scheduler.
+
+Events sit in one heap ordered by ``(time, priority, sequence)``: deterministic, with no
+wall clock and no randomness (generators draw randomness up front from a seed). All events
+of one timestamp are handled first; then one scheduling pass runs over the pools whose state
+changed (an action arrived in their queue or one of theirs released units), so a pass costs
+``O(queue)`` of the touched pools only.
+
+Trajectories alternate generation time and actions. Each RL task runs its steps in order:
+step ``k+1`` of a task starts ``step_train_s`` after the last trajectory of its step ``k``
+finished; a trajectory arrives ``arrival_s`` after its step's start.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tangram.model import Action, ActionId, Choices, EnvId, HistoryEstimator, LeaseId, Range
+from tangram.pools.api import ApiPool
+from tangram.pools.cpu import CpuNodePool, pick_cores
+from tangram.pools.gpu import GpuCluster, GpuNodePool
+from tangram.pools.gpu import ServiceSpec as GpuServiceSpec
+from tangram.sched import SchedConfig, Snapshot, schedule
+from tangram.sim.cluster import GB, ClusterSpec
+from tangram.sim.metrics import ActionRecord, SimResult, summarize
+from tangram.sim.policy import Policy
+from tangram.sim.trace import TraceAction, Trajectory
+
+# event kinds, in the order they are handled within one timestamp
+DONE, POD_READY, RETRY, GEN_DONE, ARRIVE, WAKE = range(6)
+MAX_BACKOFF_S = 30.0
+NO_TTL = 1e15  # api-retry leases are released explicitly when the call returns
+
+
+class SimError(Exception):
+    """The trace and the cluster do not go together (or a baseline cannot be deployed)."""
+
+
+@dataclass(slots=True)
+class _Traj:
+    spec: Trajectory
+    idx: int = 0
+    group: tuple[str, int] = ("", 0)
+    pod: Any = None  # k8s: (node, cores, created_at) once the pod exists
+    pending: _Run | None = None  # k8s: first action waiting for its pod
+
+
+@dataclass(slots=True)
+class _Run:
+    """One submitted action and its timings."""
+
+    action: Action
+    ta: TraceAction
+    traj: _Traj
+    submit: float
+    start: float = -1.0
+    restore: float = 0.0
+    exec: float = 0.0
+    units: int = 0
+    pool_id: str = ""
+    attempts: int = 0  # api-retry: refused calls so far
+
+
+@dataclass(slots=True)
+class _Static:
+    """static-services: ``free`` idle replicas of ``gpus`` GPUs each, FCFS queue."""
+
+    gpus: int
+    replicas: int
+    free: int
+    queue: deque[_Run] = field(default_factory=deque)
+
+
+class Engine:
+    """One simulated run of a trace under a policy (see module doc)."""
+
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        trajectories: Sequence[Trajectory],
+        policy: Policy,
+        sched: SchedConfig | None = None,
+        *,
+        check: bool = False,
+        progress: Callable[[float, int, int], None] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.policy = policy
+        self.sched = sched or SchedConfig(order=policy.order)
+        self.check = check
+        self.progress = progress
+        _check_names(cluster, trajectories)
+        self._heap: list[tuple[float, int, int, int, Any]] = []
+        self._eseq = 0
+        self._seq = 0
+        self._tick = 0
+        self.now = 0.0
+        self.records: list[ActionRecord] = []
+        self.step_durations: dict[str, list[float]] = {}
+        self.busy: dict[str, float] = {}
+        self.reserved: dict[str, float] = {}
+        self.history = HistoryEstimator(default_s=1.0)
+        self._templates: dict[int, Action] = {}
+        self._build_pools()
+        self._build_steps(trajectories)
+        self._n_traj = len(trajectories)
+        self._done_traj = 0
+
+    # ------------------------------------------------------------------ setup
+
+    def _build_pools(self) -> None:
+        c = self.cluster
+        self.cpu: dict[str, CpuNodePool] = {}
+        i = 0
+        for spec in c.cpu_nodes:
+            per = spec.cores // spec.numa
+            for _ in range(spec.count):
+                layout = [list(range(n * per, (n + 1) * per)) for n in range(spec.numa)]
+                node = CpuNodePool(f"c{i}", layout, int(spec.mem_gb * GB))
+                self.cpu[node.pool_id] = node
+                i += 1
+        gnodes: list[GpuNodePool] = []
+        for spec in c.gpu_nodes:
+            for _ in range(spec.count):
+                gnodes.append(
+                    GpuNodePool(
+                        f"g{len(gnodes)}",
+                        spec.gpus,
+                        mem_per_gpu=int(spec.gpu_mem_gb * GB),
+                        h2d_bytes_per_s=spec.h2d_gbps * GB,
+                    )
+                )
+        services = {s.name: GpuServiceSpec(s.name, int(s.mem_gb * GB)) for s in c.services}
+        self.gpu = GpuCluster(gnodes, services) if gnodes else None
+        self.apis: dict[str, ApiPool] = {
+            f"api:{a.name}": ApiPool(a.name, a.concurrency, a.quota, a.period_s) for a in c.apis
+        }
+        self.pools: dict[str, Any] = dict(self.cpu)
+        if self.gpu is not None:
+            self.pools[self.gpu.pool_id] = self.gpu
+        self.pools.update(self.apis)
+        # scheduler-side state
+        self.queues: dict[str, dict[ActionId, _Run]] = {pid: {} for pid in self.pools}
+        self.unassigned: dict[ActionId, _Run] = {}
+        self.running: dict[str, dict[ActionId, tuple[float, int]]] = {p: {} for p in self.pools}
+        self.affinity: dict[Any, str] = {}
+        self.env_bytes: dict[str, int] = {}
+        self.dirty: set[str] = set()
+        self._wakes: set[tuple[str, float]] = set()
+        # baselines
+        self.pod_queue: deque[_Traj] = deque()
+        self.pods_dirty = False
+        self.static: dict[str, _Static] = {}
+
+    def _build_steps(self, trajectories: Sequence[Trajectory]) -> None:
+        groups: dict[tuple[str, int], list[_Traj]] = {}
+        for t in trajectories:
+            st = _Traj(t, group=(t.task, t.step))
+            groups.setdefault(st.group, []).append(st)
+            self.env_bytes[t.id] = int(t.mem_gb * GB)
+        self._groups = groups
+        self._left = {g: len(v) for g, v in groups.items()}
+        self._next_step: dict[tuple[str, int], tuple[str, int] | None] = {}
+        by_task: dict[str, list[int]] = {}
+        for task, step in sorted(groups):
+            by_task.setdefault(task, []).append(step)
+        for task, steps in by_task.items():
+            for a, b in zip(steps, [*steps[1:], None], strict=True):
+                self._next_step[(task, a)] = None if b is None else (task, b)
+        self._step_start: dict[tuple[str, int], float] = {}
+        if self.policy.gpu == "static":
+            self._deploy_static(trajectories)
+        for task, steps in by_task.items():
+            self._start_step((task, steps[0]), 0.0)
+
+    def _deploy_static(self, trajectories: Sequence[Trajectory]) -> None:
+        used = sorted({a.template.service for t in trajectories for a in t.actions() if a.kind == "service"})
+        free = [g.gpus for g in self.cluster.gpu_nodes for _ in range(g.count)]
+        demands = []
+        for name in used:
+            spec = self.cluster.service(name)
+            assert spec is not None  # checked in _check_names
+            demands += [(spec.static_gpus, name)] * spec.static_replicas
+            self.static[name] = _Static(spec.static_gpus, spec.static_replicas, spec.static_replicas)
+        need = sum(g for g, _ in demands)
+        for gpus, name in sorted(demands, key=lambda d: -d[0]):  # first fit decreasing
+            slot = next((i for i, f in enumerate(free) if f >= gpus), None)
+            if slot is None:
+                raise SimError(
+                    f"static-services: cluster {self.cluster.source} is too small: the "
+                    f"replicas of {', '.join(used)} need {need} GPUs, it has "
+                    f"{self.cluster.total_gpus} (could not place a {gpus}-GPU replica of {name!r})"
+                )
+            free[slot] -= gpus
+        self.static_gpus = need
+
+    # ------------------------------------------------------------------ event loop
+
+    def _push(self, time: float, kind: int, obj: Any) -> None:
+        self._eseq += 1
+        heapq.heappush(self._heap, (time, kind, self._eseq, kind, obj))
+
+    def run(self) -> SimResult:
+        heap = self._heap
+        handlers = {
+            DONE: self._on_done,
+            POD_READY: self._on_pod_ready,
+            RETRY: self._on_retry,
+            GEN_DONE: self._on_gen_done,
+            ARRIVE: self._on_gen_done,
+            WAKE: self._on_wake,
+        }
+        events = 0
+        while heap:
+            now = heap[0][0]
+            self.now = now
+            while heap and heap[0][0] == now:
+                _, _, _, kind, obj = heapq.heappop(heap)
+                handlers[kind](obj, now)
+                events += 1
+            if self.dirty or self.unassigned:
+                self._pass(now)
+            if self.pods_dirty:
+                self._create_pods(now)
+            if self.check:
+                self._validate()
+            if self.progress is not None and events >= 20000:
+                self.progress(now, self._done_traj, self._n_traj)
+                events = 0
+        return self._finish()
+
+    # ------------------------------------------------------------------ trajectories
+
+    def _start_step(self, group: tuple[str, int], at: float) -> None:
+        self._step_start[group] = at
+        for st in self._groups[group]:
+            self._push(at + st.spec.arrival_s, ARRIVE, st)
+
+    def _on_gen_done(self, st: _Traj, now: float) -> None:
+        steps = st.spec.steps
+        while st.idx < len(steps):
+            s = steps[st.idx]
+            st.idx += 1
+            if isinstance(s, TraceAction):
+                self._submit(st, s, now)
+                return
+            if s > 0:
+                self._push(now + s, GEN_DONE, st)
+                return
+        self._end_trajectory(st, now)
+
+    def _end_trajectory(self, st: _Traj, now: float) -> None:
+        self._done_traj += 1
+        tid = st.spec.id
+        if st.pod is not None:
+            node, _cores, created = st.pod
+            node.release(ActionId(f"pod:{tid}"))
+            node.unreserve_mem(EnvId(tid))
+            self._add(self.reserved, "cpu", self.cluster.baselines.k8s_pod_cores * (now - created))
+            st.pod = None
+            self.pods_dirty = True
+        pid = self.affinity.pop(st.spec.id, None)
+        if pid is not None:
+            self.cpu[pid].unreserve_mem(EnvId(tid))
+            self.dirty.add(pid)  # memory freed: a new trajectory may fit now
+        group = st.group
+        self._left[group] -= 1
+        if self._left[group] == 0:
+            start = self._step_start[group]
+            task = group[0]
+            train = self.cluster.step_train_s
+            self.step_durations.setdefault(task, []).append(now - start + train)
+            nxt = self._next_step[group]
+            if nxt is not None:
+                self._start_step(nxt, now + train)
+
+    # ------------------------------------------------------------------ actions
+
+    def _template(self, ta: TraceAction) -> Action:
+        key = id(ta)
+        tpl = self._templates.get(key)
+        if tpl is None:
+            tpl = ta.template
+            k = self.policy.fixed_dop
+            if k is not None and tpl.is_elastic():
+                allowed = tpl.allowed_units()
+                fit = [a for a in allowed if a <= k]
+                amount = fit[-1] if fit else allowed[0]
+                amounts = Range(amount, amount) if tpl.key == "cpu" else Choices((amount,))
+                tpl = replace(tpl, demand={**tpl.demand, tpl.key: amounts})
+            self._templates[key] = tpl
+        return tpl
+
+    def _submit(self, st: _Traj, ta: TraceAction, now: float) -> None:
+        self._seq += 1
+        tpl = self._template(ta)
+        action = replace(
+            tpl, id=ActionId(f"{st.spec.id}#{st.idx - 1}"), seq=self._seq, submitted_at=now
+        )
+        run = _Run(action, ta, st, now)
+        pol = self.policy
+        if ta.kind == "exec":
+            if pol.cpu == "k8s":
+                self._k8s_submit(run, now)
+                return
+            pid = self.affinity.get(st.spec.id)
+            if pid is None:
+                self.unassigned[action.id] = run
+            else:
+                self.queues[pid][action.id] = run
+                self.dirty.add(pid)
+        elif ta.kind == "service":
+            if pol.gpu == "static":
+                svc = self.static[action.service or ""]
+                svc.queue.append(run)
+                self._static_dispatch(svc, now)
+                return
+            self.queues["gpu"][action.id] = run
+            self.dirty.add("gpu")
+        else:
+            pid = action.key
+            if pol.api == "retry":
+                self._retry_attempt(run, now)
+                return
+            self.queues[pid][action.id] = run
+            self.dirty.add(pid)
+
+    def _start(self, run: _Run, now: float, units: int, restore: float, resource: str) -> None:
+        run.start = now
+        run.units = units
+        run.restore = restore
+        run.exec = run.ta.true_duration(units)
+        self._add(self.busy, resource, units * run.exec)
+        self._push(now + restore + run.exec, DONE, run)
+
+    def _on_done(self, run: _Run, now: float) -> None:
+        action = run.action
+        if run.ta.dur_s is not None:
+            self.history.observe(action.klass, run.exec)
+        pid = run.pool_id
+        if pid:  # placed by the scheduler: give the units back
+            self.pools[pid].release(action.id)
+            del self.running[pid][action.id]
+            self.dirty.add(pid)
+            self._add(self.reserved, self.pools[pid].resource, run.units * (now - run.start))
+        elif action.kind == "service":  # static-services replica
+            svc = self.static[action.service or ""]
+            svc.free += 1
+            self._static_dispatch(svc, now)
+        elif action.kind == "api":  # api-retry lease
+            self.apis[action.key].release_lease(LeaseId(str(action.id)))
+            self._add(self.reserved, action.key, run.exec)
+        self._record(run, now, failed=False)
+        self._on_gen_done(run.traj, now)
+
+    def _record(self, run: _Run, now: float, failed: bool) -> None:
+        start = run.start if run.start >= 0 else now
+        self.records.append(
+            ActionRecord(
+                run.ta.tag,
+                run.action.kind,
+                run.action.task,
+                start - run.submit,
+                run.restore,
+                run.exec,
+                run.units,
+                failed,
+            )
+        )
+
+    def _fail(self, run: _Run, now: float) -> None:
+        self._record(run, now, failed=True)
+        self._on_gen_done(run.traj, now)
+
+    # ------------------------------------------------------------------ scheduler pass
+
+    def _pass(self, now: float) -> None:
+        pools: dict[str, Any] = {}
+        waiting: list[Action] = []
+        runs: dict[ActionId, _Run] = {}
+        dirty = self.dirty
+        if self.unassigned:
+            dirty = dirty | set(self.cpu)
+            for r in self.unassigned.values():
+                waiting.append(r.action)
+            runs.update(self.unassigned)
+        for pid in sorted(dirty):
+            pool = self.pools[pid]
+            if pid in self.apis:
+                pool.advance(now)
+            queue = self.queues[pid]
+            if not queue and not self.unassigned:
+                continue
+            if pool.free_units() == 0 and not (self.unassigned and pid in self.cpu):
+                continue  # nothing can start here until something is released
+            pools[pid] = pool
+            for r in queue.values():
+                waiting.append(r.action)
+            runs.update(queue)
+        self.dirty = set()
+        if not waiting:
+            return
+        waiting.sort(key=lambda a: a.seq)
+        running = {pid: list(self.running[pid].values()) for pid in pools}
+        snap = Snapshot(
+            waiting=waiting,
+            pools=pools,
+            affinity=self.affinity,
+            running=running,
+            estimate=self.history.estimate,
+            env_mem=self._env_mem,
+        )
+        decision = schedule(snap, now, self.sched)
+        for p in decision.placements:
+            run = runs[p.action_id]
+            action = run.action
+            tid = action.trajectory
+            if p.new_node:
+                node = self.cpu[p.pool_id]
+                if not node.reserve_mem(EnvId(tid), self.env_bytes[tid]):
+                    continue  # memory not free after all: the action keeps waiting
+                self.affinity[tid] = p.pool_id
+                del self.unassigned[action.id]
+            else:
+                del self.queues[p.pool_id][action.id]
+            pool = self.pools[p.pool_id]
+            pool.allocate(action.id, p.units)
+            run.pool_id = p.pool_id
+            restore = 0.0
+            if action.kind == "service":
+                self._tick += 1
+                assert self.gpu is not None
+                plan = self.gpu.restore_for(action.id, action.service or "", self._tick)
+                restore = plan.seconds
+            self.running[p.pool_id][action.id] = (now + p.expected_s, p.amount)
+            self._start(run, now, len(p.units), restore, pool.resource)
+        for inf in decision.infeasible:
+            run = self.unassigned.pop(inf.action_id, None)
+            if run is None:
+                run = self.queues[pool_of_run(runs[inf.action_id], self.affinity)].pop(
+                    inf.action_id
+                )
+            self._fail(run, now)
+        for pid in self.apis:
+            if self.queues[pid]:
+                self._api_wake(pid, now)
+
+    def _env_mem(self, action: Action) -> int:
+        return self.env_bytes.get(action.trajectory, 0)
+
+    def _api_wake(self, pid: str, now: float) -> None:
+        at = self.apis[pid].next_grant_time(now)
+        if at is not None and at > now and (pid, at) not in self._wakes:
+            self._wakes.add((pid, at))
+            self._push(at, WAKE, pid)
+
+    def _on_wake(self, pid: str, now: float) -> None:
+        self._wakes.discard((pid, now))
+        self.dirty.add(pid)
+
+    # ------------------------------------------------------------------ k8s baseline
+
+    def _k8s_submit(self, run: _Run, now: float) -> None:
+        st = run.traj
+        if st.pod is None:
+            st.pending = run
+            self.pod_queue.append(st)
+            self.pods_dirty = True
+            return
+        self._k8s_start(run, now)
+
+    def _k8s_start(self, run: _Run, now: float) -> None:
+        action = run.action
+        cores = self.cluster.baselines.k8s_pod_cores
+        allowed = action.allowed_units()
+        if allowed[0] > cores:
+            self._fail(run, now)  # the action needs more cores than a pod has
+            return
+        amount = max(a for a in allowed if a <= cores) if action.is_elastic() else allowed[0]
+        self._start(run, now, amount, 0.0, "cpu")
+
+    def _create_pods(self, now: float) -> None:
+        self.pods_dirty = False
+        cores = self.cluster.baselines.k8s_pod_cores
+        nodes = list(self.cpu.values())
+        while self.pod_queue:
+            st = self.pod_queue[0]
+            mem = self.env_bytes[st.spec.id]
+            fits = [n for n in nodes if n.free_units() >= cores and n.mem_free >= mem]
+            if not fits:
+                if not any(n.capacity >= cores and n.mem_total >= mem for n in nodes):
+                    self.pod_queue.popleft()  # can never be scheduled
+                    run, st.pending = st.pending, None
+                    assert run is not None
+                    self._fail(run, now)
+                    continue
+                return  # FCFS: the head waits for room
+            self.pod_queue.popleft()
+            node = max(fits, key=lambda n: (n.free_units(), -int(n.node_id[1:])))  # spread
+            picked = pick_cores(node.free_by_numa(), cores)
+            node.allocate(ActionId(f"pod:{st.spec.id}"), picked)
+            node.reserve_mem(EnvId(st.spec.id), mem)
+            st.pod = (node, picked, now)
+            self._push(now + self.cluster.baselines.k8s_pod_start_s, POD_READY, st)
+
+    def _on_pod_ready(self, st: _Traj, now: float) -> None:
+        run, st.pending = st.pending, None
+        assert run is not None
+        self._k8s_start(run, now)
+
+    # ------------------------------------------------------------------ static services
+
+    def _static_dispatch(self, svc: _Static, now: float) -> None:
+        while svc.free and svc.queue:
+            run = svc.queue.popleft()
+            svc.free -= 1
+            self._start(run, now, svc.gpus, 0.0, "gpu")
+
+    # ------------------------------------------------------------------ api-retry baseline
+
+    def _retry_attempt(self, run: _Run, now: float) -> None:
+        pool = self.apis[run.action.key]
+        pool.advance(now)
+        if pool.acquire(LeaseId(str(run.action.id)), now, ttl_s=NO_TTL) is not None:
+            self._start(run, now, 1, 0.0, run.action.key)
+            return
+        base = self.cluster.baselines.api_retry_backoff_s
+        backoff = min(base * 2**run.attempts, MAX_BACKOFF_S)
+        run.attempts += 1
+        self._push(now + backoff, RETRY, run)
+
+    def _on_retry(self, run: _Run, now: float) -> None:
+        self._retry_attempt(run, now)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    @staticmethod
+    def _add(table: dict[str, float], key: str, value: float) -> None:
+        table[key] = table.get(key, 0.0) + value
+
+    def _validate(self) -> None:
+        for node in self.cpu.values():
+            node.validate()
+            assert node.free_units() >= 0
+        if self.gpu is not None:
+            self.gpu.validate()
+        for api in self.apis.values():
+            api.validate()
+        for svc in self.static.values():
+            assert 0 <= svc.free <= svc.replicas, "static replicas over-used"
+
+    def _finish(self) -> SimResult:
+        pending = len(self.unassigned) + sum(len(q) for q in self.queues.values())
+        if pending or self._done_traj != self._n_traj:
+            raise SimError(
+                f"simulation stalled at t={self.now:.3f}: {pending} actions still queued, "
+                f"{self._n_traj - self._done_traj} trajectories unfinished"
+            )
+        makespan = self.now
+        if self.policy.gpu == "static" and self.static:
+            self._add(self.reserved, "gpu", self.static_gpus * makespan)
+        return summarize(
+            self.policy.name, self.records, self.step_durations, self.busy, self.reserved, makespan
+        )
+
+
+def pool_of_run(run: _Run, affinity: Any) -> str:
+    a = run.action
+    if a.kind == "exec":
+        return str(affinity[a.trajectory])
+    return "gpu" if a.kind == "service" else a.key
+
+
+def _check_names(cluster: ClusterSpec, trajectories: Sequence[Trajectory]) -> None:
+    for t in trajectories:
+        for a in t.actions():
+            tpl = a.template
+            if tpl.kind == "service" and cluster.service(tpl.service or "") is None:
+                raise SimError(
+                    f"trajectory {t.id!r} calls service {tpl.service!r}, which cluster file "
+                    f"{cluster.source} does not define (services: "
+                    f"{', '.join(s.name for s in cluster.services) or 'none'})"
+                )
+            if tpl.kind == "api" and cluster.api(tpl.api or "") is None:
+                raise SimError(
+                    f"trajectory {t.id!r} calls API {tpl.api!r}, which cluster file "
+                    f"{cluster.source} does not define (APIs: "
+                    f"{', '.join(a.name for a in cluster.apis) or 'none'})"
+                )
+
+
+def simulate(
+    cluster: ClusterSpec,
+    trajectories: Sequence[Trajectory],
+    policy: Policy,
+    sched: SchedConfig | None = None,
+    *,
+    check: bool = False,
+    progress: Callable[[float, int, int], None] | None = None,
+) -> SimResult:
+    """Run one policy over a trace; see the module doc."""
+    return Engine(cluster, trajectories, policy, sched, check=check, progress=progress).run()
+
+
+__all__ = ["Engine", "SimError", "simulate"]

@@ -1,0 +1,510 @@
+"""``tangramctl``: the operators' CLI (design §6). Commands stay thin: parse, call, render.
+
+Every command takes ``--json`` (one JSON document on stdout, for programs); without it the
+output is for people (aligned tables). Errors are one line on stderr, never a traceback:
+
+- the daemon cannot be reached → exit 2 (``exec``: 125, its infrastructure-error code);
+- the daemon refused the request (``not_found``, ``bad_request``, …) → exit 1;
+- ``exec`` exits with the command's own exit code, 124 on timeout, 125 on an
+  infrastructure error or a rejected action.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from tangram.client import Client, ExecResult, default_socket_path
+from tangram.model import TangramError
+from tangram.protocol import ConnectionFailed
+from tangramctl.render import kv, table, to_json
+
+EXIT_UNREACHABLE = 2
+EXIT_REFUSED = 1
+EXIT_TIMEOUT = 124
+EXIT_INFRA = 125
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# --------------------------------------------------------------------------- context
+
+
+@dataclass
+class Ctl:
+    """Per-invocation state: the socket path and a lazily connected client."""
+
+    socket: str | None = None
+    _client: Client | None = field(default=None, repr=False)
+
+    @property
+    def path(self) -> str:
+        """The socket the client uses (``--socket``, else ``$TANGRAM_SOCKET``, else default)."""
+        return self.socket if self.socket is not None else default_socket_path()
+
+    @property
+    def client(self) -> Client:
+        """The client; connects on its first call."""
+        if self._client is None:
+            self._client = Client(self.path)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+pass_ctl = click.make_pass_decorator(Ctl)
+
+
+def unreachable_message(path: str, exc: BaseException) -> str:
+    """``cannot reach tangramd at PATH: REASON; is `tangramd up` running?``."""
+    cause = exc.__cause__
+    reason = getattr(cause, "strerror", None) or (
+        str(cause) if cause else getattr(exc, "message", str(exc))
+    )
+    return f"cannot reach tangramd at {path}: {reason}; is `tangramd up` running?"
+
+
+def fail(message: str, code: int) -> NoReturn:
+    """Print ``tangramctl: MESSAGE`` on stderr and exit with ``code``."""
+    click.echo(f"tangramctl: {message}", err=True)
+    sys.exit(code)
+
+
+class _Cli(click.Group):
+    """The root group: turns client errors into one line on stderr and an exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ConnectionFailed as exc:
+            ctl = ctx.find_object(Ctl)
+            fail(unreachable_message(ctl.path if ctl else default_socket_path(), exc), 2)
+        except TangramError as exc:
+            fail(f"{exc.code}: {exc.message}", EXIT_REFUSED)
+
+
+def json_option(func: F) -> F:
+    """``--json``: print one JSON document instead of tables."""
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON for programs.")(func)
+
+
+def emit(as_json: bool, data: Any, human: Callable[[], str]) -> None:
+    """Print ``data`` as JSON, or ``human()`` for people."""
+    click.echo(to_json(data) if as_json else human())
+
+
+# --------------------------------------------------------------------------- root
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--socket",
+    "socket_path",
+    metavar="PATH",
+    default=None,
+    help="tangramd's Unix socket [default: $TANGRAM_SOCKET, else the standard path].",
+)
+@click.pass_context
+def cli(ctx: click.Context, socket_path: str | None) -> None:
+    """Operate an ARL-Tangram daemon: inspect queues, run and profile actions."""
+    ctl = Ctl(socket_path)
+    ctx.obj = ctl
+    ctx.call_on_close(ctl.close)
+
+
+@cli.command()
+@json_option
+@pass_ctl
+def status(ctl: Ctl, as_json: bool) -> None:
+    """Daemon summary: role, uptime, capacity, usage, counts."""
+    result = ctl.client.status()
+    emit(as_json, result, lambda: kv(result))
+
+
+@cli.command()
+@json_option
+@pass_ctl
+def nodes(ctl: Ctl, as_json: bool) -> None:
+    """Nodes with capacity, free resources and heartbeat age."""
+    rows = ctl.client.nodes()
+    preferred = ("id", "node", "name", "address", "cores", "free_cores", "mem", "free_mem")
+    emit(as_json, {"nodes": rows}, lambda: table(rows, preferred=preferred))
+
+
+@cli.command()
+@json_option
+@pass_ctl
+def queue(ctl: Ctl, as_json: bool) -> None:
+    """Waiting and running actions."""
+    result = ctl.client.queue()
+    preferred = ("action_id", "id", "kind", "trajectory", "node", "cpus", "cores", "state")
+
+    def human() -> str:
+        blocks = []
+        for name in ("running", "waiting"):
+            rows = result.get(name) or []
+            blocks.append(f"{name} ({len(rows)}):\n" + table(rows, preferred=preferred))
+        return "\n\n".join(blocks)
+
+    emit(as_json, result, human)
+
+
+@cli.command()
+@click.argument("action_id")
+@json_option
+@pass_ctl
+def story(ctl: Ctl, action_id: str, as_json: bool) -> None:
+    """What happened to one action (its recent event log)."""
+    result = ctl.client.story(action_id)
+
+    def human() -> str:
+        events = result.get("events") or []
+        head = kv({k: v for k, v in result.items() if k != "events"})
+        preferred = ("t", "time", "at", "event", "state", "from", "to", "node", "detail")
+        return head + "\n\n" + table(events, preferred=preferred, empty="(no events)")
+
+    emit(as_json, result, human)
+
+
+# --------------------------------------------------------------------------- exec
+
+
+def parse_cpus(text: str) -> int | tuple[int, int]:
+    """``"4"`` → 4; ``"2-8"`` → (2, 8); raise click.BadParameter otherwise."""
+    lo, sep, hi = text.partition("-")
+    try:
+        low = int(lo)
+        high = int(hi) if sep else low
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: want N or MIN-MAX, e.g. 4 or 2-8") from None
+    if low < 1 or high < low:
+        raise click.BadParameter(f"{text!r}: want 1 <= MIN <= MAX")
+    return (low, high) if sep else low
+
+
+def parse_assignments(values: Sequence[str], what: str) -> dict[str, str]:
+    """``["A=1", "B=x"]`` → ``{"A": "1", "B": "x"}``; raise click.BadParameter."""
+    out: dict[str, str] = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r}: want KEY=VALUE", param_hint=what)
+        out[key] = value
+    return out
+
+
+def exit_code_for(result: ExecResult) -> int:
+    """The CLI's exit status for an exec result (design §6 contract)."""
+    if result.outcome == "timeout":
+        return EXIT_TIMEOUT
+    if result.outcome in ("infra_error", "rejected"):
+        return EXIT_INFRA
+    code = result.exit_code
+    if code is None:
+        return 0 if result.outcome == "ok" else 1
+    if code < 0:  # killed by signal -code, as a shell reports it
+        return min(128 - code, 255)
+    if result.outcome == "failed" and code == 0:
+        return 1
+    return min(code, 255)
+
+
+def _refused_result(exc: TangramError) -> dict[str, Any]:
+    """The ``exec --json`` object when the daemon did not run the command at all."""
+    outcome = "rejected" if exc.code in ("unschedulable", "quota_exceeded") else "infra_error"
+    return {
+        "action_id": None,
+        "outcome": outcome,
+        "exit_code": None,
+        "stdout": "",
+        "stderr": "",
+        "queue_s": 0.0,
+        "exec_s": 0.0,
+        "act_s": 0.0,
+        "cores": [],
+        "truncated": False,
+        "error": {"code": exc.code, "message": exc.message},
+    }
+
+
+@cli.command(
+    "exec",
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+)
+@click.option("--env", "env_id", metavar="ID", help="Run in this open environment.")
+@click.option("--image", metavar="IMG", help="Image of the throwaway environment.")
+@click.option(
+    "--cpus", default="1", show_default=True, metavar="N|MIN-MAX", help="Cores: fixed or a range."
+)
+@click.option("--mem", metavar="SIZE", help="Memory limit, e.g. 512MiB.")
+@click.option("--timeout", "timeout_s", type=float, metavar="SECONDS", help="Wall-clock limit.")
+@click.option("--profile", metavar="NAME", help="Stored elasticity profile to schedule by.")
+@click.option(
+    "--elastic/--no-elastic",
+    default=None,
+    help="Let the scheduler pick the core count in a range (and rewrite pytest to -n).",
+)
+@click.option("--task", metavar="NAME", help="Task name (key of the duration history).")
+@click.option(
+    "--setenv", "setenv", multiple=True, metavar="KEY=VALUE", help="Environment variable."
+)
+@click.option("--shell", is_flag=True, help="Run CMD… joined by spaces through /bin/sh.")
+@json_option
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@pass_ctl
+def exec_(
+    ctl: Ctl,
+    env_id: str | None,
+    image: str | None,
+    cpus: str,
+    mem: str | None,
+    timeout_s: float | None,
+    profile: str | None,
+    elastic: bool | None,
+    task: str | None,
+    setenv: tuple[str, ...],
+    shell: bool,
+    as_json: bool,
+    cmd: tuple[str, ...],
+) -> None:
+    """Run one command as an exec action: tangramctl exec [OPTIONS] -- CMD [ARG…].
+
+    Without --env it runs in a throwaway environment. Prints the command's stdout and
+    stderr and exits with its exit code (124 on timeout, 125 on an infrastructure error).
+    """
+    if env_id is not None and image is not None:
+        raise click.UsageError("--env and --image exclude each other (an env has its image)")
+    demand = parse_cpus(cpus)
+    env_vars = parse_assignments(setenv, "--setenv") or None
+    try:
+        result = ctl.client.exec(
+            " ".join(cmd) if shell else list(cmd),
+            env=env_id,
+            image=image,
+            cpus=demand,
+            mem=mem,
+            timeout_s=timeout_s,
+            profile=profile,
+            elastic=elastic,
+            task=task,
+            env_vars=env_vars,
+        )
+    except ConnectionFailed as exc:
+        message = unreachable_message(ctl.path, exc)
+        if as_json:
+            click.echo(to_json(_refused_result(ConnectionFailed(message))))
+        fail(message, EXIT_INFRA)
+    except TangramError as exc:
+        if as_json:
+            click.echo(to_json(_refused_result(exc)))
+        fail(f"{exc.code}: {exc.message}", EXIT_INFRA)
+    if as_json:
+        click.echo(to_json(result.to_wire()))
+    else:
+        click.echo(result.stdout, nl=False)
+        click.echo(result.stderr, nl=False, err=True)
+        if result.truncated:
+            click.echo("tangramctl: output truncated by the daemon", err=True)
+        if result.outcome == "timeout":
+            click.echo(f"tangramctl: timed out after {result.exec_s:.3g} s", err=True)
+        elif result.outcome in ("infra_error", "rejected"):
+            click.echo(f"tangramctl: {result.outcome}: the command did not complete", err=True)
+    sys.exit(exit_code_for(result))
+
+
+# --------------------------------------------------------------------------- env
+
+
+@cli.group()
+def env() -> None:
+    """Open, close and list environments (sandboxes that persist between actions)."""
+
+
+@env.command("open")
+@click.option("--image", metavar="IMG", help="Container image (docker backend).")
+@click.option("--mem", metavar="SIZE", help="Memory reserved for the environment's life.")
+@json_option
+@pass_ctl
+def env_open(ctl: Ctl, image: str | None, mem: str | None, as_json: bool) -> None:
+    """Open an environment and print its id."""
+    env_id = ctl.client.env_open(image=image, mem=mem)
+    click.echo(to_json({"id": env_id}) if as_json else env_id)
+
+
+@env.command("close")
+@click.argument("env_id", metavar="ID")
+@json_option
+@pass_ctl
+def env_close(ctl: Ctl, env_id: str, as_json: bool) -> None:
+    """Close an environment and free its resources."""
+    ctl.client.env_close(env_id)
+    if as_json:
+        click.echo(to_json({"id": env_id, "closed": True}))
+
+
+@env.command("list")
+@json_option
+@pass_ctl
+def env_list(ctl: Ctl, as_json: bool) -> None:
+    """Open environments."""
+    rows = ctl.client.env_list()
+    preferred = ("id", "image", "node", "mem", "trajectory", "state", "idle_s", "actions")
+    emit(as_json, {"envs": rows}, lambda: table(rows, preferred=preferred))
+
+
+# --------------------------------------------------------------------------- api, services
+
+
+@cli.group()
+def api() -> None:
+    """Rate-limited API endpoints."""
+
+
+@api.command("list")
+@json_option
+@pass_ctl
+def api_list(ctl: Ctl, as_json: bool) -> None:
+    """API endpoints with their limits and usage."""
+    rows = ctl.client.api_list()
+    preferred = ("name", "concurrency", "in_use", "quota", "period_s", "used", "waiting")
+    emit(as_json, {"apis": rows}, lambda: table(rows, preferred=preferred))
+
+
+@cli.group()
+def service() -> None:
+    """GPU model services (reward models, judges, teachers)."""
+
+
+def _dop_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: want e.g. 1,2,4") from None
+    if not values:
+        raise click.BadParameter("empty list")
+    return values
+
+
+@service.command("register")
+@click.argument("name")
+@click.option("--mem", required=True, metavar="SIZE", help="GPU memory the model needs.")
+@click.option("--runtime", type=click.Choice(["simulated", "torch", "http"]), help="Runtime.")
+@click.option("--dop", metavar="1,2,4", help="DoP variants (GPUs per request).")
+@click.option("--entry", metavar="MODULE:FACTORY", help="torch runtime: model factory.")
+@click.option("--url", metavar="URL", help="http runtime: the model server.")
+@click.option("--set", "extra", multiple=True, metavar="KEY=VALUE", help="Further config.")
+@json_option
+@pass_ctl
+def service_register(
+    ctl: Ctl,
+    name: str,
+    mem: str,
+    runtime: str | None,
+    dop: str | None,
+    entry: str | None,
+    url: str | None,
+    extra: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Register a GPU service under NAME."""
+    config: dict[str, Any] = dict(parse_assignments(extra, "--set"))
+    given = {"runtime": runtime, "entry": entry, "url": url}
+    config.update({k: v for k, v in given.items() if v is not None})
+    if dop is not None:
+        config["dop"] = _dop_list(dop)
+    ctl.client.service_register(name, mem, **config)
+    if as_json:
+        click.echo(to_json({"name": name, "registered": True}))
+
+
+@service.command("list")
+@json_option
+@pass_ctl
+def service_list(ctl: Ctl, as_json: bool) -> None:
+    """Registered services and where they are resident."""
+    rows = ctl.client.service_list()
+    preferred = ("name", "runtime", "mem", "dop", "resident")
+    emit(as_json, {"services": rows}, lambda: table(rows, preferred=preferred))
+
+
+@service.command("remove")
+@click.argument("name")
+@json_option
+@pass_ctl
+def service_remove(ctl: Ctl, name: str, as_json: bool) -> None:
+    """Unregister a service."""
+    ctl.client.service_remove(name)
+    if as_json:
+        click.echo(to_json({"name": name, "removed": True}))
+
+
+# --------------------------------------------------------------------------- stored profiles
+
+
+@cli.group()
+def profiles() -> None:
+    """Stored elasticity profiles (measure one with `tangramctl profile`)."""
+
+
+@profiles.command("list")
+@json_option
+@pass_ctl
+def profiles_list(ctl: Ctl, as_json: bool) -> None:
+    """Stored profiles."""
+    rows = ctl.client.profile_list()
+    preferred = ("name", "t1_s", "elastic", "dop", "eff", "speedup")
+    emit(as_json, {"profiles": rows}, lambda: table(rows, preferred=preferred))
+
+
+@profiles.command("show")
+@click.argument("name")
+@json_option
+@pass_ctl
+def profiles_show(ctl: Ctl, name: str, as_json: bool) -> None:
+    """One stored profile."""
+    result = ctl.client.profile_get(name)
+    emit(as_json, result, lambda: kv(result))
+
+
+# --------------------------------------------------------------------------- attached
+
+
+def _attach_optional(module: str, name: str) -> None:
+    """Add command ``name`` from ``module``; if that module cannot load, a stub explains."""
+    import importlib
+
+    try:
+        command = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return  # not written (yet): the CLI works without it
+        error: BaseException = exc
+    except (ImportError, AttributeError) as exc:
+        error = exc
+    else:
+        cli.add_command(command, name)
+        return
+
+    @cli.command(name, context_settings={"ignore_unknown_options": True}, add_help_option=False)
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def unavailable(args: tuple[str, ...]) -> None:
+        fail(f"{name} is unavailable: {type(error).__name__}: {error}", 1)
+
+
+_attach_optional("tangramctl.profile", "profile")
+_attach_optional("tangramctl.simulate", "simulate")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point (``tangramctl``)."""
+    cli.main(args=list(argv) if argv is not None else None, prog_name="tangramctl")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Rendering for people: aligned tables and key/value blocks (``--json`` bypasses this).
+
+The daemon's result maps may grow fields; these helpers show whatever they get, with the
+preferred columns first, so the CLI does not break when the daemon adds something.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+MAX_CELL = 60  # characters; longer cells are cut with an ellipsis
+
+
+def fmt(value: Any) -> str:
+    """One cell: numbers rounded for reading, lists joined, maps compact, None as '-'."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1e-3 or abs(value) >= 1e6 else f"{value:.3f}"
+    if isinstance(value, list | tuple):
+        if value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return _int_ranges(list(value))
+        return ",".join(fmt(v) for v in value)
+    if isinstance(value, Mapping):
+        return " ".join(f"{k}={fmt(v)}" for k, v in value.items())
+    text = str(value).replace("\n", "⏎")
+    return text if len(text) <= MAX_CELL else text[: MAX_CELL - 1] + "…"
+
+
+def _int_ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``0-2,5`` (core lists read better this way); unsorted kept as is."""
+    if values != sorted(values) or len(set(values)) != len(values) or len(values) < 3:
+        return ",".join(str(v) for v in values)
+    parts: list[str] = []
+    start = prev = values[0]
+    for v in [*values[1:], None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ",".join(parts)
+
+
+def columns_of(rows: Sequence[Mapping[str, Any]], preferred: Sequence[str] = ()) -> list[str]:
+    """``preferred`` columns that occur, then every other key in first-seen order."""
+    seen: dict[str, None] = {}
+    for row in rows:
+        for key in row:
+            seen.setdefault(key, None)
+    return [c for c in preferred if c in seen] + [c for c in seen if c not in preferred]
+
+
+def table(
+    rows: Sequence[Mapping[str, Any]],
+    columns: Sequence[str] | None = None,
+    *,
+    preferred: Sequence[str] = (),
+    headers: Mapping[str, str] | None = None,
+    empty: str = "(none)",
+) -> str:
+    """An aligned text table; numeric columns right-aligned. ``empty`` if there are no rows."""
+    if not rows:
+        return empty
+    cols = list(columns) if columns is not None else columns_of(rows, preferred)
+    titles = [(headers or {}).get(c, c.upper()) for c in cols]
+    cells = [[fmt(row.get(c)) for c in cols] for row in rows]
+    numeric = [
+        all(_is_number(row.get(c)) or row.get(c) is None for row in rows)
+        and any(_is_number(row.get(c)) for row in rows)
+        for c in cols
+    ]
+    widths = [max(len(t), *(len(r[i]) for r in cells)) for i, t in enumerate(titles)]
+
+    def line(values: Iterable[str]) -> str:
+        parts = [
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values, widths, numeric, strict=True)
+        ]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(titles), *(line(r) for r in cells)])
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def kv(mapping: Mapping[str, Any], *, indent: int = 0) -> str:
+    """``key: value`` lines, keys aligned; nested maps indented below their key."""
+    if not mapping:
+        return " " * indent + "(empty)"
+    width = max(len(str(k)) for k in mapping)
+    lines: list[str] = []
+    pad = " " * indent
+    for key, value in mapping.items():
+        if isinstance(value, Mapping) and value:
+            lines.append(f"{pad}{key}:")
+            lines.append(kv(value, indent=indent + 2))
+        else:
+            lines.append(f"{pad}{str(key) + ':':<{width + 1}} {fmt(value)}")
+    return "\n".join(lines)
+
+
+def to_json(obj: Any) -> str:
+    """The ``--json`` form: one JSON document, indented, non-JSON values as strings."""
+    return json.dumps(obj, indent=2, default=_jsonable)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, set | frozenset | tuple):
+        return list(value)
+    return str(value)
+
+
+__all__ = ["columns_of", "fmt", "kv", "table", "to_json"]
