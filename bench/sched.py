@@ -21,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tangram.model import TrajectoryId, make_action  # noqa: E402
-from tangram.pools.api import ApiPool  # noqa: E402
-from tangram.pools.cpu import CpuNodePool  # noqa: E402
-from tangram.pools.gpu import GpuCluster, GpuNodePool, ServiceSpec  # noqa: E402
-from tangram.sched import SchedConfig, Snapshot, schedule  # noqa: E402
+from tangram.model import TrajectoryId, make_action
+from tangram.pools.api import ApiPool
+from tangram.pools.cpu import CpuNodePool
+from tangram.pools.gpu import GpuCluster, GpuNodePool, ServiceSpec
+from tangram.sched import SchedConfig, Snapshot, schedule
 
 CASES = [(64, 64), (256, 256), (1024, 256), (4096, 1024)]
 GIB = 1 << 30
@@ -41,7 +41,9 @@ def build(queued: int, units: int, seed: int = 0):
         cores = [list(range(0, half)), list(range(half, per_node))]
         pool = CpuNodePool(f"n{i}", cores, 2048 * GIB)
         pools[pool.pool_id] = pool
-    gpu_nodes = [GpuNodePool(f"g{i}", 8, mem_per_gpu=80 * GIB, h2d_bytes_per_s=25e9) for i in range(2)]
+    gpu_nodes = [
+        GpuNodePool(f"g{i}", 8, mem_per_gpu=80 * GIB, h2d_bytes_per_s=25e9) for i in range(2)
+    ]
     services = {f"judge{k}": ServiceSpec(f"judge{k}", 30 * GIB) for k in range(4)}
     gpu = GpuCluster(gpu_nodes, services)
     pools[gpu.pool_id] = gpu
@@ -62,13 +64,23 @@ def build(queued: int, units: int, seed: int = 0):
             amounts = sorted(rng.sample(range(1, 33), k))
             eff = {m: max(0.3, 1.0 - 0.02 * (m - 1)) for m in amounts}
             a = make_action(
-                f"a{i}", "exec", traj, {"cpu": {"set": amounts}}, seq=i,
-                t1_s=rng.uniform(30, 300), eff=eff,
+                f"a{i}",
+                "exec",
+                traj,
+                {"cpu": {"set": amounts}},
+                seq=i,
+                t1_s=rng.uniform(30, 300),
+                eff=eff,
             )
         elif r < 0.97:
             a = make_action(
-                f"a{i}", "service", traj, {"gpu": {"set": [1, 2, 4, 8]}}, seq=i,
-                service=f"judge{rng.randrange(4)}", t1_s=rng.uniform(2, 20),
+                f"a{i}",
+                "service",
+                traj,
+                {"gpu": {"set": [1, 2, 4, 8]}},
+                seq=i,
+                service=f"judge{rng.randrange(4)}",
+                t1_s=rng.uniform(2, 20),
                 eff={1: 1.0, 2: 0.9, 4: 0.8, 8: 0.6},
             )
         else:
@@ -77,8 +89,9 @@ def build(queued: int, units: int, seed: int = 0):
     running = {
         pid: [(rng.uniform(0.1, 60.0), 1) for _ in range(rng.randint(4, 32))] for pid in cpu_ids
     }
-    return Snapshot(waiting=waiting, pools=pools, affinity=affinity, running=running,
-                    env_mem=lambda a: 4 * GIB)
+    return Snapshot(
+        waiting=waiting, pools=pools, affinity=affinity, running=running, env_mem=lambda a: 4 * GIB
+    )
 
 
 def run(repeat: int, order: str) -> dict:
@@ -96,12 +109,16 @@ def run(repeat: int, order: str) -> dict:
             times.append((time.perf_counter() - t0) * 1e3)
             placed = len(d.placements)
         times.sort()
-        out.append({
-            "queued": queued, "units": units,
-            "p50_ms": round(statistics.median(times), 3),
-            "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))], 3),
-            "placed": placed, "passes": n,
-        })
+        out.append(
+            {
+                "queued": queued,
+                "units": units,
+                "p50_ms": round(statistics.median(times), 3),
+                "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))], 3),
+                "placed": placed,
+                "passes": n,
+            }
+        )
     return {"order": order, "cases": out}
 
 
@@ -117,7 +134,8 @@ def main() -> None:
     else:
         print(f"{'queued':>7} {'units':>6} {'p50 ms':>8} {'p99 ms':>8} {'placed':>7}")
         for c in result["cases"]:
-            print(f"{c['queued']:>7} {c['units']:>6} {c['p50_ms']:>8} {c['p99_ms']:>8} {c['placed']:>7}")
+            row = (c["queued"], c["units"], c["p50_ms"], c["p99_ms"], c["placed"])
+            print("{:>7} {:>6} {:>8} {:>8} {:>7}".format(*row))
 
 
 if __name__ == "__main__":

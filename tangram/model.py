@@ -15,7 +15,7 @@ estimator that the scheduler, the pools, the daemon and the simulator share.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, NewType
 
@@ -477,17 +477,6 @@ def amounts_to_wire(amounts: Amounts) -> object:
     if isinstance(amounts, Range):
         return amounts.min if amounts.min == amounts.max else [amounts.min, amounts.max]
     return {"set": list(amounts.values)}
-
-
-def interpolate_table(points: Iterable[tuple[int, float]], m: int) -> float:
-    """Linear interpolation over sorted (amount, value) points, clamped at the ends."""
-    pts = list(points)
-    if m <= pts[0][0]:
-        return pts[0][1]
-    for (m0, v0), (m1, v1) in zip(pts, pts[1:], strict=False):
-        if m0 <= m <= m1:
-            return v0 + (m - m0) / (m1 - m0) * (v1 - v0)
-    return pts[-1][1]
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,7 +133,7 @@ def status(ctl: Ctl, as_json: bool) -> None:
 def nodes(ctl: Ctl, as_json: bool) -> None:
     """Nodes with capacity, free resources and heartbeat age."""
     rows = ctl.client.nodes()
-    preferred = ("id", "node", "name", "address", "cores", "free_cores", "mem", "free_mem")
+    preferred = ("id", "cores", "free_cores", "busy_cores", "mem_bytes", "mem_reserved", "gpus")
     emit(as_json, {"nodes": rows}, lambda: table(rows, preferred=preferred))
 
 
@@ -143,14 +143,18 @@ def nodes(ctl: Ctl, as_json: bool) -> None:
 def queue(ctl: Ctl, as_json: bool) -> None:
     """Waiting and running actions."""
     result = ctl.client.queue()
-    preferred = ("action_id", "id", "kind", "trajectory", "node", "cpus", "cores", "state")
+    preferred = ("action_id", "kind", "state", "trajectory", "pool", "node", "waiting_s")
 
     def human() -> str:
-        blocks = []
-        for name in ("running", "waiting"):
-            rows = result.get(name) or []
-            blocks.append(f"{name} ({len(rows)}):\n" + table(rows, preferred=preferred))
-        return "\n\n".join(blocks)
+        lists = {k: v for k, v in result.items() if isinstance(v, list)}
+        rest = {k: v for k, v in result.items() if k not in lists}
+        blocks = [
+            f"{name} ({len(rows)}):\n" + table(rows, preferred=preferred)
+            for name, rows in lists.items()
+        ]
+        if rest:
+            blocks.append(kv(rest))
+        return "\n\n".join(blocks) or "(empty)"
 
     emit(as_json, result, human)
 
@@ -235,12 +239,18 @@ def _refused_result(exc: TangramError) -> dict[str, Any]:
 
 @cli.command(
     "exec",
+    short_help="Run one command as an exec action.",
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
 )
 @click.option("--env", "env_id", metavar="ID", help="Run in this open environment.")
 @click.option("--image", metavar="IMG", help="Image of the throwaway environment.")
 @click.option(
-    "--cpus", default="1", show_default=True, metavar="N|MIN-MAX", help="Cores: fixed or a range."
+    "--cpus",
+    default="1",
+    show_default=True,
+    metavar="N|MIN-MAX",
+    callback=lambda ctx, param, value: parse_cpus(value),
+    help="Cores: fixed or a range.",
 )
 @click.option("--mem", metavar="SIZE", help="Memory limit, e.g. 512MiB.")
 @click.option("--timeout", "timeout_s", type=float, metavar="SECONDS", help="Wall-clock limit.")
@@ -262,7 +272,7 @@ def exec_(
     ctl: Ctl,
     env_id: str | None,
     image: str | None,
-    cpus: str,
+    cpus: int | tuple[int, int],
     mem: str | None,
     timeout_s: float | None,
     profile: str | None,
@@ -280,14 +290,13 @@ def exec_(
     """
     if env_id is not None and image is not None:
         raise click.UsageError("--env and --image exclude each other (an env has its image)")
-    demand = parse_cpus(cpus)
     env_vars = parse_assignments(setenv, "--setenv") or None
     try:
         result = ctl.client.exec(
             " ".join(cmd) if shell else list(cmd),
             env=env_id,
             image=image,
-            cpus=demand,
+            cpus=cpus,
             mem=mem,
             timeout_s=timeout_s,
             profile=profile,

@@ -241,6 +241,7 @@ def render(report: Mapping[str, Any]) -> str:
 
 @click.command(
     "profile",
+    short_help="Measure a command's speedup per core count.",
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
 )
 @click.option("--image", metavar="IMG", help="Run in a container of this image (docker).")

@@ -13,22 +13,43 @@ from typing import Any
 MAX_CELL = 60  # characters; longer cells are cut with an ellipsis
 
 
-def fmt(value: Any) -> str:
-    """One cell: numbers rounded for reading, lists joined, maps compact, None as '-'."""
+def fmt(value: Any, key: str = "") -> str:
+    """One cell: numbers rounded for reading, byte counts (keys naming ``mem``/``bytes``) as
+    binary sizes, lists joined (core lists as ranges), maps compact, None as '-'."""
     if value is None:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
+    if isinstance(value, int) and _is_size_key(key):
+        return size(value)
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1e-3 or abs(value) >= 1e6 else f"{value:.3f}"
     if isinstance(value, list | tuple):
-        if value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if not value:
+            return "-"
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             return _int_ranges(list(value))
-        return ",".join(fmt(v) for v in value)
+        sep = " | " if any(isinstance(v, list | tuple) for v in value) else ","
+        return sep.join(fmt(v) for v in value)
     if isinstance(value, Mapping):
         return " ".join(f"{k}={fmt(v)}" for k, v in value.items())
     text = str(value).replace("\n", "⏎")
     return text if len(text) <= MAX_CELL else text[: MAX_CELL - 1] + "…"
+
+
+def _is_size_key(key: str) -> bool:
+    key = key.lower()
+    return "mem" in key or key.endswith("bytes")
+
+
+def size(n: int) -> str:
+    """Bytes in binary units for reading: ``1536`` → ``1.5KiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{n}B" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{n}B"  # unreachable
 
 
 def _int_ranges(values: list[int]) -> str:
@@ -69,7 +90,7 @@ def table(
         return empty
     cols = list(columns) if columns is not None else columns_of(rows, preferred)
     titles = [(headers or {}).get(c, c.upper()) for c in cols]
-    cells = [[fmt(row.get(c)) for c in cols] for row in rows]
+    cells = [[fmt(row.get(c), c) for c in cols] for row in rows]
     numeric = [
         all(_is_number(row.get(c)) or row.get(c) is None for row in rows)
         and any(_is_number(row.get(c)) for row in rows)
@@ -103,7 +124,7 @@ def kv(mapping: Mapping[str, Any], *, indent: int = 0) -> str:
             lines.append(f"{pad}{key}:")
             lines.append(kv(value, indent=indent + 2))
         else:
-            lines.append(f"{pad}{str(key) + ':':<{width + 1}} {fmt(value)}")
+            lines.append(f"{pad}{str(key) + ':':<{width + 1}} {fmt(value, str(key))}")
     return "\n".join(lines)
 
 
@@ -120,4 +141,4 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-__all__ = ["columns_of", "fmt", "kv", "table", "to_json"]
+__all__ = ["columns_of", "fmt", "kv", "size", "table", "to_json"]

@@ -29,6 +29,7 @@ from tangram.model import (
     InvalidDemand,
     TangramError,
     TrajectoryId,
+    Unschedulable,
     make_action,
 )
 from tangram.pools.api import ApiPool
@@ -92,6 +93,7 @@ class Core:
         self.actions: dict[ActionId, ActionRec] = {}
         self.queue: dict[ActionId, ActionRec] = {}  # waiting for units, FCFS (seq) order
         self.envs: dict[EnvId, EnvRec] = {}
+        self.env_waitq: deque[EnvId] = deque()  # environments waiting for memory, FIFO
         self.leases: dict[ActionId, LeaseRec] = {}
         self.profiles: dict[str, dict[str, Any]] = {}
         self.stories = Story(STORY_LIMIT)
@@ -160,14 +162,12 @@ class Core:
         traj = TrajectoryId(trajectory or f"traj-{env_id}")
         mem_bytes = self.cfg.default_env_mem if mem is None else mem
         placed = self.cpu.place_trajectory(traj, env_id, 0, mem_bytes)
-        if not isinstance(placed, str):
-            code = "unschedulable" if placed.reason == "never" else "quota_exceeded"
-            err = QuotaExceeded if code == "quota_exceeded" else _unschedulable
-            raise err(f"cannot place environment: {placed.describe()}")
+        if not isinstance(placed, str) and placed.reason == "never":
+            raise Unschedulable(f"cannot place environment: {placed.describe()}")
         env = EnvRec(
             id=env_id,
             trajectory=traj,
-            node=placed,
+            node=placed if isinstance(placed, str) else "",
             image=image or self.cfg.default_image,
             mem=mem_bytes,
             created_at=now,
@@ -176,9 +176,29 @@ class Core:
             open_token=token,
             conn=conn,
         )
+        if not isinstance(placed, str):  # no memory free now: wait in FIFO order
+            env.state = "waiting_mem"
+            self.env_waitq.append(env_id)
+            self.envs[env_id] = env
+            return env
         self.envs[env_id] = env
         out.append(ev.CreateEnv(env_id, env.node, env.image, mem_bytes, cause=cause))
         return env
+
+    def _retry_waiting_envs(self, now: float, out: list[ev.Command]) -> None:
+        """Memory was freed: place waiting environments in FIFO order."""
+        while self.env_waitq:
+            env = self.envs.get(self.env_waitq[0])
+            if env is None or env.state != "waiting_mem":
+                self.env_waitq.popleft()
+                continue
+            placed = self.cpu.place_trajectory(env.trajectory, env.id, 0, env.mem)
+            if not isinstance(placed, str):
+                return
+            self.env_waitq.popleft()
+            env.node = placed
+            transition(env, "creating", ENV_EDGES, now, "memory became free")
+            out.append(ev.CreateEnv(env.id, env.node, env.image, env.mem, cause=0))
 
     def _close_env(self, env: EnvRec, now: float, out: list[ev.Command], why: str) -> None:
         if env.state in ("closing", "closed"):
@@ -210,15 +230,29 @@ class Core:
                 raise NotFound(f"environment {e.env!r} not found")
         else:
             env = self._open_env(
-                now, out, image=e.image, mem=e.mem, trajectory=e.trajectory,
-                throwaway=True, token=None, cause=e.cause, conn=e.conn,
+                now,
+                out,
+                image=e.image,
+                mem=e.mem,
+                trajectory=e.trajectory,
+                throwaway=True,
+                token=None,
+                cause=e.cause,
+                conn=e.conn,
             )
         max_cores = max(p.capacity for p in self.cpu.nodes)
         aid = ActionId(self._new_id("a"))
         try:
             action = make_action(
-                aid, "exec", env.trajectory, {"cpu": cpus}, task=e.task or "default",
-                seq=next(self._seq), t1_s=t1_s, eff=eff, submitted_at=now,
+                aid,
+                "exec",
+                env.trajectory,
+                {"cpu": cpus},
+                task=e.task or "default",
+                seq=next(self._seq),
+                t1_s=t1_s,
+                eff=eff,
+                submitted_at=now,
                 klass=f"{e.task or 'default'}/exec/{_command_class(e.cmd)}",
                 capacity={"cpu": max_cores},
             )
@@ -227,9 +261,17 @@ class Core:
                 self._close_env(env, now, out, "submission rejected")
             raise
         rec = ActionRec(
-            action=action, token=e.token, env=env.id, conn=e.conn, submitted_at=now,
-            request={"cmd": e.cmd, "timeout_s": e.timeout_s, "env_vars": e.env_vars or {},
-                     "elastic": elastic is not False},
+            action=action,
+            token=e.token,
+            env=env.id,
+            conn=e.conn,
+            submitted_at=now,
+            request={
+                "cmd": e.cmd,
+                "timeout_s": e.timeout_s,
+                "env_vars": e.env_vars or {},
+                "elastic": elastic is not False,
+            },
         )
         self.actions[aid] = rec
         self.stories.add(aid, now, "submitted", f"cpus={cpus} env={env.id} cmd={_short(e.cmd)}")
@@ -317,9 +359,7 @@ class Core:
             if rec.state == "running" and rec.pool_id:
                 exp = rec.started_at + rec.expected_s if rec.started_at is not None else now
                 running.setdefault(rec.pool_id, []).append((exp, len(rec.units) or 1))
-        affinity = {
-            env.trajectory: f"cpu:{env.node}" for env in self.envs.values() if env.node is not None
-        }
+        affinity = {env.trajectory: f"cpu:{env.node}" for env in self.envs.values() if env.node}
         snap = Snapshot(
             waiting=[rec.action for rec in self.queue.values()],
             pools=self.pools,
@@ -333,7 +373,10 @@ class Core:
             rec = self.actions[inf.action_id]
             self.stories.add(rec.action.id, now, "infeasible", inf.shortfall.describe())
             self._finish_action(
-                rec, now, out, outcome="rejected",
+                rec,
+                now,
+                out,
+                outcome="rejected",
                 error=("unschedulable", inf.shortfall.describe()),
             )
         for p in decision.placements:
@@ -380,11 +423,15 @@ class Core:
         elif res["outcome"] in ("ok", "failed"):
             self.history.observe(rec.action.klass, float(res.get("exec_s", 0.0)))
         self.stories.add(
-            rec.action.id, now, "finished",
-            f"outcome={res['outcome']} exit={res.get('exit_code')} exec_s={res.get('exec_s', 0):.4f}",
+            rec.action.id,
+            now,
+            "finished",
+            f"outcome={res['outcome']} exit={res.get('exit_code')} "
+            f"exec_s={res.get('exec_s', 0):.4f}",
         )
-        self._finish_action(rec, now, out, outcome=res["outcome"], result=res,
-                            detail=res.get("detail", ""))
+        self._finish_action(
+            rec, now, out, outcome=res["outcome"], result=res, detail=res.get("detail", "")
+        )
 
     # ------------------------------------------------------------------ leases
     def _acquire(self, e: ev.AcquireLease, now: float, out: list[ev.Command]) -> None:
@@ -404,12 +451,19 @@ class Core:
                 raise QuotaExceeded(f"api {e.api!r}: no capacity now (policy reject)")
         aid = ActionId(self._new_id("l"))
         action = make_action(
-            aid, "api", f"lease-{aid}", {pool.resource: 1}, seq=next(self._seq),
-            submitted_at=now, klass=f"lease/{e.api}",
+            aid,
+            "api",
+            f"lease-{aid}",
+            {pool.resource: 1},
+            seq=next(self._seq),
+            submitted_at=now,
+            klass=f"lease/{e.api}",
         )
         deadline = None
         if policy == "deadline":
-            deadline = now + (e.deadline_s if e.deadline_s is not None else self.cfg.default_deadline_s)
+            deadline = now + (
+                e.deadline_s if e.deadline_s is not None else self.cfg.default_deadline_s
+            )
         ttl = e.ttl_s if e.ttl_s is not None else pool.default_ttl_s
         rec = ActionRec(action=action, token=e.token, env=None, conn=e.conn, submitted_at=now)
         self.actions[aid] = rec
@@ -425,8 +479,12 @@ class Core:
             out.append(
                 ev.Reply(
                     rec.token,
-                    result={"lease_id": rec.action.id, "api": lease.api,
-                            "expires_in_s": lease.ttl_s, "queue_s": now - rec.submitted_at},
+                    result={
+                        "lease_id": rec.action.id,
+                        "api": lease.api,
+                        "expires_in_s": lease.ttl_s,
+                        "queue_s": now - rec.submitted_at,
+                    },
                     cause=0,
                 )
             )
@@ -454,15 +512,30 @@ class Core:
             if lease.state == "granted" and lease.expires_at <= now:
                 self.stories.add(lease.action_id, now, "lease_expired", f"ttl={lease.ttl_s}")
                 self._end_lease(lease, now, out, "expired")
-            elif lease.state == "waiting" and lease.deadline_at is not None and lease.deadline_at <= now:
+            elif (
+                lease.state == "waiting"
+                and lease.deadline_at is not None
+                and lease.deadline_at <= now
+            ):
                 rec = self.actions[lease.action_id]
                 transition(lease, "failed", LEASE_EDGES, now, "deadline passed")
-                self._finish_action(rec, now, out, outcome="timeout",
-                                    error=("timeout", f"no {lease.api} capacity within the deadline"))
-        for lease_id in [k for k, v in self.leases.items() if v.state in ("released", "expired", "failed")]:
+                self._finish_action(
+                    rec,
+                    now,
+                    out,
+                    outcome="timeout",
+                    error=("timeout", f"no {lease.api} capacity within the deadline"),
+                )
+        for lease_id in [
+            k for k, v in self.leases.items() if v.state in ("released", "expired", "failed")
+        ]:
             del self.leases[lease_id]
         for env in list(self.envs.values()):
-            if env.state == "ready" and not env.active and now - env.last_used >= self.cfg.env_idle_ttl_s:
+            if (
+                env.state == "ready"
+                and not env.active
+                and now - env.last_used >= self.cfg.env_idle_ttl_s
+            ):
                 self._close_env(env, now, out, "idle TTL expired")
         if (self._pass_due is not None and now >= self._pass_due) or self._dirty:
             self.run_pass(now, out)
@@ -477,7 +550,8 @@ class Core:
             "leases": sum(1 for lease in self.leases.values() if lease.state == "granted"),
             "passes": self.passes,
             "pools": {
-                pid: {"capacity": p.capacity, "free": p.free_units()} for pid, p in self.pools.items()
+                pid: {"capacity": p.capacity, "free": p.free_units()}
+                for pid, p in self.pools.items()
             },
         }
 
@@ -489,7 +563,9 @@ class Core:
         for rec in self.actions.values():
             if rec.state == "running" and rec.action.kind == "exec":
                 for core in rec.units:
-                    assert core not in holders, f"core {core} held by {holders[core]} and {rec.action.id}"
+                    assert core not in holders, (
+                        f"core {core} held by {holders[core]} and {rec.action.id}"
+                    )
                     holders[core] = rec.action.id
             if rec.state == "done":
                 assert rec.action.id not in self.queue
@@ -497,12 +573,6 @@ class Core:
             assert self.actions[aid].state == "queued"
         for pool in self.apis.values():
             assert pool.free_units() >= 0
-
-
-def _unschedulable(message: str) -> TangramError:
-    from tangram.model import Unschedulable
-
-    return Unschedulable(message)
 
 
 def _command_class(cmd: object) -> str:
@@ -524,8 +594,17 @@ def _short(cmd: object, limit: int = 80) -> str:
 
 
 def _on_open(core: Core, e: ev.OpenEnv, now: float, out: list[ev.Command]) -> None:
-    core._open_env(now, out, image=e.image, mem=e.mem, trajectory=e.trajectory,
-                   throwaway=False, token=e.token, cause=e.cause, conn=e.conn)
+    core._open_env(
+        now,
+        out,
+        image=e.image,
+        mem=e.mem,
+        trajectory=e.trajectory,
+        throwaway=False,
+        token=e.token,
+        cause=e.cause,
+        conn=e.conn,
+    )
 
 
 def _on_close(core: Core, e: ev.CloseEnv, now: float, out: list[ev.Command]) -> None:
@@ -553,8 +632,13 @@ def _on_env_created(core: Core, e: ev.EnvCreated, now: float, out: list[ev.Comma
         out.append(ev.Reply(env.open_token, error=("infra_error", e.error), cause=0))
         env.open_token = None
     for aid in list(env.pending):
-        core._finish_action(core.actions[aid], now, out, outcome="infra_error",
-                            detail=f"environment creation failed: {e.error}")
+        core._finish_action(
+            core.actions[aid],
+            now,
+            out,
+            outcome="infra_error",
+            detail=f"environment creation failed: {e.error}",
+        )
     env.pending.clear()
     core._close_env(env, now, out, f"creation failed: {e.error}")
 
@@ -569,6 +653,7 @@ def _on_env_removed(core: Core, e: ev.EnvRemoved, now: float, out: list[ev.Comma
     del core.envs[env.id]
     if env.close_token is not None:
         out.append(ev.Reply(env.close_token, result={"closed": True}, cause=0))
+    core._retry_waiting_envs(now, out)
 
 
 def _on_conn_closed(core: Core, e: ev.ConnClosed, now: float, out: list[ev.Command]) -> None:

@@ -24,6 +24,8 @@ ACTION_EDGES: dict[tuple[str, str], str] = {
 
 ENV_EDGES: dict[tuple[str, str], str] = {
     ("new", "creating"): "env.open or a throwaway exec asked for it",
+    ("waiting_mem", "creating"): "another environment's memory was freed and it now fits",
+    ("waiting_mem", "closing"): "closed (or its client left) before memory became free",
     ("creating", "ready"): "the backend created it",
     ("creating", "closing"): "creation failed, or closed while being created",
     ("ready", "lost"): "an exec found it gone (container died or removed behind our back)",
@@ -49,7 +51,9 @@ class _HasState(Protocol):
     state: str
 
 
-def transition(entity: Any, new: str, edges: dict[tuple[str, str], str], now: float, why: str) -> None:
+def transition(
+    entity: Any, new: str, edges: dict[tuple[str, str], str], now: float, why: str
+) -> None:
     old = entity.state
     if (old, new) not in edges:
         hist = list(getattr(entity, "history", ()))

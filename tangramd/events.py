@@ -132,9 +132,7 @@ class CreateEnv(Command):
     image: str | None = None
     mem: int = 0
 
-    def __init__(
-        self, env_id: str, node: str, image: str | None, mem: int, cause: int = 0
-    ) -> None:
+    def __init__(self, env_id: str, node: str, image: str | None, mem: int, cause: int = 0) -> None:
         object.__setattr__(self, "env_id", env_id)
         object.__setattr__(self, "node", node)
         object.__setattr__(self, "image", image)

@@ -23,20 +23,34 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="TOML config file (see config/tangram.toml).")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="TOML config file (see config/tangram.toml).",
+)
 @click.option("--socket", "socket_path", default=None, help="Unix socket path for clients.")
 @click.option("--state-dir", default=None, help="Directory for environments and the registry.")
-@click.option("--cpu-backend", type=click.Choice(["process", "docker"]), default=None,
-              help="Where exec actions run (default from config: process).")
-def up(config_path: str | None, socket_path: str | None, state_dir: str | None,
-       cpu_backend: str | None) -> None:
+@click.option(
+    "--cpu-backend",
+    type=click.Choice(["process", "docker"]),
+    default=None,
+    help="Where exec actions run (default from config: process).",
+)
+def up(
+    config_path: str | None, socket_path: str | None, state_dir: str | None, cpu_backend: str | None
+) -> None:
     """Run coordinator + node + local socket in one process until SIGTERM/SIGINT."""
     try:
-        config = load_config(config_path, {
-            "daemon.socket": socket_path, "daemon.state_dir": state_dir,
-            "cpu.backend": cpu_backend,
-        })
+        config = load_config(
+            config_path,
+            {
+                "daemon.socket": socket_path,
+                "daemon.state_dir": state_dir,
+                "cpu.backend": cpu_backend,
+            },
+        )
     except ConfigError as exc:
         click.echo(f"tangramd: {exc}", err=True)
         sys.exit(2)
@@ -75,8 +89,9 @@ def node() -> None:
 @cli.command()
 def coordinator() -> None:
     """Cluster coordinator for multi-host clusters (not in this release; use `up`)."""
-    click.echo("tangramd coordinator: multi-host mode is not available yet; run `tangramd up`",
-               err=True)
+    click.echo(
+        "tangramd coordinator: multi-host mode is not available yet; run `tangramd up`", err=True
+    )
     sys.exit(2)
 
 

@@ -62,6 +62,8 @@ class Runtime:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        # TANGRAM_VALIDATE=1 (tests): check the core's invariants after every event
+        self._validate = os.environ.get("TANGRAM_VALIDATE") == "1"
         self._load_profiles()
 
     # ------------------------------------------------------------------ life cycle
@@ -70,8 +72,12 @@ class Runtime:
         for what in actions:
             log.info("reconciled", detail=what)
         await self.server.start()
-        log.info("daemon_ready", socket=self.socket_path, backend=self.backend.name,
-                 cores=sum(p.capacity for p in self.core.cpu.nodes))
+        log.info(
+            "daemon_ready",
+            socket=self.socket_path,
+            backend=self.backend.name,
+            cores=sum(p.capacity for p in self.core.cpu.nodes),
+        )
 
     async def stop(self) -> None:
         """Graceful stop: refuse new work, end in-flight actions with a typed outcome."""
@@ -101,6 +107,11 @@ class Runtime:
             return
         for cmd in commands:
             self._execute(cmd)
+        if self._validate:
+            try:
+                self.core.validate()
+            except AssertionError as exc:
+                log.error("invariant_violated", event=type(event).__name__, error=str(exc))
         self._arm_timer()
 
     def _arm_timer(self) -> None:
@@ -168,21 +179,39 @@ class Runtime:
 
     async def _run_exec(self, cmd: ev.RunExec) -> None:
         req = ExecRequest(
-            env_id=cmd.env_id, cmd=cmd.cmd, cores=cmd.cores, timeout_s=cmd.timeout_s,
-            elastic=cmd.elastic, env_vars=cmd.env_vars, max_output=cmd.max_output,
+            env_id=cmd.env_id,
+            cmd=cmd.cmd,
+            cores=cmd.cores,
+            timeout_s=cmd.timeout_s,
+            elastic=cmd.elastic,
+            env_vars=cmd.env_vars,
+            max_output=cmd.max_output,
             action_id=cmd.action_id,
         )
         try:
             res: ExecResult = await self.backend.exec(req)
         except Exception as exc:
-            res = ExecResult("infra_error", None, "", "", 0.0, False, f"{type(exc).__name__}: {exc}")
+            res = ExecResult(
+                "infra_error", None, "", "", 0.0, False, f"{type(exc).__name__}: {exc}"
+            )
         lost = res.outcome == "infra_error" and not self.backend.env_exists(cmd.env_id)
-        log.info("action_finished", action_id=cmd.action_id, node=cmd.node, env=cmd.env_id,
-                 outcome=res.outcome, exit_code=res.exit_code, exec_s=round(res.exec_s, 6),
-                 cores=list(cmd.cores))
+        log.info(
+            "action_finished",
+            action_id=cmd.action_id,
+            node=cmd.node,
+            env=cmd.env_id,
+            outcome=res.outcome,
+            exit_code=res.exit_code,
+            exec_s=round(res.exec_s, 6),
+            cores=list(cmd.cores),
+        )
         result = {
-            "outcome": res.outcome, "exit_code": res.exit_code, "stdout": res.stdout,
-            "stderr": res.stderr, "exec_s": res.exec_s, "truncated": res.truncated,
+            "outcome": res.outcome,
+            "exit_code": res.exit_code,
+            "stdout": res.stdout,
+            "stderr": res.stderr,
+            "exec_s": res.exec_s,
+            "truncated": res.truncated,
             "detail": res.detail,
         }
         self.feed(ev.ExecFinished(action_id=cmd.action_id, result=result, env_lost=lost))
@@ -239,21 +268,34 @@ async def _op_ping(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
 async def _op_status(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     now = rt.clock()
     out = rt.core.status(now)
-    out.update({"version": __version__, "uptime_s": now - rt.started, "backend": rt.backend.name,
-                "socket": rt.socket_path, "nodes": len(rt.core.cpu.nodes)})
+    out.update(
+        {
+            "version": __version__,
+            "uptime_s": now - rt.started,
+            "backend": rt.backend.name,
+            "socket": rt.socket_path,
+            "nodes": len(rt.core.cpu.nodes),
+        }
+    )
     return out
 
 
 async def _op_nodes(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     nodes = []
     for p in rt.core.cpu.nodes:
-        nodes.append({
-            "id": p.node_id, "cores": p.capacity, "free_cores": p.free_units(),
-            "numa": [list(c) for c in p.numa], "mem_bytes": p.mem_total,
-            "mem_reserved": p.mem_reserved,
-            "busy_cores": [c for cores in p.numa for c in cores if p.holder(c) is not None],
-            "gpus": 0, "backend": rt.backend.name,
-        })
+        nodes.append(
+            {
+                "id": p.node_id,
+                "cores": p.capacity,
+                "free_cores": p.free_units(),
+                "numa": [list(c) for c in p.numa],
+                "mem_bytes": p.mem_total,
+                "mem_reserved": p.mem_reserved,
+                "busy_cores": [c for cores in p.numa for c in cores if p.holder(c) is not None],
+                "gpus": 0,
+                "backend": rt.backend.name,
+            }
+        )
     return {"nodes": nodes}
 
 
@@ -264,12 +306,20 @@ async def _op_queue(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
         r for r in rt.core.actions.values() if r.state in ("running", "waiting_env")
     ]:
         a = rec.action
-        rows.append({
-            "action_id": a.id, "kind": a.kind, "state": rec.state, "trajectory": a.trajectory,
-            "pool": rec.pool_id or None, "waiting_s": now - rec.submitted_at,
-            "min": a.min_units, "max": a.key_amounts.max, "units": list(rec.units),
-            "elastic": a.is_elastic(),
-        })
+        rows.append(
+            {
+                "action_id": a.id,
+                "kind": a.kind,
+                "state": rec.state,
+                "trajectory": a.trajectory,
+                "pool": rec.pool_id or None,
+                "waiting_s": now - rec.submitted_at,
+                "min": a.min_units,
+                "max": a.key_amounts.max,
+                "units": list(rec.units),
+                "elastic": a.is_elastic(),
+            }
+        )
     return {"actions": rows}
 
 
@@ -288,9 +338,15 @@ async def _op_story(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
 
 
 async def _op_env_open(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
-    return await rt._request(lambda tok: ev.OpenEnv(
-        token=tok, image=args.get("image"), mem=args.get("mem"),
-        trajectory=args.get("trajectory"), conn=None))
+    return await rt._request(
+        lambda tok: ev.OpenEnv(
+            token=tok,
+            image=args.get("image"),
+            mem=args.get("mem"),
+            trajectory=args.get("trajectory"),
+            conn=None,
+        )
+    )
 
 
 async def _op_env_close(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
@@ -299,30 +355,61 @@ async def _op_env_close(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> An
 
 async def _op_env_list(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     now = rt.clock()
-    return {"envs": [
-        {"id": e.id, "node": e.node, "image": e.image, "mem": e.mem, "state": e.state,
-         "trajectory": e.trajectory, "age_s": now - e.created_at, "idle_s": now - e.last_used,
-         "active": e.active}
-        for e in rt.core.envs.values() if not e.throwaway
-    ]}
+    return {
+        "envs": [
+            {
+                "id": e.id,
+                "node": e.node,
+                "image": e.image,
+                "mem": e.mem,
+                "state": e.state,
+                "trajectory": e.trajectory,
+                "age_s": now - e.created_at,
+                "idle_s": now - e.last_used,
+                "active": e.active,
+            }
+            for e in rt.core.envs.values()
+            if not e.throwaway
+        ]
+    }
 
 
 async def _op_exec(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     cpus = args.get("cpus")
     if isinstance(cpus, list | tuple):
         cpus = list(cpus)
-    return await rt._request(lambda tok: ev.SubmitExec(
-        token=tok, cmd=args["cmd"], env=args.get("env"), image=args.get("image"), cpus=cpus,
-        mem=args.get("mem"), timeout_s=args.get("timeout_s"), profile=args.get("profile"),
-        elastic=args.get("elastic"), trajectory=args.get("trajectory"), task=args.get("task"),
-        t1_s=args.get("t1_s"), eff=args.get("eff"), env_vars=args.get("env_vars"),
-        conn=conn.id))
+    return await rt._request(
+        lambda tok: ev.SubmitExec(
+            token=tok,
+            cmd=args["cmd"],
+            env=args.get("env"),
+            image=args.get("image"),
+            cpus=cpus,
+            mem=args.get("mem"),
+            timeout_s=args.get("timeout_s"),
+            profile=args.get("profile"),
+            elastic=args.get("elastic"),
+            trajectory=args.get("trajectory"),
+            task=args.get("task"),
+            t1_s=args.get("t1_s"),
+            eff=args.get("eff"),
+            env_vars=args.get("env_vars"),
+            conn=conn.id,
+        )
+    )
 
 
 async def _op_lease_acquire(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
-    return await rt._request(lambda tok: ev.AcquireLease(
-        token=tok, api=args["api"], ttl_s=args.get("ttl_s"), policy=args.get("policy"),
-        deadline_s=args.get("deadline_s"), conn=conn.id))
+    return await rt._request(
+        lambda tok: ev.AcquireLease(
+            token=tok,
+            api=args["api"],
+            ttl_s=args.get("ttl_s"),
+            policy=args.get("policy"),
+            deadline_s=args.get("deadline_s"),
+            conn=conn.id,
+        )
+    )
 
 
 async def _op_lease_release(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
@@ -336,11 +423,18 @@ async def _op_api_list(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any
         if rec.action.kind == "api":
             waiting[rec.action.api or ""] = waiting.get(rec.action.api or "", 0) + 1
     for name, pool in sorted(rt.core.apis.items()):
-        rows.append({
-            "name": name, "concurrency": pool.concurrency, "quota": pool.quota,
-            "period_s": pool.period_s, "overflow": pool.overflow, "in_use": pool.in_use,
-            "free": pool.free_units(), "waiting": waiting.get(name, 0),
-        })
+        rows.append(
+            {
+                "name": name,
+                "concurrency": pool.concurrency,
+                "quota": pool.quota,
+                "period_s": pool.period_s,
+                "overflow": pool.overflow,
+                "in_use": pool.in_use,
+                "free": pool.free_units(),
+                "waiting": waiting.get(name, 0),
+            }
+        )
     return {"apis": rows}
 
 
@@ -402,14 +496,24 @@ def build_runtime(config: Any) -> Runtime:
     mem = config.cpu.mem or topo.mem_bytes
     cluster = CpuCluster([CpuNodePool(NODE_ID, layout, mem)])
     apis = {
-        a.name: ApiPool(a.name, concurrency=a.concurrency, quota=a.quota, period_s=a.period_s,
-                        overflow=a.overflow, default_ttl_s=a.ttl_s)
+        a.name: ApiPool(
+            a.name,
+            concurrency=a.concurrency,
+            quota=a.quota,
+            period_s=a.period_s,
+            overflow=a.overflow,
+            default_ttl_s=a.ttl_s,
+        )
         for a in config.apis
     }
     sc = config.sched
     core_cfg = CoreConfig(
-        sched=SchedConfig(depth=sc.depth, order=sc.order, starvation_s=sc.starvation_s,
-                          replay_limit=sc.replay_limit),
+        sched=SchedConfig(
+            depth=sc.depth,
+            order=sc.order,
+            starvation_s=sc.starvation_s,
+            replay_limit=sc.replay_limit,
+        ),
         coalesce_s=sc.coalesce_ms / 1000.0,
         default_env_mem=config.cpu.default_env_mem,
         env_idle_ttl_s=config.cpu.env_idle_ttl_s,
@@ -423,12 +527,20 @@ def build_runtime(config: Any) -> Runtime:
     if config.cpu.backend == "docker":
         from tangramd.backends.docker import DockerBackend
 
-        backend = DockerBackend(default_image=config.cpu.docker_image, state_dir=state_dir,
-                                use_agent=config.cpu.exec_agent)
+        backend = DockerBackend(
+            default_image=config.cpu.docker_image,
+            state_dir=state_dir,
+            use_agent=config.cpu.exec_agent,
+        )
     else:
         from tangramd.backends.process import ProcessBackend
 
         backend = ProcessBackend(os.path.join(state_dir, "process"))
-    return Runtime(core, backend, config.daemon.socket, state_dir=state_dir,
-                   max_frame=config.daemon.max_frame_bytes,
-                   idle_timeout_s=config.daemon.idle_timeout_s)
+    return Runtime(
+        core,
+        backend,
+        config.daemon.socket,
+        state_dir=state_dir,
+        max_frame=config.daemon.max_frame_bytes,
+        idle_timeout_s=config.daemon.idle_timeout_s,
+    )

@@ -54,9 +54,7 @@ def numa_cpulists(sys_nodes: Path = SYS_NODES) -> list[tuple[int, ...]]:
     return nodes
 
 
-def build_topology(
-    numa: list[tuple[int, ...]], allowed: set[int], mem_bytes: int
-) -> HostTopology:
+def build_topology(numa: list[tuple[int, ...]], allowed: set[int], mem_bytes: int) -> HostTopology:
     """Intersect sysfs NUMA node lists with the affinity mask (pure; unit-tested)."""
     grouped = [tuple(c for c in node if c in allowed) for node in numa]
     grouped = [g for g in grouped if g]

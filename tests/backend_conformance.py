@@ -143,21 +143,38 @@ class BackendConformance:
         env = new_env(backend, mem_bytes=1 << 30)
         install_suite(backend, env)
         result = ex(
-            backend, env, "cd suite && python3 -m pytest -v", BOTH_CORES,
-            env_vars={"CPU_SUITE_SCALE": "0.02"}, timeout_s=120,
+            backend,
+            env,
+            "cd suite && python3 -m pytest -v",
+            BOTH_CORES,
+            env_vars={"CPU_SUITE_SCALE": "0.02"},
+            timeout_s=120,
         )
         assert result.outcome == "ok", result
         assert set(re.findall(r"\[(gw\d+)\]", result.stdout)) == {"gw0", "gw1"}
-        single = ex(backend, env, "cd suite && python3 -m pytest -v", (0,),
-                    env_vars={"CPU_SUITE_SCALE": "0.02"}, timeout_s=120)
+        single = ex(
+            backend,
+            env,
+            "cd suite && python3 -m pytest -v",
+            (0,),
+            env_vars={"CPU_SUITE_SCALE": "0.02"},
+            timeout_s=120,
+        )
         assert single.outcome == "ok" and "[gw0]" not in single.stdout
 
     def test_opted_out_pytest_is_left_alone(self, backend):
         """An action that opts out of elasticity runs pytest exactly as written."""
         env = new_env(backend)
         install_suite(backend, env)
-        result = ex(backend, env, "cd suite && python3 -m pytest -v", BOTH_CORES,
-                    elastic=False, env_vars={"CPU_SUITE_SCALE": "0.01"}, timeout_s=120)
+        result = ex(
+            backend,
+            env,
+            "cd suite && python3 -m pytest -v",
+            BOTH_CORES,
+            elastic=False,
+            env_vars={"CPU_SUITE_SCALE": "0.01"},
+            timeout_s=120,
+        )
         assert result.outcome == "ok" and "[gw0]" not in result.stdout
 
     def test_unknown_and_closed_envs_are_infra_errors(self, backend):

@@ -19,16 +19,31 @@ REWRITES = [
     ("bare pytest", ["pytest"], 2, True, ["pytest", "-n", "2"]),
     ("py.test", ["py.test", "-q"], 4, True, ["py.test", "-n", "4", "-q"]),
     ("path to pytest", ["/venv/bin/pytest", "t"], 2, True, ["/venv/bin/pytest", "-n", "2", "t"]),
-    ("python -m", ["python", "-m", "pytest", "-x"], 3, True,
-     ["python", "-m", "pytest", "-n", "3", "-x"]),
-    ("python3.11 -m", ["python3.11", "-m", "pytest"], 2, True,
-     ["python3.11", "-m", "pytest", "-n", "2"]),
+    (
+        "python -m",
+        ["python", "-m", "pytest", "-x"],
+        3,
+        True,
+        ["python", "-m", "pytest", "-n", "3", "-x"],
+    ),
+    (
+        "python3.11 -m",
+        ["python3.11", "-m", "pytest"],
+        2,
+        True,
+        ["python3.11", "-m", "pytest", "-n", "2"],
+    ),
     ("replaces -n N", ["pytest", "-n", "8", "t"], 2, True, ["pytest", "-n", "2", "t"]),
     ("replaces -nN", ["pytest", "-n8", "t"], 2, True, ["pytest", "-n", "2", "t"]),
     ("replaces -n auto", ["pytest", "-n", "auto"], 2, True, ["pytest", "-n", "2"]),
     ("replaces --numprocesses=", ["pytest", "--numprocesses=5"], 2, True, ["pytest", "-n", "2"]),
-    ("replaces --numprocesses N", ["pytest", "--numprocesses", "5", "-q"], 2, True,
-     ["pytest", "-n", "2", "-q"]),
+    (
+        "replaces --numprocesses N",
+        ["pytest", "--numprocesses", "5", "-q"],
+        2,
+        True,
+        ["pytest", "-n", "2", "-q"],
+    ),
     ("one core unchanged", ["pytest", "-n", "4"], 1, True, ["pytest", "-n", "4"]),
     ("opted out unchanged", ["pytest"], 4, False, ["pytest"]),
     ("not pytest", ["python", "-m", "unittest"], 4, True, ["python", "-m", "unittest"]),
@@ -41,8 +56,7 @@ REWRITES = [
     ("shell quoted cd", "cd 'a b' && py.test", 2, True, "cd 'a b' && py.test -n 2"),
     ("shell replaces -n", "pytest -n 4 -x", 2, True, "pytest -n 2 -x"),
     ("shell replaces -nN", "pytest -n4", 2, True, "pytest -n 2"),
-    ("shell replaces --numprocesses", "pytest --numprocesses=auto t", 2, True,
-     "pytest -n 2 t"),
+    ("shell replaces --numprocesses", "pytest --numprocesses=auto t", 2, True, "pytest -n 2 t"),
     ("shell pipeline", "pytest t | tail -1", 2, True, "pytest -n 2 t | tail -1"),
     ("shell and-chain", "pytest t && echo ok", 2, True, "pytest -n 2 t && echo ok"),
     ("shell keeps quoted spaces", 'pytest -k "a  b"', 2, True, 'pytest -n 2 -k "a  b"'),
@@ -75,15 +89,21 @@ CAPS = [
     ("under limit", [b"abc"], 10, "abc", False),
     ("exact limit", [b"abcde"], 5, "abcde", False),
     ("over limit", [b"abcdefg"], 5, "abcde" + TRUNCATION_MARKER.format(dropped=2), True),
-    ("over across chunks", [b"abc", b"def", b"gh"], 4,
-     "abcd" + TRUNCATION_MARKER.format(dropped=4), True),
+    (
+        "over across chunks",
+        [b"abc", b"def", b"gh"],
+        4,
+        "abcd" + TRUNCATION_MARKER.format(dropped=4),
+        True,
+    ),
     ("zero limit", [b"xy"], 0, TRUNCATION_MARKER.format(dropped=2), True),
     ("bad utf-8 replaced", [b"\xffok"], 10, "\ufffdok", False),
 ]
 
 
-@pytest.mark.parametrize(("chunks", "limit", "text", "truncated"),
-                         [c[1:] for c in CAPS], ids=[c[0] for c in CAPS])
+@pytest.mark.parametrize(
+    ("chunks", "limit", "text", "truncated"), [c[1:] for c in CAPS], ids=[c[0] for c in CAPS]
+)
 def test_output_buffer(chunks, limit, text, truncated):
     """Streams keep their first `limit` bytes and end with a marker naming the rest."""
     buf = OutputBuffer(limit)

@@ -8,6 +8,7 @@ happens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -224,10 +225,8 @@ class SocketProxy:
         self.listener.close()
         os.unlink(self.path)
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             conn.close()
         self.conns.clear()
 
@@ -252,10 +251,8 @@ class SocketProxy:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
 
 @pytest.mark.parametrize("use_agent", [True, False], ids=["agent", "docker_exec"])

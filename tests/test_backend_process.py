@@ -115,7 +115,9 @@ def test_affinity_without_cgroups(tmp_path):
     before = os.sched_getaffinity(0)
     b = ProcessBackend(tmp_path, use_cgroups=False)
     env = new_env(b)
-    out = ex(b, env, "grep Cpus_allowed_list /proc/self/status; grep cpuset /proc/self/cgroup", (1,))
+    out = ex(
+        b, env, "grep Cpus_allowed_list /proc/self/status; grep cpuset /proc/self/cgroup", (1,)
+    )
     assert "Cpus_allowed_list:\t1\n" in out.stdout
     assert "tangram" not in out.stdout
     run(b.shutdown())

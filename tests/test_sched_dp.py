@@ -53,9 +53,7 @@ def test_rows_serve_every_eviction_step():
     table = DPTable(choices, ChunkOperator({8: 2}))
     for t in range(1, 7):
         row = table.row(t)
-        assert row.total == pytest.approx(
-            dp_arrange(choices[:t], 16, ChunkOperator({8: 2})).total
-        )
+        assert row.total == pytest.approx(dp_arrange(choices[:t], 16, ChunkOperator({8: 2})).total)
 
 
 def _random_choices(rng: random.Random, max_units: int, pow2: bool = False) -> dict[int, float]:

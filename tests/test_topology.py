@@ -28,8 +28,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("numa", "allowed", "expected"),
-                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("numa", "allowed", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_build_topology(numa, allowed, expected):
     """Usable cores are the affinity mask, grouped by the NUMA node sysfs lists them under."""
     assert build_topology(numa, allowed, 123) == HostTopology(expected, 123)

@@ -73,7 +73,8 @@ class DPTable:
         self._op = operator
         self._start = operator.start() if start is None else start
         if isinstance(operator, BaseOperator):
-            self._build_vector(int(self._start))  # type: ignore[call-overload]  # base state is int
+            assert isinstance(self._start, int)  # the base operator's state is a unit count
+            self._build_vector(self._start)
         else:
             self._build_states()
 

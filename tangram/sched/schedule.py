@@ -367,7 +367,7 @@ def _schedule_pool(
         heap = list(base_heap)
         heapq.heapify(heap)
         best = fixed_total + replay.run(window, state, heap)
-        best_t, best_amounts = 0, []
+        best_t, best_amounts = 0, list[int]()
     else:
         best_t = n
         best, best_amounts = objective(n)

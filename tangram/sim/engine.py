@@ -31,9 +31,9 @@ from typing import Any
 from tangram.model import Action, ActionId, Choices, EnvId, HistoryEstimator, LeaseId, Range
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuNodePool, pick_cores
-from tangram.pools.gpu import GpuCluster, GpuNodePool
+from tangram.pools.gpu import GPU_STRIDE, GpuCluster, GpuNodePool, choose_chunk
 from tangram.pools.gpu import ServiceSpec as GpuServiceSpec
-from tangram.sched import SchedConfig, Snapshot, schedule
+from tangram.sched import SchedConfig, Snapshot, chunk_level, schedule
 from tangram.sim.cluster import GB, ClusterSpec
 from tangram.sim.metrics import ActionRecord, SimResult, summarize
 from tangram.sim.policy import Policy
@@ -144,7 +144,7 @@ class Engine:
                     )
                 )
         services = {s.name: GpuServiceSpec(s.name, int(s.mem_gb * GB)) for s in c.services}
-        self.gpu = GpuCluster(gnodes, services) if gnodes else None
+        self.gpu = _GpuPool(gnodes, services) if gnodes else None
         self.apis: dict[str, ApiPool] = {
             f"api:{a.name}": ApiPool(a.name, a.concurrency, a.quota, a.period_s) for a in c.apis
         }
@@ -575,6 +575,36 @@ class Engine:
         return summarize(
             self.policy.name, self.records, self.step_durations, self.busy, self.reserved, makespan
         )
+
+
+class _GpuPool(GpuCluster):
+    """``GpuCluster`` whose ``pick_units`` falls back to residency-blind buddy packing.
+
+    Work-around: ``GpuCluster.pick_units`` prefers chunks where the service is resident and
+    can thereby split a free chunk that a later request of the same pass needed, failing
+    for requests that the scheduler's ``ChunkOperator`` rightly found feasible. Packing the
+    requests largest first into the smallest fitting chunk always succeeds then.
+    """
+
+    fallbacks = 0
+
+    def pick_units(self, requests: Sequence[tuple[Action, int]]) -> list[tuple[int, ...]]:
+        try:
+            return super().pick_units(requests)
+        except ValueError:
+            self.fallbacks += 1
+        copies = [node.buddy.copy() for node in self.nodes]
+        out: list[tuple[int, ...]] = [() for _ in requests]
+        order = sorted(range(len(requests)), key=lambda i: (-chunk_level(requests[i][1]), i))
+        for i in order:
+            size = chunk_level(requests[i][1])
+            chosen = choose_chunk([(c, None) for c in copies], size)
+            if chosen is None:
+                raise ValueError(f"gpu: requests {list(requests)} do not fit the free chunks")
+            index, start = chosen
+            copies[index].split(start, size)
+            out[i] = tuple(index * GPU_STRIDE + g for g in range(start, start + size))
+        return out
 
 
 def pool_of_run(run: _Run, affinity: Any) -> str:

@@ -24,6 +24,7 @@ third-party imports.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -54,7 +55,7 @@ def encode_frame(obj: object) -> bytes:
 def decode_header(header: bytes) -> int:
     (size,) = _HEADER.unpack(header)
     if size > MAX_FRAME:
-        raise ValueError("frame too large: %d bytes" % size)
+        raise ValueError(f"frame too large: {size} bytes")
     return size
 
 
@@ -95,21 +96,19 @@ class _Capped:
 
 
 def _killpg(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def kill_marked(exec_id: str) -> int:
     """SIGKILL every process whose environment carries this exec's marker; returns count."""
-    needle = ("%s=%s" % (MARKER_VAR, exec_id)).encode()
+    needle = (f"{MARKER_VAR}={exec_id}").encode()
     killed = 0
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
-            with open("/proc/%s/environ" % name, "rb") as f:
+            with open(f"/proc/{name}/environ", "rb") as f:
                 if needle in f.read().split(b"\0"):
                     os.kill(int(name), signal.SIGKILL)
                     killed += 1
@@ -121,7 +120,7 @@ def kill_marked(exec_id: str) -> int:
 def run_command(req: dict) -> dict:
     cmd = req["cmd"]
     argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
-    exec_id = str(req.get("exec_id") or "%d-%f" % (os.getpid(), time.time()))
+    exec_id = str(req.get("exec_id") or f"{os.getpid()}-{time.time()}")
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
     env[MARKER_VAR] = exec_id
@@ -144,7 +143,7 @@ def run_command(req: dict) -> dict:
         )
     except OSError as e:
         code = 127 if isinstance(e, FileNotFoundError) else 126
-        msg = "tangram: cannot run %s: %s\n" % (argv[0], e.strerror)
+        msg = f"tangram: cannot run {argv[0]}: {e.strerror}\n"
         return _result(code, "", msg, False, False, time.monotonic() - started)
     deadline = None if timeout_s is None else started + float(timeout_s)
     streams = {proc.stdout: out, proc.stderr: err}
@@ -171,7 +170,7 @@ def run_command(req: dict) -> dict:
         if drain_until is not None and now >= drain_until:
             break  # an escaped descendant holds a pipe open
         waits = [t - now for t in (deadline, kill_at, drain_until) if t is not None and t > now]
-        for key, _ in sel.select(timeout=min(waits + [0.05])):
+        for key, _ in sel.select(timeout=min([*waits, 0.05])):
             chunk = os.read(key.fd, 1 << 16)
             if chunk:
                 streams[key.fileobj].feed(chunk)
@@ -218,15 +217,13 @@ class _Handler(socketserver.BaseRequestHandler):
             elif op == "exec":
                 reply = run_command(req)
             else:
-                reply = {"ok": False, "error": "unknown op %r" % (op,)}
+                reply = {"ok": False, "error": f"unknown op {op!r}"}
         except EOFError:
             return
         except Exception as e:  # report, keep serving
-            reply = {"ok": False, "error": "%s: %s" % (type(e).__name__, e)}
-        try:
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        with contextlib.suppress(OSError):
             self.request.sendall(encode_frame(reply))
-        except OSError:
-            pass
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -237,10 +234,8 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 def serve(path: str) -> None:
     tmp = path + ".tmp"
     for p in (path, tmp):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(p)
-        except FileNotFoundError:
-            pass
     server = _Server(tmp, _Handler)
     os.rename(tmp, path)  # the socket appears only once it is listening
     server.serve_forever(poll_interval=3600)

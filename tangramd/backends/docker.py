@@ -188,8 +188,11 @@ class DockerBackend:
             "detach": True,
             "init": True,
             "network_mode": "none",
-            "labels": {self.label: self.owner_id, ENV_LABEL: env_id,
-                       INSTANCE_LABEL: self.instance_id},
+            "labels": {
+                self.label: self.owner_id,
+                ENV_LABEL: env_id,
+                INSTANCE_LABEL: self.instance_id,
+            },
             "environment": {"TANGRAM_AGENT": "1" if self.use_agent else "0"},
             "working_dir": WORKDIR,
             "volumes": {str(agent_dir): {"bind": AGENT_MOUNT, "mode": "rw"}},
@@ -418,7 +421,9 @@ class DockerBackend:
         marker = f"{agent_mod.MARKER_VAR}={req.action_id or 'exec'}-{uuid.uuid4().hex[:8]}"
         # Through sh so that a missing program is exit 127 as in the other paths.
         argv = (
-            ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else ["/bin/sh", "-c", 'exec "$@"', "sh", *cmd]
+            ["/bin/sh", "-c", cmd]
+            if isinstance(cmd, str)
+            else ["/bin/sh", "-c", 'exec "$@"', "sh", *cmd]
         )
         api = self.client.api
         try:
@@ -462,7 +467,7 @@ class DockerBackend:
                 await asyncio.wait_for(asyncio.shield(pumping), SIGTERM_GRACE_S)
             except asyncio.TimeoutError:
                 await self._kill_marked(env, "KILL", marker)
-        except _ENGINE_ERRORS + (docker.errors.APIError,) as e:
+        except (*_ENGINE_ERRORS, docker.errors.APIError) as e:
             return infra_error(f"docker exec stream failed: {e}", stdout=out.text())
         exec_s = time.monotonic() - started
         try:

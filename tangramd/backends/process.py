@@ -279,10 +279,8 @@ class ProcessBackend:
         except asyncio.TimeoutError:
             timed_out = True
             _killpg(proc.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(proc.wait(), SIGTERM_GRACE_S)
-            except asyncio.TimeoutError:
-                pass
         exec_s = time.monotonic() - started
         # The main process is gone: end whatever it left behind, then drain the pipes.
         _killpg(proc.pid, signal.SIGKILL)

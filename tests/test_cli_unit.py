@@ -1,0 +1,497 @@
+"""tangramctl rendering and exit-code logic, against a tiny in-test fake daemon.
+
+The fake serves canned answers over the real transport (``tangramd.transport.UnixServer``)
+so the real client and CLI run end to end; what it answers is chosen per test. Behaviour
+of the real daemon is covered by the integration tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from tangram.model import Unschedulable
+from tangram.protocol import InfraError, NotFound, UnknownOp
+from tangramctl.main import cli
+from tangramctl.profile import is_pytest, parse_dops, pytest_counts
+from tangramctl.render import fmt, table
+from tangramd.transport import UnixServer
+
+Handler = Callable[[dict[str, Any]], Any]
+
+
+class FakeDaemon:
+    """Serves ``handlers[op](args)`` on a Unix socket from a background event loop."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.handlers: dict[str, Handler] = {}
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server = UnixServer(path, self._handle, idle_timeout_s=30.0)
+
+    async def _handle(self, op: str, args: dict[str, Any], conn: object) -> Any:
+        self.requests.append((op, args))
+        handler = self.handlers.get(op)
+        if handler is None:
+            raise UnknownOp(f"fake daemon has no {op!r}")
+        return handler(args)
+
+    def ops(self, name: str) -> list[dict[str, Any]]:
+        """Args of every request for op ``name``, in order."""
+        return [args for op, args in self.requests if op == name]
+
+    def start(self) -> None:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result(10)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._server.close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="tgctl-", dir="/tmp")  # short: AF_UNIX paths are limited
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(sock_dir: str) -> Iterator[FakeDaemon]:
+    fake = FakeDaemon(f"{sock_dir}/d.sock")
+    fake.start()
+    try:
+        yield fake
+    finally:
+        fake.stop()
+
+
+def run(path: str, *args: str) -> Result:
+    return CliRunner().invoke(cli, ["--socket", path, *args], catch_exceptions=False)
+
+
+def exec_result(**overrides: Any) -> dict[str, Any]:
+    result = {
+        "action_id": "a1",
+        "outcome": "ok",
+        "exit_code": 0,
+        "stdout": "",
+        "stderr": "",
+        "queue_s": 0.01,
+        "exec_s": 0.5,
+        "act_s": 0.51,
+        "cores": [0],
+        "truncated": False,
+    }
+    result.update(overrides)
+    return result
+
+
+EXEC_KEYS = {"outcome", "exit_code", "stdout", "stderr", "queue_s", "exec_s", "act_s", "cores"}
+
+
+# --------------------------------------------------------------------------- unreachable
+
+
+def test_unreachable_socket_is_one_line_and_exit_2(sock_dir: str) -> None:
+    """Without a daemon, commands print one clear line (no traceback) and exit 2."""
+    path = f"{sock_dir}/missing.sock"
+    result = run(path, "status", "--json")
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr.strip() == (
+        f"tangramctl: cannot reach tangramd at {path}: No such file or directory; "
+        "is `tangramd up` running?"
+    )
+    assert "Traceback" not in result.output
+
+
+def test_unreachable_socket_for_exec_is_an_infra_error(sock_dir: str) -> None:
+    """exec without a daemon exits 125 (its infra-error code) and --json still gives an object."""
+    path = f"{sock_dir}/missing.sock"
+    result = run(path, "exec", "--json", "--", "true")
+    assert result.exit_code == 125
+    body = json.loads(result.stdout)
+    assert body["outcome"] == "infra_error" and body["exit_code"] is None
+    assert set(body) >= EXEC_KEYS
+    assert "cannot reach tangramd" in result.stderr
+
+
+def test_socket_from_environment(sock_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --socket the path comes from $TANGRAM_SOCKET (and the error names it)."""
+    path = f"{sock_dir}/env.sock"
+    monkeypatch.setenv("TANGRAM_SOCKET", path)
+    result = CliRunner().invoke(cli, ["status"])
+    assert result.exit_code == 2
+    assert f"at {path}:" in result.stderr
+
+
+# --------------------------------------------------------------------------- --json shapes
+
+
+def test_status_json_is_the_daemon_answer(daemon: FakeDaemon) -> None:
+    """status --json prints exactly the daemon's status map."""
+    answer = {"version": "0.1.0", "uptime_s": 1.5, "pools": {"cpu:local": {"free": 2}}}
+    daemon.handlers["status"] = lambda args: answer
+    result = run(daemon.path, "status", "--json")
+    assert result.exit_code == 0
+    assert json.loads(result.stdout) == answer
+
+
+@pytest.mark.parametrize(
+    ("argv", "op", "key", "rows"),
+    [
+        (["nodes"], "nodes", "nodes", [{"id": "local", "cores": 2, "free_cores": 1}]),
+        (["env", "list"], "env.list", "envs", [{"id": "e1", "mem": 1 << 30}]),
+        (["api", "list"], "api.list", "apis", [{"name": "search", "quota": 10}]),
+        (["service", "list"], "service.list", "services", [{"name": "judge"}]),
+        (["profiles", "list"], "profile.list", "profiles", [{"name": "p", "t1_s": 3.0}]),
+    ],
+    ids=["nodes", "env-list", "api-list", "service-list", "profiles-list"],
+)
+def test_list_commands_json(
+    daemon: FakeDaemon, argv: list[str], op: str, key: str, rows: list[dict[str, Any]]
+) -> None:
+    """List commands print the op's result map ({key: [rows]}) with --json."""
+    daemon.handlers[op] = lambda args: {key: rows}
+    result = run(daemon.path, *argv, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {key: rows}
+
+
+def test_env_open_prints_the_id(daemon: FakeDaemon) -> None:
+    """env open prints the bare id for scripts, and {"id": …} with --json."""
+    daemon.handlers["env.open"] = lambda args: {"id": "e42"}
+    plain = run(daemon.path, "env", "open", "--mem", "512MiB")
+    assert (plain.exit_code, plain.stdout) == (0, "e42\n")
+    assert daemon.ops("env.open")[0] == {"mem": 512 << 20}
+    as_json = run(daemon.path, "env", "open", "--image", "img:1", "--json")
+    assert json.loads(as_json.stdout) == {"id": "e42"}
+    assert daemon.ops("env.open")[1] == {"image": "img:1"}
+
+
+def test_env_close_sends_the_id(daemon: FakeDaemon) -> None:
+    """env close ID closes that environment and prints nothing without --json."""
+    daemon.handlers["env.close"] = lambda args: {}
+    result = run(daemon.path, "env", "close", "e7")
+    assert (result.exit_code, result.stdout) == (0, "")
+    assert daemon.ops("env.close") == [{"id": "e7"}]
+
+
+# --------------------------------------------------------------------------- exec
+
+
+def test_exec_json_shape(daemon: FakeDaemon) -> None:
+    """exec --json prints one object with the contract's fields and the command's exit code."""
+    daemon.handlers["exec"] = lambda args: exec_result(stdout="hi\n", cores=[0, 1])
+    result = run(daemon.path, "exec", "--json", "--", "echo", "hi")
+    assert result.exit_code == 0
+    body = json.loads(result.stdout)
+    assert set(body) >= EXEC_KEYS
+    assert (body["outcome"], body["stdout"], body["cores"]) == ("ok", "hi\n", [0, 1])
+
+
+EXIT_CASES = [
+    ("ok", 0, 0),
+    ("failed", 3, 3),
+    ("failed", -9, 137),
+    ("failed", None, 1),
+    ("timeout", 143, 124),
+    ("infra_error", None, 125),
+    ("rejected", None, 125),
+]
+
+
+@pytest.mark.parametrize(
+    ("outcome", "exit_code", "expected"), EXIT_CASES, ids=[f"{c[0]}-{c[1]}" for c in EXIT_CASES]
+)
+def test_exec_exit_codes(
+    daemon: FakeDaemon, outcome: str, exit_code: int | None, expected: int
+) -> None:
+    """exec exits with the command's code, 124 on timeout, 125 when the infra failed."""
+    daemon.handlers["exec"] = lambda args: exec_result(outcome=outcome, exit_code=exit_code)
+    assert run(daemon.path, "exec", "--", "cmd").exit_code == expected
+    assert run(daemon.path, "exec", "--json", "--", "cmd").exit_code == expected
+
+
+def test_exec_prints_streams_separately(daemon: FakeDaemon) -> None:
+    """The command's stdout goes to stdout and its stderr to stderr, unchanged."""
+    daemon.handlers["exec"] = lambda args: exec_result(
+        outcome="failed", exit_code=1, stdout="out\nno newline", stderr="err\n"
+    )
+    result = run(daemon.path, "exec", "--", "cmd")
+    assert result.exit_code == 1
+    assert result.stdout == "out\nno newline"
+    assert result.stderr == "err\n"
+
+
+def test_exec_sends_the_demand(daemon: FakeDaemon) -> None:
+    """exec turns flags into the op's args; everything after -- is the argv, untouched."""
+    daemon.handlers["exec"] = lambda args: exec_result()
+    argv = ["exec", "--cpus", "2-4", "--mem", "512MiB", "--timeout", "7.5", "--no-elastic"]
+    argv += ["--profile", "suite", "--setenv", "A=1=2", "--", "pytest", "-x", "--cpus", "9"]
+    assert run(daemon.path, *argv).exit_code == 0
+    (args,) = daemon.ops("exec")
+    assert args == {
+        "cmd": ["pytest", "-x", "--cpus", "9"],
+        "cpus": [2, 4],
+        "mem": 512 << 20,
+        "timeout_s": 7.5,
+        "elastic": False,
+        "profile": "suite",
+        "env_vars": {"A": "1=2"},
+    }
+
+
+def test_exec_in_an_env_and_shell_form(daemon: FakeDaemon) -> None:
+    """--env targets an open environment; --shell sends one shell string."""
+    daemon.handlers["exec"] = lambda args: exec_result()
+    assert (
+        run(daemon.path, "exec", "--env", "e1", "--shell", "--", "echo", "a", "|", "wc").exit_code
+        == 0
+    )
+    assert daemon.ops("exec") == [{"cmd": "echo a | wc", "env": "e1", "cpus": 1}]
+
+
+@pytest.mark.parametrize("cpus", ["0", "4-2", "x", "1-"])
+def test_exec_rejects_bad_cpus(daemon: FakeDaemon, cpus: str) -> None:
+    """A malformed --cpus is a usage error before anything is sent."""
+    result = run(daemon.path, "exec", "--cpus", cpus, "--", "true")
+    assert result.exit_code == 2
+    assert "--cpus" in result.stderr
+    assert daemon.requests == []
+
+
+@pytest.mark.parametrize(
+    ("error", "outcome"),
+    [(Unschedulable("needs 64 cores"), "rejected"), (InfraError("dockerd down"), "infra_error")],
+    ids=["unschedulable", "infra"],
+)
+def test_exec_refused_by_daemon(daemon: FakeDaemon, error: Exception, outcome: str) -> None:
+    """When the daemon refuses an exec, the CLI exits 125 and --json still gives an object."""
+
+    def refuse(args: dict[str, Any]) -> Any:
+        raise error
+
+    daemon.handlers["exec"] = refuse
+    result = run(daemon.path, "exec", "--json", "--", "true")
+    assert result.exit_code == 125
+    body = json.loads(result.stdout)
+    assert body["outcome"] == outcome
+    assert body["error"]["code"] == error.code  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- human output
+
+
+def test_refused_request_is_one_line_exit_1(daemon: FakeDaemon) -> None:
+    """A typed daemon error prints 'tangramctl: CODE: MESSAGE' and exits 1."""
+
+    def missing(args: dict[str, Any]) -> Any:
+        raise NotFound(f"no story for action {args['action_id']!r}")
+
+    daemon.handlers["story"] = missing
+    result = run(daemon.path, "story", "a9")
+    assert result.exit_code == 1
+    assert result.stderr == "tangramctl: not_found: no story for action 'a9'\n"
+
+
+def test_nodes_table_is_aligned(daemon: FakeDaemon) -> None:
+    """Human output is a table: a header row and one aligned row per node."""
+    daemon.handlers["nodes"] = lambda args: {
+        "nodes": [
+            {"id": "local", "cores": 2, "free_cores": 2, "mem_bytes": 2 << 30, "busy_cores": []},
+            {"id": "n2", "cores": 64, "free_cores": 10, "mem_bytes": 1 << 40, "busy_cores": [0]},
+        ]
+    }
+    result = run(daemon.path, "nodes")
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["ID", "CORES", "FREE_CORES", "BUSY_CORES", "MEM_BYTES"]
+    assert lines[1].split() == ["local", "2", "2", "-", "2.0GiB"]
+    assert lines[2].split() == ["n2", "64", "10", "0", "1.0TiB"]
+    # numbers right-aligned under their header
+    assert lines[1].index("2") + 1 == lines[0].index("CORES") + len("CORES")
+
+
+def test_story_renders_events(daemon: FakeDaemon) -> None:
+    """story shows the action's summary then its events in order."""
+    daemon.handlers["story"] = lambda args: {
+        "action_id": "a1",
+        "outcome": "ok",
+        "events": [
+            {"t": 0.1, "event": "submitted", "detail": "cpus=[1, 2]"},
+            {"t": 0.2, "event": "finished", "detail": "outcome=ok"},
+        ],
+    }
+    out = run(daemon.path, "story", "a1").stdout
+    assert "action_id: a1" in out
+    assert out.index("submitted") < out.index("finished")
+
+
+def test_service_register_passes_config(daemon: FakeDaemon) -> None:
+    """service register sends name, mem in bytes and the runtime config."""
+    daemon.handlers["service.register"] = lambda args: {}
+    argv = ["service", "register", "judge", "--mem", "40GiB", "--runtime", "torch"]
+    argv += ["--entry", "m:f", "--dop", "1,2,4", "--set", "warmup=yes"]
+    assert run(daemon.path, *argv).exit_code == 0
+    assert daemon.ops("service.register") == [
+        {
+            "name": "judge",
+            "mem": 40 << 30,
+            "runtime": "torch",
+            "entry": "m:f",
+            "dop": [1, 2, 4],
+            "warmup": "yes",
+        }
+    ]
+
+
+def test_help_lists_the_commands() -> None:
+    """The CLI loads and lists its commands (optional ones may be absent)."""
+    result = CliRunner().invoke(cli, ["--help"])
+    assert result.exit_code == 0
+    for name in ("status", "nodes", "queue", "story", "exec", "env", "api", "service", "profile"):
+        assert f"  {name} " in result.stdout
+
+
+# --------------------------------------------------------------------------- profile
+
+
+def fake_profiled_daemon(
+    daemon: FakeDaemon, cores: int, summary: Callable[[int], str] | None = None
+) -> None:
+    """Node with ``cores`` cores; exec takes 8/K s at K cores (perfect scaling)."""
+    daemon.handlers["nodes"] = lambda args: {"nodes": [{"id": "local", "cores": cores}]}
+    daemon.handlers["env.open"] = lambda args: {"id": "e1"}
+    daemon.handlers["env.close"] = lambda args: {}
+    daemon.handlers["profile.save"] = lambda args: {}
+
+    def execute(args: dict[str, Any]) -> dict[str, Any]:
+        k = args["cpus"]
+        out = summary(k) if summary else ""
+        return exec_result(exec_s=8.0 / k, cores=list(range(k)), stdout=out)
+
+    daemon.handlers["exec"] = execute
+
+
+def test_profile_json_and_skipped_dops(daemon: FakeDaemon) -> None:
+    """profile --json has the contract's fields; DoPs over the node's cores are skipped."""
+    fake_profiled_daemon(daemon, cores=4)
+    result = run(daemon.path, "profile", "--dop", "2,4,8", "--repeat", "2", "--json", "--", "make")
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert body["dop"] == {"1": 8.0, "2": 4.0, "4": 2.0}
+    assert body["t1_s"] == 8.0
+    assert body["speedup"] == {"1": 1.0, "2": 2.0, "4": 4.0}
+    assert body["eff"] == {"1": 1.0, "2": 1.0, "4": 1.0}
+    assert (body["elastic"], body["outcomes_differ"]) == (True, False)
+    assert "skipping DoP 8" in result.stderr
+    execs = daemon.ops("exec")
+    assert [a["cpus"] for a in execs] == [1, 1, 2, 2, 4, 4]
+    assert all(a["env"] == "e1" and a["elastic"] is True for a in execs)
+    assert all(a["env_vars"] == {"TANGRAM_CPUS": str(a["cpus"])} for a in execs)
+    assert daemon.ops("env.close") == [{"id": "e1"}]
+    assert daemon.ops("profile.save") == []
+
+
+def test_profile_outcome_change_marks_non_elastic(daemon: FakeDaemon) -> None:
+    """If pytest's counts under -n K differ from -n 1, the profile is not elastic."""
+
+    def summary(k: int) -> str:
+        failed = 0 if k == 1 else 1
+        return f"===== {10 - failed} passed, {failed} failed in 1.00s =====\n"
+
+    fake_profiled_daemon(daemon, cores=2, summary=summary)
+    result = run(
+        daemon.path, "profile", "--dop", "1,2", "--repeat", "1", "--json", "--", "pytest", "-q"
+    )
+    body = json.loads(result.stdout)
+    assert (body["elastic"], body["outcomes_differ"]) == (False, True)
+    assert "differs from DoP 1 (10 passed, 0 failed, 0 errors)" in result.stderr
+
+
+def test_profile_save_and_table(daemon: FakeDaemon) -> None:
+    """--save stores the measured profile; without --json a table is printed."""
+    fake_profiled_daemon(daemon, cores=2)
+    result = run(
+        daemon.path, "profile", "--dop", "1,2", "--repeat", "1", "--save", "mk", "--", "make"
+    )
+    assert result.exit_code == 0, result.output
+    assert daemon.ops("profile.save") == [
+        {
+            "name": "mk",
+            "dop": {"1": 8.0, "2": 4.0},
+            "t1_s": 8.0,
+            "eff": {"1": 1.0, "2": 1.0},
+            "speedup": {"1": 1.0, "2": 2.0},
+            "elastic": True,
+        }
+    ]
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["DOP", "MEDIAN", "S", "SPEEDUP", "EFF"]
+    assert lines[2].split() == ["2", "4.000", "2.000", "1.000"]
+
+
+def test_profile_infra_error_stops_with_125(daemon: FakeDaemon) -> None:
+    """A run the infrastructure could not complete aborts the profile with exit 125."""
+    fake_profiled_daemon(daemon, cores=2)
+    daemon.handlers["exec"] = lambda args: exec_result(outcome="infra_error", exit_code=None)
+    result = run(daemon.path, "profile", "--dop", "1", "--", "make")
+    assert result.exit_code == 125
+    assert "infra_error" in result.stderr
+    assert daemon.ops("env.close") == [{"id": "e1"}]
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+PYTEST_OUTPUTS = [
+    ("=== 3 passed, 1 failed in 2.10s ===", {"passed": 3, "failed": 1, "errors": 0}),
+    ("3 passed, 2 skipped in 0.05s", {"passed": 3, "failed": 0, "errors": 0}),
+    (
+        "== 1 failed, 2 passed, 1 error, 1 warning in 1.2s ==",
+        {"passed": 2, "failed": 1, "errors": 1},
+    ),
+    ("==== no tests ran in 0.01s ====", {"passed": 0, "failed": 0, "errors": 0}),
+    ("hello\nworld", None),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), PYTEST_OUTPUTS, ids=[str(i) for i in range(5)])
+def test_pytest_counts(text: str, expected: dict[str, int] | None) -> None:
+    """pytest's summary line (with or without rulers) yields passed/failed/error counts."""
+    assert pytest_counts("collected 4 items\n" + text + "\n") == expected
+
+
+def test_is_pytest() -> None:
+    """The same pytest spellings the daemon rewrites are recognised."""
+    assert is_pytest(["pytest", "-q"]) and is_pytest(["/usr/bin/py.test"])
+    assert is_pytest(["python3", "-m", "pytest"]) and is_pytest(["python3.11", "-m", "pytest"])
+    assert not is_pytest(["python3", "-c", "pytest"]) and not is_pytest(["make", "test"])
+
+
+def test_parse_dops_always_measures_one_core() -> None:
+    """DoP lists are sorted, deduplicated and include 1 (T1 is the reference)."""
+    assert parse_dops("8,2,2,4") == [1, 2, 4, 8]
+
+
+def test_render_helpers() -> None:
+    """Cells: core lists as ranges, byte keys as sizes, floats rounded, empty as '-'."""
+    assert fmt([0, 1, 2, 3, 6]) == "0-3,6"
+    assert fmt(3 << 30, "mem") == "3.0GiB"
+    assert fmt(0.123456) == "0.123"
+    assert fmt([]) == "-" and fmt(None) == "-"
+    assert table([]) == "(none)"
+    assert table([{"a": 1, "b": "x"}], preferred=["b"]).splitlines()[0].split() == ["B", "A"]
