@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -98,7 +99,7 @@ def test_shipped_example_documents_every_key() -> None:
     """Every key of every section appears in the shipped example (commented or not)."""
     text = (REPO / "config" / "tangram.toml").read_text()
     config = load_config(None, {})
-    sections = {
+    sections: dict[str, Any] = {
         "daemon": config.daemon,
         "cpu": config.cpu,
         "sched": config.sched,

@@ -1,0 +1,122 @@
+"""The daemon core as a pure state machine: feed events, assert the exact commands."""
+
+from __future__ import annotations
+
+import pytest
+
+from tangram.pools.api import ApiPool
+from tangram.pools.cpu import CpuCluster, CpuNodePool
+from tangramd import events as ev
+from tangramd.core import Core, CoreConfig
+from tangramd.entities import ENV_EDGES, IllegalTransition, transition
+
+GIB = 1 << 30
+
+
+def make_core(cores: int = 2, **cfg) -> Core:
+    cluster = CpuCluster([CpuNodePool("local", [list(range(cores))], 8 * GIB)])
+    apis = {"search": ApiPool("search", concurrency=1, quota=0, period_s=60.0)}
+    return Core(cluster, apis, CoreConfig(**cfg))
+
+
+def ready_env(core: Core, now: float = 0.0) -> str:
+    out = core.handle(ev.OpenEnv(token=1), now)
+    (create,) = out
+    assert isinstance(create, ev.CreateEnv)
+    (reply,) = core.handle(ev.EnvCreated(env_id=create.env_id), now)
+    assert reply.result["id"] == create.env_id
+    return create.env_id
+
+
+def tick(core: Core, now: float) -> list[ev.Command]:
+    return core.handle(ev.Tick(), now)
+
+
+def test_exec_lifecycle_commands():
+    """Submit → (coalesced) pass → RunExec on one core → finish → reply with timings."""
+    core = make_core()
+    env = ready_env(core)
+    assert core.handle(ev.SubmitExec(token=7, cmd="true", env=env), 1.0) == []
+    assert core.next_wakeup() == pytest.approx(1.001)
+    (run,) = tick(core, 1.001)
+    assert isinstance(run, ev.RunExec) and run.cores == (0,) and run.env_id == env
+    (reply,) = core.handle(
+        ev.ExecFinished(action_id=run.action_id, result={"outcome": "ok", "exit_code": 0,
+                                                         "exec_s": 0.5}), 1.6)
+    assert reply.token == 7
+    assert reply.result["outcome"] == "ok"
+    assert reply.result["queue_s"] == pytest.approx(0.001)
+    assert reply.result["act_s"] == pytest.approx(0.501)
+    assert core.cpu.pool("local").free_units() == 2
+    core.validate()
+
+
+def test_burst_is_scheduled_in_one_pass():
+    """Twenty arrivals in one coalescing window cost one scheduling pass."""
+    core = make_core()
+    env = ready_env(core)
+    for i in range(20):
+        core.handle(ev.SubmitExec(token=100 + i, cmd="true", env=env), 1.0 + i * 1e-5)
+    runs = tick(core, 1.01)
+    assert core.passes == 1
+    assert len([c for c in runs if isinstance(c, ev.RunExec)]) == 2  # two cores
+    core.validate()
+
+
+def test_lost_environment_is_recreated_for_the_next_action():
+    """infra_error with the env gone marks it lost; the next action recreates it first."""
+    core = make_core()
+    env = ready_env(core)
+    core.handle(ev.SubmitExec(token=2, cmd="true", env=env), 0.0)
+    (run,) = tick(core, 0.01)
+    (reply,) = core.handle(ev.ExecFinished(action_id=run.action_id, env_lost=True, result={
+        "outcome": "infra_error", "exit_code": None, "detail": "container gone"}), 0.1)
+    assert reply.result["outcome"] == "infra_error"
+    out = core.handle(ev.SubmitExec(token=3, cmd="true", env=env), 0.2)
+    assert [type(c) for c in out] == [ev.CreateEnv]
+    core.handle(ev.EnvCreated(env_id=env), 0.3)
+    (run2,) = tick(core, 0.31)
+    assert isinstance(run2, ev.RunExec)
+
+
+def test_throwaway_env_closed_after_its_exec():
+    """An exec without --env opens a throwaway env and removes it when done."""
+    core = make_core()
+    (create,) = core.handle(ev.SubmitExec(token=1, cmd="true"), 0.0)
+    core.handle(ev.EnvCreated(env_id=create.env_id), 0.1)
+    (run,) = tick(core, 0.2)
+    out = core.handle(ev.ExecFinished(action_id=run.action_id, result={"outcome": "ok"}), 0.3)
+    assert [type(c) for c in out] == [ev.Reply, ev.RemoveEnv]
+
+
+def test_lease_ttl_reclaims_unit():
+    """A granted lease that is never released expires at its TTL and frees the unit."""
+    core = make_core()
+    core.handle(ev.AcquireLease(token=1, api="search", ttl_s=5.0), 0.0)
+    (grant,) = tick(core, 0.01)
+    assert grant.result["lease_id"]
+    assert core.apis["search"].free_units() == 0
+    assert core.next_wakeup() == pytest.approx(5.01)
+    tick(core, 5.01)
+    assert core.apis["search"].free_units() == 1
+    core.validate()
+
+
+def test_shutdown_rejects_waiting_work():
+    """Shutdown ends queued actions with the typed outcome `rejected`."""
+    core = make_core(cores=1)
+    env = ready_env(core)
+    core.handle(ev.SubmitExec(token=1, cmd="sleep 9", env=env), 0.0)
+    core.handle(ev.SubmitExec(token=2, cmd="true", env=env), 0.0)
+    tick(core, 0.01)
+    (reply,) = core.handle(ev.Shutdown(), 0.5)
+    assert reply.token == 2 and reply.result["outcome"] == "rejected"
+
+
+def test_illegal_transition_raises_with_history():
+    """An edge missing from the table raises and shows the entity's recent history."""
+    core = make_core()
+    env_id = ready_env(core)
+    env = core.envs[env_id]
+    with pytest.raises(IllegalTransition, match=r"ready -> creating .*history.*backend created it"):
+        transition(env, "creating", ENV_EDGES, 1.0, "bogus")
