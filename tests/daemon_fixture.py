@@ -43,8 +43,7 @@ def write_config(path: Path, extra: str = "") -> Path:
     path.write_text(
         "[sched]\ncoalesce_ms = 1.0\n\n"
         '[[api]]\nname = "search"\nconcurrency = 2\nquota = 0\nperiod_s = 60\nttl_s = 2\n\n'
-        '[[api]]\nname = "strict"\nconcurrency = 1\noverflow = "reject"\n\n'
-        + extra
+        '[[api]]\nname = "strict"\nconcurrency = 1\noverflow = "reject"\n\n' + extra
     )
     return path
 
@@ -56,8 +55,19 @@ def running_daemon(tmp: Path, *args: str, config: str = "") -> Iterator[Daemon]:
     cfg = write_config(tmp / "tangram.toml", config)
     log_path = tmp / "tangramd.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", TANGRAM_VALIDATE="1")
-    cmd = [sys.executable, "-m", "tangramd.main", "up", "--config", str(cfg), "--socket", sock,
-           "--state-dir", state, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tangramd.main",
+        "up",
+        "--config",
+        str(cfg),
+        "--socket",
+        sock,
+        "--state-dir",
+        state,
+        *args,
+    ]
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
     daemon = Daemon(proc, sock, state, log_path)

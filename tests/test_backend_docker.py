@@ -20,6 +20,8 @@ from pathlib import Path
 
 import docker
 import pytest
+
+pytest.register_assert_rewrite("backend_conformance")
 from backend_conformance import BOTH_CORES, BackendConformance, ex, new_env, req, run
 
 from tangramd.backends.docker import AGENT_SOCK, DockerBackend

@@ -41,8 +41,11 @@ def test_exec_lifecycle_commands():
     (run,) = tick(core, 1.001)
     assert isinstance(run, ev.RunExec) and run.cores == (0,) and run.env_id == env
     (reply,) = core.handle(
-        ev.ExecFinished(action_id=run.action_id, result={"outcome": "ok", "exit_code": 0,
-                                                         "exec_s": 0.5}), 1.6)
+        ev.ExecFinished(
+            action_id=run.action_id, result={"outcome": "ok", "exit_code": 0, "exec_s": 0.5}
+        ),
+        1.6,
+    )
     assert reply.token == 7
     assert reply.result["outcome"] == "ok"
     assert reply.result["queue_s"] == pytest.approx(0.001)
@@ -69,8 +72,14 @@ def test_lost_environment_is_recreated_for_the_next_action():
     env = ready_env(core)
     core.handle(ev.SubmitExec(token=2, cmd="true", env=env), 0.0)
     (run,) = tick(core, 0.01)
-    (reply,) = core.handle(ev.ExecFinished(action_id=run.action_id, env_lost=True, result={
-        "outcome": "infra_error", "exit_code": None, "detail": "container gone"}), 0.1)
+    (reply,) = core.handle(
+        ev.ExecFinished(
+            action_id=run.action_id,
+            env_lost=True,
+            result={"outcome": "infra_error", "exit_code": None, "detail": "container gone"},
+        ),
+        0.1,
+    )
     assert reply.result["outcome"] == "infra_error"
     out = core.handle(ev.SubmitExec(token=3, cmd="true", env=env), 0.2)
     assert [type(c) for c in out] == [ev.CreateEnv]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import threading
@@ -10,9 +11,9 @@ import time
 
 import pytest
 
-from tangram import AsyncClient, Client
-from tangram.protocol.errors import NotFound, QuotaExceeded, Timeout
+from tangram import AsyncClient
 from tangram.model import Unschedulable
+from tangram.protocol.errors import NotFound, QuotaExceeded, Timeout
 from tests.daemon_fixture import running_daemon
 
 
@@ -33,11 +34,15 @@ def test_exec_is_pinned_to_allocated_cores(daemon):
     """The exec'd process sees exactly the cores the result reports, and TANGRAM_CPUS."""
     with daemon.client() as c:
         for cpus in (1, 2):
-            r = c.exec(["sh", "-c", "grep Cpus_allowed_list /proc/self/status; echo n=$TANGRAM_CPUS"],
-                       cpus=cpus)
+            r = c.exec(
+                ["sh", "-c", "grep Cpus_allowed_list /proc/self/status; echo n=$TANGRAM_CPUS"],
+                cpus=cpus,
+            )
             assert r.outcome == "ok", r
             assert len(r.cores) == cpus
-            expected = ",".join(str(x) for x in r.cores) if cpus == 1 else f"{min(r.cores)}-{max(r.cores)}"
+            expected = (
+                ",".join(str(x) for x in r.cores) if cpus == 1 else f"{min(r.cores)}-{max(r.cores)}"
+            )
             assert cpus_allowed(r.stdout) == expected
             assert f"n={cpus}" in r.stdout
             assert r.act_s >= r.exec_s > 0
@@ -73,6 +78,7 @@ def test_no_core_serves_two_actions_under_100_trajectories(daemon):
 
     async def run() -> list:
         async with AsyncClient(daemon.socket) as c:
+
             async def traj(k: int) -> list:
                 out = []
                 env = await c.env_open(trajectory=f"t{k}")
@@ -95,7 +101,7 @@ def test_no_core_serves_two_actions_under_100_trajectories(daemon):
         per_core.setdefault(core, []).append((int(start), int(end)))
     for core, spans in per_core.items():
         spans.sort()
-        for (s0, e0), (s1, _) in zip(spans, spans[1:]):
+        for (_, e0), (s1, _) in itertools.pairwise(spans):
             assert s1 >= e0, f"core {core} ran two actions at once"
     with daemon.client() as c:
         st = c.status()

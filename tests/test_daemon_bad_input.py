@@ -61,7 +61,11 @@ CASES = [
     ("unknown_op", frame({"id": 1, "op": "rm_rf", "args": {}}), False),
     ("wrong_arg_type", frame({"id": 2, "op": "exec", "args": {"cmd": 5}}), False),
     ("args_not_map", frame({"id": 3, "op": "status", "args": [1]}), False),
-    ("nan_cpus", frame({"id": 4, "op": "exec", "args": {"cmd": "true", "cpus": float("nan")}}), False),
+    (
+        "nan_cpus",
+        frame({"id": 4, "op": "exec", "args": {"cmd": "true", "cpus": float("nan")}}),
+        False,
+    ),
     ("absurd_mem", frame({"id": 5, "op": "env.open", "args": {"mem": -1}}), False),
 ]
 

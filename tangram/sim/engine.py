@@ -187,14 +187,18 @@ class Engine:
             self._start_step((task, steps[0]), 0.0)
 
     def _deploy_static(self, trajectories: Sequence[Trajectory]) -> None:
-        used = sorted({a.template.service for t in trajectories for a in t.actions() if a.kind == "service"})
+        used = sorted(
+            {a.template.service for t in trajectories for a in t.actions() if a.kind == "service"}
+        )
         free = [g.gpus for g in self.cluster.gpu_nodes for _ in range(g.count)]
         demands = []
         for name in used:
             spec = self.cluster.service(name)
             assert spec is not None  # checked in _check_names
             demands += [(spec.static_gpus, name)] * spec.static_replicas
-            self.static[name] = _Static(spec.static_gpus, spec.static_replicas, spec.static_replicas)
+            self.static[name] = _Static(
+                spec.static_gpus, spec.static_replicas, spec.static_replicas
+            )
         need = sum(g for g, _ in demands)
         for gpus, name in sorted(demands, key=lambda d: -d[0]):  # first fit decreasing
             slot = next((i for i, f in enumerate(free) if f >= gpus), None)
@@ -237,7 +241,7 @@ class Engine:
                 self._create_pods(now)
             if self.check:
                 self._validate()
-            if self.progress is not None and events >= 20000:
+            if self.progress is not None and events >= 2000:
                 self.progress(now, self._done_traj, self._n_traj)
                 events = 0
         return self._finish()

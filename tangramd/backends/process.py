@@ -8,7 +8,7 @@ No container engine needed; this is the embedded default (design §5.2).
   commands run as the daemon's user).
 - Each exec is a fresh session (its own process group) pinned to exactly ``req.cores`` with
   ``sched_setaffinity`` and, when running as root with a writable cgroup-v1 cpuset
-  hierarchy, also placed in a per-exec cpuset cgroup ``<cpuset>/tangram/<action>``, which
+  hierarchy, also placed in a per-exec cpuset cgroup ``<cpuset>/tangram/<scope>/<action>``, which
   also catches descendants that leave the process group. The cgroup is removed afterwards.
 - The exec ends when its main process exits; whatever it left running in its process group
   (or cgroup) is killed then, so a core serves one action at a time.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -62,25 +63,30 @@ def own_cpuset_dir(root: Path = CPUSET_ROOT) -> Path:
 
 
 class CpusetCgroups:
-    """Per-exec cgroup-v1 cpusets under ``<parent>/tangram`` (root only)."""
+    """Per-exec cgroup-v1 cpusets under ``<parent>/tangram/<scope>`` (root only).
 
-    def __init__(self, parent: Path) -> None:
-        self.base = parent / "tangram"
-        parent_cpus = (parent / "cpuset.cpus").read_text().strip()
+    The scope is derived from the backend's state directory, so a restarted daemon finds
+    its own leftovers and two backends on one host never touch each other's cgroups.
+    """
+
+    def __init__(self, parent: Path, scope: str) -> None:
         self.mems = (parent / "cpuset.mems").read_text().strip()
-        self.base.mkdir(exist_ok=True)
-        if not (self.base / "cpuset.cpus").read_text().strip():
-            (self.base / "cpuset.cpus").write_text(parent_cpus)
-        if not (self.base / "cpuset.mems").read_text().strip():
-            (self.base / "cpuset.mems").write_text(self.mems)
+        cpus = (parent / "cpuset.cpus").read_text().strip()
+        self.base = parent / "tangram" / scope
+        for level in (parent / "tangram", self.base):
+            level.mkdir(exist_ok=True)  # cpuset v1: a child needs cpus and mems set
+            if not (level / "cpuset.cpus").read_text().strip():
+                (level / "cpuset.cpus").write_text(cpus)
+            if not (level / "cpuset.mems").read_text().strip():
+                (level / "cpuset.mems").write_text(self.mems)
 
     @classmethod
-    def probe(cls) -> CpusetCgroups | None:
+    def probe(cls, scope: str) -> CpusetCgroups | None:
         """A manager if we are root and the cpuset hierarchy is writable, else None."""
         if os.geteuid() != 0 or not (CPUSET_ROOT / "cpuset.cpus").exists():
             return None
         try:
-            return cls(own_cpuset_dir())
+            return cls(own_cpuset_dir(), scope)
         except OSError:
             return None
 
@@ -141,7 +147,8 @@ class ProcessBackend:
         self.root = Path(root_dir)
         self.envs_dir = self.root / "envs"
         self.envs_dir.mkdir(parents=True, exist_ok=True)
-        self.cgroups = CpusetCgroups.probe() if use_cgroups else None
+        scope = "p-" + hashlib.sha1(str(self.root.resolve()).encode()).hexdigest()[:12]
+        self.cgroups = CpusetCgroups.probe(scope) if use_cgroups else None
         self._envs: dict[str, int | None] = {}  # env_id -> advisory memory bytes
         self._running: set[_Running] = set()
         self._closing = False
@@ -197,6 +204,9 @@ class ProcessBackend:
                 await asyncio.wait_for(run.done.wait(), 5)
         for env_id in list(self._envs):
             await self.close_env(env_id)
+        if self.cgroups is not None:
+            with contextlib.suppress(OSError):
+                self.cgroups.base.rmdir()
 
     # --- execs ------------------------------------------------------------------------
 
@@ -257,6 +267,9 @@ class ProcessBackend:
             return infra_error(f"spawn failed: {e}")
         run = _Running(proc, cgroup)
         self._running.add(run)
+        if self._closing:  # shutdown began while we were spawning
+            run.killed_for_shutdown = True
+            _killpg(proc.pid, signal.SIGKILL)
         try:
             return await self._supervise(req, run, started)
         finally:

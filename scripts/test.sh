@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install everything the tests need, start dockerd, lint, type-check and run the test suite.
+# This is the README's test command and what CI runs (.ci/run calls it). Run as root on a
+# fresh Debian machine: it installs docker.io + debootstrap and builds the test image once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${PYTHON:-python3}"
+echo "== installing arl-tangram with dev extras"
+"$PY" -m pip install -q --disable-pip-version-check -e '.[dev,plot]'
+
+echo "== preparing the Docker engine and the test image"
+bash .ci/docker-setup.sh
+
+echo "== ruff"
+"$PY" -m ruff check .
+"$PY" -m ruff format --check .
+echo "== mypy (strict on model, sched, pools, protocol)"
+"$PY" -m mypy tangram/model.py tangram/sched tangram/pools tangram/protocol
+
+echo "== pytest"
+"$PY" -m pytest -m "not slow" -q -p no:cacheprovider "$@"
