@@ -20,9 +20,7 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tangram import AsyncClient, Client  # noqa: E402
+from tangramd.spawn import spawn_daemon  # noqa: E402
 
 SUITE = ROOT / "tests" / "data" / "cpu_suite"
 CONFIG = """
@@ -64,39 +63,6 @@ TOOL_COMMANDS = [
 
 def reward_cmd() -> list[str]:
     return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(SUITE)]
-
-
-def start_daemon(tmp: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
-    sock = str(tmp / "tangramd.sock")
-    cfg = tmp / "tangram.toml"
-    cfg.write_text(CONFIG)
-    log = tmp / "tangramd.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tangramd.main",
-        "up",
-        "--config",
-        str(cfg),
-        "--socket",
-        sock,
-        "--state-dir",
-        str(tmp / "state"),
-    ]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"tangramd exited early; log:\n{log.read_text()}")
-        try:
-            with Client(sock, connect_timeout_s=0.5) as c:
-                c.ping()
-            return proc, sock, log
-        except Exception:
-            time.sleep(0.1)
-    proc.kill()
-    sys.exit(f"tangramd did not come up; log:\n{log.read_text()}")
 
 
 def profile_suite(sock: str, scale: str) -> dict[str, Any]:
@@ -235,12 +201,13 @@ def main() -> None:
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="tangram-demo-"))
-    proc = None
+    daemon = None
     if args.socket:
         sock = args.socket
     else:
         print(f"starting tangramd up (socket {tmp / 'tangramd.sock'}) ...", file=sys.stderr)
-        proc, sock, _log = start_daemon(tmp)
+        daemon = spawn_daemon(tmp, CONFIG)
+        sock = daemon.socket
     try:
         with Client(sock) as c:
             st = c.status()
@@ -263,9 +230,8 @@ def main() -> None:
         with Client(sock) as c:
             passes = c.status()["passes"]
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(30)
+        if daemon is not None:
+            code = daemon.stop()
             print(f"tangramd stopped (exit {code})", file=sys.stderr)
     summary = {
         "wall_s": wall,

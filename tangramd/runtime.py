@@ -203,6 +203,7 @@ class Runtime:
             outcome=res.outcome,
             exit_code=res.exit_code,
             exec_s=round(res.exec_s, 6),
+            detail=res.detail or None,
             cores=list(cmd.cores),
         )
         result = {

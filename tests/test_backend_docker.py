@@ -21,10 +21,11 @@ from pathlib import Path
 import docker
 import pytest
 
-pytest.register_assert_rewrite("backend_conformance")
-from backend_conformance import BOTH_CORES, BackendConformance, ex, new_env, req, run
-
 from tangramd.backends.docker import AGENT_SOCK, DockerBackend
+
+# A helper module with asserts, not a test module: have pytest rewrite them too.
+pytest.register_assert_rewrite("backend_conformance")
+from backend_conformance import BOTH_CORES, BackendConformance, ex, new_env, req, run  # noqa: E402
 
 pytestmark = pytest.mark.docker
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytest.register_assert_rewrite("backend_conformance")
-from backend_conformance import BOTH_CORES, BackendConformance, ex, new_env, run
-
 from tangramd.backends.process import CPUSET_ROOT, ProcessBackend
+
+# A helper module with asserts, not a test module: have pytest rewrite them too.
+pytest.register_assert_rewrite("backend_conformance")
+from backend_conformance import BOTH_CORES, BackendConformance, ex, new_env, run  # noqa: E402
 
 
 @pytest.fixture
@@ -95,6 +96,7 @@ def test_reconcile_removes_leftovers_of_a_previous_run(tmp_path):
     assert any("old-env" in line for line in done)
     if leftover_cg is not None:
         assert not leftover_cg.exists()
+    run(fresh.shutdown())
 
 
 def test_memory_limit_is_advisory(backend):

@@ -30,8 +30,9 @@ from typing import Any
 
 from tangram.model import Action, ActionId, Choices, EnvId, HistoryEstimator, LeaseId, Range
 from tangram.pools.api import ApiPool
+from tangram.pools.buddy import choose_chunk
 from tangram.pools.cpu import CpuNodePool, pick_cores
-from tangram.pools.gpu import GPU_STRIDE, GpuCluster, GpuNodePool, choose_chunk
+from tangram.pools.gpu import GPU_STRIDE, GpuCluster, GpuNodePool
 from tangram.pools.gpu import ServiceSpec as GpuServiceSpec
 from tangram.sched import SchedConfig, Snapshot, chunk_level, schedule
 from tangram.sim.cluster import GB, ClusterSpec
@@ -133,14 +134,14 @@ class Engine:
                 self.cpu[node.pool_id] = node
                 i += 1
         gnodes: list[GpuNodePool] = []
-        for spec in c.gpu_nodes:
-            for _ in range(spec.count):
+        for gspec in c.gpu_nodes:
+            for _ in range(gspec.count):
                 gnodes.append(
                     GpuNodePool(
                         f"g{len(gnodes)}",
-                        spec.gpus,
-                        mem_per_gpu=int(spec.gpu_mem_gb * GB),
-                        h2d_bytes_per_s=spec.h2d_gbps * GB,
+                        gspec.gpus,
+                        mem_per_gpu=int(gspec.gpu_mem_gb * GB),
+                        h2d_bytes_per_s=gspec.h2d_gbps * GB,
                     )
                 )
         services = {s.name: GpuServiceSpec(s.name, int(s.mem_gb * GB)) for s in c.services}
@@ -187,9 +188,7 @@ class Engine:
             self._start_step((task, steps[0]), 0.0)
 
     def _deploy_static(self, trajectories: Sequence[Trajectory]) -> None:
-        used = sorted(
-            {a.template.service for t in trajectories for a in t.actions() if a.kind == "service"}
-        )
+        used = sorted({a.template.service or "" for t in trajectories for a in t.actions()} - {""})
         free = [g.gpus for g in self.cluster.gpu_nodes for _ in range(g.count)]
         demands = []
         for name in used:
@@ -219,7 +218,7 @@ class Engine:
 
     def run(self) -> SimResult:
         heap = self._heap
-        handlers = {
+        handlers: dict[int, Callable[[Any, float], None]] = {
             DONE: self._on_done,
             POD_READY: self._on_pod_ready,
             RETRY: self._on_retry,
@@ -452,12 +451,11 @@ class Engine:
             self.running[p.pool_id][action.id] = (now + p.expected_s, p.amount)
             self._start(run, now, len(p.units), restore, pool.resource)
         for inf in decision.infeasible:
-            run = self.unassigned.pop(inf.action_id, None)
-            if run is None:
-                run = self.queues[pool_of_run(runs[inf.action_id], self.affinity)].pop(
-                    inf.action_id
-                )
-            self._fail(run, now)
+            failed = self.unassigned.pop(inf.action_id, None)
+            if failed is None:
+                pid = pool_of_run(runs[inf.action_id], self.affinity)
+                failed = self.queues[pid].pop(inf.action_id)
+            self._fail(failed, now)
         for pid in self.apis:
             if self.queues[pid]:
                 self._api_wake(pid, now)

@@ -8,8 +8,9 @@ No container engine needed; this is the embedded default (design §5.2).
   commands run as the daemon's user).
 - Each exec is a fresh session (its own process group) pinned to exactly ``req.cores`` with
   ``sched_setaffinity`` and, when running as root with a writable cgroup-v1 cpuset
-  hierarchy, also placed in a per-exec cpuset cgroup ``<cpuset>/tangram/<scope>/<action>``, which
-  also catches descendants that leave the process group. The cgroup is removed afterwards.
+  hierarchy, also placed in a per-exec cpuset cgroup
+  ``<cpuset>/tangram/<scope>/<action>``, which also catches descendants that leave the
+  process group. The cgroup is removed afterwards.
 - The exec ends when its main process exits; whatever it left running in its process group
   (or cgroup) is killed then, so a core serves one action at a time.
 - A timeout sends SIGTERM to the group, SIGKILL 0.5 s later, and returns the partial output.
@@ -206,7 +207,9 @@ class ProcessBackend:
             await self.close_env(env_id)
         if self.cgroups is not None:
             with contextlib.suppress(OSError):
-                self.cgroups.base.rmdir()
+                for cg in self.cgroups.leftovers():
+                    await self.cgroups.remove(cg)
+            await self.cgroups.remove(self.cgroups.base)
 
     # --- execs ------------------------------------------------------------------------
 

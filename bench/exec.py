@@ -1,0 +1,152 @@
+"""ACT of `true` through tangramd, next to a bare baseline, measured side by side.
+
+    python bench/exec.py [--backend process|docker] [--n 300] [--json]
+
+process: the client-observed ACT of `exec true` (1 core, persistent environment) through a
+real `tangramd up` vs a bare `subprocess.run(["true"])`; reports p50/p99 of both and of the
+difference (the overhead tangram adds: socket round trip, scheduling pass, pinning).
+
+docker: ACT of `exec true` through `tangramd up --cpu-backend docker` with (a) the exec agent
+disabled (docker update + docker exec) and (b) the in-container agent, next to a bare docker
+SDK `exec_run(["true"])` on a container of the same image. Needs dockerd and the test image
+(.ci/docker-setup.sh). Samples are interleaved round-robin so load drifts hit all alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tangramd.spawn import spawn_daemon
+
+IMAGE = "tangram-test:bookworm"
+
+
+def stats(ms: list[float]) -> dict[str, float]:
+    s = sorted(ms)
+    return {
+        "p50_ms": round(statistics.median(s), 3),
+        "p99_ms": round(s[min(len(s) - 1, int(0.99 * len(s)))], 3),
+    }
+
+
+def interleaved(fns: dict[str, Callable[[], None]], n: int, warmup: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(warmup + n):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            dt = (time.perf_counter() - t0) * 1e3
+            if i >= warmup:
+                out[name].append(dt)
+    return out
+
+
+def bench_process(n: int, warmup: int) -> dict[str, object]:
+    with tempfile.TemporaryDirectory(prefix="tangram-bench-") as tmp:
+        d = spawn_daemon(tmp, "[sched]\ncoalesce_ms = 0.0\n")
+        try:
+            with d.client() as c:
+                env = c.env_open()
+
+                def via_tangram() -> None:
+                    r = c.exec(["true"], env=env, cpus=1)
+                    assert r.outcome == "ok", r
+
+                def bare() -> None:
+                    subprocess.run(["true"], check=True)
+
+                samples = interleaved({"tangram": via_tangram, "bare": bare}, n, warmup)
+                c.env_close(env)
+        finally:
+            d.stop()
+    diff = [a - b for a, b in zip(samples["tangram"], samples["bare"], strict=True)]
+    return {
+        "backend": "process",
+        "n": n,
+        "tangram": stats(samples["tangram"]),
+        "bare_subprocess": stats(samples["bare"]),
+        "overhead": stats(diff),
+    }
+
+
+def bench_docker(n: int, warmup: int) -> dict[str, object]:
+    import docker
+
+    client = docker.from_env()
+    bare_ctr = client.containers.run(
+        IMAGE,
+        ["sleep", "infinity"],
+        detach=True,
+        network_mode="none",
+        remove=True,
+        labels={"org.arl-tangram.bench": "1"},
+    )
+    daemons = []
+    try:
+        cfgs = {
+            "docker_exec": "[cpu]\nexec_agent = false\n[sched]\ncoalesce_ms = 0.0\n",
+            "agent": "[cpu]\nexec_agent = true\n[sched]\ncoalesce_ms = 0.0\n",
+        }
+        fns: dict[str, Callable[[], None]] = {}
+        for name, cfg in cfgs.items():
+            tmp = tempfile.mkdtemp(prefix=f"tangram-bench-{name}-")
+            d = spawn_daemon(tmp, cfg, "--cpu-backend", "docker")
+            daemons.append(d)
+            c = d.client()
+            env = c.env_open(image=IMAGE)
+
+            def run(c=c, env=env) -> None:
+                r = c.exec(["true"], env=env, cpus=1)
+                assert r.outcome == "ok", r
+
+            fns[name] = run
+
+        def sdk() -> None:
+            code, _ = bare_ctr.exec_run(["true"])
+            assert code == 0
+
+        fns["sdk_exec_run"] = sdk
+        samples = interleaved(fns, n, warmup)
+    finally:
+        for d in daemons:
+            d.stop()
+        bare_ctr.kill()
+    base = samples["sdk_exec_run"]
+    return {
+        "backend": "docker",
+        "n": n,
+        "update_plus_docker_exec": stats(samples["docker_exec"]),
+        "agent": stats(samples["agent"]),
+        "bare_sdk_exec_run": stats(base),
+        "docker_exec_overhead": stats(
+            [a - b for a, b in zip(samples["docker_exec"], base, strict=True)]
+        ),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=["process", "docker"], default="process")
+    ap.add_argument("--n", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.backend == "process":
+        result = bench_process(args.n, args.warmup)
+    else:
+        result = bench_docker(max(50, args.n // 3), args.warmup)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

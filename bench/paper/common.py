@@ -1,0 +1,78 @@
+"""Shared helpers of the paper-reproduction scripts (bench/paper/*.py).
+
+Every script runs the simulator at the paper's testbed scale (config/cluster-paper.toml),
+prints a markdown table with the paper's number next to ours, writes its raw metrics to
+``bench/paper/out/<name>.json`` and its plot to ``docs/img/<name>.png``, and reports its
+wall time. Seeds are fixed, so reruns give identical numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tangram.sim import generate, load_cluster, parse_policy, simulate  # noqa: E402
+from tangram.sim.cluster import ClusterSpec  # noqa: E402
+from tangram.sim.metrics import SimResult  # noqa: E402
+
+OUT = ROOT / "bench" / "paper" / "out"
+IMG = ROOT / "docs" / "img"
+SEED = 0
+
+
+def paper_cluster(judge_replicas: int | None = None) -> ClusterSpec:
+    """The paper testbed; DeepSearch alone deploys its judge 5 times (paper §6 baselines)."""
+    c = load_cluster(ROOT / "config" / "cluster-paper.toml")
+    if judge_replicas is not None:
+        services = tuple(
+            replace(s, static_replicas=judge_replicas) if s.name == "judge" else s
+            for s in c.services
+        )
+        c = replace(c, services=services)
+    return c
+
+
+def run(
+    cluster: ClusterSpec, workload: str, batch: int, policies: Iterable[str], seed: int = SEED
+) -> dict[str, SimResult]:
+    trace = generate(workload, cluster, batch, seed=seed)
+    out: dict[str, SimResult] = {}
+    for name in policies:
+        t0 = time.perf_counter()
+        out[name] = simulate(cluster, trace, parse_policy(name))
+        wall = time.perf_counter() - t0
+        print(f"  [{workload} b={batch} {name}: {wall:.1f}s wall]", file=sys.stderr)
+        out[name].summary.setdefault("wall_s_not_deterministic", round(wall, 2))
+    return out
+
+
+def tag_act(result: SimResult, tags: Sequence[str], field: str = "avg_act_s") -> float:
+    """Action-weighted mean of ``field`` over the given tags."""
+    by = result.summary["by_tag"]
+    n = sum(by[t]["actions"] - by[t]["failed"] for t in tags if t in by)
+    if not n:
+        return 0.0
+    return sum(by[t][field] * (by[t]["actions"] - by[t]["failed"]) for t in tags if t in by) / n
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}×" if b > 0 else "n/a"
+
+
+def save(name: str, doc: dict[str, Any], started: float) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    doc["wall_s"] = round(time.perf_counter() - started, 1)
+    (OUT / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"\n{name}: wall time {doc['wall_s']} s")
+
+
+def summaries(results: dict[str, SimResult]) -> dict[str, Any]:
+    return {k: v.summary for k, v in results.items()}
