@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -107,6 +108,7 @@ async def bench_docker(image: str, n: int, warmup: int, cores: tuple[int, ...]) 
     finally:
         await agent.shutdown()
         await plain.shutdown()
+        shutil.rmtree(state, ignore_errors=True)
     return out
 
 

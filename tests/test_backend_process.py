@@ -67,15 +67,23 @@ def test_escaped_session_is_killed_through_the_cgroup(backend):
     assert gone(int(result.stdout))
 
 
-def test_exec_runs_in_a_cpuset_cgroup_that_is_removed_after(backend):
-    """As root each exec gets its own cpuset cgroup with its cores, removed afterwards."""
+def test_exec_runs_in_the_cpuset_cgroup_of_its_cores(backend):
+    """As root each exec runs in the cpuset cgroup of its core set, left empty afterwards."""
     assert backend.cgroups is not None, "CI runs as root with cgroup v1 cpuset"
     env = new_env(backend)
     result = ex(backend, env, ["cat", "/proc/self/cgroup"], (1,), action_id="act-42")
     line = next(ln for ln in result.stdout.splitlines() if re.match(r"\d+:cpuset:", ln))
     rel = line.split(":", 2)[2].lstrip("/")
-    assert f"/{rel}".startswith(f"/{backend.cgroups.base.relative_to(CPUSET_ROOT)}/act-42-")
-    assert not (CPUSET_ROOT / rel).exists()
+    assert f"/{rel}" == f"/{backend.cgroups.base.relative_to(CPUSET_ROOT)}/c1"
+    assert (CPUSET_ROOT / rel / "cgroup.procs").read_text().split() == []
+
+
+def test_daemon_thread_returns_home_after_spawn(backend):
+    """Spawning borrows the child's cgroup and mask for an instant, then restores both."""
+    before = (os.sched_getaffinity(0), Path("/proc/thread-self/cgroup").read_text())
+    env = new_env(backend)
+    ex(backend, env, "true", (1,))
+    assert (os.sched_getaffinity(0), Path("/proc/thread-self/cgroup").read_text()) == before
 
 
 def test_cgroup_has_the_allocated_cores(backend):

@@ -14,7 +14,7 @@ import pytest
 from tangram import AsyncClient
 from tangram.model import Unschedulable
 from tangram.protocol.errors import NotFound, QuotaExceeded, Timeout
-from tests.daemon_fixture import running_daemon
+from daemon_fixture import running_daemon
 
 
 @pytest.fixture

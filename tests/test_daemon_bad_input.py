@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from tangram.protocol.codec import FrameDecoder
-from tests.daemon_fixture import running_daemon
+from daemon_fixture import running_daemon
 
 
 @pytest.fixture(scope="module")

@@ -50,8 +50,9 @@ def acts(result: object) -> list[float]:
 
 
 def line(tid: str, steps: list[dict[str, object]], **extra: object) -> str:
-    return json.dumps({"id": tid, "task": "t", "arrival_s": 0.0, "mem_gb": 1, "steps": steps,
-                       **extra})  # fmt: skip
+    return json.dumps(
+        {"id": tid, "task": "t", "arrival_s": 0.0, "mem_gb": 1, "steps": steps, **extra}
+    )
 
 
 # ----------------------------------------------------------------------------- exact ACTs
@@ -110,8 +111,17 @@ def test_api_queue_versus_retry() -> None:
 
 def test_gpu_restore_versus_static_replica() -> None:
     """Tangram restores the service on 8 GPUs (0.125 s) and runs at DoP 8; static uses 4."""
-    call = [{"action": {"kind": "service", "service": "judge", "gpus": [1, 2, 4, 8],
-                        "t1_s": 4.0, "eff": {"1": 1, "2": 1, "4": 1, "8": 1}}}]  # fmt: skip
+    call = [
+        {
+            "action": {
+                "kind": "service",
+                "service": "judge",
+                "gpus": [1, 2, 4, 8],
+                "t1_s": 4.0,
+                "eff": {"1": 1, "2": 1, "4": 1, "8": 1},
+            }
+        }
+    ]
     trace = parse_lines([line("a", call)])
     tangram = simulate(cluster(), trace, parse_policy("tangram"), check=True)
     static = simulate(cluster(), trace, parse_policy("static-services"), check=True)
@@ -231,14 +241,34 @@ def test_cli_json_compares_policies(tmp_path: Path) -> None:
     png = tmp_path / "p.png"
     out = CliRunner().invoke(
         simulate_cmd,
-        ["--cluster", str(SMALL), "--trace", str(TRACES / "mixed.jsonl"), "--policy",
-         "tangram", "--policy", "baseline", "--json", "--quiet", "--plot", str(png)],
-    )  # fmt: skip
+        [
+            "--cluster",
+            str(SMALL),
+            "--trace",
+            str(TRACES / "mixed.jsonl"),
+            "--policy",
+            "tangram",
+            "--policy",
+            "baseline",
+            "--json",
+            "--quiet",
+            "--plot",
+            str(png),
+        ],
+    )
     assert out.exit_code == 0, out.output
     doc = json.loads(out.output)
     assert set(doc["policies"]) == {"tangram", "baseline"}
-    for key in ("avg_act_s", "p50_act_s", "p99_act_s", "step_s", "busy_unit_s",
-                "reserved_unit_s", "actions", "failed"):  # fmt: skip
+    for key in (
+        "avg_act_s",
+        "p50_act_s",
+        "p99_act_s",
+        "step_s",
+        "busy_unit_s",
+        "reserved_unit_s",
+        "actions",
+        "failed",
+    ):
         assert key in doc["policies"]["tangram"]
     assert doc["policies"]["baseline"]["actions"] == 6
     assert doc["policies"]["baseline"]["failed"] == 0
@@ -254,3 +284,17 @@ def test_cli_reports_trace_errors(tmp_path: Path) -> None:
     )
     assert out.exit_code != 0
     assert "bad.jsonl:2:" in out.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["tangram", "baseline", "fixed-dop:16"])
+def test_paper_scale_ai_coding_batch_1024_under_a_minute(policy: str) -> None:
+    """The paper-scale AI-coding run at batch 1024 simulates in under 60 s per policy."""
+    import time
+
+    c = load_cluster(ROOT / "config" / "cluster-paper.toml")
+    trace = generate("ai-coding", c, 1024, seed=0)
+    t0 = time.perf_counter()
+    result = simulate(c, trace, parse_policy(policy))
+    assert time.perf_counter() - t0 < 60.0
+    assert result.summary["failed"] == 0

@@ -23,8 +23,12 @@ PAPER = {  # paper §6 / design §9
     "mopd+search": {"act": "lower (Fig. 6)", "step": "n/a"},
 }
 POLICIES = ("tangram", "tangram-backfill", "baseline")
-TAGS = {"ai-coding": ("tool", "reward"), "deepsearch": ("search", "reward"),
-        "mopd": ("teacher",), "mopd+search": ("teacher", "search", "reward")}  # fmt: skip
+TAGS = {
+    "ai-coding": ("tool", "reward"),
+    "deepsearch": ("search", "reward"),
+    "mopd": ("teacher",),
+    "mopd+search": ("teacher", "search", "reward"),
+}
 
 
 def main() -> None:
@@ -33,8 +37,10 @@ def main() -> None:
     args = ap.parse_args()
     started = time.perf_counter()
     doc: dict[str, object] = {"batch": args.batch}
-    print("| workload | metric | paper (tangram gain) | ours tangram | ours backfill | "
-          "ours baseline | ours gain (fcfs / backfill) |")  # fmt: skip
+    print(
+        "| workload | metric | paper (tangram gain) | ours tangram | ours backfill | "
+        "ours baseline | ours gain (fcfs / backfill) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for wl in ("ai-coding", "deepsearch", "mopd", "mopd+search"):
         cluster = paper_cluster(judge_replicas=5 if wl == "deepsearch" else None)
@@ -42,23 +48,32 @@ def main() -> None:
         doc[wl] = summaries(res)
         plot(list(res.values()), str(IMG / f"fig6-{wl}.png"), title=f"{wl}, batch {args.batch}")
         t, bf, b = (res[p].summary for p in POLICIES)
-        rows = [("avg ACT (s)", "avg_act_s", PAPER[wl]["act"]),
-                ("step time (s)", "step_s", PAPER[wl]["step"])]  # fmt: skip
+        rows = [
+            ("avg ACT (s)", "avg_act_s", PAPER[wl]["act"]),
+            ("step time (s)", "step_s", PAPER[wl]["step"]),
+        ]
         for label, key, paper in rows:
-            print(f"| {wl} | {label} | {paper} | {t[key]:.2f} | {bf[key]:.2f} | {b[key]:.2f} | "
-                  f"{ratio(b[key], t[key])} / {ratio(b[key], bf[key])} |")  # fmt: skip
+            print(
+                f"| {wl} | {label} | {paper} | {t[key]:.2f} | {bf[key]:.2f} | {b[key]:.2f} | "
+                f"{ratio(b[key], t[key])} / {ratio(b[key], bf[key])} |"
+            )
         for tag in TAGS[wl]:
             paper = PAPER[wl].get("env" if tag == "tool" else tag, "")
             parts = []
             for p in POLICIES:
                 r = res[p]
-                q, rs, e = (tag_act(r, [tag], f) for f in
-                            ("avg_queue_s", "avg_restore_s", "avg_exec_s"))  # fmt: skip
+                q, rs, e = (
+                    tag_act(r, [tag], f) for f in ("avg_queue_s", "avg_restore_s", "avg_exec_s")
+                )
                 parts.append(f"{q + rs + e:.2f} = {q:.2f}+{rs:.2f}+{e:.2f}")
             gain = ratio(tag_act(res["baseline"], [tag]), tag_act(res["tangram"], [tag]))
-            gain_bf = ratio(tag_act(res["baseline"], [tag]), tag_act(res["tangram-backfill"], [tag]))
-            print(f"| {wl} | ACT `{tag}` (q+restore+exec) | {paper} | {parts[0]} | {parts[1]} | "
-                  f"{parts[2]} | {gain} / {gain_bf} |")  # fmt: skip
+            gain_bf = ratio(
+                tag_act(res["baseline"], [tag]), tag_act(res["tangram-backfill"], [tag])
+            )
+            print(
+                f"| {wl} | ACT `{tag}` (q+restore+exec) | {paper} | {parts[0]} | {parts[1]} | "
+                f"{parts[2]} | {gain} / {gain_bf} |"
+            )
     save("fig6_7", doc, started)
 
 

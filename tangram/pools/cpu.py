@@ -155,9 +155,15 @@ class CpuNodePool:
                 cores = pick_cores(free, amount)
             except ValueError as exc:
                 raise ValueError(f"{self.pool_id}: action {action.id}: {exc}") from None
-            taken = set(cores)
-            free = [[c for c in numa if c not in taken] for numa in free]
             picked.append(cores)
+            # pick_cores takes a prefix of each NUMA node's sorted free list: drop it
+            taken = set(cores)
+            for i, numa in enumerate(free):
+                k = 0
+                while k < len(numa) and numa[k] in taken:
+                    k += 1
+                if k:
+                    free[i] = numa[k:]
         return picked
 
     def allocate(self, action_id: ActionId, units: tuple[int, ...]) -> None:

@@ -116,8 +116,16 @@ def _gpu_set(cluster: ClusterSpec, service: str) -> list[int]:
 def _service_call(cluster: ClusterSpec, name: str, t1: float, tag: str) -> dict[str, Any]:
     gpus = _gpu_set(cluster, name)
     eff = {str(k): GPU_EFF[str(k)] for k in gpus}
-    return {"action": {"kind": "service", "service": name, "gpus": gpus, "t1_s": t1,
-                       "eff": eff, "tag": tag}}  # fmt: skip
+    return {
+        "action": {
+            "kind": "service",
+            "service": name,
+            "gpus": gpus,
+            "t1_s": t1,
+            "eff": eff,
+            "tag": tag,
+        }
+    }
 
 
 def deepsearch(rng: random.Random, i: int, step: int, cluster: ClusterSpec) -> dict[str, Any]:
@@ -128,13 +136,19 @@ def deepsearch(rng: random.Random, i: int, step: int, cluster: ClusterSpec) -> d
     steps: list[dict[str, Any]] = []
     for _ in range(rng.randint(4, 24)):
         steps.append({"gen_s": _ln(rng, 4.0, 0.6)})
-        steps.append({"action": {"kind": "api", "api": api, "dur_s": _ln(rng, 1.2, 0.5),
-                                 "tag": "search"}})  # fmt: skip
+        steps.append(
+            {"action": {"kind": "api", "api": api, "dur_s": _ln(rng, 1.2, 0.5), "tag": "search"}}
+        )
     steps.append({"gen_s": _ln(rng, 4.0, 0.6)})
     steps.append(_service_call(cluster, judge, _ln(rng, 6.0, 0.3), "reward"))
-    return {"id": f"search-{step}-{i}", "task": "deepsearch",
-            "arrival_s": round(rng.uniform(0.0, 2.0), 6), "mem_gb": 0, "step": step,
-            "steps": steps}  # fmt: skip
+    return {
+        "id": f"search-{step}-{i}",
+        "task": "deepsearch",
+        "arrival_s": round(rng.uniform(0.0, 2.0), 6),
+        "mem_gb": 0,
+        "step": step,
+        "steps": steps,
+    }
 
 
 def _teachers(cluster: ClusterSpec) -> list[str]:
@@ -153,9 +167,14 @@ def mopd(rng: random.Random, i: int, step: int, cluster: ClusterSpec) -> dict[st
     for _ in range(rng.randint(1, 4)):
         steps.append({"gen_s": _ln(rng, 15.0, 0.7)})
     steps.append(_service_call(cluster, teacher, _ln(rng, 3.0, 0.5), "teacher"))
-    return {"id": f"mopd-{step}-{i}", "task": "mopd",
-            "arrival_s": round(rng.uniform(0.0, 2.0), 6), "mem_gb": 0, "step": step,
-            "steps": steps}  # fmt: skip
+    return {
+        "id": f"mopd-{step}-{i}",
+        "task": "mopd",
+        "arrival_s": round(rng.uniform(0.0, 2.0), 6),
+        "mem_gb": 0,
+        "step": step,
+        "steps": steps,
+    }
 
 
 GENERATORS: dict[str, list[Callable[[random.Random, int, int, ClusterSpec], dict[str, Any]]]] = {

@@ -1,0 +1,71 @@
+"""Fig. 8 (CPU): average ACT of AI coding as the RL batch grows, tangram vs Kubernetes pods.
+
+Usage: python bench/paper/fig8_cpu.py [--batches 256,512,1024,2048]
+Policies ``tangram`` and ``k8s`` (the GPU/API parts are tangram in both; AI coding uses only
+CPUs), plus ``tangram-backfill``. Paper: tangram's avg ACT is 3.1× to 27.7× lower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from common import IMG, paper_cluster, ratio, run, save, summaries
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="256,512,1024,2048")
+    args = ap.parse_args()
+    started = time.perf_counter()
+    batches = [int(b) for b in args.batches.split(",")]
+    cluster = paper_cluster()
+    doc: dict[str, object] = {}
+    rows = []
+    for b in batches:
+        res = run(cluster, "ai-coding", b, ("tangram", "tangram-backfill", "k8s"))
+        doc[str(b)] = summaries(res)
+        rows.append((b, res))
+    print(
+        "| batch | paper: k8s / tangram avg ACT | ours tangram | ours k8s | ours gain | "
+        "ours step tangram / k8s (s) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for i, (b, res) in enumerate(rows):
+        t, k = res["tangram"].summary, res["k8s"].summary
+        paper = (
+            "3.1× (smallest batch)"
+            if i == 0
+            else ("27.7× (largest)" if i == len(rows) - 1 else "between")
+        )
+        print(
+            f"| {b} | {paper} | {t['avg_act_s']:.2f} | {k['avg_act_s']:.2f} | "
+            f"{ratio(k['avg_act_s'], t['avg_act_s'])} | {t['step_s']:.0f} / {k['step_s']:.0f} |"
+        )
+    _plot(rows)
+    save("fig8_cpu", doc, started)
+
+
+def _plot(rows: list) -> None:  # type: ignore[type-arg]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    xs = [b for b, _ in rows]
+    for p in ("tangram", "k8s"):
+        ax.plot(xs, [r[p].summary["avg_act_s"] for _, r in rows], marker="o", label=p)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("RL batch size (trajectories)")
+    ax.set_ylabel("avg ACT (s)")
+    ax.set_title("AI coding, 15 x 256 cores")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(IMG / "fig8-cpu.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
