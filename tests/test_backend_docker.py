@@ -21,6 +21,7 @@ from pathlib import Path
 import docker
 import pytest
 
+from tangramd.backends.base import EnvError
 from tangramd.backends.docker import AGENT_SOCK, DockerBackend
 
 # A helper module with asserts, not a test module: have pytest rewrite them too.
@@ -258,13 +259,12 @@ class SocketProxy:
                     s.shutdown(socket.SHUT_RDWR)
 
 
-@pytest.mark.parametrize("use_agent", [True, False], ids=["agent", "docker_exec"])
-def test_unreachable_engine_fails_fast_and_recovers(client, state_dir, use_agent):
-    """With dockerd unreachable execs fail fast as infra_error; they work once it is back."""
+def test_unreachable_engine_fails_fast_and_recovers(client, state_dir):
+    """With dockerd unreachable, docker-exec execs fail fast as infra_error, then recover."""
     proxy = SocketProxy(str(state_dir / "docker.sock"))
     proxy.start()
     via_proxy = docker.DockerClient(base_url=f"unix://{proxy.path}", timeout=5)
-    b = make_backend(via_proxy, state_dir, use_agent=use_agent)
+    b = make_backend(via_proxy, state_dir, use_agent=False)
     try:
         env = new_env(b)
         assert ex(b, env, ["true"]).outcome == "ok"
@@ -274,6 +274,30 @@ def test_unreachable_engine_fails_fast_and_recovers(client, state_dir, use_agent
         assert result.outcome == "infra_error", result
         assert time.monotonic() - started < 3
         assert b.env_exists(env)  # the engine is away, the container is not known dead
+        proxy.start()
+        assert ex(b, env, ["echo", "ok"]).stdout == "ok\n"
+    finally:
+        run(b.shutdown())
+        via_proxy.close()
+
+
+def test_agent_path_needs_no_engine_while_creation_fails_fast(client, state_dir):
+    """Agent execs keep running pinned while the engine API is away; new envs fail fast."""
+    proxy = SocketProxy(str(state_dir / "docker.sock"))
+    proxy.start()
+    via_proxy = docker.DockerClient(base_url=f"unix://{proxy.path}", timeout=5)
+    b = make_backend(via_proxy, state_dir, use_agent=True)
+    try:
+        env = new_env(b)
+        assert ex(b, env, ["true"], (0,)).outcome == "ok"
+        proxy.stop()
+        # re-pinning to another core goes through the container's cgroup files directly
+        r = ex(b, env, ["grep", "Cpus_allowed_list", "/proc/self/status"], (1,))
+        assert r.outcome == "ok" and r.stdout.split()[-1] == "1", r
+        started = time.monotonic()
+        with pytest.raises(EnvError):
+            run(b.create_env("e-new", None, None))
+        assert time.monotonic() - started < 12
         proxy.start()
         assert ex(b, env, ["echo", "ok"]).stdout == "ok\n"
     finally:

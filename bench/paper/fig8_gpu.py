@@ -1,6 +1,6 @@
 """Fig. 8 (GPU): GPUs tangram needs for the static deployment's ACT; GPU scalability.
 
-Usage: python bench/paper/fig8_gpu.py [--gpus 8,12,16,24,32,40] [--batches 256,512,1024,2048]
+Usage: python bench/paper/fig8_gpu.py [--gpus 4,8,12,16,24,32,40] [--batches 256,512,1024,2048]
 (a) MOPD+Search, 10 services, batch 1024: ``static-services`` (10 × 4 GPUs = 40 GPUs) vs
     ``tangram`` on 8..40 GPUs; ACT is over the GPU actions (teacher + judge calls). Paper:
     the same ACT with 29% of the GPUs (71.2% saved).
@@ -20,7 +20,7 @@ GPU_TAGS = ("teacher", "reward")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpus", default="8,12,16,24,32,40")
+    ap.add_argument("--gpus", default="4,8,12,16,24,32,40")
     ap.add_argument("--batches", default="256,512,1024,2048")
     args = ap.parse_args()
     started = time.perf_counter()

@@ -104,6 +104,27 @@ class _Env:
     agent_dir: Path
     use_agent: bool
     alive: bool = True
+    cpuset_dir: Path | None = None  # the container's cgroup-v1 dirs, for direct pinning
+    cpu_dir: Path | None = None
+    pinned: tuple[int, ...] = ()  # cores the container's cgroup is set to now
+
+
+def container_cgroup_dirs(pid: int) -> tuple[Path | None, Path | None]:
+    """cgroup-v1 cpuset and cpu directories of a process (None where not writable)."""
+    cpuset = cpu = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            _, controllers, rel = line.split(":", 2)
+            names = controllers.split(",")
+            if "cpuset" in names:
+                cpuset = Path("/sys/fs/cgroup/cpuset") / rel.lstrip("/")
+            if "cpu" in names:
+                cpu = Path("/sys/fs/cgroup") / controllers / rel.lstrip("/")
+    ok = [
+        d if d is not None and os.access(d, os.W_OK) and d != d.parent else None
+        for d in (cpuset, cpu)
+    ]
+    return ok[0], ok[1]
 
 
 class DockerBackend:
@@ -221,6 +242,11 @@ class DockerBackend:
         except _ENGINE_ERRORS as e:
             raise EnvError(f"docker engine unreachable: {e}") from e
         env = _Env(env_id, container.id, agent_dir, use_agent=False)
+        with contextlib.suppress(Exception):
+            await self._call(container.reload)
+            env.cpuset_dir, env.cpu_dir = container_cgroup_dirs(
+                int(container.attrs["State"]["Pid"])
+            )
         try:
             env.use_agent = await self._wait_for_main(env)
         except BaseException:
@@ -350,13 +376,7 @@ class DockerBackend:
     async def _exec(self, env: _Env, req: ExecRequest) -> ExecResult:
         cores = ",".join(map(str, req.cores))
         try:
-            await self._call(
-                self.client.api.update_container,
-                env.container_id,
-                cpuset_cpus=cores,
-                cpu_period=CPU_PERIOD_US,
-                cpu_quota=CPU_PERIOD_US * len(req.cores),
-            )
+            await self._pin(env, req.cores, cores)
         except docker.errors.NotFound:
             return await self._lost(env, "container removed behind our back")
         except docker.errors.APIError as e:
@@ -371,6 +391,41 @@ class DockerBackend:
                 return result
             env.use_agent = False  # the agent refused the connection: fall back for good
         return await self._exec_docker(env, req, cmd, env_vars)
+
+    async def _pin(self, env: _Env, cores: tuple[int, ...], text: str) -> None:
+        """Set the container's cpuset and CPU quota to exactly ``cores``.
+
+        Fast path: write the container's cgroup-v1 files directly (what ``docker update``
+        does through dockerd, at ~12 ms per call here), and skip it when the container is
+        already pinned to these cores. Fallback: the SDK's ``update_container``.
+        """
+        if env.pinned == cores:
+            return
+        if env.cpuset_dir is not None and env.cpu_dir is not None:
+            try:
+                quota = CPU_PERIOD_US * len(cores)
+                if len(cores) > len(env.pinned):  # widen quota before cpuset, narrow after
+                    (env.cpu_dir / "cpu.cfs_quota_us").write_text(str(quota))
+                    (env.cpuset_dir / "cpuset.cpus").write_text(text)
+                else:
+                    (env.cpuset_dir / "cpuset.cpus").write_text(text)
+                    (env.cpu_dir / "cpu.cfs_quota_us").write_text(str(quota))
+                env.pinned = cores
+                return
+            except OSError:
+                env.cpuset_dir = env.cpu_dir = None  # gone or not ours: use the engine
+        env.pinned = ()
+        await self._update_via_engine(env, text, len(cores))
+        env.pinned = cores
+
+    async def _update_via_engine(self, env: _Env, cores: str, n: int) -> None:
+        await self._call(
+            self.client.api.update_container,
+            env.container_id,
+            cpuset_cpus=cores,
+            cpu_period=CPU_PERIOD_US,
+            cpu_quota=CPU_PERIOD_US * n,
+        )
 
     async def _exec_agent(
         self, env: _Env, req: ExecRequest, cmd: list[str] | str, env_vars: dict[str, str]
