@@ -302,26 +302,26 @@ async def _op_nodes(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
 
 async def _op_queue(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     now = rt.clock()
-    rows = []
-    for rec in list(rt.core.queue.values()) + [
-        r for r in rt.core.actions.values() if r.state in ("running", "waiting_env")
-    ]:
+
+    def row(rec: Any) -> dict[str, Any]:
         a = rec.action
-        rows.append(
-            {
-                "action_id": a.id,
-                "kind": a.kind,
-                "state": rec.state,
-                "trajectory": a.trajectory,
-                "pool": rec.pool_id or None,
-                "waiting_s": now - rec.submitted_at,
-                "min": a.min_units,
-                "max": a.key_amounts.max,
-                "units": list(rec.units),
-                "elastic": a.is_elastic(),
-            }
-        )
-    return {"actions": rows}
+        return {
+            "action_id": a.id,
+            "kind": a.kind,
+            "state": rec.state,
+            "trajectory": a.trajectory,
+            "pool": rec.pool_id or None,
+            "waiting_s": (rec.started_at or now) - rec.submitted_at,
+            "min": a.min_units,
+            "max": a.key_amounts.max,
+            "units": list(rec.units),
+            "elastic": a.is_elastic(),
+        }
+
+    waiting = [row(r) for r in rt.core.queue.values()]
+    waiting += [row(r) for r in rt.core.actions.values() if r.state == "waiting_env"]
+    running = [row(r) for r in rt.core.actions.values() if r.state == "running"]
+    return {"waiting": waiting, "running": running}
 
 
 async def _op_story(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:

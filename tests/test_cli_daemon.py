@@ -1,0 +1,120 @@
+"""`tangramctl` against a real `tangramd up`: the command contracts of design §6."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from daemon_fixture import running_daemon
+
+from tangramctl.main import cli
+
+SUITE = Path(__file__).parent / "data" / "cpu_suite"
+
+
+@pytest.fixture(scope="module")
+def sock(tmp_path_factory):
+    with running_daemon(tmp_path_factory.mktemp("cli")) as d:
+        yield d.socket
+
+
+def ctl(sock: str, *args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(cli, ["--socket", sock, *args], env=env, catch_exceptions=False)
+
+
+def test_status_json_succeeds(sock):
+    """`status --json` succeeds once the daemon serves and reports the CPU pool."""
+    r = ctl(sock, "status", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["pools"]["cpu:local"]["capacity"] == 2
+
+
+def test_exec_json_contract_and_pinning(sock):
+    """`exec --json` prints one object with the contract fields; cores match the pinning."""
+    r = ctl(
+        sock,
+        "exec",
+        "--cpus",
+        "2",
+        "--json",
+        "--",
+        "grep",
+        "Cpus_allowed_list",
+        "/proc/self/status",
+    )
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert set(out) >= {
+        "outcome",
+        "exit_code",
+        "stdout",
+        "stderr",
+        "queue_s",
+        "exec_s",
+        "act_s",
+        "cores",
+    }
+    assert sorted(out["cores"]) == [0, 1]
+    assert out["stdout"].split()[-1] in ("0-1", "0,1")
+
+
+def test_exec_exit_codes(sock):
+    """exec exits with the command's exit code, 124 on timeout."""
+    assert ctl(sock, "exec", "--", "sh", "-c", "exit 3").exit_code == 3
+    r = ctl(sock, "exec", "--timeout", "0.3", "--", "sleep", "5")
+    assert r.exit_code == 124
+
+
+def test_env_open_exec_close(sock):
+    """`env open --json` gives an id whose state persists across `exec --env`."""
+    r = ctl(sock, "env", "open", "--json")
+    env_id = json.loads(r.output)["id"]
+    assert ctl(sock, "exec", "--env", env_id, "--", "sh", "-c", "echo x > f").exit_code == 0
+    r = ctl(sock, "exec", "--env", env_id, "--", "cat", "f")
+    assert r.exit_code == 0 and r.output.strip() == "x"
+    assert ctl(sock, "env", "close", env_id).exit_code == 0
+    assert env_id not in ctl(sock, "env", "list", "--json").output
+
+
+def test_profile_save_and_use(sock):
+    """`profile --save` stores T1/E(m) from real pinned runs; `exec --profile` uses it."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(SUITE)]
+    r = ctl(
+        sock,
+        "profile",
+        "--dop",
+        "1,2",
+        "--repeat",
+        "1",
+        "--save",
+        "suite",
+        "--json",
+        "--",
+        *cmd,
+        env={"CPU_SUITE_SCALE": "0.2"},
+    )
+    assert r.exit_code == 0, r.output
+    prof = json.loads(r.output[r.output.index("{") :])
+    assert set(prof["dop"]) == {"1", "2"} and prof["t1_s"] > 0
+    assert prof["speedup"]["1"] == pytest.approx(1.0)
+    r = ctl(sock, "exec", "--profile", "suite", "--json", "--", "true")
+    assert r.exit_code == 0, r.output
+
+
+def test_queue_and_story(sock):
+    """`queue --json` has waiting/running lists; `story` tells an action's events."""
+    q = json.loads(ctl(sock, "queue", "--json").output)
+    assert set(q) == {"waiting", "running"}
+    aid = json.loads(ctl(sock, "exec", "--json", "--", "true").output)["action_id"]
+    r = ctl(sock, "story", aid, "--json")
+    assert [e["event"] for e in json.loads(r.output)["events"]][-1] == "finished"
+
+
+def test_unreachable_daemon_is_a_clear_error(tmp_path):
+    """No daemon at the socket: a one-line error naming the path, exit status 2."""
+    r = CliRunner().invoke(cli, ["--socket", str(tmp_path / "none.sock"), "status"])
+    assert r.exit_code == 2
+    assert "none.sock" in r.output and "Traceback" not in r.output
