@@ -541,6 +541,10 @@ class Core:
             self.run_pass(now, out)
 
     # ------------------------------------------------------------------ views
+    def trajectory_of(self, action_id: str) -> str | None:
+        rec = self.actions.get(ActionId(action_id))
+        return rec.action.trajectory if rec else None
+
     def status(self, now: float) -> dict[str, Any]:
         running = sum(1 for r in self.actions.values() if r.state == "running")
         return {

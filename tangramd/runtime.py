@@ -141,6 +141,14 @@ class Runtime:
         if isinstance(cmd, ev.Reply):
             self._resolve(cmd.token, cmd.result, cmd.error)
         elif isinstance(cmd, ev.RunExec):
+            log.info(
+                "action_placed",
+                action_id=cmd.action_id,
+                node=cmd.node,
+                env=cmd.env_id,
+                cores=list(cmd.cores),
+                trajectory=self.core.trajectory_of(cmd.action_id),
+            )
             self._spawn(self._run_exec(cmd))
         elif isinstance(cmd, ev.CreateEnv):
             self._spawn(self._create_env(cmd))

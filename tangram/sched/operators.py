@@ -88,7 +88,7 @@ class ChunkOperator:
     a 4 free). States are mixed-radix encoded over the counts reachable from the start.
     """
 
-    __slots__ = ("_bases", "_caps", "counts")
+    __slots__ = ("_bases", "_caps", "_memo", "counts")
 
     def __init__(self, counts: Mapping[int, int]) -> None:
         for size in counts:
@@ -108,11 +108,20 @@ class ChunkOperator:
         cap1 = n1 + cap2 * 2
         self._caps = (cap1, cap2, cap4, cap8)
         self._bases = (1, cap1 + 1, (cap1 + 1) * (cap2 + 1), (cap1 + 1) * (cap2 + 1) * (cap4 + 1))
+        self._memo: dict[tuple[ChunkState, int], ChunkState | None] = {}  # take() results
 
     def start(self) -> ChunkState:
         return self.counts
 
     def take(self, state: ChunkState, k: int) -> ChunkState | None:
+        key = (state, k)
+        if key in self._memo:
+            return self._memo[key]
+        result = self._take(state, k)
+        self._memo[key] = result
+        return result
+
+    def _take(self, state: ChunkState, k: int) -> ChunkState | None:
         need = chunk_level(k)
         counts = list(state)
         idx = CHUNK_SIZES.index(need)

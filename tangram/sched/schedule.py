@@ -122,6 +122,8 @@ class Decision:
     placements: tuple[Placement, ...]
     waiting: tuple[ActionId, ...]
     infeasible: tuple[Infeasible, ...]
+    # Alg. 2 estimate of the sum of future ACTs (seconds from now) of the chosen placement,
+    # summed over the pools where greedy eviction had a choice (>= 2 elastic candidates)
     objective: float
     evicted: int  # elastic candidates sent back to the queue by greedy eviction
 
@@ -289,6 +291,22 @@ class _Durations:
         # extra_cost depends only on (kind, service, amount) within one pass (SchedPool doc)
         self._extra: dict[tuple[str, str | None, int], float] = {}
 
+    def table(self, action: Action, amounts: tuple[int, ...]) -> dict[int, float]:
+        """Durations at each of ``amounts`` (the DP's choices for one candidate)."""
+        prof = action.profiled
+        out: dict[int, float] = {}
+        for u in amounts:
+            base = prof.get(u)
+            if base is None:
+                out[u] = self(action, u)
+                continue
+            extra_key = (action.kind, action.service, u)
+            extra = self._extra.get(extra_key)
+            if extra is None:
+                extra = self._extra[extra_key] = self._pool.extra_cost(action, u)
+            out[u] = base + extra
+        return out
+
     def minimum(self, action: Action) -> float:
         d = self.at_min.get(action.id)
         if d is None:
@@ -334,7 +352,7 @@ def _schedule_pool(
         nxt = op.take(state, a.min_units)
         assert nxt is not None  # the candidate prefix fit at minimum
         state = nxt
-    choices = [{u: dur(a, u) for u in _elastic_amounts(a, max_single)} for a in elastic]
+    choices = [dur.table(a, _elastic_amounts(a, max_single)) for a in elastic]
     table = DPTable(choices, op, start=state)
     n = len(elastic)
     while n > 0 and not table.feasible(n):  # chunk order effects: drop trailing candidates
@@ -350,6 +368,10 @@ def _schedule_pool(
     base_heap = running + fixed_heap
     replay = _Replay(op, dur, cfg, max_single)
 
+    base_heap.sort()  # a sorted list is a valid heap: copied, never re-heapified
+    rank = {a.id: k for k, a in enumerate(elastic)}
+    merged = list(heapq.merge(elastic, window, key=lambda a: a.seq))
+
     def objective(t: int) -> tuple[float, list[int]]:
         arr = table.row(t)
         heap = list(base_heap)
@@ -358,16 +380,15 @@ def _schedule_pool(
             nxt = op.take(s, amount)
             assert nxt is not None
             s = nxt
-            heap.append((choices[k][amount], amount))
-        heapq.heapify(heap)
-        waiting = list(heapq.merge(elastic[t:], window, key=lambda a: a.seq))
+            heapq.heappush(heap, (choices[k][amount], amount))
+        waiting = [a for a in merged if rank.get(a.id, n) >= t]
         return fixed_total + arr.total + replay.run(waiting, s, heap), arr.amounts
 
-    if n == 0:
-        heap = list(base_heap)
-        heapq.heapify(heap)
-        best = fixed_total + replay.run(window, state, heap)
-        best_t, best_amounts = 0, list[int]()
+    if n <= 1:
+        # Nothing to evict: the placement is fixed, so the objective is not evaluated (it
+        # only serves to compare eviction steps); its value is reported as 0 for this pool.
+        best_t, best = n, 0.0
+        best_amounts = table.row(n).amounts if n else list[int]()
     else:
         best_t = n
         best, best_amounts = objective(n)
