@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,7 +90,8 @@ class Core:
         self.history = history or HistoryEstimator(default_s=1.0)
         self.pools: dict[str, Any] = {p.pool_id: p for p in cpu.nodes}
         self.pools.update({p.pool_id: p for p in self.apis.values()})
-        self.actions: dict[ActionId, ActionRec] = {}
+        self.actions: dict[ActionId, ActionRec] = {}  # live actions only
+        self.recent: OrderedDict[ActionId, str] = OrderedDict()  # outcome of ended ones
         self.queue: dict[ActionId, ActionRec] = {}  # waiting for units, FCFS (seq) order
         self.envs: dict[EnvId, EnvRec] = {}
         self.env_waitq: deque[EnvId] = deque()  # environments waiting for memory, FIFO
@@ -345,6 +346,11 @@ class Core:
             rec.token = None
         if env is not None and env.throwaway and env.active == 0:
             self._close_env(env, now, out, "throwaway environment done")
+        # forget the record (the story keeps what happened), bounded memory for long runs
+        self.actions.pop(rec.action.id, None)
+        self.recent[rec.action.id] = outcome
+        if len(self.recent) > STORY_LIMIT:
+            self.recent.popitem(last=False)
 
     # ------------------------------------------------------------------ scheduling
     def run_pass(self, now: float, out: list[ev.Command]) -> None:
@@ -571,8 +577,7 @@ class Core:
                         f"core {core} held by {holders[core]} and {rec.action.id}"
                     )
                     holders[core] = rec.action.id
-            if rec.state == "done":
-                assert rec.action.id not in self.queue
+            assert rec.state != "done", f"ended action {rec.action.id} still live"
         for aid in self.queue:
             assert self.actions[aid].state == "queued"
         for pool in self.apis.values():

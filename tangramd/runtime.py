@@ -338,10 +338,11 @@ async def _op_story(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     if events is None:
         raise NotFound(f"no story for action {aid!r} (unknown or too old)")
     rec = rt.core.actions.get(aid)
+    outcome = rt.core.recent.get(aid)
     return {
         "action_id": aid,
-        "state": rec.state if rec else "forgotten",
-        "outcome": rec.outcome if rec else None,
+        "state": rec.state if rec else ("done" if outcome else "forgotten"),
+        "outcome": rec.outcome if rec else outcome,
         "events": [{"t": t - rt.started, "event": e, "detail": d} for t, e, d in events],
     }
 
