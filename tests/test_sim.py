@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tangram.sim import generate, load_trace, parse_cluster, parse_lines, parse_policy, simulate
+from tangram.sim import (
+    Engine,
+    generate,
+    load_trace,
+    parse_cluster,
+    parse_lines,
+    parse_policy,
+    simulate,
+)
 from tangram.sim.cluster import ClusterError, load_cluster
 from tangram.sim.engine import SimError
 from tangram.sim.policy import PolicyError
@@ -159,9 +167,14 @@ def test_every_action_completes_once_within_capacity(workload: str) -> None:
     """Under every policy each trace action completes exactly once and pools stay valid."""
     c = load_cluster(SMALL)
     trace = generate(workload, c, 6, seed=1, steps=2)
-    n = sum(1 for t in trace for _ in t.actions())
+    expected = sorted(
+        f"{t.id}#{i}" for t in trace for i, s in enumerate(t.steps) if not isinstance(s, float)
+    )
+    n = len(expected)
     for policy in POLICIES:
-        result = simulate(c, trace, parse_policy(policy), check=True)  # validates every event
+        engine = Engine(c, trace, parse_policy(policy), check=True)  # validates every event
+        result = engine.run()
+        assert sorted(r.action_id for r in engine.records) == expected, policy
         assert result.summary["actions"] == n, policy
         assert result.summary["failed"] == 0, policy
         assert len(result.acts) == n, policy

@@ -1,7 +1,7 @@
 """Scheduler/pool behaviours found by the simulator, kept as executable reports.
 
 Each test states the behaviour we expect; ``xfail`` marks the ones the current scheduler or
-pools do not have yet (the simulator works around the GPU one, see ``tangram.sim.engine``).
+pools do not have yet (the simulator works around the GPU one, see ``tangram.sim.workarounds``).
 """
 
 from __future__ import annotations

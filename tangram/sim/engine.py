@@ -30,15 +30,15 @@ from typing import Any
 
 from tangram.model import Action, ActionId, Choices, EnvId, HistoryEstimator, LeaseId, Range
 from tangram.pools.api import ApiPool
-from tangram.pools.buddy import choose_chunk
 from tangram.pools.cpu import CpuNodePool, pick_cores
-from tangram.pools.gpu import GPU_STRIDE, GpuCluster, GpuNodePool
+from tangram.pools.gpu import GpuNodePool
 from tangram.pools.gpu import ServiceSpec as GpuServiceSpec
-from tangram.sched import SchedConfig, Snapshot, chunk_level, schedule
+from tangram.sched import SchedConfig, Snapshot, schedule
 from tangram.sim.cluster import GB, ClusterSpec
 from tangram.sim.metrics import ActionRecord, SimResult, summarize
 from tangram.sim.policy import Policy
 from tangram.sim.trace import TraceAction, Trajectory
+from tangram.sim.workarounds import PackingGpuCluster
 
 # event kinds, in the order they are handled within one timestamp
 DONE, POD_READY, RETRY, GEN_DONE, ARRIVE, WAKE = range(6)
@@ -145,7 +145,7 @@ class Engine:
                     )
                 )
         services = {s.name: GpuServiceSpec(s.name, int(s.mem_gb * GB)) for s in c.services}
-        self.gpu = _GpuPool(gnodes, services) if gnodes else None
+        self.gpu = PackingGpuCluster(gnodes, services) if gnodes else None
         self.apis: dict[str, ApiPool] = {
             f"api:{a.name}": ApiPool(a.name, a.concurrency, a.quota, a.period_s) for a in c.apis
         }
@@ -373,6 +373,7 @@ class Engine:
         start = run.start if run.start >= 0 else now
         self.records.append(
             ActionRecord(
+                str(run.action.id),
                 run.ta.tag,
                 run.action.kind,
                 run.action.task,
@@ -577,36 +578,6 @@ class Engine:
         return summarize(
             self.policy.name, self.records, self.step_durations, self.busy, self.reserved, makespan
         )
-
-
-class _GpuPool(GpuCluster):
-    """``GpuCluster`` whose ``pick_units`` falls back to residency-blind buddy packing.
-
-    Work-around: ``GpuCluster.pick_units`` prefers chunks where the service is resident and
-    can thereby split a free chunk that a later request of the same pass needed, failing
-    for requests that the scheduler's ``ChunkOperator`` rightly found feasible. Packing the
-    requests largest first into the smallest fitting chunk always succeeds then.
-    """
-
-    fallbacks = 0
-
-    def pick_units(self, requests: Sequence[tuple[Action, int]]) -> list[tuple[int, ...]]:
-        try:
-            return super().pick_units(requests)
-        except ValueError:
-            self.fallbacks += 1
-        copies = [node.buddy.copy() for node in self.nodes]
-        out: list[tuple[int, ...]] = [() for _ in requests]
-        order = sorted(range(len(requests)), key=lambda i: (-chunk_level(requests[i][1]), i))
-        for i in order:
-            size = chunk_level(requests[i][1])
-            chosen = choose_chunk([(c, None) for c in copies], size)
-            if chosen is None:
-                raise ValueError(f"gpu: requests {list(requests)} do not fit the free chunks")
-            index, start = chosen
-            copies[index].split(start, size)
-            out[i] = tuple(index * GPU_STRIDE + g for g in range(start, start + size))
-        return out
 
 
 def pool_of_run(run: _Run, affinity: Any) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class ActionRecord:
+    action_id: str
     tag: str
     kind: str
     task: str

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -97,6 +98,10 @@ done
 """
 
 
+# agents_dir + "/" + 32-hex env dir + "/agent.sock" must fit a Unix socket path (107 bytes)
+_MAX_AGENTS_DIR = 107 - 1 - 32 - len("/agent.sock")
+
+
 @dataclass(slots=True, eq=False)
 class _Env:
     env_id: str
@@ -151,6 +156,10 @@ class DockerBackend:
         self.instance_id = uuid.uuid4().hex[:12]
         self.state_dir = Path(state_dir or Path(tempfile.gettempdir()) / "tangramd-docker")
         self.agents_dir = self.state_dir / "agents"
+        if len(str(self.agents_dir)) > _MAX_AGENTS_DIR:
+            # agent sockets live under this dir and a Unix socket path has at most 107 bytes
+            digest = hashlib.sha1(str(self.state_dir.resolve()).encode()).hexdigest()[:12]
+            self.agents_dir = Path(tempfile.gettempdir()) / f"tangram-agents-{digest}"
         self.agents_dir.mkdir(parents=True, exist_ok=True)
         self.use_agent = use_agent
         self.api_timeout_s = api_timeout_s

@@ -1,0 +1,79 @@
+"""`tangramd up --cpu-backend docker` end to end against the real dockerd (CI starts one)."""
+
+from __future__ import annotations
+
+import docker
+import pytest
+from daemon_fixture import running_daemon
+
+pytestmark = pytest.mark.docker
+
+IMAGE = "tangram-test:bookworm"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    with running_daemon(tmp_path_factory.mktemp("dockerd"), "--cpu-backend", "docker") as d:
+        yield d
+
+
+def ours(env_id: str) -> list:
+    client = docker.from_env()
+    return client.containers.list(all=True, filters={"label": f"org.arl-tangram.env={env_id}"})
+
+
+def test_exec_in_container_is_pinned_and_keeps_state(daemon):
+    """Each exec sees exactly its cores from inside the container; files persist."""
+    with daemon.client() as c:
+        env = c.env_open(image=IMAGE)
+        assert len(ours(env)) == 1
+        for cpus in (1, 2, 1):
+            r = c.exec(
+                ["sh", "-c", "grep Cpus_allowed_list /proc/self/status; nproc"], env=env, cpus=cpus
+            )
+            assert r.outcome == "ok", r
+            allowed = r.stdout.split()[1]
+            expect = str(r.cores[0]) if cpus == 1 else f"{min(r.cores)}-{max(r.cores)}"
+            assert allowed == expect
+        assert c.exec("echo hi > /tmp/x", env=env).outcome == "ok"
+        assert c.exec("cat /tmp/x", env=env).stdout == "hi\n"
+        c.env_close(env)
+        assert ours(env) == []
+
+
+def test_pytest_rewritten_to_allocated_cores(daemon):
+    """An elastic pytest run on 2 cores runs with 2 xdist workers inside the container."""
+    with daemon.client() as c:
+        env = c.env_open(image=IMAGE)
+        c.exec("mkdir -p /w && printf 'def test_a():\\n    pass\\n' > /w/test_a.py", env=env)
+        r = c.exec("cd /w && python3 -m pytest -p no:cacheprovider", env=env, cpus=2)
+        assert r.outcome == "ok", r
+        assert "gw0 [1] / gw1 [1]" in r.stdout, r.stdout  # two xdist workers
+        c.env_close(env)
+
+
+def test_container_removed_behind_our_back_is_infra_error_then_fresh(daemon):
+    """A vanished container gives infra_error (not failed); the next action gets a new one."""
+    with daemon.client() as c:
+        env = c.env_open(image=IMAGE)
+        assert c.exec("touch /tmp/mark", env=env).outcome == "ok"
+        for ctr in ours(env):
+            ctr.remove(force=True)
+        r = c.exec("true", env=env)
+        assert r.outcome == "infra_error"
+        r = c.exec("test -e /tmp/mark", env=env)
+        assert r.outcome == "failed" and r.exit_code == 1  # fresh container, state gone
+        assert len(ours(env)) == 1
+        c.env_close(env)
+        st = c.status()
+        assert st["pools"]["cpu:local"]["free"] == 2
+
+
+def test_shutdown_removes_containers(tmp_path):
+    """SIGTERM removes every container the daemon created."""
+    with running_daemon(tmp_path, "--cpu-backend", "docker") as d:
+        with d.client() as c:
+            env = c.env_open(image=IMAGE)
+        assert len(ours(env)) == 1
+        assert d.stop() == 0
+    assert ours(env) == []
