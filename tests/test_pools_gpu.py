@@ -334,7 +334,7 @@ def test_cluster_pick_units_plans_on_a_copy() -> None:
     plan = c.pick_units([(a8, 8), (b4, 4), (d4, 4)])
     assert plan == [tuple(range(8)), (8, 9, 10, 11), (12, 13, 14, 15)]
     assert c.free_units() == 16
-    with pytest.raises(ValueError, match="no free chunk"):
+    with pytest.raises(ValueError, match="do not fit the free chunks"):
         c.pick_units([(a8, 8), (b4, 8), (d4, 1)])
     for action, units in zip((a8, b4, d4), plan, strict=True):
         c.allocate(action.id, units)

@@ -1,12 +1,12 @@
-"""Scheduler/pool behaviours found by the simulator, kept as executable reports.
+"""Scheduler/pool behaviours the simulator found, kept as regression tests.
 
-Each test states the behaviour we expect; ``xfail`` marks the ones the current scheduler or
-pools do not have yet (the simulator works around the GPU one, see ``tangram.sim.workarounds``).
+1. With the paper's replay rule an elastic action always starts at once on whatever is free;
+   the "wait" rule (default) lets it wait briefly for more units when that lowers ACT.
+2. ``GpuCluster.pick_units`` could split, for residency, a chunk that a later request of
+   the same pass needed; it now falls back to residency-blind largest-first packing.
 """
 
 from __future__ import annotations
-
-import pytest
 
 from tangram.model import ActionId, TrajectoryId, make_action
 from tangram.pools.cpu import CpuNodePool
@@ -16,13 +16,6 @@ from tangram.sched import SchedConfig, Snapshot, schedule
 GB = 1_000_000_000
 
 
-LONE = (
-    "Alg. 2 replay starts a waiting action at its minimum once that fits: waiting is never valued"
-)
-FRAGMENT = "GpuCluster.pick_units prefers resident chunks and can split one a later request needs"
-
-
-@pytest.mark.xfail(reason=LONE, strict=False)
 def test_lone_elastic_action_waits_one_second_for_four_cores() -> None:
     """An elastic 100 s test run waits 1 s for 4 cores (ACT 26 s) rather than take 1 (100 s)."""
     node = CpuNodePool("n0", [[0, 1, 2, 3]], GB)
@@ -39,9 +32,10 @@ def test_lone_elastic_action_waits_one_second_for_four_cores() -> None:
     )
     decision = schedule(snap, 0.0, SchedConfig())
     assert not decision.placements or decision.placements[0].amount == 4
+    paper = schedule(snap, 0.0, SchedConfig(rule="paper"))
+    assert [p.amount for p in paper.placements] == [1]  # the paper's rule, kept selectable
 
 
-@pytest.mark.xfail(reason=FRAGMENT, strict=False)
 def test_gpu_pick_units_fits_what_the_chunk_operator_accepts() -> None:
     """Requests 1 + 1 + 2 GPUs fit one free 4-GPU chunk even when the service is resident."""
     judge = ServiceSpec("judge", 10 * GB)

@@ -27,7 +27,7 @@ Contract:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -508,25 +508,47 @@ class GpuCluster:
         return min(node.restore_time_s(spec, size) for node in with_room or fitting)
 
     def pick_units(self, requests: Sequence[tuple[Action, int]]) -> list[tuple[int, ...]]:
-        """Global GPU ids of one aligned chunk per request, taken in order on a copy."""
+        """Global GPU ids of one aligned chunk per request, taken in order on a copy.
+
+        First in request order preferring chunks where the service is resident; if that
+        splits a chunk a later request needed, the requests are packed residency-blind,
+        largest first, into the smallest fitting chunk, which always succeeds when the
+        ``ChunkOperator`` accepted them (buddy sizes divide each other).
+        """
+        picked = self._pick(requests, range(len(requests)), by_residency=True)
+        if picked is None:
+            order = sorted(range(len(requests)), key=lambda i: (-chunk_level(requests[i][1]), i))
+            picked = self._pick(requests, order, by_residency=False)
+        if picked is None:
+            raise ValueError(
+                f"gpu: requests {[(a.id, k) for a, k in requests]} do not fit the free chunks "
+                f"{self.chunk_counts()}"
+            )
+        return picked
+
+    def _pick(
+        self,
+        requests: Sequence[tuple[Action, int]],
+        order: Iterable[int],
+        *,
+        by_residency: bool,
+    ) -> list[tuple[int, ...]] | None:
         copies = [node.buddy.copy() for node in self._nodes]
-        picked: list[tuple[int, ...]] = []
-        for action, amount in requests:
+        picked: list[tuple[int, ...]] = [() for _ in requests]
+        for i in order:
+            action, amount = requests[i]
             size = chunk_level(amount)
             scored = [
-                (copy, node.resident_score(action.service, size))
+                (copy, node.resident_score(action.service, size) if by_residency else None)
                 for copy, node in zip(copies, self._nodes, strict=True)
             ]
             chosen = choose_chunk(scored, size)
             if chosen is None:
-                raise ValueError(
-                    f"gpu: action {action.id}: no free chunk of {size} GPUs "
-                    f"(free chunks {self.chunk_counts()})"
-                )
+                return None
             index, start = chosen
             copies[index].split(start, size)
             base = index * GPU_STRIDE
-            picked.append(tuple(base + gpu for gpu in range(start, start + size)))
+            picked[i] = tuple(base + gpu for gpu in range(start, start + size))
         return picked
 
     def allocate(self, action_id: ActionId, units: tuple[int, ...]) -> None:

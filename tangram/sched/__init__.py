@@ -4,6 +4,7 @@ from tangram.sched.dp import Arrangement, DPTable, InfeasibleArrangement, dp_arr
 from tangram.sched.operators import BaseOperator, ChunkOperator, Operator, chunk_level
 from tangram.sched.schedule import (
     ORDERS,
+    RULES,
     Decision,
     Infeasible,
     Placement,
@@ -15,6 +16,7 @@ from tangram.sched.schedule import (
 
 __all__ = [
     "ORDERS",
+    "RULES",
     "Arrangement",
     "BaseOperator",
     "ChunkOperator",

@@ -53,6 +53,8 @@ if TYPE_CHECKING:  # pools depend on sched, not the other way round
 
 Order = Literal["fcfs", "backfill"]
 ORDERS: tuple[str, ...] = ("fcfs", "backfill")
+Rule = Literal["paper", "wait"]
+RULES: tuple[str, ...] = ("paper", "wait")
 _NEVER = 1e9  # replay penalty (seconds) for an action that cannot start at all
 
 
@@ -63,12 +65,20 @@ class SchedConfig:
     starvation_s: float = 30.0
     replay_limit: int = 512
     max_branch: int = 8  # amounts tried per depth level in the replay (spread over the set)
+    # "paper": the depth branch tries the amounts that fit when the action can first start,
+    # and eviction stops at one candidate (Alg. 1-2 as read from the paper).
+    # "wait" (ours): the branch may also wait for more units (each amount starts when that
+    # many are free), and eviction may go down to zero candidates, so an elastic action
+    # can prefer 4 cores in 1 s over 1 core now.
+    rule: Rule = "wait"
 
     def __post_init__(self) -> None:
         if self.depth < 1:
             raise ValueError(f"depth must be >= 1, got {self.depth}")
         if self.order not in ORDERS:
             raise ValueError(f"order {self.order!r} not in {ORDERS}")
+        if self.rule not in RULES:
+            raise ValueError(f"rule {self.rule!r} not in {RULES}")
         if self.replay_limit < 1 or self.max_branch < 1:
             raise ValueError("replay_limit and max_branch must be >= 1")
 
@@ -384,7 +394,8 @@ def _schedule_pool(
         waiting = [a for a in merged if rank.get(a.id, n) >= t]
         return fixed_total + arr.total + replay.run(waiting, s, heap), arr.amounts
 
-    if n <= 1:
+    lowest_t = 0 if cfg.rule == "wait" else 1
+    if n <= lowest_t:
         # Nothing to evict: the placement is fixed, so the objective is not evaluated (it
         # only serves to compare eviction steps); its value is reported as 0 for this pool.
         best_t, best = n, 0.0
@@ -393,7 +404,7 @@ def _schedule_pool(
         best_t = n
         best, best_amounts = objective(n)
     t = n - 1
-    while t >= 1:
+    while t >= lowest_t:
         value, amounts = objective(t)
         if value >= best:
             break
@@ -572,20 +583,27 @@ class _Replay:
         depth: int,
     ) -> float:
         w = waiting[i]
-        take = self.op.take
-        options = [
-            u
-            for u in _spread(_elastic_amounts(w, self.max_single), self.cfg.max_branch)
-            if take(state, u) is not None
-        ]
+        take, give = self.op.take, self.op.give
+        amounts = _spread(_elastic_amounts(w, self.max_single), self.cfg.max_branch)
+        if self.cfg.rule == "paper":
+            options = [u for u in amounts if take(state, u) is not None]
+        else:
+            options = list(amounts)
         look = min(end, i + 1 + self.branch_window)
 
         def cost(u: int, stop: int) -> float:
-            d = self.dur(w, u)
             h = list(heap)
-            heapq.heappush(h, (clock + d, u))
-            rest = self._run(waiting, i + 1, stop, take(state, u), h, clock, depth - 1)
-            return clock + d + rest
+            s, clk = state, clock
+            while take(s, u) is None:  # "wait" rule: start when u units are free
+                if not h:
+                    return _NEVER
+                finish, units = heapq.heappop(h)
+                clk = max(clk, finish)
+                s = give(s, units)
+            d = self.dur(w, u)
+            heapq.heappush(h, (clk + d, u))
+            rest = self._run(waiting, i + 1, stop, take(s, u), h, clk, depth - 1)
+            return clk + d + rest
 
         if len(options) == 1:
             return cost(options[0], end)

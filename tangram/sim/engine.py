@@ -31,14 +31,13 @@ from typing import Any
 from tangram.model import Action, ActionId, Choices, EnvId, HistoryEstimator, LeaseId, Range
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuNodePool, pick_cores
-from tangram.pools.gpu import GpuNodePool
+from tangram.pools.gpu import GpuCluster, GpuNodePool
 from tangram.pools.gpu import ServiceSpec as GpuServiceSpec
 from tangram.sched import SchedConfig, Snapshot, schedule
 from tangram.sim.cluster import GB, ClusterSpec
 from tangram.sim.metrics import ActionRecord, SimResult, summarize
 from tangram.sim.policy import Policy
 from tangram.sim.trace import TraceAction, Trajectory
-from tangram.sim.workarounds import PackingGpuCluster
 
 # event kinds, in the order they are handled within one timestamp
 DONE, POD_READY, RETRY, GEN_DONE, ARRIVE, WAKE = range(6)
@@ -100,7 +99,7 @@ class Engine:
     ) -> None:
         self.cluster = cluster
         self.policy = policy
-        self.sched = sched or SchedConfig(order=policy.order)
+        self.sched = sched or SchedConfig(order=policy.order, rule=policy.rule)
         self.check = check
         self.progress = progress
         _check_names(cluster, trajectories)
@@ -145,7 +144,7 @@ class Engine:
                     )
                 )
         services = {s.name: GpuServiceSpec(s.name, int(s.mem_gb * GB)) for s in c.services}
-        self.gpu = PackingGpuCluster(gnodes, services) if gnodes else None
+        self.gpu = GpuCluster(gnodes, services) if gnodes else None
         self.apis: dict[str, ApiPool] = {
             f"api:{a.name}": ApiPool(a.name, a.concurrency, a.quota, a.period_s) for a in c.apis
         }

@@ -12,8 +12,8 @@ GpuPolicy = Literal["tangram", "static"]
 ApiPolicy = Literal["tangram", "retry"]
 
 POLICY_HELP = (
-    "tangram, tangram-backfill, baseline, k8s, static-services, api-retry, fixed-dop:K "
-    "(fixed-dop:K+backfill and tangram+backfill also work)"
+    "tangram, tangram-paper, tangram-backfill, baseline, k8s, static-services, api-retry, "
+    "fixed-dop:K (suffixes +backfill and +paper combine with any of them)"
 )
 
 
@@ -35,6 +35,7 @@ class Policy:
     api: ApiPolicy = "tangram"
     order: Literal["fcfs", "backfill"] = "fcfs"
     fixed_dop: int | None = None
+    rule: Literal["paper", "wait"] = "wait"  # the scheduler's replay rule (SchedConfig.rule)
 
     @property
     def uses_scheduler(self) -> bool:
@@ -43,13 +44,30 @@ class Policy:
 
 def parse_policy(name: str) -> Policy:
     """``tangram``, ``baseline``, ``k8s``, ``static-services``, ``api-retry``, ``fixed-dop:K``;
-    ``tangram-backfill`` (or any name with a ``+backfill`` suffix) uses our backfill order."""
-    base, backfill = name, False
-    if base.endswith("+backfill"):
-        base, backfill = base[: -len("+backfill")], True
+    ``tangram-backfill`` (or a ``+backfill`` suffix) uses our backfill order;
+    ``tangram-paper`` (or a ``+paper`` suffix) the paper's replay rule instead of ours."""
+    policy = _parse_base(name)
+    return policy
+
+
+def _parse_base(name: str) -> Policy:
+    base, backfill, paper = name, False, False
+    while base.endswith(("+backfill", "+paper")):
+        if base.endswith("+backfill"):
+            base, backfill = base[: -len("+backfill")], True
+        else:
+            base, paper = base[: -len("+paper")], True
     if base == "tangram-backfill":
         base, backfill = "tangram", True
+    if base == "tangram-paper":
+        base, paper = "tangram", True
     order: Literal["fcfs", "backfill"] = "backfill" if backfill else "fcfs"
+    rule: Literal["paper", "wait"] = "paper" if paper else "wait"
+    policy = _by_name(name, base, order)
+    return Policy(policy.name, policy.cpu, policy.gpu, policy.api, order, policy.fixed_dop, rule)
+
+
+def _by_name(name: str, base: str, order: Literal["fcfs", "backfill"]) -> Policy:
     if base == "tangram":
         return Policy(name, order=order)
     if base == "baseline":
