@@ -192,9 +192,9 @@ def _count(values: Any) -> dict[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="Drive an example rollout through tangramd.")
-    ap.add_argument("--trajectories", type=int, default=24)
+    ap.add_argument("--trajectories", type=int, default=12)
     ap.add_argument("--steps", type=int, default=4, help="tool/API actions per trajectory")
-    ap.add_argument("--scale", default="0.25", help="reward suite work per test (1.0 ≈ 4 s)")
+    ap.add_argument("--scale", default="0.5", help="reward suite work per test (1.0 ≈ 4 s)")
     ap.add_argument("--socket", default=None, help="use a running daemon instead of starting one")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")

@@ -363,7 +363,10 @@ class Core:
         running: dict[str, list[tuple[float, int]]] = {}
         for rec in self.actions.values():
             if rec.state == "running" and rec.pool_id:
-                exp = rec.started_at + rec.expected_s if rec.started_at is not None else now
+                started = rec.started_at if rec.started_at is not None else now
+                exp = started + rec.expected_s
+                if exp <= now:  # overdue: expect it to run about as long again as it has
+                    exp = now + (now - started)
                 running.setdefault(rec.pool_id, []).append((exp, len(rec.units) or 1))
         affinity = {env.trajectory: f"cpu:{env.node}" for env in self.envs.values() if env.node}
         snap = Snapshot(
