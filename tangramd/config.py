@@ -24,6 +24,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Final
 
+from tangram.protocol.errors import BadRequest
+from tangram.protocol.ops import parse_size as wire_parse_size
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -70,26 +73,18 @@ class _Bad(Exception):
 
 # --------------------------------------------------------------------------- public parsers
 
-_SIZE_RE: Final = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(i?b?)\s*", re.IGNORECASE)
-_SIZE_SHIFT: Final = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50}
 SIZE_DOC: Final = "bytes as an int, or a size like '512MiB', '16GiB', '1.5G' (binary units)"
 
 
 def parse_size(text: str | int) -> int:
     """Bytes from ``"16GiB"``, ``"512M"``, ``"1.5g"`` or an int; raise ValueError.
 
-    Units are binary (``K``/``KB``/``KiB`` all mean 1024), as in the wire protocol's sizes.
+    Units are binary (``K``/``KB``/``KiB`` all mean 1024): the wire protocol's own parser.
     """
-    if isinstance(text, bool) or not isinstance(text, int | str):
-        raise ValueError(f"expected {SIZE_DOC}, got {type(text).__name__}")
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"negative size {text}")
-        return text
-    match = _SIZE_RE.fullmatch(text)
-    if match is None:
-        raise ValueError(f"expected {SIZE_DOC}, got {text!r}")
-    return int(float(match.group(1)) * (1 << _SIZE_SHIFT[match.group(2).lower()]))
+    try:
+        return wire_parse_size(text)
+    except BadRequest:
+        raise ValueError(f"expected {SIZE_DOC}, got {text!r}") from None
 
 
 def parse_cores(text: str) -> tuple[int, ...]:

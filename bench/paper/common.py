@@ -19,9 +19,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+import tangram.sim.engine as _engine  # noqa: E402
 from tangram.sim import generate, load_cluster, parse_policy, simulate  # noqa: E402
 from tangram.sim.cluster import ClusterSpec  # noqa: E402
-from tangram.sim.metrics import SimResult  # noqa: E402
+from tangram.sim.metrics import ActionRecord, SimResult  # noqa: E402
 
 OUT = ROOT / "bench" / "paper" / "out"
 IMG = ROOT / "docs" / "img"
@@ -38,6 +39,35 @@ def paper_cluster(judge_replicas: int | None = None) -> ClusterSpec:
         )
         c = replace(c, services=services)
     return c
+
+
+_summarize = _engine.summarize
+
+
+def _summarize_with_units(policy: str, records: Sequence[ActionRecord], *args: Any) -> SimResult:
+    """``summarize`` plus ``units_by_tag``: how many actions of each tag got each amount.
+
+    The DoP an elastic action started with is what the scheduler's replay rule decides
+    (``wait`` vs ``paper``), so the scripts record its distribution next to the ACT."""
+    result = _summarize(policy, records, *args)
+    hist: dict[str, dict[str, int]] = {}
+    for r in records:
+        if not r.failed:
+            by = hist.setdefault(r.tag, {})
+            by[str(r.units)] = by.get(str(r.units), 0) + 1
+    result.summary["units_by_tag"] = {
+        t: dict(sorted(h.items(), key=lambda kv: int(kv[0]))) for t, h in sorted(hist.items())
+    }
+    return result
+
+
+_engine.summarize = _summarize_with_units  # type: ignore[assignment]
+
+
+def started_below(result: SimResult, tag: str, units: int) -> int:
+    """Number of completed ``tag`` actions that ran on fewer than ``units`` units."""
+    hist = result.summary.get("units_by_tag", {}).get(tag, {})
+    return sum(n for u, n in hist.items() if int(u) < units)
 
 
 def run(

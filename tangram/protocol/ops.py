@@ -441,6 +441,8 @@ def parse_size(text: str | int) -> int:
         if text < 0:
             raise BadRequest(f"size: negative size {text}")
         return text
+    if not isinstance(text, str):
+        raise BadRequest(f"size: expected bytes or a size like '512M', got {type(text).__name__}")
     match = _SIZE.fullmatch(text)
     if match is None:
         raise BadRequest(f"size: expected bytes or a size like '512M', got {text!r}")

@@ -583,7 +583,7 @@ class _Replay:
         depth: int,
     ) -> float:
         w = waiting[i]
-        take, give = self.op.take, self.op.give
+        take = self.op.take
         amounts = _spread(_elastic_amounts(w, self.max_single), self.cfg.max_branch)
         if self.cfg.rule == "paper":
             options = [u for u in amounts if take(state, u) is not None]
@@ -593,13 +593,9 @@ class _Replay:
 
         def cost(u: int, stop: int) -> float:
             h = list(heap)
-            s, clk = state, clock
-            while take(s, u) is None:  # "wait" rule: start when u units are free
-                if not h:
-                    return _NEVER
-                finish, units = heapq.heappop(h)
-                clk = max(clk, finish)
-                s = give(s, units)
+            s, clk, ok = self._wait_for(state, h, clock, u)  # "wait": start when u are free
+            if not ok:
+                return _NEVER
             d = self.dur(w, u)
             heapq.heappush(h, (clk + d, u))
             rest = self._run(waiting, i + 1, stop, take(s, u), h, clk, depth - 1)
