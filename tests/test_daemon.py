@@ -10,11 +10,11 @@ import threading
 import time
 
 import pytest
+from daemon_fixture import running_daemon
 
 from tangram import AsyncClient
 from tangram.model import Unschedulable
 from tangram.protocol.errors import NotFound, QuotaExceeded, Timeout
-from daemon_fixture import running_daemon
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ import time
 
 import msgpack
 import pytest
+from daemon_fixture import running_daemon
 
 from tangram.protocol.codec import FrameDecoder
-from daemon_fixture import running_daemon
 
 
 @pytest.fixture(scope="module")

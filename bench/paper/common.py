@@ -4,6 +4,10 @@ Every script runs the simulator at the paper's testbed scale (config/cluster-pap
 prints a markdown table with the paper's number next to ours, writes its raw metrics to
 ``bench/paper/out/<name>.json`` and its plot to ``docs/img/<name>.png``, and reports its
 wall time. Seeds are fixed, so reruns give identical numbers.
+
+Every script that runs ``tangram`` (our "wait" replay rule, the scheduler's default) also runs
+``tangram-paper`` (the paper's Alg. 1-2 as read) on the same trace in the same run, so the
+effect of the rule is attributable.
 """
 
 from __future__ import annotations
