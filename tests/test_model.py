@@ -57,7 +57,7 @@ def test_allowed_values_are_named():
 
 def test_more_than_the_cluster_is_unschedulable():
     """A demand above the largest node's capacity is rejected at submission."""
-    with pytest.raises(Unschedulable, match="demand.cpu"):
+    with pytest.raises(Unschedulable, match=r"demand\.cpu"):
         make_action("a", "exec", "t", {"cpu": 300}, capacity={"cpu": 256})
 
 
