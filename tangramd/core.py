@@ -121,7 +121,7 @@ class Core:
             self._pass_due = now + self.cfg.coalesce_s
         return out
 
-    def next_wakeup(self) -> float | None:
+    def next_wakeup(self, now: float) -> float | None:
         """Earliest time the executor must feed a ``Tick``."""
         times = [t for t in (self._pass_due,) if t is not None]
         times += [lease.expires_at for lease in self.leases.values() if lease.state == "granted"]
@@ -135,7 +135,7 @@ class Core:
                 times.append(env.last_used + self.cfg.env_idle_ttl_s)
         if any(rec.action.kind == "api" for rec in self.queue.values()):
             for pool in self.apis.values():
-                t = pool.next_grant_time(0.0 if not times else min(times))
+                t = pool.next_grant_time(now)
                 if t is not None:
                     times.append(t)
         return min(times) if times else None
@@ -562,6 +562,7 @@ class Core:
             "environments": sum(1 for e in self.envs.values() if e.state != "closed"),
             "leases": sum(1 for lease in self.leases.values() if lease.state == "granted"),
             "passes": self.passes,
+            "recent": _recent_summary(self.finished),
             "pools": {
                 pid: {"capacity": p.capacity, "free": p.free_units()}
                 for pid, p in self.pools.items()
@@ -585,6 +586,20 @@ class Core:
             assert self.actions[aid].state == "queued"
         for pool in self.apis.values():
             assert pool.free_units() >= 0
+
+
+def _recent_summary(finished: deque[tuple[str, float, float]]) -> dict[str, dict[str, float]]:
+    """Mean queue / exec / ACT seconds per action kind over the recent finished actions."""
+    acc: dict[str, list[float]] = {}
+    for kind, queue_s, exec_s in finished:
+        row = acc.setdefault(kind, [0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += queue_s
+        row[2] += exec_s
+    return {
+        kind: {"count": n, "queue_s": q / n, "exec_s": x / n, "act_s": (q + x) / n}
+        for kind, (n, q, x) in acc.items()
+    }
 
 
 def _command_class(cmd: object) -> str:

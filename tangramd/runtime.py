@@ -115,7 +115,7 @@ class Runtime:
         self._arm_timer()
 
     def _arm_timer(self) -> None:
-        due = self.core.next_wakeup()
+        due = self.core.next_wakeup(self.clock())
         if due is None:
             return
         if self._timer is not None and self._timer_at is not None and self._timer_at <= due:

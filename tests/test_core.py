@@ -37,7 +37,7 @@ def test_exec_lifecycle_commands():
     core = make_core()
     env = ready_env(core)
     assert core.handle(ev.SubmitExec(token=7, cmd="true", env=env), 1.0) == []
-    assert core.next_wakeup() == pytest.approx(1.001)
+    assert core.next_wakeup(1.0) == pytest.approx(1.001)
     (run,) = tick(core, 1.001)
     assert isinstance(run, ev.RunExec) and run.cores == (0,) and run.env_id == env
     (reply,) = core.handle(
@@ -105,7 +105,7 @@ def test_lease_ttl_reclaims_unit():
     (grant,) = tick(core, 0.01)
     assert grant.result["lease_id"]
     assert core.apis["search"].free_units() == 0
-    assert core.next_wakeup() == pytest.approx(5.01)
+    assert core.next_wakeup(1.0) == pytest.approx(5.01)
     tick(core, 5.01)
     assert core.apis["search"].free_units() == 1
     core.validate()
