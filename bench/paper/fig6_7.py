@@ -63,7 +63,8 @@ def main() -> None:
             parts = []
             for p in POLICIES:
                 q, rs, e = (
-                    tag_act(res[p], [tag], f) for f in ("avg_queue_s", "avg_restore_s", "avg_exec_s")
+                    tag_act(res[p], [tag], f)
+                    for f in ("avg_queue_s", "avg_restore_s", "avg_exec_s")
                 )
                 parts.append(f"{q + rs + e:.2f} = {q:.2f}+{rs:.2f}+{e:.2f}")
             base = tag_act(res["baseline"], [tag])

@@ -2,10 +2,11 @@
 
 Usage: python bench/paper/fig8_gpu.py [--gpus 4,8,12,16,24,32,40] [--batches 256,512,1024,2048]
 (a) MOPD+Search, 10 services, batch 1024: ``static-services`` (10 × 4 GPUs = 40 GPUs) vs
-    ``tangram`` on 8..40 GPUs; ACT is over the GPU actions (teacher + judge calls). Paper:
-    the same ACT with 29% of the GPUs (71.2% saved).
-(b) MOPD over batch sizes on 40 GPUs, tangram vs static-services. Paper: 18.1× faster at
-    batch 2048 than the static SGLang deployment.
+    ``tangram`` (our "wait" rule) and ``tangram-paper`` (the paper's rule) on 4..40 GPUs; ACT
+    is over the GPU actions (teacher + judge calls). Paper: the same ACT with 29% of the GPUs
+    (71.2% saved).
+(b) MOPD over batch sizes on 40 GPUs, tangram / tangram-paper vs static-services. Paper: 18.1×
+    faster at batch 2048 than the static SGLang deployment.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from common import IMG, paper_cluster, ratio, run, save, summaries, tag_act
 
 GPU_TAGS = ("teacher", "reward")
+TANGRAMS = ("tangram", "tangram-paper")
 
 
 def main() -> None:
@@ -33,40 +35,56 @@ def main() -> None:
         f"(a) MOPD+Search b=1024: static-services on {base.total_gpus} GPUs: "
         f"GPU-action avg ACT {target:.2f} s"
     )
-    print("\n| GPUs | share of static's 40 | tangram GPU-action avg ACT (s) | vs static |")
-    print("|---|---|---|---|")
-    sweep = []
-    for g in (int(x) for x in args.gpus.split(",")):
-        res = run(base.with_gpus(g), "mopd+search", 1024, ("tangram",))["tangram"]
-        act = tag_act(res, GPU_TAGS)
-        sweep.append((g, act))
-        doc["sweep"][str(g)] = res.summary  # type: ignore[index]
-        print(f"| {g} | {g / base.total_gpus:.0%} | {act:.2f} | {ratio(target, act)} |")
-    enough = [g for g, act in sweep if act <= target]
-    need = min(enough) if enough else None
     print(
-        f"\nfewest GPUs with ACT <= static: {need} "
-        f"({(need or 0) / base.total_gpus:.0%} of 40; paper: 29%)"
+        "\n| GPUs | share of static's 40 | GPU-action avg ACT (s) tangram / tangram-paper | "
+        "static / tangram | static / tangram-paper |"
     )
+    print("|---|---|---|---|---|")
+    sweep: list[tuple[int, dict[str, float]]] = []
+    for g in (int(x) for x in args.gpus.split(",")):
+        res = run(base.with_gpus(g), "mopd+search", 1024, TANGRAMS)
+        acts = {p: tag_act(res[p], GPU_TAGS) for p in TANGRAMS}
+        sweep.append((g, acts))
+        doc["sweep"][str(g)] = summaries(res)  # type: ignore[index]
+        print(
+            f"| {g} | {g / base.total_gpus:.0%} | {acts['tangram']:.2f} / "
+            f"{acts['tangram-paper']:.2f} | {ratio(target, acts['tangram'])} | "
+            f"{ratio(target, acts['tangram-paper'])} |"
+        )
+    need: dict[str, int | None] = {}
+    for p in TANGRAMS:
+        enough = [g for g, acts in sweep if acts[p] <= target]
+        need[p] = min(enough) if enough else None
+        print(
+            f"{p}: fewest GPUs with ACT <= static: {need[p]} "
+            f"({(need[p] or 0) / base.total_gpus:.0%} of 40; paper: 29%)"
+        )
     doc["gpus_needed"] = need
-    print("\n(b) MOPD on 40 GPUs\n\n| batch | tangram avg ACT (s) | static avg ACT (s) | gain |")
+    print(
+        "\n(b) MOPD on 40 GPUs\n\n| batch | avg ACT (s) tangram / tangram-paper | "
+        "static avg ACT (s) | gain tangram / tangram-paper |"
+    )
     print("|---|---|---|---|")
     scal = []
     for b in (int(x) for x in args.batches.split(",")):
-        res = run(base, "mopd", b, ("tangram", "static-services"))
-        t, s = res["tangram"].summary, res["static-services"].summary
-        scal.append((b, t["avg_act_s"], s["avg_act_s"]))
+        res = run(base, "mopd", b, (*TANGRAMS, "static-services"))
+        t, tp = res["tangram"].summary, res["tangram-paper"].summary
+        s = res["static-services"].summary
+        scal.append((b, t["avg_act_s"], tp["avg_act_s"], s["avg_act_s"]))
         doc["scalability"][str(b)] = summaries(res)  # type: ignore[index]
         print(
-            f"| {b} | {t['avg_act_s']:.2f} | {s['avg_act_s']:.2f} | "
-            f"{ratio(s['avg_act_s'], t['avg_act_s'])} |"
+            f"| {b} | {t['avg_act_s']:.2f} / {tp['avg_act_s']:.2f} | {s['avg_act_s']:.2f} | "
+            f"{ratio(s['avg_act_s'], t['avg_act_s'])} / "
+            f"{ratio(s['avg_act_s'], tp['avg_act_s'])} |"
         )
     _plot(sweep, target, scal)
     save("fig8_gpu", doc, started)
 
 
 def _plot(
-    sweep: list[tuple[int, float]], target: float, scal: list[tuple[int, float, float]]
+    sweep: list[tuple[int, dict[str, float]]],
+    target: float,
+    scal: list[tuple[int, float, float, float]],
 ) -> None:
     import matplotlib
 
@@ -74,7 +92,8 @@ def _plot(
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-    a.plot([g for g, _ in sweep], [x for _, x in sweep], marker="o", label="tangram")
+    for p in TANGRAMS:
+        a.plot([g for g, _ in sweep], [acts[p] for _, acts in sweep], marker="o", label=p)
     a.axhline(target, color="tab:red", ls="--", label="static-services, 40 GPUs")
     a.set_xlabel("GPUs")
     a.set_ylabel("GPU-action avg ACT (s)")
@@ -82,9 +101,9 @@ def _plot(
     a.set_title("MOPD+Search, batch 1024")
     a.legend()
     a.grid(True, alpha=0.3)
-    xs = [x for x, _, _ in scal]
-    b.plot(xs, [t for _, t, _ in scal], marker="o", label="tangram")
-    b.plot(xs, [s for _, _, s in scal], marker="o", label="static-services")
+    xs = [row[0] for row in scal]
+    for i, label in enumerate((*TANGRAMS, "static-services"), start=1):
+        b.plot(xs, [row[i] for row in scal], marker="o", label=label)
     b.set_xscale("log", base=2)
     b.set_yscale("log")
     b.set_xlabel("RL batch size")

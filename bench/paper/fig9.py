@@ -66,7 +66,8 @@ def _plot(rows: list) -> None:  # type: ignore[type-arg]
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     xs = [b for b, _ in rows]
     for p in POLICIES:
-        ax.plot(xs, [r[p].summary["avg_act_s"] for _, r in rows], marker="o", label=p)
+        style = "--" if p == "tangram-backfill" else "-"  # equal to tangram so far: dashed
+        ax.plot(xs, [r[p].summary["avg_act_s"] for _, r in rows], marker="o", ls=style, label=p)
     ax.set_xlabel("RL batch size")
     ax.set_ylabel("avg ACT (s)")
     ax.set_title("AI coding: elastic vs fixed DoP")
