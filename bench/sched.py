@@ -1,6 +1,6 @@
 """Latency of one full scheduling pass (candidates + greedy eviction + DP + objective).
 
-Usage: python bench/sched.py [--json] [--repeat N] [--order fcfs|backfill]
+Usage: python bench/sched.py [--json] [--repeat N] [--order fcfs|backfill] [--rule wait|paper]
 
 Each case builds a realistic mix over CPU node pools holding ``units`` free cores in total
 (nodes of up to 256 cores, two NUMA nodes each), a 2-node GPU pool and one API endpoint:
@@ -94,8 +94,8 @@ def build(queued: int, units: int, seed: int = 0):
     )
 
 
-def run(repeat: int, order: str) -> dict:
-    cfg = SchedConfig(order=order)  # type: ignore[arg-type]
+def run(repeat: int, order: str, rule: str = "wait") -> dict:
+    cfg = SchedConfig(order=order, rule=rule)  # type: ignore[arg-type]
     out = []
     for queued, units in CASES:
         snap = build(queued, units)
@@ -119,7 +119,7 @@ def run(repeat: int, order: str) -> dict:
                 "passes": n,
             }
         )
-    return {"order": order, "cases": out}
+    return {"order": order, "rule": rule, "cases": out}
 
 
 def main() -> None:
@@ -127,8 +127,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--repeat", type=int, default=200)
     ap.add_argument("--order", default="fcfs", choices=["fcfs", "backfill"])
+    ap.add_argument("--rule", default="wait", choices=["wait", "paper"])
     args = ap.parse_args()
-    result = run(args.repeat, args.order)
+    result = run(args.repeat, args.order, args.rule)
     if args.json:
         print(json.dumps(result))
     else:

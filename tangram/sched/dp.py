@@ -86,16 +86,17 @@ class DPTable:
         self._vec_cost: list[npt.NDArray[np.float64]] = [cost]
         self._vec_pick: list[npt.NDArray[np.int16]] = []
         for options in self._choices:
-            best = np.full(width, INF)
-            pick = np.full(width, -1, dtype=np.int16)
-            for idx, (amount, dur) in enumerate(options):
-                if amount >= width:
-                    continue
-                shifted = cost[: width - amount] + dur
-                target = best[amount:]
-                better = shifted < target
-                target[better] = shifted[better]
-                pick[amount:][better] = idx
+            fits = [(u, d) for u, d in options if u < width]
+            grid = np.full((max(1, len(fits)), width), INF)
+            for idx, (amount, dur) in enumerate(fits):
+                np.add(cost[: width - amount], dur, out=grid[idx, amount:])
+            pick = grid.argmin(axis=0).astype(np.int16)  # first minimum: smallest amount
+            best = grid[pick, np.arange(width)]
+            # map grid rows back to indices into the candidate's full option list
+            if len(fits) != len(options):
+                index_of = np.array([options.index(f) for f in fits] or [0], dtype=np.int16)
+                pick = index_of[pick]
+            pick[~np.isfinite(best)] = -1
             self._vec_pick.append(pick)
             self._vec_cost.append(best)
             cost = best

@@ -467,7 +467,7 @@ class _Replay:
     replayed to the end. The base operator (plain unit counts) has an inlined fast path.
     """
 
-    branch_window = 64
+    branch_window = 16
 
     def __init__(self, op: Operator[Any], dur: _Durations, cfg: SchedConfig, max_single: int):
         self.op = op
@@ -562,6 +562,15 @@ class _Replay:
     def _wait_for(
         self, state: Any, heap: list[tuple[float, int]], clock: float, need: int
     ) -> tuple[Any, float, bool]:
+        if self.fast:  # plain unit counts
+            while state < need:
+                if not heap:
+                    return state, clock, False
+                finish, units = heapq.heappop(heap)
+                if finish > clock:
+                    clock = finish
+                state += units
+            return state, clock, True
         take, give = self.op.take, self.op.give
         while take(state, need) is None:
             if not heap:
