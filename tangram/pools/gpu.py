@@ -244,6 +244,10 @@ class GpuNodePool:
             return False
         return self.resident_gpus((service, size), start, size) == size
 
+    def holds(self, key: ServiceKey) -> bool:
+        """Whether variant ``key`` is resident on any GPU of this node (a cheap pre-check)."""
+        return any(key in entries for entries in self._resident)
+
     def resident_gpus(self, key: ServiceKey, start: int, size: int) -> int:
         """How many GPUs of ``[start, start + size)`` hold variant ``key``."""
         return sum(1 for gpu in range(start, start + size) if key in self._resident[gpu])
@@ -502,7 +506,10 @@ class GpuCluster:
         fitting = [node for node in self._nodes if node.fits_memory(spec, size)]
         if not fitting:
             return math.inf
-        if fully_resident(self._choices(action.service, size), size) is not None:
+        key = (action.service, size)
+        if any(node.holds(key) for node in self._nodes) and (
+            fully_resident(self._choices(action.service, size), size) is not None
+        ):
             return 0.0
         with_room = [n for n in fitting if any(s >= size for _, s in n.buddy.chunks())]
         return min(node.restore_time_s(spec, size) for node in with_room or fitting)

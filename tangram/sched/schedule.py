@@ -64,7 +64,7 @@ class SchedConfig:
     order: Order = "fcfs"
     starvation_s: float = 30.0
     replay_limit: int = 512
-    max_branch: int = 8  # amounts tried per depth level in the replay (spread over the set)
+    max_branch: int = 4  # amounts tried per depth level in the replay (spread over the set)
     # "paper": the depth branch tries the amounts that fit when the action can first start,
     # and eviction stops at one candidate (Alg. 1-2 as read from the paper).
     # "wait" (ours): the branch may also wait for more units (each amount starts when that
