@@ -72,7 +72,9 @@ class DPTable:
         self._choices = [sorted(c.items()) for c in choices]
         self._op = operator
         self._start = operator.start() if start is None else start
-        if isinstance(operator, BaseOperator):
+        if not choices:  # nothing elastic: row 0 only
+            self._mode = "empty"
+        elif isinstance(operator, BaseOperator):
             assert isinstance(self._start, int)  # the base operator's state is a unit count
             self._build_vector(self._start)
         else:
@@ -128,11 +130,15 @@ class DPTable:
         """Optimal split among the first ``t`` candidates; raises if their minimums don't fit."""
         if not 0 <= t <= self.n:
             raise IndexError(f"row {t} outside 0..{self.n}")
+        if self._mode == "empty":
+            return Arrangement(0.0, [], 0)
         if self._mode == "vector":
             return self._row_vector(t)
         return self._row_states(t)
 
     def feasible(self, t: int) -> bool:
+        if self._mode == "empty":
+            return True
         if self._mode == "vector":
             return bool(np.isfinite(self._vec_cost[t]).any())
         return bool(self._layers[t])
