@@ -1,8 +1,9 @@
 """IPC benchmark of the Unix-socket wire (design §6 targets: p50 <= 100 us, p99 <= 500 us,
 >= 20,000 req/s).
 
-The server (a real :class:`tangramd.transport.UnixServer` with a trivial ``ping`` handler)
-runs in its own process so client and server do not share a GIL. Latency: one blocking
+The server is a real ``tangramd up`` (``--transport-only``: a bare
+:class:`tangramd.transport.UnixServer` with a trivial ``ping`` handler) in its own process,
+so client and server do not share a GIL. Latency: one blocking
 ``Client`` doing sequential pings. Throughput: 32 ``AsyncClient`` connections, each keeping
 ``--depth`` pings in flight, for ``--duration`` seconds.
 
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tangram.client import AsyncClient, Client
 from tangram.protocol import UnknownOp
+from tangramd.spawn import spawn_daemon
 from tangramd.transport import ConnInfo, UnixServer
 
 PONG = {"pong": True, "version": "bench"}
@@ -106,22 +108,31 @@ def main() -> None:
     parser.add_argument("--conns", type=int, default=32)
     parser.add_argument("--depth", type=int, default=4, help="calls in flight per connection")
     parser.add_argument("--duration", type=float, default=3.0, help="throughput phase, s")
+    parser.add_argument(
+        "--transport-only",
+        action="store_true",
+        help="measure a bare UnixServer with a trivial handler instead of `tangramd up`",
+    )
     opts = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="tangram-bench-") as tmp:
-        path = os.path.join(tmp, "bench.sock")
-        ctx = multiprocessing.get_context("spawn")
-        ready = ctx.Event()
-        server = ctx.Process(target=_serve, args=(path, ready), daemon=True)
-        server.start()
-        try:
+        if opts.transport_only:
+            path = os.path.join(tmp, "bench.sock")
+            ctx = multiprocessing.get_context("spawn")
+            ready = ctx.Event()
+            server = ctx.Process(target=_serve, args=(path, ready), daemon=True)
+            server.start()
+            stop = server.terminate
             if not ready.wait(30):
                 raise SystemExit("server did not start")
+        else:  # the real daemon: `tangramd up` in its own process
+            daemon = spawn_daemon(tmp, '[daemon]\nlog_level = "warning"\n')
+            path, stop = daemon.socket, daemon.stop
+        try:
             p50, p99 = _latency(path, opts.calls, opts.warmup)
             rate = asyncio.run(_throughput(path, opts.conns, opts.depth, opts.duration))
         finally:
-            server.terminate()
-            server.join(5)
+            stop()
     result = {"p50_us": round(p50, 1), "p99_us": round(p99, 1), "msgs_per_s": round(rate)}
     if opts.json:
         print(json.dumps(result))

@@ -27,7 +27,7 @@ from tangram.version import __version__
 from tangramd import events as ev
 from tangramd.backends.base import Backend, ExecRequest, ExecResult
 from tangramd.core import Core, CoreConfig
-from tangramd.transport import ConnInfo, UnixServer
+from tangramd.transport import NOT_SYNC, ConnInfo, UnixServer
 
 log = structlog.get_logger("tangramd")
 
@@ -55,7 +55,11 @@ class Runtime:
         self.clock = clock
         self.started = clock()
         self.server = UnixServer(
-            socket_path, self.handle, max_frame=max_frame, idle_timeout_s=idle_timeout_s
+            socket_path,
+            self.handle,
+            max_frame=max_frame,
+            idle_timeout_s=idle_timeout_s,
+            sync_handler=self.handle_sync,
         )
         self._tokens = itertools.count(1)
         self._futures: dict[int, asyncio.Future[Any]] = {}
@@ -238,8 +242,19 @@ class Runtime:
             conn._tangram_watched = True  # type: ignore[attr-defined]  # per-conn flag
             conn.on_close(lambda c: self.feed(ev.ConnClosed(conn=c.id)))
 
+    def handle_sync(self, op: str, args: dict[str, Any], conn: ConnInfo) -> Any:
+        """Inline path for ops that never wait (status, lists, profiles, ping)."""
+        fn = _SYNC_OPS.get(op)
+        if fn is None:
+            return NOT_SYNC
+        validate_args(op, args)
+        return fn(self, args, conn)
+
     async def handle(self, op: str, args: dict[str, Any], conn: ConnInfo) -> Any:
         validate_args(op, args)
+        sync = _SYNC_OPS.get(op)
+        if sync is not None:  # the transport's inline path was skipped (slow reader)
+            return sync(self, args, conn)
         fn = _OPS.get(op)
         if fn is None:
             raise UnknownOp(f"op {op!r} is not served by tangramd up")
@@ -270,11 +285,11 @@ class Runtime:
 # -------------------------------------------------------------------------- op table
 
 
-async def _op_ping(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
+def _op_ping(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     return {"pong": True, "version": __version__}
 
 
-async def _op_status(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
+def _op_status(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     now = rt.clock()
     out = rt.core.status(now)
     out.update(
@@ -289,7 +304,7 @@ async def _op_status(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     return out
 
 
-async def _op_nodes(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
+def _op_nodes(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     nodes = []
     for p in rt.core.cpu.nodes:
         nodes.append(
@@ -308,7 +323,7 @@ async def _op_nodes(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     return {"nodes": nodes}
 
 
-async def _op_queue(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
+def _op_queue(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     now = rt.clock()
 
     def row(rec: Any) -> dict[str, Any]:
@@ -332,7 +347,7 @@ async def _op_queue(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     return {"waiting": waiting, "running": running}
 
 
-async def _op_story(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
+def _op_story(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     aid = args["action_id"]
     events = rt.core.stories.get(aid)
     if events is None:
@@ -363,7 +378,7 @@ async def _op_env_close(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> An
     return await rt._request(lambda tok: ev.CloseEnv(token=tok, env_id=args["id"]))
 
 
-async def _op_env_list(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
+def _op_env_list(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     now = rt.clock()
     return {
         "envs": [
@@ -426,7 +441,7 @@ async def _op_lease_release(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -
     return await rt._request(lambda tok: ev.ReleaseLease(token=tok, lease_id=args["lease_id"]))
 
 
-async def _op_api_list(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
+def _op_api_list(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     rows = []
     waiting: dict[str, int] = {}
     for rec in rt.core.queue.values():
@@ -448,7 +463,7 @@ async def _op_api_list(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any
     return {"apis": rows}
 
 
-async def _op_profile_save(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
+def _op_profile_save(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     name = args["name"]
     prof = {k: args.get(k) for k in ("dop", "t1_s", "eff", "speedup", "elastic")}
     if not prof["dop"] or prof["t1_s"] is None or not prof["eff"]:
@@ -460,33 +475,36 @@ async def _op_profile_save(rt: Runtime, args: dict[str, Any], conn: ConnInfo) ->
     return {"name": name, "saved": True}
 
 
-async def _op_profile_get(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
+def _op_profile_get(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     prof = rt.core.profiles.get(args["name"])
     if prof is None:
         raise NotFound(f"profile {args['name']!r} not found")
     return {"name": args["name"], **prof}
 
 
-async def _op_profile_list(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
+def _op_profile_list(rt: Runtime, args: dict[str, Any], conn: ConnInfo) -> Any:
     return {"profiles": [{"name": n, **p} for n, p in sorted(rt.core.profiles.items())]}
 
 
-_OPS: dict[str, Callable[[Runtime, dict[str, Any], ConnInfo], Any]] = {
+_SYNC_OPS: dict[str, Callable[[Runtime, dict[str, Any], ConnInfo], Any]] = {
     "ping": _op_ping,
     "status": _op_status,
     "nodes": _op_nodes,
     "queue": _op_queue,
     "story": _op_story,
-    "env.open": _op_env_open,
-    "env.close": _op_env_close,
     "env.list": _op_env_list,
-    "exec": _op_exec,
-    "lease.acquire": _op_lease_acquire,
-    "lease.release": _op_lease_release,
     "api.list": _op_api_list,
     "profile.save": _op_profile_save,
     "profile.get": _op_profile_get,
     "profile.list": _op_profile_list,
+}
+
+_OPS: dict[str, Callable[[Runtime, dict[str, Any], ConnInfo], Any]] = {
+    "env.open": _op_env_open,
+    "env.close": _op_env_close,
+    "exec": _op_exec,
+    "lease.acquire": _op_lease_acquire,
+    "lease.release": _op_lease_release,
 }
 
 
