@@ -1,6 +1,7 @@
 """Latency of one full scheduling pass (candidates + greedy eviction + DP + objective).
 
-Usage: python bench/sched.py [--json] [--repeat N] [--order fcfs|backfill] [--rule wait|paper]
+Usage: python bench/sched.py [--json] [--repeat N] [--order fcfs|backfill]
+       [--rule wait-eft|wait|paper]
 
 Each case builds a realistic mix over CPU node pools holding ``units`` free cores in total
 (nodes of up to 256 cores, two NUMA nodes each), a 2-node GPU pool and one API endpoint:
@@ -94,7 +95,7 @@ def build(queued: int, units: int, seed: int = 0):
     )
 
 
-def run(repeat: int, order: str, rule: str = "wait") -> dict:
+def run(repeat: int, order: str, rule: str = "wait-eft") -> dict:
     cfg = SchedConfig(order=order, rule=rule)  # type: ignore[arg-type]
     out = []
     for queued, units in CASES:
@@ -127,7 +128,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--repeat", type=int, default=200)
     ap.add_argument("--order", default="fcfs", choices=["fcfs", "backfill"])
-    ap.add_argument("--rule", default="wait", choices=["wait", "paper"])
+    ap.add_argument("--rule", default="wait-eft", choices=["wait-eft", "wait", "paper"])
     args = ap.parse_args()
     result = run(args.repeat, args.order, args.rule)
     if args.json:

@@ -110,7 +110,7 @@ def simulate(
                     cluster,
                     trajs,
                     pol,
-                    SchedConfig(depth=depth, order=pol.order),
+                    SchedConfig(depth=depth, order=pol.order, rule=pol.rule),
                     progress=progress,
                 )
             )

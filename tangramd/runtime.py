@@ -539,6 +539,7 @@ def build_runtime(config: Any) -> Runtime:
         sched=SchedConfig(
             depth=sc.depth,
             order=sc.order,
+            rule=sc.rule,
             starvation_s=sc.starvation_s,
             replay_limit=sc.replay_limit,
         ),

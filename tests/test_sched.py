@@ -86,13 +86,46 @@ def test_table(name, actions, placed, waiting):
     assert not d.infeasible
 
 
+AMDAHL = {1: 1.0, 2: 0.9, 4: 0.75, 8: 0.55}
+
+RULE_TABLE = [
+    # name, rule, expected {action: amount}, expected waiting. 8-core node, 7 cores busy:
+    # 6 of them free in 1 s, 1 in 100 s; two elastic 100 s actions queue, 1 core is free.
+    ("straggler_paper_starts_on_1", "paper", {"a0": 1}, ["a1"]),
+    # "wait" prices the replayed a1 at 1 core as soon as it fits, so deferring a0 looks
+    # as costly as starting it on 1 core: a0 starts on 1 core (100 s)
+    ("straggler_wait_starts_on_1", "wait", {"a0": 1}, ["a1"]),
+    # "wait-eft" replays a1 at its earliest-finishing amount: both wait for the 6 cores
+    ("straggler_wait_eft_waits", "wait-eft", {}, ["a0", "a1"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "rule", "placed", "waiting"), RULE_TABLE, ids=[t[0] for t in RULE_TABLE]
+)
+def test_rule_table(name, rule, placed, waiting):
+    """Named cases where the replay rules differ (SchedConfig.rule)."""
+    pool = cpu_node(8)
+    for core in range(7):
+        pool.allocate(ActionId(f"busy{core}"), (core,))
+    acts = [elastic(0, 8, 100.0, AMDAHL), elastic(1, 8, 100.0, AMDAHL)]
+    d = schedule(snap_for(pool, acts, [(1.0, 6), (100.0, 1)]), 0.0, SchedConfig(rule=rule))
+    assert amounts(d) == placed, name
+    assert list(d.waiting) == waiting, name
+
+
 def test_eviction_counted_and_queue_position_kept():
     """An evicted candidate stays at its FCFS position in the waiting list."""
     pool = cpu_node(4)
     acts = [elastic(0, 4, 40.0, LINEAR), elastic(1, 4, 40.0, LINEAR), ex(2, 1)]
-    d = schedule(snap_for(pool, acts), 0.0)
+    d = schedule(snap_for(pool, acts), 0.0, SchedConfig(rule="wait"))
     assert d.evicted == 1
     assert d.waiting[0] == "a1"
+    # wait-eft: the 1-core action takes a core for 1 s, so both elastic actions wait for all
+    # 4 (11 s + 21 s of ACT beats 3 cores now: 13.3 s + 23.3 s); both keep their positions
+    d = schedule(snap_for(pool, acts), 0.0)
+    assert d.evicted == 2
+    assert d.waiting == ("a0", "a1")
 
 
 def test_backfill_passes_blocked_head_until_starvation_bound():

@@ -1,7 +1,10 @@
 """Scheduler/pool behaviours the simulator found, kept as regression tests.
 
 1. With the paper's replay rule an elastic action always starts at once on whatever is free;
-   the "wait" rule (default) lets it wait briefly for more units when that lowers ACT.
+   the "wait" rule lets it wait briefly for more units when that lowers ACT.
+1b. "wait" still starts an elastic action on 1 core when the queued elastic action behind it
+   is replayed at its minimum; the "wait-eft" rule (default, policy ``tangram``)
+   replays later elastic actions at their earliest-finishing amount on CPU nodes.
 2. ``GpuCluster.pick_units`` could split, for residency, a chunk that a later request of
    the same pass needed; it now falls back to residency-blind largest-first packing.
 """
@@ -12,6 +15,7 @@ from tangram.model import ActionId, TrajectoryId, make_action
 from tangram.pools.cpu import CpuNodePool
 from tangram.pools.gpu import GpuCluster, GpuNodePool, ServiceSpec
 from tangram.sched import SchedConfig, Snapshot, schedule
+from tangram.sim.policy import parse_policy
 
 GB = 1_000_000_000
 
@@ -34,6 +38,29 @@ def test_lone_elastic_action_waits_one_second_for_four_cores() -> None:
     assert not decision.placements or decision.placements[0].amount == 4
     paper = schedule(snap, 0.0, SchedConfig(rule="paper"))
     assert [p.amount for p in paper.placements] == [1]  # the paper's rule, kept selectable
+
+
+def test_wait_eft_defers_straggler_that_wait_starts_on_one_core() -> None:
+    """Two queued 100 s test runs, 1 core free, 6 free in 1 s: only "wait-eft" waits."""
+    node = CpuNodePool("n0", [list(range(8))], GB)
+    for core in range(7):
+        node.allocate(ActionId(f"busy{core}"), (core,))
+    eff = {1: 1.0, 2: 0.9, 4: 0.75, 8: 0.55}
+    acts = [
+        make_action(f"a{i}", "exec", f"t{i}", {"cpu": [1, 8]}, seq=i, t1_s=100.0, eff=eff)
+        for i in range(2)
+    ]
+    snap = Snapshot(
+        waiting=acts,
+        pools={node.pool_id: node},
+        affinity={TrajectoryId(f"t{i}"): node.pool_id for i in range(2)},
+        running={node.pool_id: [(1.0, 6), (100.0, 1)]},
+    )
+    assert [p.amount for p in schedule(snap, 0.0, SchedConfig(rule="wait")).placements] == [1]
+    assert not schedule(snap, 0.0, SchedConfig(rule="wait-eft")).placements
+    assert parse_policy("tangram").rule == "wait-eft"
+    assert parse_policy("tangram+backfill").rule == "wait-eft"
+    assert parse_policy("tangram-wait").rule == "wait"
 
 
 def test_gpu_pick_units_fits_what_the_chunk_operator_accepts() -> None:

@@ -53,8 +53,8 @@ if TYPE_CHECKING:  # pools depend on sched, not the other way round
 
 Order = Literal["fcfs", "backfill"]
 ORDERS: tuple[str, ...] = ("fcfs", "backfill")
-Rule = Literal["paper", "wait"]
-RULES: tuple[str, ...] = ("paper", "wait")
+Rule = Literal["paper", "wait", "wait-eft"]
+RULES: tuple[str, ...] = ("paper", "wait", "wait-eft")
 _NEVER = 1e9  # replay penalty (seconds) for an action that cannot start at all
 
 
@@ -70,7 +70,12 @@ class SchedConfig:
     # "wait" (ours): the branch may also wait for more units (each amount starts when that
     # many are free), and eviction may go down to zero candidates, so an elastic action
     # can prefer 4 cores in 1 s over 1 core now.
-    rule: Rule = "wait"
+    # "wait-eft" (ours, default): "wait", and on plain unit-count pools (CPU nodes)
+    # every later replayed elastic action (past the depth branch) starts at the amount with
+    # the earliest expected finish given the completion heap, instead of at its minimum as
+    # soon as that fits, so the replay does not price the queue behind a deferred action
+    # as stragglers on 1 unit. Other pools replay as under "wait".
+    rule: Rule = "wait-eft"
 
     def __post_init__(self) -> None:
         if self.depth < 1:
@@ -394,7 +399,7 @@ def _schedule_pool(
         waiting = [a for a in merged if rank.get(a.id, n) >= t]
         return fixed_total + arr.total + replay.run(waiting, s, heap), arr.amounts
 
-    lowest_t = 0 if cfg.rule == "wait" else 1
+    lowest_t = 1 if cfg.rule == "paper" else 0
     if n <= lowest_t:
         # Nothing to evict: the placement is fixed, so the objective is not evaluated (it
         # only serves to compare eviction steps); its value is reported as 0 for this pool.
@@ -475,6 +480,10 @@ class _Replay:
         self.cfg = cfg
         self.max_single = max_single
         self.fast = isinstance(op, BaseOperator)
+        # EFT replay on plain unit counts only (CPU nodes): on GPU chunk pools it was
+        # measured worse than "wait" (MOPD+Search teacher ACT +7%, DeepSearch judge +18%)
+        self.eft = cfg.rule == "wait-eft" and self.fast
+        self._options: dict[ActionId, tuple[int, ...]] = {}
 
     def run(self, waiting: Sequence[Action], state: Any, heap: list[tuple[float, int]]) -> float:
         return self._run(waiting, 0, len(waiting), state, heap, 0.0, self.cfg.depth)
@@ -505,6 +514,8 @@ class _Replay:
                 state = self.op.take(state, w.min_units)
                 i += 1
             return total
+        if self.eft:
+            return total + self._eft(waiting, i, end, state, heap, clock)
         if self.fast:
             return total + self._plain_fast(waiting, i, end, state, heap, clock)
         take, give = self.op.take, self.op.give
@@ -558,6 +569,76 @@ class _Replay:
             free -= need
             i += 1
         return total
+
+    def _eft(
+        self,
+        waiting: Sequence[Action],
+        i: int,
+        end: int,
+        state: Any,
+        heap: list[tuple[float, int]],
+        clock: float,
+    ) -> float:
+        """FCFS replay where each elastic action takes its earliest-finishing amount.
+
+        An amount ``u`` can start once ``u`` units are free (popping expected finishes in
+        order); among the (spread) allowed amounts the one with the smallest start + duration
+        wins, ties to the smaller amount. Non-elastic actions start at their minimum.
+        """
+        total = 0.0
+        dur = self.dur
+        for k in range(i, end):
+            w = waiting[k]
+            u = w.min_units
+            if w.elastic:
+                opts = self._options.get(w.id)
+                if opts is None:
+                    opts = self._options[w.id] = _spread(
+                        _elastic_amounts(w, self.max_single), self.cfg.max_branch
+                    )
+                if len(opts) > 1:
+                    u = self._eft_amount(w, opts, state, heap, clock)
+            state, clock, ok = self._wait_for(state, heap, clock, u)
+            if not ok:
+                return total + _NEVER * (end - k)
+            d = dur(w, u)
+            total += clock + d
+            heapq.heappush(heap, (clock + d, u))
+            state -= u  # EFT replay runs on plain unit counts only
+        return total
+
+    def _eft_amount(
+        self,
+        w: Action,
+        opts: tuple[int, ...],
+        state: Any,
+        heap: list[tuple[float, int]],
+        clock: float,
+    ) -> int:
+        """The amount of ``opts`` (ascending) with the earliest expected finish (unit counts)."""
+        dur = self.dur
+        best, pick = _NEVER, w.min_units
+        if state >= opts[-1]:  # all start now: the shortest duration wins
+            for amount in opts:
+                fin = dur(w, amount)
+                if fin < best:
+                    best, pick = fin, amount
+            return pick
+        order = sorted(heap)  # one pass: start times grow with the amount
+        s, clk, j, n = state, clock, 0, len(order)
+        for amount in opts:
+            while s < amount and j < n:
+                finish, units = order[j]
+                j += 1
+                if finish > clk:
+                    clk = finish
+                s += units
+            if s < amount:
+                break
+            fin = clk + dur(w, amount)
+            if fin < best:
+                best, pick = fin, amount
+        return pick
 
     def _wait_for(
         self, state: Any, heap: list[tuple[float, int]], clock: float, need: int

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from tangram.model import TangramError
@@ -12,8 +12,8 @@ GpuPolicy = Literal["tangram", "static"]
 ApiPolicy = Literal["tangram", "retry"]
 
 POLICY_HELP = (
-    "tangram, tangram-paper, tangram-backfill, baseline, k8s, static-services, api-retry, "
-    "fixed-dop:K (suffixes +backfill and +paper combine with any of them)"
+    "tangram, tangram-wait, tangram-paper, tangram-backfill, baseline, k8s, static-services, "
+    "api-retry, fixed-dop:K (suffixes +backfill and +wait or +paper combine with any of them)"
 )
 
 
@@ -35,7 +35,8 @@ class Policy:
     api: ApiPolicy = "tangram"
     order: Literal["fcfs", "backfill"] = "fcfs"
     fixed_dop: int | None = None
-    rule: Literal["paper", "wait"] = "wait"  # the scheduler's replay rule (SchedConfig.rule)
+    # the scheduler's replay rule (SchedConfig.rule): ours by default
+    rule: Literal["paper", "wait", "wait-eft"] = "wait-eft"
 
     @property
     def uses_scheduler(self) -> bool:
@@ -43,28 +44,38 @@ class Policy:
 
 
 def parse_policy(name: str) -> Policy:
-    """``tangram``, ``baseline``, ``k8s``, ``static-services``, ``api-retry``, ``fixed-dop:K``;
-    ``tangram-backfill`` (or a ``+backfill`` suffix) uses our backfill order;
-    ``tangram-paper`` (or a ``+paper`` suffix) the paper's replay rule instead of ours."""
-    policy = _parse_base(name)
-    return policy
+    """``tangram``, ``baseline``, ``k8s``, ``static-services``, ``api-retry``, ``fixed-dop:K``.
 
-
-def _parse_base(name: str) -> Policy:
-    base, backfill, paper = name, False, False
-    while base.endswith(("+backfill", "+paper")):
-        if base.endswith("+backfill"):
-            base, backfill = base[: -len("+backfill")], True
+    The scheduler runs our ``wait-eft`` rule; ``tangram-wait`` (or a ``+wait`` suffix) runs
+    the simpler ``wait`` rule and ``tangram-paper`` (or ``+paper``) the paper's, so gains are
+    attributable; ``tangram-backfill`` (or ``+backfill``) uses our backfill queue order.
+    """
+    base, order, rules = name, "fcfs", set[str]()
+    while True:
+        for suffix in ("+backfill", "+paper", "+wait"):
+            if base.endswith(suffix):
+                base = base[: -len(suffix)]
+                if suffix == "+backfill":
+                    order = "backfill"
+                else:
+                    rules.add(suffix[1:])
+                break
         else:
-            base, paper = base[: -len("+paper")], True
-    if base == "tangram-backfill":
-        base, backfill = "tangram", True
-    if base == "tangram-paper":
-        base, paper = "tangram", True
-    order: Literal["fcfs", "backfill"] = "backfill" if backfill else "fcfs"
-    rule: Literal["paper", "wait"] = "paper" if paper else "wait"
-    policy = _by_name(name, base, order)
-    return Policy(policy.name, policy.cpu, policy.gpu, policy.api, order, policy.fixed_dop, rule)
+            break
+    alias = {"tangram-backfill": "backfill", "tangram-paper": "paper", "tangram-wait": "wait"}
+    if base in alias:
+        if alias[base] == "backfill":
+            order = "backfill"
+        else:
+            rules.add(alias[base])
+        base = "tangram"
+    if len(rules) > 1:
+        raise PolicyError(f"policy {name!r}: the paper and wait rules exclude each other")
+    rule: Literal["paper", "wait", "wait-eft"] = "wait-eft"
+    if rules:
+        rule = "paper" if rules.pop() == "paper" else "wait"
+    policy = _by_name(name, base, order)  # type: ignore[arg-type]  # "fcfs" or "backfill"
+    return replace(policy, rule=rule)
 
 
 def _by_name(name: str, base: str, order: Literal["fcfs", "backfill"]) -> Policy:
