@@ -129,3 +129,28 @@ def test_illegal_transition_raises_with_history():
     env = core.envs[env_id]
     with pytest.raises(IllegalTransition, match=r"ready -> creating .*history.*backend created it"):
         transition(env, "creating", ENV_EDGES, 1.0, "bogus")
+
+
+def test_idle_environment_is_closed_after_ttl():
+    """An environment idle for env_idle_ttl_s is removed and its memory returned."""
+    core = make_core(env_idle_ttl_s=60.0)
+    env = ready_env(core, now=0.0)
+    assert core.cpu.pool("local").mem_reserved > 0
+    assert core.next_wakeup(1.0) == pytest.approx(60.0)
+    assert tick(core, 30.0) == []
+    (remove,) = tick(core, 60.0)
+    assert isinstance(remove, ev.RemoveEnv) and remove.env_id == env
+    core.handle(ev.EnvRemoved(env_id=env), 60.1)
+    assert core.cpu.pool("local").mem_reserved == 0
+
+
+def test_environment_waits_for_memory_in_fifo_order():
+    """When memory is short, env.open waits and is created once another env is removed."""
+    core = make_core(default_env_mem=5 * GIB)  # the node has 8 GiB: one at a time
+    first = ready_env(core)
+    assert core.handle(ev.OpenEnv(token=9), 1.0) == []  # waits, nothing created yet
+    core.handle(ev.CloseEnv(token=10, env_id=first), 2.0)
+    (create,) = core.handle(ev.EnvRemoved(env_id=first), 2.1)[1:]
+    assert isinstance(create, ev.CreateEnv)
+    (reply,) = core.handle(ev.EnvCreated(env_id=create.env_id), 2.2)
+    assert reply.token == 9
