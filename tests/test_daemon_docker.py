@@ -77,3 +77,19 @@ def test_shutdown_removes_containers(tmp_path):
         assert len(ours(env)) == 1
         assert d.stop() == 0
     assert ours(env) == []
+
+
+def test_containers_of_a_killed_daemon_are_reconciled(tmp_path):
+    """After SIGKILL the next daemon on the same state dir removes the orphaned containers."""
+    import signal
+
+    with running_daemon(tmp_path, "--cpu-backend", "docker") as d:
+        with d.client() as c:
+            env = c.env_open(image=IMAGE)
+        assert len(ours(env)) == 1
+        d.stop(signal.SIGKILL)
+        assert len(ours(env)) == 1  # left behind by the dead daemon
+    with running_daemon(tmp_path, "--cpu-backend", "docker") as d2:
+        with d2.client() as c:
+            assert c.status()["environments"] == 0
+        assert ours(env) == []
