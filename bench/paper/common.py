@@ -5,9 +5,9 @@ prints a markdown table with the paper's number next to ours, writes its raw met
 ``bench/paper/out/<name>.json`` and its plot to ``docs/img/<name>.png``, and reports its
 wall time. Seeds are fixed, so reruns give identical numbers.
 
-Every script that runs ``tangram`` (our "wait" replay rule, the scheduler's default) also runs
-``tangram-paper`` (the paper's Alg. 1-2 as read) on the same trace in the same run, so the
-effect of the rule is attributable.
+Every script that runs ``tangram`` (our "wait-eft" replay rule, the scheduler's default) also
+runs ``tangram-wait`` (the simpler "wait" rule) and ``tangram-paper`` (the paper's Alg. 1-2 as
+read) on the same trace in the same run, so the effect of the rule is attributable.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def _summarize_with_units(policy: str, records: Sequence[ActionRecord], *args: A
     """``summarize`` plus ``units_by_tag``: how many actions of each tag got each amount.
 
     The DoP an elastic action started with is what the scheduler's replay rule decides
-    (``wait`` vs ``paper``), so the scripts record its distribution next to the ACT."""
+    (``wait-eft`` / ``wait`` / ``paper``), so the scripts record its distribution next to
+    the ACT."""
     result = _summarize(policy, records, *args)
     hist: dict[str, dict[str, int]] = {}
     for r in records:
@@ -86,6 +87,11 @@ def run(
         print(f"  [{workload} b={batch} {name}: {wall:.1f}s wall]", file=sys.stderr)
         out[name].summary.setdefault("wall_s_not_deterministic", round(wall, 2))
     return out
+
+
+def low_units(result: SimResult, tag: str = "reward", units: int = 4) -> str:
+    """``N (M)``: completed ``tag`` actions on fewer than ``units`` units (on 1 unit)."""
+    return f"{started_below(result, tag, units)} ({started_below(result, tag, 2)})"
 
 
 def tag_act(result: SimResult, tags: Sequence[str], field: str = "avg_act_s") -> float:

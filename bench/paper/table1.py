@@ -46,7 +46,7 @@ def main() -> None:
         ("mopd", ("teacher",), "restore ≈ 25% of exec"),
     ):
         doc[wl] = {}
-        for policy in ("tangram", "tangram-paper"):
+        for policy in ("tangram", "tangram-wait", "tangram-paper"):
             _spent[0], _spent[1] = 0.0, 0
             res = run(paper_cluster(), wl, args.batch, (policy,))[policy]
             s = res.summary
