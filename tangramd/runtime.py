@@ -551,6 +551,11 @@ def build_runtime(config: Any) -> Runtime:
         default_image=config.cpu.docker_image if config.cpu.backend == "docker" else None,
     )
     core = Core(cluster, apis, core_cfg)
+    if config.gpu.simulated_count or config.services:
+        log.warning(
+            "gpu_manager_not_available",
+            detail="[gpu]/[[service]] are configured but tangramd up has no GPU manager yet",
+        )
     state_dir = config.daemon.state_dir
     backend: Backend
     if config.cpu.backend == "docker":
