@@ -700,5 +700,7 @@ class _Replay:
 
         if len(options) == 1:
             return cost(options[0], end)
-        best_u = min(options, key=lambda u: cost(u, look))
-        return cost(best_u, end) if look < end else cost(best_u, look)
+        costs = {u: cost(u, look) for u in options}
+        best_u = min(options, key=costs.__getitem__)
+        # the look-ahead already covered the whole window when it is short: reuse it
+        return cost(best_u, end) if look < end else costs[best_u]
