@@ -39,6 +39,7 @@ loop evaluates the objective until it stops improving (usually 1–3 times).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -454,6 +455,38 @@ def _candidates(
     return cands, rest
 
 
+def _eft_amount(
+    opts: list[tuple[int, float]],
+    free: int,
+    order: list[tuple[float, int]],
+    head: int,
+    clock: float,
+) -> tuple[int, float]:
+    """(amount, duration) of ``opts`` (ascending amounts) with the earliest finish, given
+    ``free`` units now and expected finishes ``order[head:]`` (ascending)."""
+    best, pick = _NEVER, opts[0]
+    if free >= opts[-1][0]:  # all start now: the shortest duration wins
+        for opt in opts:
+            if opt[1] < best:
+                best, pick = opt[1], opt
+        return pick
+    s, clk, j, n = free, clock, head, len(order)
+    for opt in opts:
+        amount = opt[0]
+        while s < amount and j < n:
+            finish, units = order[j]
+            j += 1
+            if finish > clk:
+                clk = finish
+            s += units
+        if s < amount:
+            break
+        fin = clk + opt[1]
+        if fin < best:
+            best, pick = fin, opt
+    return pick
+
+
 def _spread(values: tuple[int, ...], k: int) -> tuple[int, ...]:
     """At most k values spread over a sorted tuple, always keeping both ends."""
     if len(values) <= k:
@@ -581,14 +614,17 @@ class _Replay:
     ) -> float:
         """FCFS replay where each elastic action takes its earliest-finishing amount.
 
-        An amount ``u`` can start once ``u`` units are free (popping expected finishes in
+        An amount ``u`` can start once ``u`` units are free (taking expected finishes in
         order); among the (spread) allowed amounts the one with the smallest start + duration
         wins, ties to the smaller amount. Non-elastic actions start at their minimum. Runs on
-        plain unit counts only (``free`` is the number of free units).
+        plain unit counts only (``free`` is the number of free units). The completion heap is
+        kept as a sorted list with a moving head, so each elastic action's look-up scans it
+        in order without re-sorting.
         """
         total = 0.0
         at_min, minimum = self.dur.at_min, self.dur.minimum
-        pop, push = heapq.heappop, heapq.heappush
+        order = sorted(heap)
+        head, insort = 0, bisect.insort
         for k in range(i, end):
             w = waiting[k]
             u = w.min_units
@@ -596,18 +632,19 @@ class _Replay:
             if w.elastic:
                 opts = self._option_durs(w)
                 if len(opts) > 1:
-                    u, d = self._eft_amount(opts, free, heap, clock)
+                    u, d = _eft_amount(opts, free, order, head, clock)
             while free < u:
-                if not heap:
+                if head == len(order):
                     return total + _NEVER * (end - k)
-                finish, units = pop(heap)
+                finish, units = order[head]
+                head += 1
                 if finish > clock:
                     clock = finish
                 free += units
             if d < 0.0:
                 d = at_min.get(w.id) or minimum(w)
             total += clock + d
-            push(heap, (clock + d, u))
+            insort(order, (clock + d, u), lo=head)  # finishes never precede the clock
             free -= u
         return total
 
@@ -618,34 +655,6 @@ class _Replay:
             amounts = _spread(_elastic_amounts(w, self.max_single), self.cfg.max_branch)
             opts = self._options[w.id] = [(u, self.dur(w, u)) for u in amounts]
         return opts
-
-    @staticmethod
-    def _eft_amount(
-        opts: list[tuple[int, float]], free: int, heap: list[tuple[float, int]], clock: float
-    ) -> tuple[int, float]:
-        """(amount, duration) of ``opts`` (ascending amounts) with the earliest finish."""
-        best, pick = _NEVER, opts[0]
-        if free >= opts[-1][0]:  # all start now: the shortest duration wins
-            for opt in opts:
-                if opt[1] < best:
-                    best, pick = opt[1], opt
-            return pick
-        order = sorted(heap)  # one pass: start times grow with the amount
-        s, clk, j, n = free, clock, 0, len(order)
-        for opt in opts:
-            amount = opt[0]
-            while s < amount and j < n:
-                finish, units = order[j]
-                j += 1
-                if finish > clk:
-                    clk = finish
-                s += units
-            if s < amount:
-                break
-            fin = clk + opt[1]
-            if fin < best:
-                best, pick = fin, opt
-        return pick
 
     def _wait_for(
         self, state: Any, heap: list[tuple[float, int]], clock: float, need: int
