@@ -624,7 +624,7 @@ class _Replay:
         total = 0.0
         at_min, minimum = self.dur.at_min, self.dur.minimum
         order = sorted(heap)
-        head, insort = 0, bisect.insort
+        head, size, insort = 0, len(order), bisect.insort
         for k in range(i, end):
             w = waiting[k]
             u = w.min_units
@@ -634,7 +634,7 @@ class _Replay:
                 if len(opts) > 1:
                     u, d = _eft_amount(opts, free, order, head, clock)
             while free < u:
-                if head == len(order):
+                if head == size:
                     return total + _NEVER * (end - k)
                 finish, units = order[head]
                 head += 1
@@ -645,6 +645,7 @@ class _Replay:
                 d = at_min.get(w.id) or minimum(w)
             total += clock + d
             insort(order, (clock + d, u), lo=head)  # finishes never precede the clock
+            size += 1
             free -= u
         return total
 
