@@ -28,8 +28,6 @@ from tangram.model import (
     HistoryEstimator,
     InvalidDemand,
     TangramError,
-    TrajectoryId,
-    Unschedulable,
     make_action,
 )
 from tangram.pools.api import ApiPool
@@ -46,6 +44,7 @@ from tangramd.entities import (
     Story,
     transition,
 )
+from tangramd.envbook import EnvBook, on_close, on_env_created, on_env_removed, on_open
 
 STORY_LIMIT = 10_000  # actions whose story is kept after they end
 
@@ -74,7 +73,7 @@ class LeaseRec:
     conn: int | None = None
 
 
-class Core:
+class Core(EnvBook):
     """Coordinator + node bookkeeping of ``tangramd up`` (see module doc)."""
 
     def __init__(
@@ -140,75 +139,8 @@ class Core:
                     times.append(t)
         return min(times) if times else None
 
-    # ------------------------------------------------------------------ environments
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}{next(self._ids):x}"
-
-    def _open_env(
-        self,
-        now: float,
-        out: list[ev.Command],
-        *,
-        image: str | None,
-        mem: int | None,
-        trajectory: str | None,
-        throwaway: bool,
-        token: int | None,
-        cause: int,
-        conn: int | None = None,
-    ) -> EnvRec:
-        if self.shutting_down:
-            raise ShuttingDown("daemon is shutting down")
-        env_id = EnvId(self._new_id("e"))
-        traj = TrajectoryId(trajectory or f"traj-{env_id}")
-        mem_bytes = self.cfg.default_env_mem if mem is None else mem
-        placed = self.cpu.place_trajectory(traj, env_id, 0, mem_bytes)
-        if not isinstance(placed, str) and placed.reason == "never":
-            raise Unschedulable(f"cannot place environment: {placed.describe()}")
-        env = EnvRec(
-            id=env_id,
-            trajectory=traj,
-            node=placed if isinstance(placed, str) else "",
-            image=image or self.cfg.default_image,
-            mem=mem_bytes,
-            created_at=now,
-            last_used=now,
-            throwaway=throwaway,
-            open_token=token,
-            conn=conn,
-        )
-        if not isinstance(placed, str):  # no memory free now: wait in FIFO order
-            env.state = "waiting_mem"
-            self.env_waitq.append(env_id)
-            self.envs[env_id] = env
-            return env
-        self.envs[env_id] = env
-        out.append(ev.CreateEnv(env_id, env.node, env.image, mem_bytes, cause=cause))
-        return env
-
-    def _retry_waiting_envs(self, now: float, out: list[ev.Command]) -> None:
-        """Memory was freed: place waiting environments in FIFO order."""
-        while self.env_waitq:
-            env = self.envs.get(self.env_waitq[0])
-            if env is None or env.state != "waiting_mem":
-                self.env_waitq.popleft()
-                continue
-            placed = self.cpu.place_trajectory(env.trajectory, env.id, 0, env.mem)
-            if not isinstance(placed, str):
-                return
-            self.env_waitq.popleft()
-            env.node = placed
-            transition(env, "creating", ENV_EDGES, now, "memory became free")
-            out.append(ev.CreateEnv(env.id, env.node, env.image, env.mem, cause=0))
-
-    def _close_env(self, env: EnvRec, now: float, out: list[ev.Command], why: str) -> None:
-        if env.state in ("closing", "closed"):
-            return
-        transition(env, "closing", ENV_EDGES, now, why)
-        for aid in list(env.pending):
-            self._finish_action(self.actions[aid], now, out, outcome="rejected", detail=why)
-        env.pending.clear()
-        out.append(ev.RemoveEnv(env.id, env.node, cause=0))
 
     # ------------------------------------------------------------------ actions
     def _submit_exec(self, e: ev.SubmitExec, now: float, out: list[ev.Command]) -> None:
@@ -421,7 +353,7 @@ class Core:
         )
 
     def _exec_done(self, e: ev.ExecFinished, now: float, out: list[ev.Command]) -> None:
-        rec = self.actions.get(e.action_id)
+        rec = self.actions.get(ActionId(e.action_id))
         if rec is None or rec.state != "running":
             return
         res = e.result
@@ -513,7 +445,8 @@ class Core:
         released = lease.state == "granted"
         if released:
             self._end_lease(lease, now, out, "released")
-        out.append(ev.Reply(e.token, result={"released": released}, cause=e.cause))
+        if e.token is not None:
+            out.append(ev.Reply(e.token, result={"released": released}, cause=e.cause))
 
     # ------------------------------------------------------------------ ticks
     def _tick(self, now: float, out: list[ev.Command]) -> None:
@@ -620,69 +553,6 @@ def _short(cmd: object, limit: int = 80) -> str:
 # ---------------------------------------------------------------------- event dispatch
 
 
-def _on_open(core: Core, e: ev.OpenEnv, now: float, out: list[ev.Command]) -> None:
-    core._open_env(
-        now,
-        out,
-        image=e.image,
-        mem=e.mem,
-        trajectory=e.trajectory,
-        throwaway=False,
-        token=e.token,
-        cause=e.cause,
-        conn=e.conn,
-    )
-
-
-def _on_close(core: Core, e: ev.CloseEnv, now: float, out: list[ev.Command]) -> None:
-    env = core.envs.get(EnvId(e.env_id))
-    if env is None or env.state in ("closing", "closed"):
-        raise NotFound(f"environment {e.env_id!r} not found")
-    env.close_token = e.token
-    core._close_env(env, now, out, "closed by client")
-
-
-def _on_env_created(core: Core, e: ev.EnvCreated, now: float, out: list[ev.Command]) -> None:
-    env = core.envs.get(EnvId(e.env_id))
-    if env is None or env.state != "creating":
-        return
-    if e.error is None:
-        transition(env, "ready", ENV_EDGES, now, "backend created it")
-        if env.open_token is not None:
-            out.append(ev.Reply(env.open_token, result={"id": env.id, "node": env.node}, cause=0))
-            env.open_token = None
-        for aid in env.pending:
-            core._enqueue(core.actions[aid], now)
-        env.pending.clear()
-        return
-    if env.open_token is not None:
-        out.append(ev.Reply(env.open_token, error=("infra_error", e.error), cause=0))
-        env.open_token = None
-    for aid in list(env.pending):
-        core._finish_action(
-            core.actions[aid],
-            now,
-            out,
-            outcome="infra_error",
-            detail=f"environment creation failed: {e.error}",
-        )
-    env.pending.clear()
-    core._close_env(env, now, out, f"creation failed: {e.error}")
-
-
-def _on_env_removed(core: Core, e: ev.EnvRemoved, now: float, out: list[ev.Command]) -> None:
-    env = core.envs.get(EnvId(e.env_id))
-    if env is None:
-        return
-    if env.state == "closing":
-        transition(env, "closed", ENV_EDGES, now, "backend removed it")
-    core.cpu.forget_trajectory(env.trajectory)
-    del core.envs[env.id]
-    if env.close_token is not None:
-        out.append(ev.Reply(env.close_token, result={"closed": True}, cause=0))
-    core._retry_waiting_envs(now, out)
-
-
 def _on_conn_closed(core: Core, e: ev.ConnClosed, now: float, out: list[ev.Command]) -> None:
     # Waiting work of a dead client is dropped; its leases return at once (never leaked).
     for rec in list(core.actions.values()):
@@ -717,10 +587,10 @@ def _on_shutdown(core: Core, e: ev.Shutdown, now: float, out: list[ev.Command]) 
 
 _HANDLERS: dict[type, Any] = {
     ev.SubmitExec: lambda c, e, now, out: c._submit_exec(e, now, out),
-    ev.OpenEnv: _on_open,
-    ev.CloseEnv: _on_close,
-    ev.EnvCreated: _on_env_created,
-    ev.EnvRemoved: _on_env_removed,
+    ev.OpenEnv: on_open,
+    ev.CloseEnv: on_close,
+    ev.EnvCreated: on_env_created,
+    ev.EnvRemoved: on_env_removed,
     ev.ExecFinished: lambda c, e, now, out: c._exec_done(e, now, out),
     ev.AcquireLease: lambda c, e, now, out: c._acquire(e, now, out),
     ev.ReleaseLease: lambda c, e, now, out: c._release(e, now, out),

@@ -55,13 +55,15 @@ def transition(
     entity: Any, new: str, edges: dict[tuple[str, str], str], now: float, why: str
 ) -> None:
     old = entity.state
+    log = getattr(entity, "history", None)
     if (old, new) not in edges:
-        hist = list(getattr(entity, "history", ()))
-        raise IllegalTransition(f"{type(entity).__name__} {old} -> {new} ({why}); history: {hist}")
+        recent = list(log) if log is not None else []
+        raise IllegalTransition(
+            f"{type(entity).__name__} {old} -> {new} ({why}); history: {recent}"
+        )
     entity.state = new
-    hist = getattr(entity, "history", None)
-    if hist is not None:
-        hist.append((now, old, new, why))
+    if log is not None:
+        log.append((now, old, new, why))
 
 
 @dataclass
