@@ -531,43 +531,24 @@ class _Replay:
         clock: float,
         depth: int,
     ) -> float:
+        if depth <= 1:  # no branching left: the specialised replays
+            if self.eft:
+                return self._eft(waiting, i, end, state, heap, clock)
+            if self.fast:
+                return self._plain_fast(waiting, i, end, state, heap, clock)
         total = 0.0
         dur = self.dur
-        if depth > 1:
-            while i < end:
-                w = waiting[i]
-                state, clock, ok = self._wait_for(state, heap, clock, w.min_units)
-                if not ok:
-                    return total + _NEVER * (end - i)
-                if w.elastic:
-                    return total + self._branch(waiting, i, end, state, heap, clock, depth)
-                d = dur.minimum(w)
-                total += clock + d
-                heapq.heappush(heap, (clock + d, w.min_units))
-                state = self.op.take(state, w.min_units)
-                i += 1
-            return total
-        if self.eft:
-            return total + self._eft(waiting, i, end, state, heap, clock)
-        if self.fast:
-            return total + self._plain_fast(waiting, i, end, state, heap, clock)
-        take, give = self.op.take, self.op.give
         while i < end:
             w = waiting[i]
-            need = w.min_units
-            nxt = take(state, need)
-            while nxt is None:
-                if not heap:
-                    return total + _NEVER * (end - i)
-                finish, units = heapq.heappop(heap)
-                if finish > clock:
-                    clock = finish
-                state = give(state, units)
-                nxt = take(state, need)
+            state, clock, ok = self._wait_for(state, heap, clock, w.min_units)
+            if not ok:
+                return total + _NEVER * (end - i)
+            if depth > 1 and w.elastic:
+                return total + self._branch(waiting, i, end, state, heap, clock, depth)
             d = dur.minimum(w)
             total += clock + d
-            heapq.heappush(heap, (clock + d, need))
-            state = nxt
+            heapq.heappush(heap, (clock + d, w.min_units))
+            state = self.op.take(state, w.min_units)
             i += 1
         return total
 
