@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -535,18 +535,21 @@ def _recent_summary(finished: deque[tuple[str, float, float]]) -> dict[str, dict
     }
 
 
-def _command_class(cmd: object) -> str:
+def _cmd_text(cmd: str | Sequence[str]) -> str:
+    return cmd if isinstance(cmd, str) else " ".join(str(c) for c in cmd)
+
+
+def _command_class(cmd: str | Sequence[str]) -> str:
     """History class of a command: its program name (``pytest`` for pytest runs)."""
-    text = cmd if isinstance(cmd, str) else " ".join(str(c) for c in cmd)  # type: ignore[attr-defined]
-    words = text.split()
+    words = _cmd_text(cmd).split()
     for w in words:
         if "pytest" in w or w == "py.test":
             return "pytest"
     return words[0].rsplit("/", 1)[-1] if words else "?"
 
 
-def _short(cmd: object, limit: int = 80) -> str:
-    text = cmd if isinstance(cmd, str) else " ".join(str(c) for c in cmd)  # type: ignore[attr-defined]
+def _short(cmd: str | Sequence[str], limit: int = 80) -> str:
+    text = _cmd_text(cmd)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
