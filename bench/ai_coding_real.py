@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tangram import AsyncClient, Client  # noqa: E402
+from tangram.testing import spawn_daemon  # noqa: E402
 from tangramd.backends.base import rewrite_pytest  # noqa: E402
-from tangramd.spawn import spawn_daemon  # noqa: E402
 
 IMAGE = "tangram-test:bookworm"
 SUITE = ROOT / "tests" / "data" / "cpu_suite"

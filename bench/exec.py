@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tangramd.spawn import spawn_daemon
+from tangram.testing import spawn_daemon
 
 IMAGE = "tangram-test:bookworm"
 

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tangram.client import AsyncClient, Client
 from tangram.protocol import UnknownOp
-from tangramd.spawn import spawn_daemon
+from tangram.testing import spawn_daemon
 from tangramd.transport import ConnInfo, UnixServer
 
 PONG = {"pong": True, "version": "bench"}

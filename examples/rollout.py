@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tangram import AsyncClient, Client  # noqa: E402
-from tangramd.spawn import spawn_daemon  # noqa: E402
+from tangram.testing import spawn_daemon  # noqa: E402
 
 SUITE = ROOT / "tests" / "data" / "cpu_suite"
 CONFIG = """

@@ -164,13 +164,14 @@ def queue(ctl: Ctl, as_json: bool) -> None:
 @json_option
 @pass_ctl
 def story(ctl: Ctl, action_id: str, as_json: bool) -> None:
-    """What happened to one action (its recent event log)."""
+    """What happened to one action: submission, environment, queue, placement (cores and
+    node), run and outcome, each with its time in seconds since the daemon started."""
     result = ctl.client.story(action_id)
 
     def human() -> str:
         events = result.get("events") or []
         head = kv({k: v for k, v in result.items() if k != "events"})
-        preferred = ("t", "time", "at", "event", "state", "from", "to", "node", "detail")
+        preferred = ("t", "event", "from", "detail", "cause")
         return head + "\n\n" + table(events, preferred=preferred, empty="(no events)")
 
     emit(as_json, result, human)
@@ -367,7 +368,7 @@ def env_list(ctl: Ctl, as_json: bool) -> None:
     emit(as_json, {"envs": rows}, lambda: table(rows, preferred=preferred))
 
 
-# --------------------------------------------------------------------------- api, services
+# --------------------------------------------------------------------------- apis
 
 
 @cli.group()
@@ -383,74 +384,6 @@ def api_list(ctl: Ctl, as_json: bool) -> None:
     rows = ctl.client.api_list()
     preferred = ("name", "concurrency", "in_use", "quota", "period_s", "used", "waiting")
     emit(as_json, {"apis": rows}, lambda: table(rows, preferred=preferred))
-
-
-@cli.group()
-def service() -> None:
-    """GPU model services (reward models, judges, teachers)."""
-
-
-def _dop_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: want e.g. 1,2,4") from None
-    if not values:
-        raise click.BadParameter("empty list")
-    return values
-
-
-@service.command("register")
-@click.argument("name")
-@click.option("--mem", required=True, metavar="SIZE", help="GPU memory the model needs.")
-@click.option("--runtime", type=click.Choice(["simulated", "torch", "http"]), help="Runtime.")
-@click.option("--dop", metavar="1,2,4", help="DoP variants (GPUs per request).")
-@click.option("--entry", metavar="MODULE:FACTORY", help="torch runtime: model factory.")
-@click.option("--url", metavar="URL", help="http runtime: the model server.")
-@click.option("--set", "extra", multiple=True, metavar="KEY=VALUE", help="Further config.")
-@json_option
-@pass_ctl
-def service_register(
-    ctl: Ctl,
-    name: str,
-    mem: str,
-    runtime: str | None,
-    dop: str | None,
-    entry: str | None,
-    url: str | None,
-    extra: tuple[str, ...],
-    as_json: bool,
-) -> None:
-    """Register a GPU service under NAME."""
-    config: dict[str, Any] = dict(parse_assignments(extra, "--set"))
-    given = {"runtime": runtime, "entry": entry, "url": url}
-    config.update({k: v for k, v in given.items() if v is not None})
-    if dop is not None:
-        config["dop"] = _dop_list(dop)
-    ctl.client.service_register(name, mem, **config)
-    if as_json:
-        click.echo(to_json({"name": name, "registered": True}))
-
-
-@service.command("list")
-@json_option
-@pass_ctl
-def service_list(ctl: Ctl, as_json: bool) -> None:
-    """Registered services and where they are resident."""
-    rows = ctl.client.service_list()
-    preferred = ("name", "runtime", "mem", "dop", "resident")
-    emit(as_json, {"services": rows}, lambda: table(rows, preferred=preferred))
-
-
-@service.command("remove")
-@click.argument("name")
-@json_option
-@pass_ctl
-def service_remove(ctl: Ctl, name: str, as_json: bool) -> None:
-    """Unregister a service."""
-    ctl.client.service_remove(name)
-    if as_json:
-        click.echo(to_json({"name": name, "removed": True}))
 
 
 # --------------------------------------------------------------------------- stored profiles

@@ -24,8 +24,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Final
 
+from tangram import sched
 from tangram.protocol.errors import BadRequest
 from tangram.protocol.ops import parse_size as wire_parse_size
+from tangram.protocol.paths import default_socket_path
+from tangram.sched import ORDERS, RULES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,13 +37,10 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 MIB: Final = 1 << 20
 GIB: Final = 1 << 30
-SYSTEM_SOCKET: Final = "/run/tangram/tangramd.sock"
 SYSTEM_STATE_DIR: Final = "/var/lib/tangram"
 LOG_FORMATS: Final = ("auto", "json", "console")
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 CPU_BACKENDS: Final = ("process", "docker")
-SCHED_ORDERS: Final = ("fcfs", "backfill")
-SCHED_RULES: Final = ("wait-eft", "wait", "paper")
 OVERFLOW_POLICIES: Final = ("wait", "reject", "deadline")
 SERVICE_RUNTIMES: Final = ("simulated", "torch", "http")
 GPU_DOPS: Final = (1, 2, 4, 8)  # buddy chunk sizes (design §5.3)
@@ -256,24 +256,9 @@ def _is_root() -> bool:
 
 
 def default_socket() -> str:
-    """Where ``tangramd`` listens unless told: ``$TANGRAM_SOCKET``, else the system socket
-    as root, else ``$XDG_RUNTIME_DIR/tangram/tangramd.sock``, else
-    ``/tmp/tangram-<uid>/tangramd.sock``; the same places ``tangram.Client`` looks."""
-    try:
-        from tangram import client
-
-        env_name, system_socket = client.SOCKET_ENV, client.SYSTEM_SOCKET
-    except ImportError:  # the library ships alongside; keep the daemon usable regardless
-        env_name, system_socket = "TANGRAM_SOCKET", SYSTEM_SOCKET
-    from_env = os.environ.get(env_name)
-    if from_env:
-        return from_env
-    if _is_root():
-        return system_socket
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime_dir:
-        return os.path.join(runtime_dir, "tangram", "tangramd.sock")
-    return f"/tmp/tangram-{os.getuid()}/tangramd.sock"
+    """Where ``tangramd`` listens unless told: the rule of :mod:`tangram.protocol.paths`,
+    the same one ``tangram.Client`` follows to find it."""
+    return default_socket_path()
 
 
 def default_state_dir() -> str:
@@ -334,11 +319,17 @@ class SchedConfig:
     """``[sched]``: the elastic scheduler (design §4)."""
 
     depth: int = _key(_int(1), 2)
-    order: str = _key(_choice(*SCHED_ORDERS), "fcfs")
-    rule: str = _key(_choice(*SCHED_RULES), "wait-eft")
+    order: str = _key(_choice(*ORDERS), "fcfs")
+    rule: str = _key(_choice(*RULES), "wait-eft")
     starvation_s: float = _key(_number(0.0, exclusive=True), 30.0)
     coalesce_ms: float = _key(_number(0.0), 1.0)
     replay_limit: int = _key(_int(1), 512)
+    max_branch: int = _key(_int(1), 4)
+
+    def scheduler(self) -> sched.SchedConfig:
+        """The scheduler's own config: every scheduler key of this section, built once."""
+        names = {f.name for f in fields(sched.SchedConfig)}
+        return sched.SchedConfig(**{n: getattr(self, n) for n in names if hasattr(self, n)})
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,18 @@
-"""The daemon's state machine: queues, environments, leases and the scheduler.
+"""The daemon's state machine: actions, queues, leases, profiles and the scheduler.
 
 One entry point, ``Core.handle(event, now) -> list[Command]``: state changes only there.
-The executor (``tangramd.runtime``) runs the commands (backend I/O, replies to clients) and
-feeds each result back as a new event. ``now`` is always an argument; the core never awaits,
-sleeps or reads the clock, so tests drive it synchronously.
+The executor (``tangramd.executor``) runs the commands (backend I/O, replies to clients,
+writing profiles) and feeds each result back as a new event. ``now`` is always an argument;
+the core never awaits, sleeps or reads the clock, so tests drive it synchronously. Each
+``handle`` call gets a stimulus id that every command it produces carries as ``cause`` and
+every story entry records.
+
+Views (status, queue, stories, profiles, APIs, environments) are read-model methods here:
+the op handlers read through them and never touch the core's fields.
 
 In ``tangramd up`` this one core is both the coordinator (queues, registry, global
-scheduler) and the node's bookkeeping (environments on its backend): the all-in-one mode.
+scheduler) and, through its :class:`~tangramd.envbook.EnvBook`, the node's bookkeeping of
+environments: the all-in-one mode.
 
 Scheduling passes are coalesced: arrivals and completions only mark the core *dirty*; the
 executor calls ``Tick`` at most once per ``coalesce_s`` window, so a flood of tiny actions is
@@ -18,13 +24,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tangram.model import (
     ActionId,
-    EnvId,
     HistoryEstimator,
     InvalidDemand,
     TangramError,
@@ -33,18 +38,19 @@ from tangram.model import (
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster
 from tangram.protocol.errors import NotFound, QuotaExceeded, ShuttingDown
+from tangram.protocol.results import ExecResult
 from tangram.sched import SchedConfig, Snapshot, schedule
 from tangramd import events as ev
 from tangramd.entities import (
     ACTION_EDGES,
-    ENV_EDGES,
     LEASE_EDGES,
     ActionRec,
     EnvRec,
-    Story,
+    Stories,
+    note,
     transition,
 )
-from tangramd.envbook import EnvBook, on_close, on_env_created, on_env_removed, on_open
+from tangramd.envbook import EnvBook, EnvDefaults, Failed, Ready
 
 STORY_LIMIT = 10_000  # actions whose story is kept after they end
 
@@ -71,9 +77,10 @@ class LeaseRec:
     state: str = "waiting"  # waiting -> granted -> released | expired; waiting -> failed
     expires_at: float = math.inf
     conn: int | None = None
+    history: deque[tuple[float, str, str, str]] = field(default_factory=lambda: deque(maxlen=8))
 
 
-class Core(EnvBook):
+class Core:
     """Coordinator + node bookkeeping of ``tangramd up`` (see module doc)."""
 
     def __init__(
@@ -86,19 +93,27 @@ class Core(EnvBook):
         self.cfg = config or CoreConfig()
         self.cpu = cpu
         self.apis = dict(apis)
+        self.envs = EnvBook(
+            cpu,
+            EnvDefaults(
+                mem=self.cfg.default_env_mem,
+                image=self.cfg.default_image,
+                idle_ttl_s=self.cfg.env_idle_ttl_s,
+            ),
+        )
         self.history = history or HistoryEstimator(default_s=1.0)
         self.pools: dict[str, Any] = {p.pool_id: p for p in cpu.nodes}
         self.pools.update({p.pool_id: p for p in self.apis.values()})
         self.actions: dict[ActionId, ActionRec] = {}  # live actions only
         self.recent: OrderedDict[ActionId, str] = OrderedDict()  # outcome of ended ones
         self.queue: dict[ActionId, ActionRec] = {}  # waiting for units, FCFS (seq) order
-        self.envs: dict[EnvId, EnvRec] = {}
-        self.env_waitq: deque[EnvId] = deque()  # environments waiting for memory, FIFO
         self.leases: dict[ActionId, LeaseRec] = {}
         self.profiles: dict[str, dict[str, Any]] = {}
-        self.stories = Story(STORY_LIMIT)
+        self.stories = Stories(STORY_LIMIT)
         self._seq = itertools.count(1)
         self._ids = itertools.count(1)
+        self._stimuli = itertools.count(1)
+        self.stimulus = 0  # id of the event being handled
         self._dirty = False
         self._pass_due: float | None = None
         self.shutting_down = False
@@ -107,6 +122,7 @@ class Core(EnvBook):
 
     # ------------------------------------------------------------------ entry point
     def handle(self, event: ev.Event, now: float) -> list[ev.Command]:
+        self.stimulus = next(self._stimuli)
         out: list[ev.Command] = []
         handler = _HANDLERS[type(event)]
         try:
@@ -115,7 +131,7 @@ class Core(EnvBook):
             token = getattr(event, "token", None)
             if token is None:
                 raise
-            out.append(ev.Reply(token, error=(exc.code, exc.message), cause=event.cause))
+            out.append(self._reply(token, error=(exc.code, exc.message)))
         if self._dirty and self._pass_due is None:
             self._pass_due = now + self.cfg.coalesce_s
         return out
@@ -129,9 +145,7 @@ class Core(EnvBook):
             for lease in self.leases.values()
             if lease.state == "waiting" and lease.deadline_at is not None
         ]
-        for env in self.envs.values():
-            if env.state == "ready" and not env.active:
-                times.append(env.last_used + self.cfg.env_idle_ttl_s)
+        times += self.envs.idle_deadlines()
         if any(rec.action.kind == "api" for rec in self.queue.values()):
             for pool in self.apis.values():
                 t = pool.next_grant_time(now)
@@ -142,35 +156,48 @@ class Core(EnvBook):
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}{next(self._ids):x}"
 
+    def _reply(
+        self, token: int, result: Any = None, error: tuple[str, str] | None = None
+    ) -> ev.Reply:
+        return ev.Reply(token=token, result=result, error=error, cause=self.stimulus)
+
+    def _transition(self, rec: ActionRec, new: str, now: float, why: str) -> None:
+        transition(rec, new, ACTION_EDGES, now, why, self.stimulus)
+
     # ------------------------------------------------------------------ actions
     def _submit_exec(self, e: ev.SubmitExec, now: float, out: list[ev.Command]) -> None:
         if self.shutting_down:
             raise ShuttingDown("daemon is shutting down")
-        cpus: Any = 1 if e.cpus is None else e.cpus
-        t1_s, eff, elastic = e.t1_s, e.eff, e.elastic
-        if e.profile is not None:
-            prof = self.profiles.get(e.profile)
+        spec = e.spec
+        cpus: Any = 1 if spec.cpus is None else spec.cpus
+        t1_s, eff = spec.t1_s, spec.eff
+        if spec.profile is not None:
+            prof = self.profiles.get(spec.profile)
             if prof is None:
-                raise NotFound(f"profile {e.profile!r} not found (see `tangramctl profile --save`)")
+                raise NotFound(
+                    f"profile {spec.profile!r} not found (see `tangramctl profile --save`)"
+                )
             if prof.get("elastic", True):
                 t1_s, eff = prof["t1_s"], prof["eff"]
-                if e.cpus is None:
+                if spec.cpus is None:
                     dops = sorted(int(k) for k in prof["dop"])
                     cpus = [dops[0], dops[-1]]
-        if e.env is not None:
-            env = self.envs.get(EnvId(e.env))
-            if env is None or env.state in ("closing", "closed"):
-                raise NotFound(f"environment {e.env!r} not found")
+        if isinstance(cpus, tuple):
+            cpus = list(cpus)
+        if spec.env is not None:
+            env = self.envs.open_env(spec.env)
+            if env is None:
+                raise NotFound(f"environment {spec.env!r} not found")
         else:
-            env = self._open_env(
+            env = self.envs.open(
                 now,
                 out,
-                image=e.image,
-                mem=e.mem,
-                trajectory=e.trajectory,
+                self.stimulus,
+                image=spec.image,
+                mem=spec.mem,
+                trajectory=spec.trajectory,
                 throwaway=True,
                 token=None,
-                cause=e.cause,
                 conn=e.conn,
             )
         max_cores = max(p.capacity for p in self.cpu.nodes)
@@ -181,12 +208,12 @@ class Core(EnvBook):
                 "exec",
                 env.trajectory,
                 {"cpu": cpus},
-                task=e.task or "default",
+                task=spec.task or "default",
                 seq=next(self._seq),
                 t1_s=t1_s,
                 eff=eff,
                 submitted_at=now,
-                klass=f"{e.task or 'default'}/exec/{_command_class(e.cmd)}",
+                klass=f"{spec.task or 'default'}/exec/{_command_class(spec.cmd)}",
                 capacity={"cpu": max_cores},
             )
         except TangramError:
@@ -199,30 +226,27 @@ class Core(EnvBook):
             env=env.id,
             conn=e.conn,
             submitted_at=now,
-            request={
-                "cmd": e.cmd,
-                "timeout_s": e.timeout_s,
-                "env_vars": e.env_vars or {},
-                "elastic": elastic is not False,
-            },
+            history=self.stories.open(aid),
+            spec=spec,
         )
         self.actions[aid] = rec
-        self.stories.add(aid, now, "submitted", f"cpus={cpus} env={env.id} cmd={_short(e.cmd)}")
+        note(
+            rec, now, "submitted", f"cpus={cpus} env={env.id} cmd={_short(spec.cmd)}", self.stimulus
+        )
         env.active += 1
         env.last_used = now
         if env.state == "ready":
             self._enqueue(rec, now)
         elif env.state == "lost":
-            transition(env, "creating", ENV_EDGES, now, "next action recreates a lost env")
-            out.append(ev.CreateEnv(env.id, env.node, env.image, env.mem, cause=e.cause))
+            self.envs.recreate(env, now, out, self.stimulus)
             env.pending.append(aid)
-            transition(rec, "waiting_env", ACTION_EDGES, now, "environment being recreated")
+            self._transition(rec, "waiting_env", now, f"environment {env.id} being recreated")
         else:
             env.pending.append(aid)
-            transition(rec, "waiting_env", ACTION_EDGES, now, "environment being created")
+            self._transition(rec, "waiting_env", now, f"environment {env.id} being created")
 
     def _enqueue(self, rec: ActionRec, now: float) -> None:
-        transition(rec, "queued", ACTION_EDGES, now, "ready to schedule")
+        self._transition(rec, "queued", now, "ready to schedule")
         self.queue[rec.action.id] = rec
         self._dirty = True
 
@@ -233,56 +257,54 @@ class Core(EnvBook):
         out: list[ev.Command],
         *,
         outcome: str,
-        result: Mapping[str, Any] | None = None,
+        result: ExecResult | None = None,
         detail: str = "",
         error: tuple[str, str] | None = None,
     ) -> None:
         if rec.state == "done":
             return
+        env = self.envs.get(rec.env) if rec.env else None
+        if env is not None and rec.action.id in env.pending:
+            env.pending.remove(rec.action.id)
         self.queue.pop(rec.action.id, None)
         if rec.units:
             self.pools[rec.pool_id].release(rec.action.id)
             self._dirty = True
-        transition(rec, "done", ACTION_EDGES, now, f"{outcome} {detail}".strip())
+        self._transition(rec, "done", now, f"{outcome} {detail}".strip())
         rec.outcome = outcome
         rec.finished_at = now
         queue_s = (rec.started_at or now) - rec.submitted_at
-        exec_s = float(result.get("exec_s", 0.0)) if result else 0.0
-        if rec.started_at is not None and not result:
-            exec_s = now - rec.started_at
-        self.finished.append((rec.action.kind, queue_s, exec_s))
-        env = self.envs.get(rec.env) if rec.env else None
+        if result is None:
+            exec_s = now - rec.started_at if rec.started_at is not None else 0.0
+            result = ExecResult(outcome, exec_s=exec_s, detail=detail)  # type: ignore[arg-type]
+        self.finished.append((rec.action.kind, queue_s, result.exec_s))
         if env is not None:
             env.active = max(0, env.active - 1)
             env.last_used = now
         if rec.token is not None:
             if error is not None:
-                out.append(ev.Reply(rec.token, error=error, cause=0))
+                out.append(self._reply(rec.token, error=error))
             else:
-                payload = {
-                    "action_id": rec.action.id,
-                    "outcome": outcome,
-                    "exit_code": None,
-                    "stdout": "",
-                    "stderr": "",
-                    "truncated": False,
-                    "detail": detail,
-                    **(dict(result) if result else {}),
-                    "queue_s": queue_s,
-                    "exec_s": exec_s,
-                    "act_s": queue_s + exec_s,
-                    "cores": list(rec.units),
-                    "node": env.node if env else None,
-                }
-                out.append(ev.Reply(rec.token, result=payload, cause=0))
+                final = result.placed(
+                    action_id=rec.action.id,
+                    queue_s=queue_s,
+                    cores=rec.units,
+                    node=env.node if env else None,
+                )
+                out.append(self._reply(rec.token, result=final.to_wire()))
             rec.token = None
-        if env is not None and env.throwaway and env.active == 0:
-            self._close_env(env, now, out, "throwaway environment done")
+        if env is not None and env.active == 0 and (env.throwaway or self.shutting_down):
+            why = "throwaway environment done" if env.throwaway else "daemon shutting down"
+            self._close_env(env, now, out, why)
         # forget the record (the story keeps what happened), bounded memory for long runs
         self.actions.pop(rec.action.id, None)
         self.recent[rec.action.id] = outcome
         if len(self.recent) > STORY_LIMIT:
             self.recent.popitem(last=False)
+
+    def _close_env(self, env: EnvRec, now: float, out: list[ev.Command], why: str) -> None:
+        for aid in self.envs.close(env, now, out, why, self.stimulus):
+            self._finish_action(self.actions[aid], now, out, outcome="rejected", detail=why)
 
     # ------------------------------------------------------------------ scheduling
     def run_pass(self, now: float, out: list[ev.Command]) -> None:
@@ -300,11 +322,10 @@ class Core(EnvBook):
                 if exp <= now:  # overdue: expect it to run about as long again as it has
                     exp = now + (now - started)
                 running.setdefault(rec.pool_id, []).append((exp, len(rec.units) or 1))
-        affinity = {env.trajectory: f"cpu:{env.node}" for env in self.envs.values() if env.node}
         snap = Snapshot(
             waiting=[rec.action for rec in self.queue.values()],
             pools=self.pools,
-            affinity=affinity,
+            affinity=self.envs.affinity(),
             running=running,
             estimate=self.history.estimate,
         )
@@ -312,12 +333,12 @@ class Core(EnvBook):
         self.passes += 1
         for inf in decision.infeasible:
             rec = self.actions[inf.action_id]
-            self.stories.add(rec.action.id, now, "infeasible", inf.shortfall.describe())
             self._finish_action(
                 rec,
                 now,
                 out,
                 outcome="rejected",
+                detail=f"infeasible: {inf.shortfall.describe()}",
                 error=("unschedulable", inf.shortfall.describe()),
             )
         for p in decision.placements:
@@ -328,27 +349,35 @@ class Core(EnvBook):
             rec.units = p.units
             rec.started_at = now
             rec.expected_s = p.expected_s
-            transition(rec, "running", ACTION_EDGES, now, f"placed on {p.pool_id} units={p.units}")
+            env = self.envs.get(rec.env) if rec.env else None
+            note(
+                rec,
+                now,
+                "placed",
+                f"pool={p.pool_id} units={list(p.units)}"
+                + (f" node={env.node}" if env else "")
+                + f" expected_s={p.expected_s:.3g}",
+                self.stimulus,
+            )
             if rec.action.kind == "exec":
-                self._start_exec(rec, now, out)
+                self._transition(rec, "running", now, "exec sent to the backend")
+                self._start_exec(rec, out)
             else:
+                self._transition(rec, "running", now, "lease granted")
                 self._grant_lease(rec, now, out)
 
-    def _start_exec(self, rec: ActionRec, now: float, out: list[ev.Command]) -> None:
-        env = self.envs[rec.env]  # type: ignore[index]  # exec actions always have an env
-        req = rec.request
+    def _start_exec(self, rec: ActionRec, out: list[ev.Command]) -> None:
+        env = self.envs.get(rec.env or "")
+        assert env is not None and rec.spec is not None, "exec actions have an env and a spec"
         out.append(
             ev.RunExec(
                 action_id=rec.action.id,
                 env_id=env.id,
                 node=env.node,
                 cores=tuple(rec.units),
-                cmd=req["cmd"],
-                timeout_s=req["timeout_s"],
-                elastic=req["elastic"],
-                env_vars=dict(req["env_vars"]),
+                spec=rec.spec,
                 max_output=self.cfg.max_output,
-                cause=0,
+                cause=self.stimulus,
             )
         )
 
@@ -358,21 +387,71 @@ class Core(EnvBook):
             return
         res = e.result
         env = self.envs.get(rec.env) if rec.env else None
-        if res["outcome"] == "infra_error" and env is not None and e.env_lost:
-            if env.state == "ready":
-                transition(env, "lost", ENV_EDGES, now, res.get("detail", "backend lost it"))
-        elif res["outcome"] in ("ok", "failed"):
-            self.history.observe(rec.action.klass, float(res.get("exec_s", 0.0)))
-        self.stories.add(
-            rec.action.id,
-            now,
-            "finished",
-            f"outcome={res['outcome']} exit={res.get('exit_code')} "
-            f"exec_s={res.get('exec_s', 0):.4f}",
-        )
+        if res.outcome == "infra_error" and env is not None and e.env_lost:
+            self.envs.lose(env, now, res.detail or "backend lost it")
+        elif res.outcome in ("ok", "failed"):
+            self.history.observe(rec.action.klass, res.exec_s)
         self._finish_action(
-            rec, now, out, outcome=res["outcome"], result=res, detail=res.get("detail", "")
+            rec,
+            now,
+            out,
+            outcome=res.outcome,
+            result=res,
+            detail=f"exit={res.exit_code} exec_s={res.exec_s:.4f} {res.detail}".strip(),
         )
+
+    # ------------------------------------------------------------------ environments
+    def _open(self, e: ev.OpenEnv, now: float, out: list[ev.Command]) -> None:
+        if self.shutting_down:
+            raise ShuttingDown("daemon is shutting down")
+        self.envs.open(
+            now,
+            out,
+            self.stimulus,
+            image=e.image,
+            mem=e.mem,
+            trajectory=e.trajectory,
+            throwaway=False,
+            token=e.token,
+            conn=e.conn,
+        )
+
+    def _close(self, e: ev.CloseEnv, now: float, out: list[ev.Command]) -> None:
+        env = self.envs.open_env(e.env_id)
+        if env is None:
+            raise NotFound(f"environment {e.env_id!r} not found")
+        env.close_token = e.token
+        self._close_env(env, now, out, "closed by client")
+
+    def _env_created(self, e: ev.EnvCreated, now: float, out: list[ev.Command]) -> None:
+        answer = self.envs.created(e.env_id, e.error, now)
+        if answer is None:
+            return
+        env = answer.env
+        token, env.open_token = env.open_token, None
+        if isinstance(answer, Ready):
+            if token is not None:
+                out.append(self._reply(token, result={"id": env.id, "node": env.node}))
+            for aid in answer.pending:
+                self._enqueue(self.actions[aid], now)
+            return
+        assert isinstance(answer, Failed)
+        if token is not None:
+            out.append(self._reply(token, error=("infra_error", answer.error)))
+        for aid in answer.pending:
+            self._finish_action(
+                self.actions[aid],
+                now,
+                out,
+                outcome="infra_error",
+                detail=f"environment creation failed: {answer.error}",
+            )
+        self._close_env(env, now, out, f"creation failed: {answer.error}")
+
+    def _env_removed(self, e: ev.EnvRemoved, now: float, out: list[ev.Command]) -> None:
+        gone = self.envs.removed(e.env_id, now, out, self.stimulus)
+        if gone is not None and gone.env.close_token is not None:
+            out.insert(0, self._reply(gone.env.close_token, result={"closed": True}))
 
     # ------------------------------------------------------------------ leases
     def _acquire(self, e: ev.AcquireLease, now: float, out: list[ev.Command]) -> None:
@@ -406,10 +485,17 @@ class Core(EnvBook):
                 e.deadline_s if e.deadline_s is not None else self.cfg.default_deadline_s
             )
         ttl = e.ttl_s if e.ttl_s is not None else pool.default_ttl_s
-        rec = ActionRec(action=action, token=e.token, env=None, conn=e.conn, submitted_at=now)
+        rec = ActionRec(
+            action=action,
+            token=e.token,
+            env=None,
+            conn=e.conn,
+            submitted_at=now,
+            history=self.stories.open(aid),
+        )
         self.actions[aid] = rec
         self.leases[aid] = LeaseRec(aid, e.api, ttl, policy, deadline, conn=e.conn)
-        self.stories.add(aid, now, "submitted", f"lease api={e.api} ttl={ttl} policy={policy}")
+        note(rec, now, "submitted", f"lease api={e.api} ttl={ttl} policy={policy}", self.stimulus)
         self._enqueue(rec, now)
 
     def _grant_lease(self, rec: ActionRec, now: float, out: list[ev.Command]) -> None:
@@ -417,18 +503,13 @@ class Core(EnvBook):
         transition(lease, "granted", LEASE_EDGES, now, "capacity granted")
         lease.expires_at = now + lease.ttl_s
         if rec.token is not None:
-            out.append(
-                ev.Reply(
-                    rec.token,
-                    result={
-                        "lease_id": rec.action.id,
-                        "api": lease.api,
-                        "expires_in_s": lease.ttl_s,
-                        "queue_s": now - rec.submitted_at,
-                    },
-                    cause=0,
-                )
-            )
+            result = {
+                "lease_id": rec.action.id,
+                "api": lease.api,
+                "ttl_s": lease.ttl_s,
+                "queue_s": now - rec.submitted_at,
+            }
+            out.append(self._reply(rec.token, result=result))
             rec.token = None
 
     def _end_lease(self, lease: LeaseRec, now: float, out: list[ev.Command], state: str) -> None:
@@ -436,7 +517,9 @@ class Core(EnvBook):
         transition(lease, state, LEASE_EDGES, now, state)
         if rec.started_at is not None:
             self.history.observe(rec.action.klass, now - rec.started_at)
-        self._finish_action(rec, now, out, outcome="ok" if state == "released" else state)
+        self._finish_action(
+            rec, now, out, outcome="ok" if state == "released" else state, detail=f"lease {state}"
+        )
 
     def _release(self, e: ev.ReleaseLease, now: float, out: list[ev.Command]) -> None:
         lease = self.leases.get(ActionId(e.lease_id))
@@ -446,13 +529,27 @@ class Core(EnvBook):
         if released:
             self._end_lease(lease, now, out, "released")
         if e.token is not None:
-            out.append(ev.Reply(e.token, result={"released": released}, cause=e.cause))
+            out.append(self._reply(e.token, result={"released": released}))
+
+    # ------------------------------------------------------------------ profiles
+    def _save_profile(self, e: ev.SaveProfile, now: float, out: list[ev.Command]) -> None:
+        prof = {k: e.profile.get(k) for k in ("dop", "t1_s", "eff", "speedup", "elastic")}
+        if not prof["dop"] or prof["t1_s"] is None or not prof["eff"]:
+            raise InvalidDemand("profile", "needs dop, t1_s and eff")
+        prof["elastic"] = bool(prof["elastic"] if prof["elastic"] is not None else True)
+        self.profiles[e.name] = prof
+        out.append(ev.PersistProfiles(profiles=dict(self.profiles), cause=self.stimulus))
+        if e.token is not None:
+            out.append(self._reply(e.token, result={"name": e.name, "saved": True}))
+
+    def _profiles_loaded(self, e: ev.ProfilesLoaded, now: float, out: list[ev.Command]) -> None:
+        for name, prof in e.profiles.items():
+            self.profiles.setdefault(name, dict(prof))
 
     # ------------------------------------------------------------------ ticks
     def _tick(self, now: float, out: list[ev.Command]) -> None:
         for lease in list(self.leases.values()):
             if lease.state == "granted" and lease.expires_at <= now:
-                self.stories.add(lease.action_id, now, "lease_expired", f"ttl={lease.ttl_s}")
                 self._end_lease(lease, now, out, "expired")
             elif (
                 lease.state == "waiting"
@@ -466,23 +563,57 @@ class Core(EnvBook):
                     now,
                     out,
                     outcome="timeout",
+                    detail="lease deadline passed",
                     error=("timeout", f"no {lease.api} capacity within the deadline"),
                 )
         for lease_id in [
             k for k, v in self.leases.items() if v.state in ("released", "expired", "failed")
         ]:
             del self.leases[lease_id]
-        for env in list(self.envs.values()):
-            if (
-                env.state == "ready"
-                and not env.active
-                and now - env.last_used >= self.cfg.env_idle_ttl_s
-            ):
-                self._close_env(env, now, out, "idle TTL expired")
+        for env in self.envs.idle_expired(now):
+            self._close_env(env, now, out, "idle TTL expired")
         if (self._pass_due is not None and now >= self._pass_due) or self._dirty:
             self.run_pass(now, out)
 
-    # ------------------------------------------------------------------ views
+    def _conn_closed(self, e: ev.ConnClosed, now: float, out: list[ev.Command]) -> None:
+        # Waiting work of a dead client is dropped; its leases return at once (never leaked).
+        for rec in list(self.actions.values()):
+            if rec.conn != e.conn or rec.state == "done":
+                continue
+            rec.token = None
+            if rec.action.kind == "api":
+                lease = self.leases.get(rec.action.id)
+                if lease is not None and lease.state == "granted":
+                    self._end_lease(lease, now, out, "released")
+                elif rec.state == "queued":
+                    if lease is not None:
+                        transition(lease, "failed", LEASE_EDGES, now, "client disconnected")
+                    self._finish_action(rec, now, out, outcome="rejected", detail="client gone")
+            elif rec.state in ("queued", "waiting_env"):
+                self._finish_action(rec, now, out, outcome="rejected", detail="client gone")
+        for env in self.envs:
+            if env.throwaway and env.conn == e.conn and env.active == 0:
+                self._close_env(env, now, out, "client gone")
+
+    def _shutdown(self, e: ev.Shutdown, now: float, out: list[ev.Command]) -> None:
+        """Refuse new work, end waiting work, return leases, close idle environments.
+
+        Environments with a running action close when it ends (``_finish_action``); the
+        executor ends running execs through the backend, which reports them finished.
+        """
+        self.shutting_down = True
+        for rec in list(self.queue.values()) + [
+            r for r in self.actions.values() if r.state == "waiting_env"
+        ]:
+            self._finish_action(rec, now, out, outcome="rejected", detail="daemon shutting down")
+        for lease in list(self.leases.values()):
+            if lease.state == "granted":
+                self._end_lease(lease, now, out, "released")
+        for env in self.envs:
+            if env.active == 0:
+                self._close_env(env, now, out, "daemon shutting down")
+
+    # ------------------------------------------------------------------ read model
     def trajectory_of(self, action_id: str) -> str | None:
         rec = self.actions.get(ActionId(action_id))
         return rec.action.trajectory if rec else None
@@ -492,7 +623,7 @@ class Core(EnvBook):
         return {
             "queued": len(self.queue),
             "running": running,
-            "environments": sum(1 for e in self.envs.values() if e.state != "closed"),
+            "environments": self.envs.live_count(),
             "leases": sum(1 for lease in self.leases.values() if lease.state == "granted"),
             "passes": self.passes,
             "recent": _recent_summary(self.finished),
@@ -502,8 +633,105 @@ class Core(EnvBook):
             },
         }
 
+    def queue_view(self, now: float) -> dict[str, list[dict[str, Any]]]:
+        def row(rec: ActionRec) -> dict[str, Any]:
+            a = rec.action
+            return {
+                "action_id": a.id,
+                "kind": a.kind,
+                "state": rec.state,
+                "trajectory": a.trajectory,
+                "pool": rec.pool_id or None,
+                "waiting_s": (rec.started_at or now) - rec.submitted_at,
+                "min": a.min_units,
+                "max": a.key_amounts.max,
+                "units": list(rec.units),
+                "elastic": a.is_elastic(),
+            }
+
+        waiting = [row(r) for r in self.queue.values()]
+        waiting += [row(r) for r in self.actions.values() if r.state == "waiting_env"]
+        running = [row(r) for r in self.actions.values() if r.state == "running"]
+        return {"waiting": waiting, "running": running}
+
+    def story(self, action_id: str, origin: float) -> dict[str, Any]:
+        """Every transition of one action, times relative to ``origin``."""
+        log = self.stories.get(action_id)
+        if log is None:
+            raise NotFound(f"no story for action {action_id!r} (unknown or too old)")
+        rec = self.actions.get(ActionId(action_id))
+        outcome = self.recent.get(ActionId(action_id))
+        return {
+            "action_id": action_id,
+            "state": rec.state if rec else ("done" if outcome else "forgotten"),
+            "outcome": rec.outcome if rec else outcome,
+            "events": [
+                {
+                    "t": t - origin,
+                    "event": "finished" if new == "done" else new,
+                    "from": old,
+                    "detail": why,
+                    "cause": cause,
+                }
+                for t, old, new, why, cause in log
+            ],
+        }
+
+    def env_rows(self, now: float) -> list[dict[str, Any]]:
+        return self.envs.rows(now)
+
+    def api_rows(self) -> list[dict[str, Any]]:
+        waiting: dict[str, int] = {}
+        for rec in self.queue.values():
+            if rec.action.kind == "api":
+                waiting[rec.action.api or ""] = waiting.get(rec.action.api or "", 0) + 1
+        return [
+            {
+                "name": name,
+                "concurrency": pool.concurrency,
+                "quota": pool.quota,
+                "period_s": pool.period_s,
+                "overflow": pool.overflow,
+                "in_use": pool.in_use,
+                "free": pool.free_units(),
+                "waiting": waiting.get(name, 0),
+            }
+            for name, pool in sorted(self.apis.items())
+        ]
+
+    def node_rows(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": p.node_id,
+                "cores": p.capacity,
+                "free_cores": p.free_units(),
+                "numa": [list(c) for c in p.numa],
+                "mem_bytes": p.mem_total,
+                "mem_reserved": p.mem_reserved,
+                "busy_cores": [c for cores in p.numa for c in cores if p.holder(c) is not None],
+                "gpus": 0,
+            }
+            for p in self.cpu.nodes
+        ]
+
+    def profile(self, name: str) -> dict[str, Any]:
+        prof = self.profiles.get(name)
+        if prof is None:
+            raise NotFound(f"profile {name!r} not found")
+        return {"name": name, **prof}
+
+    def profile_rows(self) -> list[dict[str, Any]]:
+        return [{"name": n, **p} for n, p in sorted(self.profiles.items())]
+
+    def total_cores(self) -> int:
+        return sum(p.capacity for p in self.cpu.nodes)
+
+    def env_ids(self) -> list[str]:
+        return [env.id for env in self.envs]
+
+    # ------------------------------------------------------------------ invariants
     def validate(self) -> None:
-        """Invariants every test checks at teardown."""
+        """Invariants every test checks after each event."""
         for node in self.cpu.nodes:
             node.validate()
         holders: dict[int, ActionId] = {}
@@ -515,8 +743,13 @@ class Core(EnvBook):
                     )
                     holders[core] = rec.action.id
             assert rec.state != "done", f"ended action {rec.action.id} still live"
+            if rec.env is not None:
+                assert self.envs.get(rec.env) is not None, f"{rec.action.id}: env gone"
         for aid in self.queue:
             assert self.actions[aid].state == "queued"
+        for env in self.envs:
+            for aid in env.pending:
+                assert self.actions[aid].state == "waiting_env", f"{aid} pending on {env.id}"
         for pool in self.apis.values():
             assert pool.free_units() >= 0
 
@@ -525,12 +758,12 @@ def _recent_summary(finished: deque[tuple[str, float, float]]) -> dict[str, dict
     """Mean queue / exec / ACT seconds per action kind over the recent finished actions."""
     acc: dict[str, list[float]] = {}
     for kind, queue_s, exec_s in finished:
-        row = acc.setdefault(kind, [0.0, 0.0, 0.0])
+        row = acc.setdefault(kind, [0, 0.0, 0.0])
         row[0] += 1
         row[1] += queue_s
         row[2] += exec_s
     return {
-        kind: {"count": n, "queue_s": q / n, "exec_s": x / n, "act_s": (q + x) / n}
+        kind: {"count": int(n), "queue_s": q / n, "exec_s": x / n, "act_s": (q + x) / n}
         for kind, (n, q, x) in acc.items()
     }
 
@@ -555,49 +788,18 @@ def _short(cmd: str | Sequence[str], limit: int = 80) -> str:
 
 # ---------------------------------------------------------------------- event dispatch
 
-
-def _on_conn_closed(core: Core, e: ev.ConnClosed, now: float, out: list[ev.Command]) -> None:
-    # Waiting work of a dead client is dropped; its leases return at once (never leaked).
-    for rec in list(core.actions.values()):
-        if rec.conn != e.conn or rec.state == "done":
-            continue
-        rec.token = None
-        if rec.action.kind == "api":
-            lease = core.leases.get(rec.action.id)
-            if lease is not None and lease.state == "granted":
-                core._end_lease(lease, now, out, "released")
-            elif rec.state == "queued":
-                if lease is not None:
-                    transition(lease, "failed", LEASE_EDGES, now, "client disconnected")
-                core._finish_action(rec, now, out, outcome="rejected", detail="client gone")
-        elif rec.state in ("queued", "waiting_env"):
-            core._finish_action(rec, now, out, outcome="rejected", detail="client gone")
-    for env in list(core.envs.values()):
-        if env.throwaway and env.conn == e.conn and env.active == 0:
-            core._close_env(env, now, out, "client gone")
-
-
-def _on_shutdown(core: Core, e: ev.Shutdown, now: float, out: list[ev.Command]) -> None:
-    core.shutting_down = True
-    for rec in list(core.queue.values()) + [
-        r for r in core.actions.values() if r.state == "waiting_env"
-    ]:
-        core._finish_action(rec, now, out, outcome="rejected", detail="daemon shutting down")
-    for lease in list(core.leases.values()):
-        if lease.state == "granted":
-            core._end_lease(lease, now, out, "released")
-
-
-_HANDLERS: dict[type, Any] = {
-    ev.SubmitExec: lambda c, e, now, out: c._submit_exec(e, now, out),
-    ev.OpenEnv: on_open,
-    ev.CloseEnv: on_close,
-    ev.EnvCreated: on_env_created,
-    ev.EnvRemoved: on_env_removed,
-    ev.ExecFinished: lambda c, e, now, out: c._exec_done(e, now, out),
-    ev.AcquireLease: lambda c, e, now, out: c._acquire(e, now, out),
-    ev.ReleaseLease: lambda c, e, now, out: c._release(e, now, out),
-    ev.ConnClosed: _on_conn_closed,
+_HANDLERS: dict[type, Callable[[Core, Any, float, list[ev.Command]], None]] = {
+    ev.SubmitExec: Core._submit_exec,
+    ev.OpenEnv: Core._open,
+    ev.CloseEnv: Core._close,
+    ev.EnvCreated: Core._env_created,
+    ev.EnvRemoved: Core._env_removed,
+    ev.ExecFinished: Core._exec_done,
+    ev.AcquireLease: Core._acquire,
+    ev.ReleaseLease: Core._release,
+    ev.SaveProfile: Core._save_profile,
+    ev.ProfilesLoaded: Core._profiles_loaded,
+    ev.ConnClosed: Core._conn_closed,
     ev.Tick: lambda c, e, now, out: c._tick(now, out),
-    ev.Shutdown: _on_shutdown,
+    ev.Shutdown: Core._shutdown,
 }

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tangram.model import Action, ActionId, EnvId, TrajectoryId
+from tangram.protocol.results import ExecSpec
 
 ACTION_EDGES: dict[tuple[str, str], str] = {
     ("new", "queued"): "submitted with a ready environment",
@@ -52,28 +53,43 @@ class _HasState(Protocol):
 
 
 def transition(
-    entity: Any, new: str, edges: dict[tuple[str, str], str], now: float, why: str
+    entity: Any,
+    new: str,
+    edges: dict[tuple[str, str], str],
+    now: float,
+    why: str,
+    cause: int = 0,
 ) -> None:
+    """Move ``entity`` along one edge of ``edges`` and log it in the entity's history."""
     old = entity.state
-    log = getattr(entity, "history", None)
+    log = entity.history
     if (old, new) not in edges:
-        recent = list(log) if log is not None else []
         raise IllegalTransition(
-            f"{type(entity).__name__} {old} -> {new} ({why}); history: {recent}"
+            f"{type(entity).__name__} {old} -> {new} ({why}); history: {list(log)[-16:]}"
         )
     entity.state = new
-    if log is not None:
+    if isinstance(entity, ActionRec):
+        if len(log) < STORY_ENTRIES:
+            log.append((now, old, new, why, cause))
+    else:
         log.append((now, old, new, why))
+
+
+StoryLog = list[tuple[float, str, str, str, int]]  # (t, old, new, why, cause) per entry
+STORY_ENTRIES = 64  # per action; an action has about eight
 
 
 @dataclass
 class ActionRec:
+    """A live action. ``history`` is its story: every transition, kept after it ends."""
+
     action: Action
     token: int | None
     env: EnvId | None
     conn: int | None
     submitted_at: float
-    request: dict[str, Any] = field(default_factory=dict)
+    history: StoryLog
+    spec: ExecSpec | None = None  # exec actions: the request as submitted
     state: str = "new"
     pool_id: str = ""
     units: tuple[int, ...] = ()
@@ -81,7 +97,6 @@ class ActionRec:
     expected_s: float = 0.0
     finished_at: float | None = None
     outcome: str | None = None
-    history: deque[tuple[float, str, str, str]] = field(default_factory=lambda: deque(maxlen=16))
 
 
 @dataclass
@@ -103,21 +118,29 @@ class EnvRec:
     history: deque[tuple[float, str, str, str]] = field(default_factory=lambda: deque(maxlen=16))
 
 
-class Story:
-    """Bounded log of what happened to each action (``tangramctl story``)."""
+class Stories:
+    """The stories of the last ``limit`` actions (``tangramctl story``), oldest dropped.
+
+    A story is the action's own transition log (``ActionRec.history``): the record and the
+    story share one list, so there is one log, and it outlives the record.
+    """
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
-        self._events: OrderedDict[str, list[tuple[float, str, str]]] = OrderedDict()
+        self._logs: OrderedDict[str, StoryLog] = OrderedDict()
 
-    def add(self, action_id: str, now: float, event: str, detail: str = "") -> None:
-        log = self._events.get(action_id)
-        if log is None:
-            log = self._events[action_id] = []
-            if len(self._events) > self._limit:
-                self._events.popitem(last=False)
-        if len(log) < 64:
-            log.append((now, event, detail))
+    def open(self, action_id: str) -> StoryLog:
+        log: StoryLog = []
+        self._logs[action_id] = log
+        if len(self._logs) > self._limit:
+            self._logs.popitem(last=False)
+        return log
 
-    def get(self, action_id: str) -> list[tuple[float, str, str]] | None:
-        return self._events.get(action_id)
+    def get(self, action_id: str) -> StoryLog | None:
+        return self._logs.get(action_id)
+
+
+def note(rec: ActionRec, now: float, what: str, detail: str, cause: int) -> None:
+    """Write a story entry that is not a state change (submission, placement)."""
+    if len(rec.history) < STORY_ENTRIES:
+        rec.history.append((now, rec.state, what, detail, cause))

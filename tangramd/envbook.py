@@ -1,81 +1,144 @@
-"""Node-side bookkeeping of the daemon core: environments and their life cycle.
+"""The environment book: a node's environments, their memory and their wait queue.
 
 An environment is a trajectory's long-lived state on one node (a working directory or a
-container). It holds memory for its whole life and no cores between actions. These are the
-``Core`` methods and event handlers that open, create, recreate and remove environments;
-they change state only through the core's single entry point (``Core.handle``) and emit
-``CreateEnv``/``RemoveEnv`` commands for the executor.
+container). It holds memory for its whole life and no cores between actions. The book
+owns every ``EnvRec`` and the FIFO of environments waiting for memory; it emits the
+node-side commands (``CreateEnv``, ``RemoveEnv``) and answers the core with typed results
+(:class:`Ready`, :class:`Failed`, :class:`Gone`), so the core acts on actions and clients
+while the book never touches either. This is the node side of the node/coordinator split:
+the core's queues and scheduler are the coordinator side.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
-from tangram.model import EnvId, TrajectoryId, Unschedulable
-from tangram.protocol.errors import NotFound, ShuttingDown
+from tangram.model import ActionId, EnvId, TrajectoryId, Unschedulable
+from tangram.pools.cpu import CpuCluster, NeverFits, NoRoomYet, Placed
 from tangramd import events as ev
 from tangramd.entities import ENV_EDGES, EnvRec, transition
 
-if TYPE_CHECKING:
-    from tangram.pools.cpu import CpuCluster
-    from tangramd.core import CoreConfig
-    from tangramd.entities import ActionRec
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The backend created ``env``: its ``pending`` actions may be queued."""
+
+    env: EnvRec
+    pending: tuple[ActionId, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Creating ``env`` failed with ``error``; its ``pending`` actions cannot run."""
+
+    env: EnvRec
+    pending: tuple[ActionId, ...]
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Gone:
+    """The backend removed ``env``; the book forgot it."""
+
+    env: EnvRec
+
+
+@dataclass(frozen=True, slots=True)
+class EnvDefaults:
+    mem: int = 1 << 30
+    image: str | None = None
+    idle_ttl_s: float = 1800.0
 
 
 class EnvBook:
-    """Environment methods of ``Core`` (a mixin: the state lives on the core)."""
+    """Environments of the nodes of one ``CpuCluster`` (see the module doc)."""
 
-    cfg: CoreConfig
-    cpu: CpuCluster
-    envs: dict[EnvId, EnvRec]
-    env_waitq: deque[EnvId]
-    actions: dict[Any, ActionRec]
-    shutting_down: bool
+    def __init__(self, cpu: CpuCluster, defaults: EnvDefaults) -> None:
+        self.cpu = cpu
+        self.defaults = defaults
+        self._envs: dict[EnvId, EnvRec] = {}
+        self._waitq: deque[EnvId] = deque()  # waiting for memory, FIFO
+        self._ids = itertools.count(1)
 
-    if TYPE_CHECKING:  # provided by Core
+    # ------------------------------------------------------------------ reads
+    def get(self, env_id: str) -> EnvRec | None:
+        return self._envs.get(EnvId(env_id))
 
-        def _new_id(self, prefix: str) -> str: ...
+    def open_env(self, env_id: str) -> EnvRec | None:
+        """The environment if it exists and is not being closed."""
+        env = self._envs.get(EnvId(env_id))
+        return None if env is None or env.state in ("closing", "closed") else env
 
-        def _finish_action(
-            self,
-            rec: ActionRec,
-            now: float,
-            out: list[ev.Command],
-            *,
-            outcome: str,
-            result: Mapping[str, Any] | None = None,
-            detail: str = "",
-            error: tuple[str, str] | None = None,
-        ) -> None: ...
+    def __iter__(self) -> Iterator[EnvRec]:
+        return iter(list(self._envs.values()))
 
-    def _open_env(
+    def __len__(self) -> int:
+        return len(self._envs)
+
+    def live_count(self) -> int:
+        return sum(1 for env in self._envs.values() if env.state != "closed")
+
+    def idle_deadlines(self) -> Iterator[float]:
+        """When each idle ready environment reaches its idle TTL."""
+        for env in self._envs.values():
+            if env.state == "ready" and not env.active:
+                yield env.last_used + self.defaults.idle_ttl_s
+
+    def affinity(self) -> dict[TrajectoryId, str]:
+        """Pool of each trajectory whose environment is placed."""
+        return {env.trajectory: f"cpu:{env.node}" for env in self._envs.values() if env.node}
+
+    def rows(self, now: float) -> list[dict[str, Any]]:
+        """The ``env.list`` view: persistent environments."""
+        return [
+            {
+                "id": e.id,
+                "node": e.node,
+                "image": e.image,
+                "mem": e.mem,
+                "state": e.state,
+                "trajectory": e.trajectory,
+                "age_s": now - e.created_at,
+                "idle_s": now - e.last_used,
+                "active": e.active,
+            }
+            for e in self._envs.values()
+            if not e.throwaway
+        ]
+
+    # ------------------------------------------------------------------ changes
+    def open(
         self,
         now: float,
         out: list[ev.Command],
+        cause: int,
         *,
         image: str | None,
         mem: int | None,
         trajectory: str | None,
         throwaway: bool,
         token: int | None,
-        cause: int,
-        conn: int | None = None,
+        conn: int | None,
     ) -> EnvRec:
-        if self.shutting_down:
-            raise ShuttingDown("daemon is shutting down")
-        env_id = EnvId(self._new_id("e"))
+        """A new environment: created at once where memory is free, else waiting for it.
+
+        Raises ``Unschedulable`` when no node could ever hold it.
+        """
+        env_id = EnvId(f"e{next(self._ids):x}")
         traj = TrajectoryId(trajectory or f"traj-{env_id}")
-        mem_bytes = self.cfg.default_env_mem if mem is None else mem
+        mem_bytes = self.defaults.mem if mem is None else mem
         placed = self.cpu.place_trajectory(traj, env_id, 0, mem_bytes)
-        if not isinstance(placed, str) and placed.reason == "never":
-            raise Unschedulable(f"cannot place environment: {placed.describe()}")
+        if isinstance(placed, NeverFits):
+            raise Unschedulable(f"cannot place environment: {placed.shortfall.describe()}")
         env = EnvRec(
             id=env_id,
             trajectory=traj,
-            node=placed if isinstance(placed, str) else "",
-            image=image or self.cfg.default_image,
+            node=placed.node if isinstance(placed, Placed) else "",
+            image=image or self.defaults.image,
             mem=mem_bytes,
             created_at=now,
             last_used=now,
@@ -83,101 +146,83 @@ class EnvBook:
             open_token=token,
             conn=conn,
         )
-        if not isinstance(placed, str):  # no memory free now: wait in FIFO order
+        self._envs[env_id] = env
+        if isinstance(placed, NoRoomYet):
             env.state = "waiting_mem"
-            self.env_waitq.append(env_id)
-            self.envs[env_id] = env
-            return env
-        self.envs[env_id] = env
-        out.append(ev.CreateEnv(env_id, env.node, env.image, mem_bytes, cause=cause))
+            self._waitq.append(env_id)
+        else:
+            out.append(self._create(env, cause))
         return env
 
-    def _retry_waiting_envs(self, now: float, out: list[ev.Command]) -> None:
+    def recreate(self, env: EnvRec, now: float, out: list[ev.Command], cause: int) -> None:
+        """A lost environment is created afresh for its next action."""
+        transition(env, "creating", ENV_EDGES, now, "next action recreates a lost env")
+        out.append(self._create(env, cause))
+
+    def created(self, env_id: str, error: str | None, now: float) -> Ready | Failed | None:
+        """The backend's answer to ``CreateEnv``; None if nobody waits for it any more."""
+        env = self._envs.get(EnvId(env_id))
+        if env is None or env.state != "creating":
+            return None
+        pending = tuple(env.pending)
+        env.pending.clear()
+        if error is None:
+            transition(env, "ready", ENV_EDGES, now, "backend created it")
+            return Ready(env, pending)
+        return Failed(env, pending, error)
+
+    def lose(self, env: EnvRec, now: float, why: str) -> None:
+        """An exec found the environment gone behind our back."""
+        if env.state == "ready":
+            transition(env, "lost", ENV_EDGES, now, why)
+
+    def close(
+        self, env: EnvRec, now: float, out: list[ev.Command], why: str, cause: int
+    ) -> tuple[ActionId, ...]:
+        """Start removing ``env``; returns the actions that were waiting for it."""
+        if env.state in ("closing", "closed"):
+            return ()
+        transition(env, "closing", ENV_EDGES, now, why, cause)
+        pending = tuple(env.pending)
+        env.pending.clear()
+        out.append(ev.RemoveEnv(env_id=env.id, node=env.node, cause=cause))
+        return pending
+
+    def removed(self, env_id: str, now: float, out: list[ev.Command], cause: int) -> Gone | None:
+        """The backend removed the environment: forget it, give its memory to waiters."""
+        env = self._envs.pop(EnvId(env_id), None)
+        if env is None:
+            return None
+        if env.state == "closing":
+            transition(env, "closed", ENV_EDGES, now, "backend removed it", cause)
+        self.cpu.forget_trajectory(env.trajectory)
+        self._place_waiting(now, out, cause)
+        return Gone(env)
+
+    def idle_expired(self, now: float) -> list[EnvRec]:
+        """Ready environments idle for longer than the idle TTL."""
+        ttl = self.defaults.idle_ttl_s
+        return [
+            env
+            for env in self._envs.values()
+            if env.state == "ready" and not env.active and now - env.last_used >= ttl
+        ]
+
+    # ------------------------------------------------------------------ helpers
+    def _create(self, env: EnvRec, cause: int) -> ev.CreateEnv:
+        return ev.CreateEnv(env_id=env.id, node=env.node, image=env.image, mem=env.mem, cause=cause)
+
+    def _place_waiting(self, now: float, out: list[ev.Command], cause: int) -> None:
         """Memory was freed: place waiting environments in FIFO order."""
-        while self.env_waitq:
-            env = self.envs.get(self.env_waitq[0])
+        while self._waitq:
+            env = self._envs.get(self._waitq[0])
             if env is None or env.state != "waiting_mem":
-                self.env_waitq.popleft()
+                self._waitq.popleft()
                 continue
             placed = self.cpu.place_trajectory(env.trajectory, env.id, 0, env.mem)
-            if not isinstance(placed, str):
+            if not isinstance(placed, Placed):
                 return
-            self.env_waitq.popleft()
-            env.node = placed
-            transition(env, "creating", ENV_EDGES, now, "memory became free")
-            out.append(ev.CreateEnv(env.id, env.node, env.image, env.mem, cause=0))
-
-    def _close_env(self, env: EnvRec, now: float, out: list[ev.Command], why: str) -> None:
-        if env.state in ("closing", "closed"):
-            return
-        transition(env, "closing", ENV_EDGES, now, why)
-        for aid in list(env.pending):
-            self._finish_action(self.actions[aid], now, out, outcome="rejected", detail=why)
-        env.pending.clear()
-        out.append(ev.RemoveEnv(env.id, env.node, cause=0))
-
-
-# ---------------------------------------------------------------------- event handlers
-
-
-def on_open(core: Any, e: ev.OpenEnv, now: float, out: list[ev.Command]) -> None:
-    core._open_env(
-        now,
-        out,
-        image=e.image,
-        mem=e.mem,
-        trajectory=e.trajectory,
-        throwaway=False,
-        token=e.token,
-        cause=e.cause,
-        conn=e.conn,
-    )
-
-
-def on_close(core: Any, e: ev.CloseEnv, now: float, out: list[ev.Command]) -> None:
-    env = core.envs.get(EnvId(e.env_id))
-    if env is None or env.state in ("closing", "closed"):
-        raise NotFound(f"environment {e.env_id!r} not found")
-    env.close_token = e.token
-    core._close_env(env, now, out, "closed by client")
-
-
-def on_env_created(core: Any, e: ev.EnvCreated, now: float, out: list[ev.Command]) -> None:
-    env = core.envs.get(EnvId(e.env_id))
-    if env is None or env.state != "creating":
-        return
-    if e.error is None:
-        transition(env, "ready", ENV_EDGES, now, "backend created it")
-        if env.open_token is not None:
-            out.append(ev.Reply(env.open_token, result={"id": env.id, "node": env.node}, cause=0))
-            env.open_token = None
-        for aid in env.pending:
-            core._enqueue(core.actions[aid], now)
-        env.pending.clear()
-        return
-    if env.open_token is not None:
-        out.append(ev.Reply(env.open_token, error=("infra_error", e.error), cause=0))
-        env.open_token = None
-    for aid in list(env.pending):
-        core._finish_action(
-            core.actions[aid],
-            now,
-            out,
-            outcome="infra_error",
-            detail=f"environment creation failed: {e.error}",
-        )
-    env.pending.clear()
-    core._close_env(env, now, out, f"creation failed: {e.error}")
-
-
-def on_env_removed(core: Any, e: ev.EnvRemoved, now: float, out: list[ev.Command]) -> None:
-    env = core.envs.get(EnvId(e.env_id))
-    if env is None:
-        return
-    if env.state == "closing":
-        transition(env, "closed", ENV_EDGES, now, "backend removed it")
-    core.cpu.forget_trajectory(env.trajectory)
-    del core.envs[env.id]
-    if env.close_token is not None:
-        out.append(ev.Reply(env.close_token, result={"closed": True}, cause=0))
-    core._retry_waiting_envs(now, out)
+            self._waitq.popleft()
+            env.node = placed.node
+            transition(env, "creating", ENV_EDGES, now, "memory became free", cause)
+            out.append(self._create(env, cause))

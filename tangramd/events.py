@@ -1,7 +1,9 @@
 """Events fed to ``Core.handle`` and the commands it returns (small frozen values).
 
-``token`` identifies a pending client request (the executor maps it to a reply future);
-``cause`` links a command to the event that caused it, for logs and stories.
+``token`` identifies a pending client request (the executor maps it to a reply future).
+Every command carries ``cause``: the stimulus id the core gave the event that produced it
+(one id per ``handle`` call, also written into the stories), so a log line of the executor
+can be traced back to the event that caused it.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tangram.protocol.results import ExecResult, ExecSpec
+
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    cause: int = 0
+    pass
 
 
 # ---------------------------------------------------------------------------- events
@@ -21,20 +25,8 @@ class Event:
 
 @dataclass(frozen=True, slots=True)
 class SubmitExec(Event):
+    spec: ExecSpec
     token: int | None = None
-    cmd: list[str] | str = ""
-    env: str | None = None
-    image: str | None = None
-    cpus: Any = None
-    mem: int | None = None
-    timeout_s: float | None = None
-    profile: str | None = None
-    elastic: bool | None = None
-    trajectory: str | None = None
-    task: str | None = None
-    t1_s: float | None = None
-    eff: Mapping[Any, float] | None = None
-    env_vars: Mapping[str, str] | None = None
     conn: int | None = None
 
 
@@ -66,8 +58,8 @@ class EnvRemoved(Event):
 
 @dataclass(frozen=True, slots=True)
 class ExecFinished(Event):
-    action_id: str = ""
-    result: Mapping[str, Any] = field(default_factory=dict)
+    action_id: str
+    result: ExecResult
     env_lost: bool = False  # the backend no longer has the environment
 
 
@@ -88,6 +80,22 @@ class ReleaseLease(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class SaveProfile(Event):
+    """A measured elasticity profile from ``profile.save`` (validated by the op table)."""
+
+    name: str
+    profile: Mapping[str, Any]
+    token: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilesLoaded(Event):
+    """The profiles the state dir kept from an earlier run (fed once at start-up)."""
+
+    profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class ConnClosed(Event):
     conn: int = 0
 
@@ -105,50 +113,30 @@ class Shutdown(Event):
 # ---------------------------------------------------------------------------- commands
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Command:
     cause: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Reply(Command):
-    token: int = 0
+    token: int
     result: Any = None
     error: tuple[str, str] | None = None
 
-    def __init__(
-        self, token: int, result: Any = None, error: tuple[str, str] | None = None, cause: int = 0
-    ) -> None:
-        object.__setattr__(self, "token", token)
-        object.__setattr__(self, "result", result)
-        object.__setattr__(self, "error", error)
-        object.__setattr__(self, "cause", cause)
 
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CreateEnv(Command):
-    env_id: str = ""
-    node: str = ""
-    image: str | None = None
-    mem: int = 0
-
-    def __init__(self, env_id: str, node: str, image: str | None, mem: int, cause: int = 0) -> None:
-        object.__setattr__(self, "env_id", env_id)
-        object.__setattr__(self, "node", node)
-        object.__setattr__(self, "image", image)
-        object.__setattr__(self, "mem", mem)
-        object.__setattr__(self, "cause", cause)
+    env_id: str
+    node: str
+    image: str | None
+    mem: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RemoveEnv(Command):
-    env_id: str = ""
-    node: str = ""
-
-    def __init__(self, env_id: str, node: str, cause: int = 0) -> None:
-        object.__setattr__(self, "env_id", env_id)
-        object.__setattr__(self, "node", node)
-        object.__setattr__(self, "cause", cause)
+    env_id: str
+    node: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,8 +145,12 @@ class RunExec(Command):
     env_id: str
     node: str
     cores: tuple[int, ...]
-    cmd: list[str] | str
-    timeout_s: float | None
-    elastic: bool
-    env_vars: dict[str, str]
+    spec: ExecSpec
     max_output: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PersistProfiles(Command):
+    """Write every profile to the state dir (after a change, before the reply counts)."""
+
+    profiles: Mapping[str, Mapping[str, Any]]

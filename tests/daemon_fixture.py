@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from tangramd.spawn import SpawnedDaemon, spawn_daemon
+from tangram.testing import SpawnedDaemon, spawn_daemon
 
 TEST_CONFIG = """
 [sched]

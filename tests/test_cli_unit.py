@@ -156,10 +156,9 @@ def test_status_json_is_the_daemon_answer(daemon: FakeDaemon) -> None:
         (["nodes"], "nodes", "nodes", [{"id": "local", "cores": 2, "free_cores": 1}]),
         (["env", "list"], "env.list", "envs", [{"id": "e1", "mem": 1 << 30}]),
         (["api", "list"], "api.list", "apis", [{"name": "search", "quota": 10}]),
-        (["service", "list"], "service.list", "services", [{"name": "judge"}]),
         (["profiles", "list"], "profile.list", "profiles", [{"name": "p", "t1_s": 3.0}]),
     ],
-    ids=["nodes", "env-list", "api-list", "service-list", "profiles-list"],
+    ids=["nodes", "env-list", "api-list", "profiles-list"],
 )
 def test_list_commands_json(
     daemon: FakeDaemon, argv: list[str], op: str, key: str, rows: list[dict[str, Any]]
@@ -341,29 +340,11 @@ def test_story_renders_events(daemon: FakeDaemon) -> None:
     assert out.index("submitted") < out.index("finished")
 
 
-def test_service_register_passes_config(daemon: FakeDaemon) -> None:
-    """service register sends name, mem in bytes and the runtime config."""
-    daemon.handlers["service.register"] = lambda args: {}
-    argv = ["service", "register", "judge", "--mem", "40GiB", "--runtime", "torch"]
-    argv += ["--entry", "m:f", "--dop", "1,2,4", "--set", "warmup=yes"]
-    assert run(daemon.path, *argv).exit_code == 0
-    assert daemon.ops("service.register") == [
-        {
-            "name": "judge",
-            "mem": 40 << 30,
-            "runtime": "torch",
-            "entry": "m:f",
-            "dop": [1, 2, 4],
-            "warmup": "yes",
-        }
-    ]
-
-
 def test_help_lists_the_commands() -> None:
     """The CLI loads and lists its commands (optional ones may be absent)."""
     result = CliRunner().invoke(cli, ["--help"])
     assert result.exit_code == 0
-    for name in ("status", "nodes", "queue", "story", "exec", "env", "api", "service", "profile"):
+    for name in ("status", "nodes", "queue", "story", "exec", "env", "api", "profile"):
         assert f"  {name} " in result.stdout
 
 

@@ -6,11 +6,29 @@ import pytest
 
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster, CpuNodePool
+from tangram.protocol.results import ExecResult, ExecSpec
 from tangramd import events as ev
 from tangramd.core import Core, CoreConfig
 from tangramd.entities import ENV_EDGES, IllegalTransition, transition
 
 GIB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def validate_after_every_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every core test checks the core's invariants after each event it feeds."""
+    handle = Core.handle
+
+    def checked(self: Core, event: ev.Event, now: float) -> list[ev.Command]:
+        out = handle(self, event, now)
+        self.validate()
+        return out
+
+    monkeypatch.setattr(Core, "handle", checked)
+
+
+def submit(token: int, cmd: str, env: str | None = None, **spec) -> ev.SubmitExec:
+    return ev.SubmitExec(spec=ExecSpec(cmd=cmd, env=env, **spec), token=token)
 
 
 def make_core(cores: int = 2, **cfg) -> Core:
@@ -36,14 +54,12 @@ def test_exec_lifecycle_commands():
     """Submit → (coalesced) pass → RunExec on one core → finish → reply with timings."""
     core = make_core()
     env = ready_env(core)
-    assert core.handle(ev.SubmitExec(token=7, cmd="true", env=env), 1.0) == []
+    assert core.handle(submit(7, "true", env), 1.0) == []
     assert core.next_wakeup(1.0) == pytest.approx(1.001)
     (run,) = tick(core, 1.001)
     assert isinstance(run, ev.RunExec) and run.cores == (0,) and run.env_id == env
     (reply,) = core.handle(
-        ev.ExecFinished(
-            action_id=run.action_id, result={"outcome": "ok", "exit_code": 0, "exec_s": 0.5}
-        ),
+        ev.ExecFinished(action_id=run.action_id, result=ExecResult("ok", exit_code=0, exec_s=0.5)),
         1.6,
     )
     assert reply.token == 7
@@ -59,7 +75,7 @@ def test_burst_is_scheduled_in_one_pass():
     core = make_core()
     env = ready_env(core)
     for i in range(20):
-        core.handle(ev.SubmitExec(token=100 + i, cmd="true", env=env), 1.0 + i * 1e-5)
+        core.handle(submit(100 + i, "true", env), 1.0 + i * 1e-5)
     runs = tick(core, 1.01)
     assert core.passes == 1
     assert len([c for c in runs if isinstance(c, ev.RunExec)]) == 2  # two cores
@@ -70,18 +86,18 @@ def test_lost_environment_is_recreated_for_the_next_action():
     """infra_error with the env gone marks it lost; the next action recreates it first."""
     core = make_core()
     env = ready_env(core)
-    core.handle(ev.SubmitExec(token=2, cmd="true", env=env), 0.0)
+    core.handle(submit(2, "true", env), 0.0)
     (run,) = tick(core, 0.01)
     (reply,) = core.handle(
         ev.ExecFinished(
             action_id=run.action_id,
             env_lost=True,
-            result={"outcome": "infra_error", "exit_code": None, "detail": "container gone"},
+            result=ExecResult("infra_error", detail="container gone"),
         ),
         0.1,
     )
     assert reply.result["outcome"] == "infra_error"
-    out = core.handle(ev.SubmitExec(token=3, cmd="true", env=env), 0.2)
+    out = core.handle(submit(3, "true", env), 0.2)
     assert [type(c) for c in out] == [ev.CreateEnv]
     core.handle(ev.EnvCreated(env_id=env), 0.3)
     (run2,) = tick(core, 0.31)
@@ -91,10 +107,12 @@ def test_lost_environment_is_recreated_for_the_next_action():
 def test_throwaway_env_closed_after_its_exec():
     """An exec without --env opens a throwaway env and removes it when done."""
     core = make_core()
-    (create,) = core.handle(ev.SubmitExec(token=1, cmd="true"), 0.0)
+    (create,) = core.handle(submit(1, "true"), 0.0)
     core.handle(ev.EnvCreated(env_id=create.env_id), 0.1)
     (run,) = tick(core, 0.2)
-    out = core.handle(ev.ExecFinished(action_id=run.action_id, result={"outcome": "ok"}), 0.3)
+    out = core.handle(
+        ev.ExecFinished(action_id=run.action_id, result=ExecResult("ok", exit_code=0)), 0.3
+    )
     assert [type(c) for c in out] == [ev.Reply, ev.RemoveEnv]
 
 
@@ -115,8 +133,8 @@ def test_shutdown_rejects_waiting_work():
     """Shutdown ends queued actions with the typed outcome `rejected`."""
     core = make_core(cores=1)
     env = ready_env(core)
-    core.handle(ev.SubmitExec(token=1, cmd="sleep 9", env=env), 0.0)
-    core.handle(ev.SubmitExec(token=2, cmd="true", env=env), 0.0)
+    core.handle(submit(1, "sleep 9", env), 0.0)
+    core.handle(submit(2, "true", env), 0.0)
     tick(core, 0.01)
     (reply,) = core.handle(ev.Shutdown(), 0.5)
     assert reply.token == 2 and reply.result["outcome"] == "rejected"
@@ -126,7 +144,7 @@ def test_illegal_transition_raises_with_history():
     """An edge missing from the table raises and shows the entity's recent history."""
     core = make_core()
     env_id = ready_env(core)
-    env = core.envs[env_id]
+    env = core.envs.get(env_id)
     with pytest.raises(IllegalTransition, match=r"ready -> creating .*history.*backend created it"):
         transition(env, "creating", ENV_EDGES, 1.0, "bogus")
 
@@ -154,3 +172,72 @@ def test_environment_waits_for_memory_in_fifo_order():
     assert isinstance(create, ev.CreateEnv)
     (reply,) = core.handle(ev.EnvCreated(env_id=create.env_id), 2.2)
     assert reply.token == 9
+
+
+def test_story_records_every_transition_and_the_placement():
+    """An action's story holds submission, env wait, queue, placement (cores, node), outcome."""
+    core = make_core()
+    (create,) = core.handle(submit(1, "true", cpus=2), 0.0)
+    core.handle(ev.EnvCreated(env_id=create.env_id), 0.1)
+    (run,) = tick(core, 0.2)
+    core.handle(ev.ExecFinished(action_id=run.action_id, result=ExecResult("ok", 0)), 0.5)
+    story = core.story(run.action_id, origin=0.0)
+    steps = [(e["t"], e["event"]) for e in story["events"]]
+    assert steps == [
+        (0.0, "submitted"),
+        (0.0, "waiting_env"),
+        (0.1, "queued"),
+        (0.2, "placed"),
+        (0.2, "running"),
+        (0.5, "finished"),
+    ]
+    placed = story["events"][3]["detail"]
+    assert "units=[0, 1]" in placed and "node=local" in placed
+    assert (story["state"], story["outcome"]) == ("done", "ok")
+
+
+def test_commands_carry_the_stimulus_id_of_their_event():
+    """Each handled event gets a fresh id; its commands and story entries carry it."""
+    core = make_core()
+    (create,) = core.handle(submit(1, "true"), 0.0)
+    (reply,) = core.handle(ev.CloseEnv(token=5, env_id="nope"), 0.0)
+    assert create.cause > 0 and reply.cause == create.cause + 1
+    core.handle(ev.EnvCreated(env_id=create.env_id), 0.1)
+    (run,) = tick(core, 0.2)
+    story = core.story(run.action_id, origin=0.0)["events"]
+    assert story[0]["cause"] == create.cause and story[-1]["cause"] == run.cause
+
+
+def test_profiles_enter_as_events_and_are_saved_by_a_command():
+    """profile.save is an event; the core answers and emits PersistProfiles with all profiles."""
+    core = make_core()
+    core.handle(
+        ev.ProfilesLoaded(
+            profiles={"old": {"dop": {"1": 1.0}, "t1_s": 1.0, "eff": {"1": 1.0}, "elastic": False}}
+        ),
+        0.0,
+    )
+    prof = {"dop": {"1": 2.0, "2": 1.1}, "t1_s": 2.0, "eff": {"1": 1.0, "2": 0.9},
+            "speedup": {"1": 1.0, "2": 1.8}, "elastic": True}  # fmt: skip
+    persist, reply = core.handle(ev.SaveProfile(name="suite", profile=prof, token=3), 1.0)
+    assert isinstance(persist, ev.PersistProfiles) and sorted(persist.profiles) == ["old", "suite"]
+    assert reply.token == 3 and reply.result == {"name": "suite", "saved": True}
+    assert core.profile("suite")["t1_s"] == 2.0
+    assert [p["name"] for p in core.profile_rows()] == ["old", "suite"]
+
+
+def test_shutdown_closes_environments_through_the_core():
+    """Shutdown removes idle environments at once, busy ones when their action ends."""
+    core = make_core()
+    idle, busy = ready_env(core), ready_env(core)
+    core.handle(submit(1, "sleep 9", busy), 0.0)
+    (run,) = tick(core, 0.01)
+    out = core.handle(ev.Shutdown(), 0.5)
+    assert [(type(c), c.env_id) for c in out] == [(ev.RemoveEnv, idle)]
+    result = ExecResult("infra_error", detail="daemon shutting down")
+    reply, remove = core.handle(ev.ExecFinished(action_id=run.action_id, result=result), 0.6)
+    assert reply.result["outcome"] == "infra_error"
+    assert isinstance(remove, ev.RemoveEnv) and remove.env_id == busy
+    for env_id in (idle, busy):
+        core.handle(ev.EnvRemoved(env_id=env_id), 0.7)
+    assert core.env_ids() == []

@@ -170,21 +170,32 @@ def test_dead_client_returns_its_lease(daemon):
     """A client that dies holding a lease loses it at once; others get the capacity."""
     c1 = daemon.client()
     c1.acquire_lease("strict")
-    c1.close()
-    time.sleep(0.2)
     with daemon.client() as c2:
-        lid = c2.acquire_lease("strict", policy="deadline", deadline_s=2)
+        assert {a["name"]: a for a in c2.api_list()}["strict"]["in_use"] == 1
+        c1.close()
+        deadline = time.monotonic() + 5
+        while {a["name"]: a for a in c2.api_list()}["strict"]["in_use"] != 0:
+            assert time.monotonic() < deadline, "the dead client's lease was never returned"
+            time.sleep(0.01)
+        lid = c2.acquire_lease("strict")  # policy reject: succeeds only if the unit is free
         c2.release_lease(lid)
 
 
 def test_story_tells_what_happened(daemon):
-    """`story` lists submission, placement and outcome of an action."""
+    """`story` lists submission, environment, queue, placement (cores, node), run and outcome."""
     with daemon.client() as c:
-        r = c.exec("true")
+        r = c.exec("true", cpus=2)
         story = c.story(r.action_id)
         events = [e["event"] for e in story["events"]]
-        assert events[0] == "submitted" and events[-1] == "finished"
-        assert story["outcome"] == "ok"
+        assert events == ["submitted", "waiting_env", "queued", "placed", "running", "finished"]
+        assert story["outcome"] == "ok" and story["state"] == "done"
+        placed = story["events"][events.index("placed")]
+        assert f"units={list(r.cores)}" in placed["detail"]
+        assert f"node={r.node}" in placed["detail"] and r.node == "local"
+        times = [e["t"] for e in story["events"]]
+        assert times == sorted(times) and times[0] > 0
+        assert all(e["cause"] > 0 for e in story["events"])
+        assert "outcome=" not in events and story["events"][-1]["detail"].startswith("ok")
 
 
 def test_sigterm_ends_inflight_actions_and_exits_zero(tmp_path):

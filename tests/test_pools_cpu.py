@@ -7,7 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tangram.model import Action, ActionId, EnvId, Shortfall, TrajectoryId, make_action
-from tangram.pools.cpu import BUSY, NEVER, CpuCluster, CpuNodePool, pick_cores
+from tangram.pools.cpu import (
+    BUSY,
+    NEVER,
+    CpuCluster,
+    CpuNodePool,
+    NeverFits,
+    NoRoomYet,
+    Placed,
+    pick_cores,
+)
 
 GiB = 1 << 30
 
@@ -206,10 +215,10 @@ def cluster(*mems: int, cores: int = 8) -> CpuCluster:
 def test_placement_balances_memory_load() -> None:
     """A trajectory goes to the node with the lowest memory load, ties by node id."""
     c = cluster(100, 100, 200)
-    assert c.place_trajectory(TrajectoryId("t1"), EnvId("e1"), 1, 50) == "n1"
-    assert c.place_trajectory(TrajectoryId("t2"), EnvId("e2"), 1, 50) == "n2"
-    assert c.place_trajectory(TrajectoryId("t3"), EnvId("e3"), 1, 50) == "n3"  # load 0
-    assert c.place_trajectory(TrajectoryId("t4"), EnvId("e4"), 1, 10) == "n3"  # 0.25 < 0.5
+    assert c.place_trajectory(TrajectoryId("t1"), EnvId("e1"), 1, 50) == Placed("n1")
+    assert c.place_trajectory(TrajectoryId("t2"), EnvId("e2"), 1, 50) == Placed("n2")
+    assert c.place_trajectory(TrajectoryId("t3"), EnvId("e3"), 1, 50) == Placed("n3")  # load 0
+    assert c.place_trajectory(TrajectoryId("t4"), EnvId("e4"), 1, 10) == Placed("n3")  # 0.25 < 0.5
     assert c.pool("n3").mem_reserved == 60
     c.validate()
 
@@ -218,7 +227,7 @@ def test_placement_needs_free_cores_for_the_first_action() -> None:
     """A node whose cores are busy is skipped even when its memory load is lowest."""
     c = cluster(100, 100)
     c.pool("n1").allocate(ActionId("busy"), tuple(range(7)))
-    assert c.place_trajectory(TrajectoryId("t"), EnvId("e"), 2, 10) == "n2"
+    assert c.place_trajectory(TrajectoryId("t"), EnvId("e"), 2, 10) == Placed("n2")
 
 
 def test_affinity_sticks_until_forgotten() -> None:
@@ -226,10 +235,12 @@ def test_affinity_sticks_until_forgotten() -> None:
     c = cluster(100, 100)
     trajectory = TrajectoryId("t")
     assert c.node_of(trajectory) is None
-    node = c.place_trajectory(trajectory, EnvId("e"), 1, 40)
+    placed = c.place_trajectory(trajectory, EnvId("e"), 1, 40)
+    assert isinstance(placed, Placed)
+    node = placed.node
     assert node == "n1" and c.node_of(trajectory) == "n1"
     assert c.env_of(trajectory) == EnvId("e")
-    assert c.place_trajectory(trajectory, EnvId("e"), 1, 40) == "n1"  # idempotent
+    assert c.place_trajectory(trajectory, EnvId("e"), 1, 40) == Placed("n1")  # idempotent
     assert c.pool("n1").mem_reserved == 40
     assert c.forget_trajectory(trajectory) == "n1"
     assert c.node_of(trajectory) is None and c.pool("n1").mem_reserved == 0
@@ -256,8 +267,9 @@ def test_placement_shortfalls(cores: int, mem: int, resource: str, reason: str) 
     for node in c.nodes:
         node.allocate(ActionId(f"hog-{node.node_id}"), (0,))
         assert node.reserve_mem(EnvId(f"env-{node.node_id}"), 30)
-    short = c.place_trajectory(TrajectoryId("t"), EnvId("e"), cores, mem)
-    assert isinstance(short, Shortfall)
+    placed = c.place_trajectory(TrajectoryId("t"), EnvId("e"), cores, mem)
+    assert isinstance(placed, NeverFits if reason == NEVER else NoRoomYet)
+    short = placed.shortfall
     assert (short.resource, short.reason) == (resource, reason)
     assert c.node_of(TrajectoryId("t")) is None
 
@@ -265,8 +277,8 @@ def test_placement_shortfalls(cores: int, mem: int, resource: str, reason: str) 
 def test_never_when_no_single_node_has_both() -> None:
     """Cores on one node and memory on another do not make a fit: 'never'."""
     c = CpuCluster([CpuNodePool("cores", [range(16)], 10), CpuNodePool("mem", [range(2)], 1000)])
-    short = c.place_trajectory(TrajectoryId("t"), EnvId("e"), 8, 500)
-    assert isinstance(short, Shortfall) and short.reason == NEVER
+    placed = c.place_trajectory(TrajectoryId("t"), EnvId("e"), 8, 500)
+    assert isinstance(placed, NeverFits) and placed.shortfall.reason == NEVER
 
 
 def test_duplicate_node_ids_rejected() -> None:
@@ -286,8 +298,8 @@ def test_placement_never_overcommits_memory(mems: list[int], envs: list[int]) ->
     for i, size in enumerate(envs):
         loads = {n.node_id: (n.mem_load, n.node_id) for n in c.nodes if n.mem_free >= size}
         placed = c.place_trajectory(TrajectoryId(f"t{i}"), EnvId(f"e{i}"), 1, size)
-        if isinstance(placed, str):
-            assert loads[placed] == min(loads.values())
+        if isinstance(placed, Placed):
+            assert loads[placed.node] == min(loads.values())
         else:
             assert not loads
         c.validate()

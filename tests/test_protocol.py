@@ -278,7 +278,6 @@ VALID_ARGS: dict[str, dict[str, Any]] = {
         "name": "p", "dop": {"1": 10.0, "2": 5.5}, "t1_s": 10.0, "eff": {"1": 1.0, "2": 0.91},
         "speedup": {"1": 1.0, "2": 1.82}, "elastic": True,
     },
-    "service.register": {"name": "qwen", "mem": 1 << 34, "model": "qwen-7b"},
 }  # fmt: skip
 
 
@@ -321,7 +320,6 @@ def test_valid_args_accepted(op: str) -> None:
         ("env.close", {}, "missing required arg 'id'"),
         ("profile.save", {**VALID_ARGS["profile.save"], "t1_s": math.nan}, "t1_s"),
         ("profile.save", {**VALID_ARGS["profile.save"], "dop": {"0": 1.0}}, "dop"),
-        ("service.register", {"name": "s", "mem": -1}, "mem"),
         ("ping", {"x": 1}, "unknown arg"),
     ],
     ids=lambda value: value if isinstance(value, str) else None,

@@ -162,3 +162,124 @@ def test_forbidden_import_is_found_through_the_package(tmp_path: Path) -> None:
     chain = forbidden_chain(pkg / "a.py", tmp_path)
     assert chain == ["tangram.sched.a", "tangram.sched.b", "tangram.sched.c", "time"]
     assert forbidden_chain(pkg / "__init__.py", tmp_path) is None
+
+
+# --------------------------------------------------------------------------- layer contract
+
+# Lower layers never import higher ones; within one rank only the same group. `tangram`
+# (the package __init__) re-exports the client lazily and is exempt.
+LAYERS: dict[str, int] = {
+    "tangram.version": 0,
+    "tangram.model": 0,
+    "tangram.sched": 1,
+    "tangram.pools": 2,
+    "tangram.protocol": 3,
+    "tangram.client": 4,
+    "tangram.sim": 4,
+    "tangram.testing": 5,
+    "tangramd": 6,
+    "tangramctl": 7,
+}
+LAYERED = ("tangram", "tangramd", "tangramctl")
+
+
+def layer_of(module: str) -> str | None:
+    """The layer group of a module (its longest prefix in LAYERS), None for `tangram` itself."""
+    parts = module.split(".")
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in LAYERS:
+            return prefix
+    return None
+
+
+def all_imports(source: str, module: str, is_package: bool) -> set[str]:
+    """Every project module ``source`` imports, TYPE_CHECKING and function-level included.
+
+    ``from pkg import name`` counts as importing ``pkg.name`` when that is a module, else
+    ``pkg`` (so a package's own ``__init__`` does not look like a cycle with its modules).
+    """
+    tree = ast.parse(source)
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                anchor = parts[: len(parts) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if module_file(sub) is not None else base)
+    return {name for name in found if name.split(".")[0] in LAYERED and module_file(name)}
+
+
+def project_modules() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for top in LAYERED:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            module = module_name(path)
+            graph[module] = all_imports(path.read_text(), module, path.name == "__init__.py")
+    return graph
+
+
+def test_layers_never_import_upward() -> None:
+    """model ← sched ← pools ← protocol ← client, sim ← tangramd ← tangramctl, counting
+    TYPE_CHECKING and function-level imports: no module imports a higher layer."""
+    bad = []
+    for module, targets in project_modules().items():
+        own = layer_of(module)
+        if own is None:
+            continue
+        for target in targets:
+            other = layer_of(target)
+            if other is None or other == own:
+                continue
+            if LAYERS[other] >= LAYERS[own]:
+                bad.append(f"{module} -> {target}")
+    assert not bad, "upward or sideways imports:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles() -> None:
+    """No two project modules import each other, directly or through others."""
+    graph = project_modules()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_layer_walker_counts_type_checking_imports(tmp_path: Path) -> None:
+    """An import under `if TYPE_CHECKING:` is still a dependency for the layer contract."""
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tangramd import core\n"
+    assert "tangramd.core" in all_imports(source, "tangram.sched.x", is_package=False)

@@ -27,7 +27,7 @@ from tangram import (
     ShuttingDown,
     UnknownOp,
 )
-from tangram.client import default_socket_path
+from tangram.client import SYSTEM_SOCKET, default_socket_path
 from tangram.protocol import FrameDecoder, encode, make_request
 from tangramd.transport import ConnInfo, UnixServer
 
@@ -36,6 +36,7 @@ pytestmark = pytest.mark.timeout(30)
 EXEC_RESULT = {
     "action_id": "a1", "outcome": "ok", "exit_code": 0, "stdout": "hi\n", "stderr": "",
     "queue_s": 0.01, "exec_s": 0.5, "act_s": 0.51, "cores": [2, 3], "truncated": False,
+    "detail": "", "node": "local",
 }  # fmt: skip
 
 
@@ -437,16 +438,38 @@ def test_inflight_limit_pauses_reading() -> None:
     run(main)
 
 
-def test_default_socket_path_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TANGRAM_SOCKET wins; without it the XDG runtime dir is used (when /run has none)."""
+def test_default_socket_path_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rule for daemon and clients: TANGRAM_SOCKET; else the system socket as root (or
+    when it exists); else the XDG runtime dir; else /tmp/tangram-UID."""
     monkeypatch.setenv("TANGRAM_SOCKET", "/x/y.sock")
     assert default_socket_path() == "/x/y.sock"
     monkeypatch.delenv("TANGRAM_SOCKET")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert default_socket_path() == "/run/tangram/tangramd.sock"
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
-    if not os.path.exists("/run/tangram/tangramd.sock"):
-        assert default_socket_path() == "/run/user/1000/tangram/tangramd.sock"
-        monkeypatch.delenv("XDG_RUNTIME_DIR")
-        assert default_socket_path() == f"/tmp/tangram-{os.getuid()}/tangramd.sock"
+    real_exists = os.path.exists
+    for system_socket_exists in (True, False):
+        monkeypatch.setattr(
+            os.path,
+            "exists",
+            lambda p, e=system_socket_exists: e if p == SYSTEM_SOCKET else real_exists(p),
+        )
+        want = SYSTEM_SOCKET if system_socket_exists else "/run/user/1000/tangram/tangramd.sock"
+        assert default_socket_path() == want
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert default_socket_path() == "/tmp/tangram-1000/tangramd.sock"
+
+
+def test_daemon_listens_where_clients_look(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's default socket is the clients' default socket (one rule, one place)."""
+    from tangramd.config import default_socket
+
+    monkeypatch.delenv("TANGRAM_SOCKET", raising=False)
+    for euid in (0, 1000):
+        monkeypatch.setattr(os, "geteuid", lambda e=euid: e)
+        assert default_socket() == default_socket_path()
 
 
 def test_bad_request_from_handler() -> None:

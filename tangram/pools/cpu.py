@@ -16,6 +16,7 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tangram.model import Action, ActionId, EnvId, Shortfall, TrajectoryId
 from tangram.sched.operators import BaseOperator
@@ -271,6 +272,30 @@ class CpuNodePool:
 # --------------------------------------------------------------------------- cluster
 
 
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """The trajectory's environment is on ``node`` (its memory reserved there)."""
+
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class NoRoomYet:
+    """No node has room now; one will when others' environments go (``shortfall`` says what)."""
+
+    shortfall: Shortfall
+
+
+@dataclass(frozen=True, slots=True)
+class NeverFits:
+    """No node could hold the environment even when idle."""
+
+    shortfall: Shortfall
+
+
+TrajectoryPlacement = Placed | NoRoomYet | NeverFits
+
+
 class CpuCluster:
     """Trajectory → node affinity over the CPU nodes (design §5.2 'Placement')."""
 
@@ -304,31 +329,31 @@ class CpuCluster:
 
     def place_trajectory(
         self, trajectory: TrajectoryId, env_id: EnvId, min_cores: int, env_mem_bytes: int
-    ) -> str | Shortfall:
+    ) -> TrajectoryPlacement:
         """Pick the trajectory's node for its first action, reserve the environment's memory.
 
         Among nodes with ``min_cores`` free cores and ``env_mem_bytes`` free memory, the one
         with the lowest memory load (reserved / total), ties by node id. An already placed
-        trajectory keeps its node. A ``Shortfall`` with reason ``NEVER`` when no node could
-        hold it even idle, ``BUSY`` when none can right now.
+        trajectory keeps its node. ``NeverFits`` when no node could hold it even idle,
+        ``NoRoomYet`` when none can right now (each with its ``Shortfall``).
         """
         if trajectory in self._placed:
-            return self._placed[trajectory][0]
+            return Placed(self._placed[trajectory][0])
         never = self._never_fits(min_cores, env_mem_bytes)
         if never is not None:
-            return never
+            return NeverFits(never)
         fitting = [
             node
             for node in self._nodes.values()
             if node.free_units() >= min_cores and node.mem_free >= env_mem_bytes
         ]
         if not fitting:
-            return self._busy_shortfall(min_cores, env_mem_bytes)
+            return NoRoomYet(self._busy_shortfall(min_cores, env_mem_bytes))
         best = min(fitting, key=lambda node: (node.mem_load, node.node_id))
         reserved = best.reserve_mem(env_id, env_mem_bytes)
         assert reserved, "memory fit was checked just above"
         self._placed[trajectory] = (best.node_id, env_id)
-        return best.node_id
+        return Placed(best.node_id)
 
     def forget_trajectory(self, trajectory: TrajectoryId) -> str | None:
         """Drop the affinity and return the environment's memory; the node it was on."""

@@ -1,4 +1,5 @@
-"""Sans-IO wire protocol (design §6): frame codec, envelopes, op table, error codes.
+"""Sans-IO wire protocol (design §6): frame codec, envelopes, op table, error codes, the
+exec request/result shapes, and where the daemon's socket is.
 
 Bytes in, messages out: nothing here touches sockets, asyncio or the clock.
 """
@@ -32,7 +33,6 @@ from tangram.protocol.messages import (
 from tangram.protocol.ops import (
     LEASE_POLICIES,
     OPS,
-    OUTCOMES,
     PROTOCOL_VERSION,
     Arg,
     Op,
@@ -40,6 +40,8 @@ from tangram.protocol.ops import (
     render_markdown,
     validate_args,
 )
+from tangram.protocol.paths import SOCKET_ENV, SYSTEM_SOCKET, default_socket_path
+from tangram.protocol.results import OUTCOMES, ExecResult, ExecSpec, Outcome
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
@@ -49,9 +51,13 @@ __all__ = [
     "OPS",
     "OUTCOMES",
     "PROTOCOL_VERSION",
+    "SOCKET_ENV",
+    "SYSTEM_SOCKET",
     "Arg",
     "BadRequest",
     "ConnectionFailed",
+    "ExecResult",
+    "ExecSpec",
     "FrameDecoder",
     "FrameError",
     "InfraError",
@@ -59,6 +65,7 @@ __all__ = [
     "MalformedResponse",
     "NotFound",
     "Op",
+    "Outcome",
     "QuotaExceeded",
     "Request",
     "Response",
@@ -66,6 +73,7 @@ __all__ = [
     "Timeout",
     "UnknownOp",
     "decode_body",
+    "default_socket_path",
     "encode",
     "error_from_wire",
     "error_response",

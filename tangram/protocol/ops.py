@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tangram.protocol.errors import BadRequest, UnknownOp
+from tangram.protocol.results import EXEC_RESULT_FIELDS, OUTCOMES
 
 PROTOCOL_VERSION: Final = "1"
 
@@ -227,7 +228,16 @@ POSITIVE_S = Number(min=0, exclusive=True, unit="seconds")
 SECONDS = Number(min=0, unit="seconds")
 FRACTION = Number(min=0, exclusive=True)
 LEASE_POLICIES: Final = ("wait", "reject", "deadline")
-OUTCOMES: Final = ("ok", "failed", "timeout", "rejected", "infra_error")
+
+
+PROFILE_FIELDS: Final = (
+    "name: str",
+    "dop: map[dop -> seconds]",
+    "t1_s: float",
+    "eff: map[dop -> fraction]",
+    "speedup: map[dop -> fraction]",
+    "elastic: bool",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,19 +252,31 @@ class Arg:
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    """One op: its arguments, what it returns, which error codes it may raise."""
+    """One op: its arguments, the fields of its result map, which error codes it may raise.
+
+    ``result`` items are ``"name"`` or ``"name: type"``; the names are exactly the keys the
+    daemon sends (a test holds the daemon to it).
+    """
 
     name: str
     doc: str
     args: tuple[Arg, ...] = ()
-    result: str = "{}"
+    result: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()
-    extra_args: bool = False  # accept (and pass through) args not listed here
     check: Callable[[Mapping[str, Any]], None] | None = None
     by_name: dict[str, Arg] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_name", {arg.name: arg for arg in self.args})
+
+    @property
+    def result_fields(self) -> tuple[str, ...]:
+        """The keys of the result map."""
+        return tuple(item.split(":", 1)[0].strip() for item in self.result)
+
+    @property
+    def result_doc(self) -> str:
+        return "{" + ", ".join(self.result) + "}"
 
 
 def _check_lease_acquire(args: Mapping[str, Any]) -> None:
@@ -286,22 +308,33 @@ _EXEC_ARGS: Final = (
     Arg("env_vars", MapOf(Str(allow_empty=True)), doc="environment variables of the command"),
 )
 
+_STATUS_FIELDS: Final = (
+    "queued: int",
+    "running: int",
+    "environments: int",
+    "leases: int",
+    "passes: int",
+    "recent: map[kind -> {count, queue_s, exec_s, act_s}]",
+    "pools: map[pool -> {capacity, free}]",
+    "version: str",
+    "uptime_s: float",
+    "backend: str",
+    "socket: str",
+    "nodes: int",
+)
+
 OPS: Final[dict[str, Op]] = {
     op.name: op
     for op in (
-        Op("ping", "liveness check", result='{"pong": true, "version": str}'),
-        Op("status", "daemon summary: role, uptime, capacity, usage, counts", result="map"),
-        Op(
-            "nodes",
-            "nodes with capacity, free resources and heartbeat age",
-            result='{"nodes": [map]}',
-        ),
-        Op("queue", "waiting and running actions", result='{"waiting": [map], "running": [map]}'),
+        Op("ping", "liveness check", result=("pong: true", "version: str")),
+        Op("status", "daemon summary: uptime, capacity, usage, counts", result=_STATUS_FIELDS),
+        Op("nodes", "nodes with capacity and free resources", result=("nodes: [map]",)),
+        Op("queue", "waiting and running actions", result=("waiting: [map]", "running: [map]")),
         Op(
             "story",
-            "what happened to one action (bounded event log)",
+            "what happened to one action: every transition with its time (bounded log)",
             (Arg("action_id", ID, True),),
-            result='{"action_id": str, "events": [map]}',
+            result=("action_id: str", "state: str", "outcome: str|null", "events: [map]"),
             errors=("not_found",),
         ),
         Op(
@@ -312,24 +345,24 @@ OPS: Final[dict[str, Op]] = {
                 Arg("mem", BYTES, doc="memory limit"),
                 Arg("trajectory", ID, doc="trajectory owning the environment"),
             ),
-            result='{"id": str}',
+            result=("id: str", "node: str"),
             errors=("infra_error", "unschedulable"),
         ),
         Op(
             "env.close",
             "close an environment and free its resources",
             (Arg("id", ID, True),),
+            result=("closed: bool",),
             errors=("not_found", "infra_error"),
         ),
-        Op("env.list", "open environments", result='{"envs": [map]}'),
+        Op("env.list", "open environments", result=("envs: [map]",)),
         Op(
             "exec",
-            "run one command as an exec action; the outcome is data, not an error",
+            "run one command as an exec action; the outcome ("
+            + "|".join(OUTCOMES)
+            + ") is data, not an error",
             _EXEC_ARGS,
-            result=(
-                "{action_id, outcome: " + "|".join(OUTCOMES) + ", exit_code: int|null, "
-                "stdout, stderr, queue_s, exec_s, act_s, cores: [int], truncated: bool}"
-            ),
+            result=EXEC_RESULT_FIELDS,
             errors=("not_found", "unschedulable", "infra_error", "shutting_down"),
         ),
         Op(
@@ -343,7 +376,7 @@ OPS: Final[dict[str, Op]] = {
                 ),
                 Arg("deadline_s", SECONDS, doc="give up after this long (policy 'deadline')"),
             ),
-            result='{"lease_id": str, "api": str, "ttl_s": float|null}',
+            result=("lease_id: str", "api: str", "ttl_s: float", "queue_s: float"),
             errors=("not_found", "quota_exceeded", "timeout"),
             check=_check_lease_acquire,
         ),
@@ -351,9 +384,10 @@ OPS: Final[dict[str, Op]] = {
             "lease.release",
             "give a lease back",
             (Arg("lease_id", ID, True),),
+            result=("released: bool",),
             errors=("not_found",),
         ),
-        Op("api.list", "API endpoints with quota and usage", result='{"apis": [map]}'),
+        Op("api.list", "API endpoints with quota and usage", result=("apis: [map]",)),
         Op(
             "profile.save",
             "store a measured elasticity profile",
@@ -365,34 +399,17 @@ OPS: Final[dict[str, Op]] = {
                 Arg("speedup", _dop_map(FRACTION), True, doc="speedup per dop"),
                 Arg("elastic", Bool(), True, doc="worth scheduling elastically"),
             ),
+            result=("name: str", "saved: bool"),
             errors=("bad_request",),
         ),
         Op(
             "profile.get",
             "one stored profile",
             (Arg("name", NAME, True),),
-            result="{name, dop, t1_s, eff, speedup, elastic}",
+            result=PROFILE_FIELDS,
             errors=("not_found",),
         ),
-        Op("profile.list", "stored profiles", result='{"profiles": [map]}'),
-        Op(
-            "service.register",
-            "register a GPU service (further args are service config)",
-            (Arg("name", NAME, True), Arg("mem", BYTES, True, doc="GPU memory it needs")),
-            extra_args=True,
-            errors=("bad_request",),
-        ),
-        Op(
-            "service.list",
-            "registered services and where they are resident",
-            result='{"services": [map]}',
-        ),
-        Op(
-            "service.remove",
-            "unregister a service",
-            (Arg("name", NAME, True),),
-            errors=("not_found",),
-        ),
+        Op("profile.list", "stored profiles", result=("profiles: [map]",)),
     )
 }
 
@@ -412,11 +429,10 @@ def validate_args(op: str, args: Mapping[str, Any]) -> None:
                 raise BadRequest(f"{op}: missing required arg {arg.name!r} ({arg.type.doc})")
             continue
         arg.type.check(f"{op}: {arg.name}", value)
-    if not spec.extra_args:
-        unknown = [name for name in args if name not in spec.by_name]
-        if unknown:
-            allowed = ", ".join(spec.by_name) or "none"
-            raise BadRequest(f"{op}: unknown arg(s) {sorted(unknown)} (allowed: {allowed})")
+    unknown = [name for name in args if name not in spec.by_name]
+    if unknown:
+        allowed = ", ".join(spec.by_name) or "none"
+        raise BadRequest(f"{op}: unknown arg(s) {sorted(unknown)} (allowed: {allowed})")
     if spec.check is not None:
         try:
             spec.check(args)
@@ -465,11 +481,13 @@ def render_markdown() -> str:
                 lines.append(
                     f"| `{arg.name}` | {typ} | {'yes' if arg.required else 'no'} | {arg.doc} |"
                 )
-            if op.extra_args:
-                lines.append("| … | any | no | further args are passed through |")
         else:
             lines.append("Args: none.")
-        lines += ["", f"Result: `{op.result}`", ""]
+        lines += ["", f"Result: `{op.result_doc}`", ""]
         errors = ", ".join(f"`{code}`" for code in op.errors) or "none beyond the common ones"
         lines += [f"Errors: {errors}.", ""]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render_markdown())

@@ -18,9 +18,9 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-Outcome = Literal["ok", "failed", "timeout", "infra_error"]
+from tangram.protocol.results import ExecResult, ExecSpec, Outcome
 
 DEFAULT_MAX_OUTPUT = 1 << 20  # bytes kept per stream
 TRUNCATION_MARKER = "\n[tangram: output truncated, {dropped} bytes dropped]\n"
@@ -54,6 +54,22 @@ class ExecRequest:
     max_output: int = DEFAULT_MAX_OUTPUT  # bytes kept per stream
     action_id: str = ""
 
+    @classmethod
+    def for_action(
+        cls, spec: ExecSpec, *, env_id: str, cores: tuple[int, ...], max_output: int, action_id: str
+    ) -> ExecRequest:
+        """The backend's view of an exec action's spec, once its cores are allocated."""
+        return cls(
+            env_id=env_id,
+            cmd=spec.cmd,
+            cores=cores,
+            timeout_s=spec.timeout_s,
+            elastic=spec.rewrite_allowed,
+            env_vars=dict(spec.env_vars or {}),
+            max_output=max_output,
+            action_id=action_id,
+        )
+
     def __post_init__(self) -> None:
         if not self.cores:
             raise ValueError("an exec needs at least one core")
@@ -65,20 +81,9 @@ class ExecRequest:
             raise ValueError("max_output must be >= 0")
 
 
-@dataclass(frozen=True, slots=True)
-class ExecResult:
-    """How one exec ended. `exec_s` is the command's own run time (spawn to exit)."""
-
-    outcome: Outcome
-    exit_code: int | None
-    stdout: str
-    stderr: str
-    exec_s: float
-    truncated: bool
-    detail: str = ""
-
-
-def infra_error(detail: str, *, stdout: str = "", stderr: str = "", exec_s: float = 0.0):
+def infra_error(
+    detail: str, *, stdout: str = "", stderr: str = "", exec_s: float = 0.0
+) -> ExecResult:
     """An `ExecResult` for a failure of the environment or engine, not of the command."""
     return ExecResult("infra_error", None, stdout, stderr, exec_s, False, detail)
 

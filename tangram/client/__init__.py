@@ -1,0 +1,27 @@
+"""Clients of the daemon's Unix socket (design §6): ``Client`` (blocking) and ``AsyncClient``.
+
+Both speak the framed msgpack protocol of :mod:`tangram.protocol`, turn error codes back
+into the typed exceptions of :mod:`tangram.protocol.errors`, and share one declaration of
+every op (:mod:`tangram.client.ops`).
+"""
+
+from tangram.client.aio import AsyncClient
+from tangram.client.ops import Cpus, Env, Size
+from tangram.client.sync import Client
+from tangram.protocol import SOCKET_ENV, SYSTEM_SOCKET, ExecResult, Outcome, default_socket_path
+
+AsyncEnv = Env  # one handle class serves both clients
+
+__all__ = [
+    "SOCKET_ENV",
+    "SYSTEM_SOCKET",
+    "AsyncClient",
+    "AsyncEnv",
+    "Client",
+    "Cpus",
+    "Env",
+    "ExecResult",
+    "Outcome",
+    "Size",
+    "default_socket_path",
+]

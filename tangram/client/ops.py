@@ -1,0 +1,196 @@
+"""Every op of the daemon as a client method, declared once for both clients.
+
+``Ops`` builds each request and names the parser of its result; the concrete client
+supplies ``_op(op, args, parse)``: :class:`~tangram.client.Client` sends and parses at once,
+:class:`~tangram.client.AsyncClient` returns a coroutine that does. So ``Client.exec`` and
+``AsyncClient.exec`` take the same arguments by construction (a test holds them to it).
+
+Outcomes of an ``exec`` (``failed``, ``timeout``, ``rejected``, ``infra_error``) are data in
+:class:`ExecResult`, not exceptions: a rollout must tell a failed task from a broken cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from tangram.protocol import ExecResult, ExecSpec, MalformedResponse, parse_size
+
+T = TypeVar("T")
+Cpus = int | tuple[int, int] | Sequence[int]
+Size = int | str
+
+
+def _drop_none(args: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in args.items() if value is not None}
+
+
+def _dop_keys(table: Mapping[int | str, float] | None) -> dict[str, float] | None:
+    """Profiles are keyed by dop; msgpack map keys must be str on this wire."""
+    return None if table is None else {str(key): value for key, value in table.items()}
+
+
+def _cpus(cpus: Cpus | None) -> int | tuple[int, int] | None:
+    if cpus is None or isinstance(cpus, int):
+        return cpus
+    low, high = cpus  # a [min, max] pair
+    return (low, high)
+
+
+def _size(mem: Size | None) -> int | None:
+    return None if mem is None else parse_size(mem)
+
+
+def _field(key: str, kind: type[T]) -> Callable[[Any], T]:
+    """A parser taking ``key`` of type ``kind`` out of a result map."""
+
+    def parse(result: Any) -> T:
+        value = result.get(key) if isinstance(result, Mapping) else None
+        if not isinstance(value, kind):
+            raise MalformedResponse(f"result must contain a {kind.__name__} {key!r}")
+        return value
+
+    return parse
+
+
+def _as_dict(result: Any) -> dict[str, Any]:
+    if not isinstance(result, Mapping):
+        raise MalformedResponse(f"result must be a map, got {type(result).__name__}")
+    return dict(result)
+
+
+def _none(result: Any) -> None:
+    return None
+
+
+class Ops:
+    """The op methods shared by both clients (see the module doc)."""
+
+    def _op(self, op: str, args: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
+        raise NotImplementedError
+
+    def ping(self) -> dict[str, Any]:
+        """``{"pong": True, "version": str}``."""
+        return self._op("ping", {}, _as_dict)
+
+    def status(self) -> dict[str, Any]:
+        """Daemon summary."""
+        return self._op("status", {}, _as_dict)
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Nodes with capacity and usage."""
+        return self._op("nodes", {}, _field("nodes", list))
+
+    def queue(self) -> dict[str, Any]:
+        """Waiting and running actions."""
+        return self._op("queue", {}, _as_dict)
+
+    def story(self, action_id: str) -> dict[str, Any]:
+        """Every transition of one action, with its time."""
+        return self._op("story", {"action_id": action_id}, _as_dict)
+
+    def env_open(
+        self, image: str | None = None, mem: Size | None = None, trajectory: str | None = None
+    ) -> str:
+        """Open an environment; return its id."""
+        args = _drop_none({"image": image, "mem": _size(mem), "trajectory": trajectory})
+        return self._op("env.open", args, _field("id", str))
+
+    def env_close(self, id: str) -> None:
+        """Close an environment."""
+        return self._op("env.close", {"id": id}, _none)
+
+    def env_list(self) -> list[dict[str, Any]]:
+        """Open environments."""
+        return self._op("env.list", {}, _field("envs", list))
+
+    def exec(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        env: str | None = None,
+        image: str | None = None,
+        cpus: Cpus | None = 1,
+        mem: Size | None = None,
+        timeout_s: float | None = None,
+        profile: str | None = None,
+        elastic: bool | None = None,
+        trajectory: str | None = None,
+        task: str | None = None,
+        t1_s: float | None = None,
+        eff: Mapping[int | str, float] | None = None,
+        env_vars: Mapping[str, str] | None = None,
+    ) -> ExecResult:
+        """Run one command as an exec action; failures of the command are in the result."""
+        spec = ExecSpec(
+            cmd=cmd if isinstance(cmd, str) else list(cmd), env=env, image=image,
+            cpus=_cpus(cpus), mem=_size(mem), timeout_s=timeout_s, profile=profile,
+            elastic=elastic, trajectory=trajectory, task=task, t1_s=t1_s, eff=_dop_keys(eff),
+            env_vars=None if env_vars is None else dict(env_vars),
+        )  # fmt: skip
+        return self._op("exec", spec.to_wire(), ExecResult.from_wire)
+
+    def acquire_lease(
+        self,
+        api: str,
+        ttl_s: float | None = None,
+        policy: str | None = None,
+        deadline_s: float | None = None,
+    ) -> str:
+        """Take one unit of an API quota; return the lease id."""
+        args = _drop_none({"api": api, "ttl_s": ttl_s, "policy": policy, "deadline_s": deadline_s})
+        return self._op("lease.acquire", args, _field("lease_id", str))
+
+    def release_lease(self, lease_id: str) -> None:
+        """Give a lease back."""
+        return self._op("lease.release", {"lease_id": lease_id}, _none)
+
+    def api_list(self) -> list[dict[str, Any]]:
+        """API endpoints with quotas."""
+        return self._op("api.list", {}, _field("apis", list))
+
+    def profile_save(
+        self,
+        name: str,
+        *,
+        dop: Mapping[int | str, float],
+        t1_s: float,
+        eff: Mapping[int | str, float],
+        speedup: Mapping[int | str, float],
+        elastic: bool,
+    ) -> None:
+        """Store an elasticity profile."""
+        args = {
+            "name": name,
+            "dop": _dop_keys(dop),
+            "t1_s": t1_s,
+            "eff": _dop_keys(eff),
+            "speedup": _dop_keys(speedup),
+            "elastic": elastic,
+        }
+        return self._op("profile.save", args, _none)
+
+    def profile_get(self, name: str) -> dict[str, Any]:
+        """One stored profile."""
+        return self._op("profile.get", {"name": name}, _as_dict)
+
+    def profile_list(self) -> list[dict[str, Any]]:
+        """Stored profiles."""
+        return self._op("profile.list", {}, _field("profiles", list))
+
+
+@dataclass(frozen=True, slots=True)
+class Env:
+    """An open environment: ``exec`` runs in it (awaitable with an ``AsyncClient``)."""
+
+    client: Ops
+    id: str
+
+    def exec(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:
+        """``client.exec(cmd, env=self.id, **kw)``."""
+        return self.client.exec(cmd, env=self.id, **kw)
+
+    def close(self) -> None:
+        """Close the environment."""
+        return self.client.env_close(self.id)

@@ -1,0 +1,204 @@
+"""``Client``: the blocking client of the daemon's Unix socket (one request at a time).
+
+It connects lazily: the first call connects, and a call after the daemon dropped the
+connection reconnects. A request is resent on a fresh connection only when writing it
+failed outright (the daemon cannot have read it); a connection lost while waiting for the
+answer raises ``ConnectionFailed``, since the action may or may not have run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+from tangram.client.ops import Env, Ops, Size
+from tangram.model import TangramError
+from tangram.protocol import (
+    DEFAULT_MAX_FRAME,
+    ConnectionFailed,
+    FrameDecoder,
+    FrameError,
+    MalformedResponse,
+    NotFound,
+    Response,
+    Timeout,
+    default_socket_path,
+    encode,
+    make_request,
+    parse_response,
+)
+
+T = TypeVar("T")
+_RECV_CHUNK = 1 << 16
+
+
+class Client(Ops):
+    """Blocking client; one connection, one request at a time (thread-safe, serialized).
+
+    ``timeout_s`` bounds the wait for each answer (None: wait as long as the action takes);
+    when it passes, the connection is dropped and ``Timeout`` is raised.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        timeout_s: float | None = None,
+        connect_timeout_s: float = 5.0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        self.path = os.fspath(path) if path is not None else default_socket_path()
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_frame = max_frame
+        self._sock: socket.socket | None = None
+        self._decoder = FrameDecoder(max_frame)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    # -- connection
+
+    def connect(self) -> None:
+        """Connect now (calls connect lazily anyway); raise ConnectionFailed."""
+        with self._lock:
+            self._connect()
+
+    def _connect(self) -> socket.socket:
+        if self._sock is not None:
+            return self._sock
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.connect_timeout_s)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            raise ConnectionFailed(f"cannot connect to tangramd at {self.path}: {exc}") from exc
+        sock.settimeout(self.timeout_s)
+        self._sock = sock
+        self._decoder = FrameDecoder(self.max_frame)
+        return sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        """Close the connection (a later call reconnects)."""
+        with self._lock:
+            self._drop()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- requests
+
+    def call(self, op: str, /, **args: Any) -> Any:
+        """Send one request and return its result; raise the typed error it failed with."""
+        return self.request(op, args)
+
+    def request(self, op: str, args: Mapping[str, Any]) -> Any:
+        """Like :meth:`call` with the args as a map (for arg names that are not identifiers)."""
+        with self._lock:
+            request_id = next(self._ids)
+            frame = encode(make_request(request_id, op, args), max_frame=self.max_frame)
+            try:
+                self._send(frame)
+                return self._receive(request_id, op).unwrap()
+            except TangramError:
+                raise  # typed: the connection is either fine or already dropped
+            except BaseException:
+                # Interrupted mid-request (KeyboardInterrupt, ...): the stream state is unknown.
+                self._drop()
+                raise
+
+    def _send(self, frame: bytes) -> None:
+        fresh = self._sock is None
+        sock = self._connect()
+        try:
+            sock.sendall(frame)
+            return
+        except OSError as exc:
+            self._drop()
+            if fresh:
+                raise ConnectionFailed(f"sending to tangramd failed: {exc}") from exc
+        # The daemon closed an old connection (restart, idle timeout) before reading it.
+        sock = self._connect()
+        try:
+            sock.sendall(frame)
+        except OSError as exc:
+            self._drop()
+            raise ConnectionFailed(f"sending to tangramd failed: {exc}") from exc
+
+    def _receive(self, request_id: int, op: str) -> Response:
+        sock = self._sock
+        assert sock is not None
+        while True:
+            try:
+                msg = self._decoder.next_message()
+            except FrameError as exc:
+                self._drop()
+                raise MalformedResponse(f"bad frame from tangramd: {exc.message}") from None
+            if msg is None:
+                try:
+                    data = sock.recv(_RECV_CHUNK)
+                except TimeoutError:
+                    self._drop()
+                    raise Timeout(f"{op}: no answer within {self.timeout_s} s") from None
+                except OSError as exc:
+                    self._drop()
+                    raise ConnectionFailed(f"{op}: connection to tangramd lost: {exc}") from exc
+                if not data:
+                    self._drop()
+                    raise ConnectionFailed(f"{op}: tangramd closed the connection")
+                self._decoder.feed(data)
+                continue
+            response = parse_response(msg)
+            if response.id == request_id:
+                return response
+            if response.id is None:
+                self._drop()  # a connection-level error: the daemon closes after it
+                return response
+            # An answer to an earlier, interrupted request: skip it.
+
+    # -- the op methods (declared once, in tangram.client.ops)
+
+    def _op(self, op: str, args: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
+        return parse(self.request(op, args))
+
+    @contextlib.contextmanager
+    def env(
+        self, image: str | None = None, mem: Size | None = None, trajectory: str | None = None
+    ) -> Iterator[Env]:
+        """An environment open for the ``with`` block, closed after it."""
+        handle = Env(self, self.env_open(image=image, mem=mem, trajectory=trajectory))
+        try:
+            yield handle
+        finally:
+            with contextlib.suppress(NotFound, ConnectionFailed):
+                self.env_close(handle.id)
+
+    @contextlib.contextmanager
+    def lease(
+        self,
+        api: str,
+        ttl_s: float | None = None,
+        policy: str | None = None,
+        deadline_s: float | None = None,
+    ) -> Iterator[str]:
+        """A lease held for the ``with`` block (an expired lease is not an error on exit)."""
+        lease_id = self.acquire_lease(api, ttl_s=ttl_s, policy=policy, deadline_s=deadline_s)
+        try:
+            yield lease_id
+        finally:
+            with contextlib.suppress(NotFound, ConnectionFailed):
+                self.release_lease(lease_id)

@@ -1,0 +1,188 @@
+"""The exec action's two wire shapes, each defined once: what is asked, what happened.
+
+:class:`ExecSpec` is an ``exec`` request. The client builds it, the daemon parses it from the
+validated args, and the very same object travels through the core (``SubmitExec``, the
+action record, ``RunExec``) to the execution backend.
+
+:class:`ExecResult` is how an exec ended. A backend fills in what it knows (outcome, exit
+code, output, run time, detail); the core adds the scheduling facts (action id, queue and
+completion times, cores, node) with :meth:`ExecResult.placed`; both clients parse it with
+:meth:`ExecResult.from_wire`. The op table documents its fields from this class, so the
+documentation, the daemon and the clients cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Final, Literal, get_args
+
+from tangram.protocol.errors import BadRequest
+from tangram.protocol.messages import MalformedResponse
+
+Outcome = Literal["ok", "failed", "timeout", "rejected", "infra_error"]
+OUTCOMES: Final[tuple[str, ...]] = get_args(Outcome)
+
+Command = list[str] | str  # an argv list, or a shell command string (/bin/sh -c)
+
+
+def _dop_keys(table: Mapping[Any, float] | None) -> dict[str, float] | None:
+    """Tables keyed by DoP travel with str keys (msgpack maps here are keyed by str)."""
+    return None if table is None else {str(key): float(value) for key, value in table.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class ExecSpec:
+    """One ``exec`` request, exactly as it crosses the wire (see the op table)."""
+
+    cmd: Command
+    env: str | None = None  # run in this open environment, else a throwaway one
+    image: str | None = None  # image of the throwaway environment
+    cpus: int | tuple[int, int] | None = None  # fixed, or elastic (min, max); None: 1
+    mem: int | None = None  # bytes
+    timeout_s: float | None = None
+    profile: str | None = None
+    elastic: bool | None = None  # False: never rewrite to more workers
+    trajectory: str | None = None
+    task: str | None = None
+    t1_s: float | None = None
+    eff: Mapping[str, float] | None = None  # efficiency per DoP (str keys)
+    env_vars: Mapping[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cmd, tuple):
+            object.__setattr__(self, "cmd", list(self.cmd))
+        if isinstance(self.cpus, list):
+            object.__setattr__(self, "cpus", tuple(self.cpus))
+        if self.eff is not None:
+            object.__setattr__(self, "eff", _dop_keys(self.eff))
+
+    @classmethod
+    def from_wire(cls, args: Mapping[str, Any]) -> ExecSpec:
+        """The spec of validated ``exec`` args (``validate_args`` has checked the types)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise BadRequest(f"exec: unknown arg(s) {unknown}")
+        return cls(**{key: value for key, value in args.items() if value is not None})
+
+    def to_wire(self) -> dict[str, Any]:
+        """The ``exec`` args (``None`` fields left out, tuples as lists)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, Mapping):
+                value = dict(value)
+            out[f.name] = value
+        return out
+
+    @property
+    def rewrite_allowed(self) -> bool:
+        """Whether a backend may widen the command to its cores (``pytest -n K``)."""
+        return self.elastic is not False
+
+
+def _text(value: object, key: str) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, str):
+        return value
+    raise MalformedResponse(f"exec result: {key}: expected str, got {type(value).__name__}")
+
+
+def _seconds(result: Mapping[str, Any], key: str) -> float:
+    value = result.get(key, 0.0)
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise MalformedResponse(f"exec result: {key} must be a number")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    """How one exec action ended. Times in seconds; ``cores`` are host core ids.
+
+    ``exec_s`` is the command's own run time (spawn to exit), ``queue_s`` the time from
+    submission to placement, ``act_s`` their sum. ``detail`` says why an ``infra_error``,
+    ``timeout`` or ``rejected`` happened. The first seven fields are what a backend knows.
+    """
+
+    outcome: Outcome
+    exit_code: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    exec_s: float = 0.0
+    truncated: bool = False
+    detail: str = ""
+    action_id: str = ""
+    queue_s: float = 0.0
+    act_s: float = 0.0
+    cores: tuple[int, ...] = ()
+    node: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """The command ran and exited 0."""
+        return self.outcome == "ok" and self.exit_code == 0
+
+    def placed(
+        self, *, action_id: str, queue_s: float, cores: tuple[int, ...], node: str | None
+    ) -> ExecResult:
+        """This result with the scheduling facts the core knows added."""
+        return replace(
+            self,
+            action_id=action_id,
+            queue_s=queue_s,
+            act_s=queue_s + self.exec_s,
+            cores=tuple(cores),
+            node=node,
+        )
+
+    @classmethod
+    def from_wire(cls, result: Mapping[str, Any]) -> ExecResult:
+        """Parse the ``exec`` result map; raise MalformedResponse if it is not one."""
+        if not isinstance(result, Mapping):
+            raise MalformedResponse(f"exec result must be a map, got {type(result).__name__}")
+        outcome = result.get("outcome")
+        if outcome not in OUTCOMES:
+            raise MalformedResponse(f"exec result: unknown outcome {outcome!r}")
+        exit_code = result.get("exit_code")
+        if exit_code is not None and (
+            isinstance(exit_code, bool) or not isinstance(exit_code, int)
+        ):
+            raise MalformedResponse("exec result: exit_code must be int or null")
+        cores = result.get("cores") or ()
+        if not isinstance(cores, list | tuple) or not all(
+            isinstance(core, int) and not isinstance(core, bool) for core in cores
+        ):
+            raise MalformedResponse("exec result: cores must be a list of ints")
+        node = result.get("node")
+        return cls(
+            outcome=outcome,
+            exit_code=exit_code,
+            stdout=_text(result.get("stdout", ""), "stdout"),
+            stderr=_text(result.get("stderr", ""), "stderr"),
+            exec_s=_seconds(result, "exec_s"),
+            truncated=bool(result.get("truncated", False)),
+            detail=_text(result.get("detail") or "", "detail"),
+            action_id=str(result.get("action_id", "")),
+            queue_s=_seconds(result, "queue_s"),
+            act_s=_seconds(result, "act_s"),
+            cores=tuple(cores),
+            node=None if node is None else str(node),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The result map (``cores`` as a list), as the daemon sends it."""
+        out = asdict(self)
+        out["cores"] = list(self.cores)
+        return out
+
+
+EXEC_RESULT_FIELDS: Final[tuple[str, ...]] = tuple(f.name for f in fields(ExecResult))
+EXEC_ARG_FIELDS: Final[tuple[str, ...]] = tuple(f.name for f in fields(ExecSpec))

@@ -1,0 +1,284 @@
+"""The executor: runs the core's commands and feeds what happened back as events.
+
+Everything with I/O lives here or below: the Unix-socket server, the execution backend,
+timers, the profiles file and logs. The core (``tangramd.core``) decides; the executor only
+carries out and reports. Requests from clients arrive through the op handlers
+(``tangramd.ops``), which turn them into events with a reply token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from tangram.protocol.errors import InfraError, error_from_wire
+from tangram.protocol.results import ExecResult
+from tangramd import events as ev
+from tangramd.backends.base import Backend, ExecRequest
+from tangramd.core import Core
+from tangramd.transport import ConnInfo, UnixServer
+
+log = structlog.get_logger("tangramd")
+
+STOP_GRACE_S = 10.0  # how long a graceful stop waits for in-flight work to report back
+
+
+class OpHandlers(Protocol):
+    """How requests reach the executor: the op handlers (``tangramd.ops``) satisfy this."""
+
+    def handle(
+        self, ex: Executor, op: str, args: dict[str, Any], conn: ConnInfo
+    ) -> Awaitable[Any]: ...
+
+    def handle_sync(self, ex: Executor, op: str, args: dict[str, Any], conn: ConnInfo) -> Any: ...
+
+
+class Executor:
+    """Wires one ``Core`` to a backend and a socket server (the all-in-one daemon)."""
+
+    def __init__(
+        self,
+        core: Core,
+        backend: Backend,
+        socket_path: str,
+        *,
+        state_dir: str,
+        max_frame: int = 16 << 20,
+        idle_timeout_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+        handlers: OpHandlers,
+    ) -> None:
+        self.core = core
+        self.backend = backend
+        self.socket_path = socket_path
+        self.state_dir = Path(state_dir)
+        self.clock = clock
+        self.started = clock()
+        self.server = UnixServer(
+            socket_path,
+            lambda op, args, conn: handlers.handle(self, op, args, conn),
+            max_frame=max_frame,
+            idle_timeout_s=idle_timeout_s,
+            sync_handler=lambda op, args, conn: handlers.handle_sync(self, op, args, conn),
+        )
+        self._tokens = itertools.count(1)
+        self._futures: dict[int, asyncio.Future[Any]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        # TANGRAM_VALIDATE=1 (tests): check the core's invariants after every event
+        self._validate = os.environ.get("TANGRAM_VALIDATE") == "1"
+
+    # ------------------------------------------------------------------ life cycle
+    async def start(self) -> None:
+        actions = await self.backend.reconcile()
+        for what in actions:
+            log.info("reconciled", detail=what)
+        self.feed(ev.ProfilesLoaded(profiles=self._read_profiles()))
+        await self.server.start()
+        log.info(
+            "daemon_ready",
+            socket=self.socket_path,
+            backend=self.backend.name,
+            cores=self.core.total_cores(),
+        )
+
+    async def stop(self) -> None:
+        """Graceful stop through the core: refuse new work, end what waits, close envs.
+
+        The backend ends running execs (``infra_error`` "daemon shutting down"); their
+        ``ExecFinished`` lets the core close their environments too, and every
+        ``RemoveEnv`` comes back as ``EnvRemoved``.
+        """
+        self.feed(ev.Shutdown())
+        await self.backend.shutdown()
+        deadline = self.clock() + STOP_GRACE_S
+        while (self._tasks or self.core.env_ids()) and self.clock() < deadline:
+            await asyncio.sleep(0.01)
+        leftover = self.core.env_ids()
+        if leftover:
+            log.warning("envs_not_removed_at_stop", envs=leftover)
+        await self.server.close(grace_s=0.5)
+        for fut in self._futures.values():
+            if not fut.done():
+                fut.set_exception(InfraError("daemon shutting down"))
+        log.info("daemon_stopped")
+
+    # ------------------------------------------------------------------ event loop glue
+    def feed(self, event: ev.Event) -> None:
+        now = self.clock()
+        try:
+            commands = self.core.handle(event, now)
+        except Exception:
+            log.exception("core_failed", event=type(event).__name__)
+            token = getattr(event, "token", None)
+            if token is not None:
+                self._resolve(token, None, ("internal", "internal error; see daemon log"))
+            return
+        for cmd in commands:
+            self._execute(cmd)
+        if self._validate:
+            try:
+                self.core.validate()
+            except AssertionError as exc:
+                log.error("invariant_violated", event=type(event).__name__, error=str(exc))
+        self._arm_timer()
+
+    async def request(self, make_event: Callable[[int], ev.Event]) -> Any:
+        """Feed the event ``make_event(token)`` and wait for the core's reply to it."""
+        token = next(self._tokens)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._futures[token] = fut
+        self.feed(make_event(token))
+        return await fut
+
+    def answer_now(self, make_event: Callable[[int], ev.Event]) -> Any:
+        """Feed an event the core answers within the same ``handle`` call; return the answer
+        (or raise its error). For the inline ops that change state (``profile.save``)."""
+        token = next(self._tokens)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._futures[token] = fut
+        self.feed(make_event(token))
+        if not fut.done():  # pragma: no cover - the core must answer these at once
+            self._futures.pop(token, None)
+            raise RuntimeError("the core did not answer an inline op at once")
+        return fut.result()
+
+    def watch(self, conn: ConnInfo) -> None:
+        """Tell the core when this client's connection closes (once per connection)."""
+        if not getattr(conn, "_tangram_watched", False):
+            conn._tangram_watched = True  # type: ignore[attr-defined]  # per-conn flag
+            conn.on_close(lambda c: self.feed(ev.ConnClosed(conn=c.id)))
+
+    def _arm_timer(self) -> None:
+        due = self.core.next_wakeup(self.clock())
+        if due is None:
+            return
+        if self._timer is not None and self._timer_at is not None and self._timer_at <= due:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, due - self.clock())
+        self._timer_at = due
+        self._timer = loop.call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.feed(ev.Tick())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ commands
+    def _execute(self, cmd: ev.Command) -> None:
+        if isinstance(cmd, ev.Reply):
+            self._resolve(cmd.token, cmd.result, cmd.error)
+        elif isinstance(cmd, ev.RunExec):
+            log.info(
+                "action_placed",
+                action_id=cmd.action_id,
+                node=cmd.node,
+                env=cmd.env_id,
+                cores=list(cmd.cores),
+                trajectory=self.core.trajectory_of(cmd.action_id),
+                cause=cmd.cause,
+            )
+            self._spawn(self._run_exec(cmd))
+        elif isinstance(cmd, ev.CreateEnv):
+            self._spawn(self._create_env(cmd))
+        elif isinstance(cmd, ev.RemoveEnv):
+            self._spawn(self._remove_env(cmd))
+        elif isinstance(cmd, ev.PersistProfiles):
+            self._write_profiles(cmd.profiles)
+        else:  # pragma: no cover - a new command type without an executor is a bug
+            raise TypeError(f"no executor for {cmd!r}")
+
+    def _resolve(self, token: int, result: Any, error: tuple[str, str] | None) -> None:
+        fut = self._futures.pop(token, None)
+        if fut is None or fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error_from_wire(*error))
+        else:
+            fut.set_result(result)
+
+    async def _create_env(self, cmd: ev.CreateEnv) -> None:
+        error = None
+        try:
+            await self.backend.create_env(cmd.env_id, cmd.image, cmd.mem)
+            log.info("env_created", env=cmd.env_id, node=cmd.node, image=cmd.image, cause=cmd.cause)
+        except Exception as exc:  # backend failure of any kind is an infra error
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("env_create_failed", env=cmd.env_id, error=error, cause=cmd.cause)
+        self.feed(ev.EnvCreated(env_id=cmd.env_id, error=error))
+
+    async def _remove_env(self, cmd: ev.RemoveEnv) -> None:
+        try:
+            await self.backend.close_env(cmd.env_id)
+        except Exception as exc:
+            log.warning("env_remove_failed", env=cmd.env_id, error=str(exc), cause=cmd.cause)
+        self.feed(ev.EnvRemoved(env_id=cmd.env_id))
+
+    async def _run_exec(self, cmd: ev.RunExec) -> None:
+        req = ExecRequest.for_action(
+            cmd.spec,
+            env_id=cmd.env_id,
+            cores=cmd.cores,
+            max_output=cmd.max_output,
+            action_id=cmd.action_id,
+        )
+        try:
+            res = await self.backend.exec(req)
+        except Exception as exc:
+            res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
+        lost = res.outcome == "infra_error" and not self.backend.env_exists(cmd.env_id)
+        log.info(
+            "action_finished",
+            action_id=cmd.action_id,
+            node=cmd.node,
+            env=cmd.env_id,
+            outcome=res.outcome,
+            exit_code=res.exit_code,
+            exec_s=round(res.exec_s, 6),
+            detail=res.detail or None,
+            cores=list(cmd.cores),
+            cause=cmd.cause,
+        )
+        self.feed(ev.ExecFinished(action_id=cmd.action_id, result=res, env_lost=lost))
+
+    # ------------------------------------------------------------------ profiles file
+    def _profiles_path(self) -> Path:
+        return self.state_dir / "profiles.json"
+
+    def _read_profiles(self) -> dict[str, Any]:
+        path = self._profiles_path()
+        try:
+            loaded = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("profiles_unreadable", path=str(path), error=str(exc))
+            return {}
+        if not isinstance(loaded, dict):
+            log.warning("profiles_unreadable", path=str(path), error="not a JSON object")
+            return {}
+        return loaded
+
+    def _write_profiles(self, profiles: Mapping[str, Any]) -> None:
+        path = self._profiles_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dict(profiles), indent=1, sort_keys=True))
+        os.replace(tmp, path)

@@ -1,0 +1,161 @@
+"""The op handlers of the daemon: one function per op of ``tangram.protocol.ops.OPS``.
+
+A handler validates nothing itself (``validate_args`` did, against the op table), reads
+views through the core's read-model methods, and turns a request that changes state into
+an event for ``Core.handle`` (the only mutator). Ops whose answer the core gives in the
+same ``handle`` call run inline on the transport's fast path (``SYNC_OPS``); ops that wait
+(for cores, an environment, a lease) are coroutines (``ASYNC_OPS``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from tangram.protocol.errors import UnknownOp
+from tangram.protocol.ops import validate_args
+from tangram.protocol.results import ExecSpec
+from tangram.version import __version__
+from tangramd import events as ev
+from tangramd.transport import NOT_SYNC, ConnInfo
+
+if TYPE_CHECKING:
+    from tangramd.executor import Executor
+
+Args = dict[str, Any]
+
+
+def handle_sync(ex: Executor, op: str, args: Args, conn: ConnInfo) -> Any:
+    """Inline path for ops that never wait; ``NOT_SYNC`` for the others."""
+    fn = SYNC_OPS.get(op)
+    if fn is None:
+        return NOT_SYNC
+    validate_args(op, args)
+    return fn(ex, args, conn)
+
+
+async def handle(ex: Executor, op: str, args: Args, conn: ConnInfo) -> Any:
+    validate_args(op, args)
+    sync = SYNC_OPS.get(op)
+    if sync is not None:  # the transport's inline path was skipped (slow reader)
+        return sync(ex, args, conn)
+    fn = ASYNC_OPS.get(op)
+    if fn is None:
+        raise UnknownOp(f"op {op!r} is not served by tangramd up")
+    ex.watch(conn)
+    return await fn(ex, args, conn)
+
+
+# -------------------------------------------------------------------------- views
+
+
+def _ping(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return {"pong": True, "version": __version__}
+
+
+def _status(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    now = ex.clock()
+    return {
+        **ex.core.status(now),
+        "version": __version__,
+        "uptime_s": now - ex.started,
+        "backend": ex.backend.name,
+        "socket": ex.socket_path,
+        "nodes": len(ex.core.cpu.nodes),
+    }
+
+
+def _nodes(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return {"nodes": [{**row, "backend": ex.backend.name} for row in ex.core.node_rows()]}
+
+
+def _queue(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return ex.core.queue_view(ex.clock())
+
+
+def _story(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return ex.core.story(args["action_id"], origin=ex.started)
+
+
+def _env_list(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return {"envs": ex.core.env_rows(ex.clock())}
+
+
+def _api_list(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return {"apis": ex.core.api_rows()}
+
+
+def _profile_get(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return ex.core.profile(args["name"])
+
+
+def _profile_list(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return {"profiles": ex.core.profile_rows()}
+
+
+def _profile_save(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    profile = {key: value for key, value in args.items() if key != "name"}
+    return ex.answer_now(lambda tok: ev.SaveProfile(name=args["name"], profile=profile, token=tok))
+
+
+# -------------------------------------------------------------------------- requests
+
+
+async def _env_open(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(
+        lambda tok: ev.OpenEnv(
+            token=tok,
+            image=args.get("image"),
+            mem=args.get("mem"),
+            trajectory=args.get("trajectory"),
+            conn=None,  # a persistent environment outlives the connection that opened it
+        )
+    )
+
+
+async def _env_close(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(lambda tok: ev.CloseEnv(token=tok, env_id=args["id"]))
+
+
+async def _exec(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    spec = ExecSpec.from_wire(args)
+    return await ex.request(lambda tok: ev.SubmitExec(spec=spec, token=tok, conn=conn.id))
+
+
+async def _lease_acquire(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(
+        lambda tok: ev.AcquireLease(
+            token=tok,
+            api=args["api"],
+            ttl_s=args.get("ttl_s"),
+            policy=args.get("policy"),
+            deadline_s=args.get("deadline_s"),
+            conn=conn.id,
+        )
+    )
+
+
+async def _lease_release(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(lambda tok: ev.ReleaseLease(token=tok, lease_id=args["lease_id"]))
+
+
+SYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Any]] = {
+    "ping": _ping,
+    "status": _status,
+    "nodes": _nodes,
+    "queue": _queue,
+    "story": _story,
+    "env.list": _env_list,
+    "api.list": _api_list,
+    "profile.save": _profile_save,
+    "profile.get": _profile_get,
+    "profile.list": _profile_list,
+}
+
+ASYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Awaitable[Any]]] = {
+    "env.open": _env_open,
+    "env.close": _env_close,
+    "exec": _exec,
+    "lease.acquire": _lease_acquire,
+    "lease.release": _lease_release,
+}

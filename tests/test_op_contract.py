@@ -1,0 +1,60 @@
+"""Every op's documented result fields are exactly what the real daemon sends."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+from daemon_fixture import running_daemon
+
+from tangram import AsyncClient, Client
+from tangram.protocol import OPS, ExecSpec
+from tangram.protocol.ops import _EXEC_ARGS
+from tangram.protocol.results import EXEC_ARG_FIELDS
+
+PROFILE = {
+    "name": "p",
+    "dop": {"1": 2.0, "2": 1.1},
+    "t1_s": 2.0,
+    "eff": {"1": 1.0, "2": 0.9},
+    "speedup": {"1": 1.0, "2": 1.8},
+    "elastic": True,
+}
+
+
+def test_every_documented_result_is_what_the_daemon_sends(tmp_path) -> None:
+    """Call each op of the table on a real `tangramd up`; its result keys equal the doc's."""
+    with running_daemon(tmp_path) as daemon, daemon.client() as c:
+        env = c.env_open()
+        result = c.request("exec", {"cmd": "true", "env": env})
+        lease = c.request("lease.acquire", {"api": "search"})
+        args: dict[str, dict[str, Any]] = {
+            "story": {"action_id": result["action_id"]},
+            "env.close": {"id": env},
+            "lease.release": {"lease_id": lease["lease_id"]},
+            "profile.get": {"name": "p"},
+        }
+        answers = {"exec": result, "lease.acquire": lease}
+        answers["profile.save"] = c.request("profile.save", PROFILE)  # before profile.get
+        for op in [o for o in OPS if o not in answers]:
+            answers[op] = c.request(op, args.get(op, {}))
+        assert set(answers) == set(OPS)
+        for op, answer in answers.items():
+            assert sorted(answer) == sorted(OPS[op].result_fields), op
+
+
+def test_exec_args_are_the_exec_spec() -> None:
+    """The op table's exec args are the fields of ExecSpec, in order (one shape, one place)."""
+    assert tuple(arg.name for arg in _EXEC_ARGS) == EXEC_ARG_FIELDS
+    spec = ExecSpec(cmd=["ls"], cpus=(1, 4), eff={1: 1.0, 2: 0.9}, env_vars={"A": "b"})
+    assert ExecSpec.from_wire(spec.to_wire()) == spec
+
+
+@pytest.mark.parametrize("name", [n for n in dir(Client) if not n.startswith("_")])
+def test_both_clients_take_the_same_arguments(name: str) -> None:
+    """Client and AsyncClient offer the same methods with the same parameters."""
+    sync_attr, async_attr = getattr(Client, name), getattr(AsyncClient, name, None)
+    assert async_attr is not None, f"AsyncClient lacks {name}"
+    if callable(sync_attr):
+        assert inspect.signature(sync_attr).parameters == inspect.signature(async_attr).parameters
