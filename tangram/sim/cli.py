@@ -1,4 +1,8 @@
-"""``tangramctl simulate``: compare policies on one trace, locally (design §8; no daemon)."""
+"""The simulator's command line: compare policies on one trace, locally (no daemon).
+
+``tangramctl simulate`` attaches this click command (``tangramctl/simulate.py`` re-exports it)
+and ``python -m tangram.sim`` runs it alone; the library never imports ``tangramctl``.
+"""
 
 from __future__ import annotations
 
@@ -136,7 +140,3 @@ def simulate(
         except ImportError:
             click.echo("--plot needs matplotlib (pip install matplotlib)", err=True)
             sys.exit(1)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    simulate()
