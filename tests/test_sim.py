@@ -108,6 +108,18 @@ def test_generation_and_pod_start_enter_step_time() -> None:
     assert tangram.summary["reserved_unit_s"]["cpu"] == pytest.approx(1.5)
 
 
+def test_k8s_scheduler_rate_and_exec_cost() -> None:
+    """At 1 pod/s the second pod binds 1 s later; each exec pays the per-exec cost first."""
+    steps = [{"action": {"kind": "exec", "dur_s": 1.0}}]
+    trace = parse_lines([line("a", steps), line("b", steps)])
+    knobs = {"k8s_pod_cores": 2, "k8s_pod_start_s": 1.0, "k8s_sched_pods_per_s": 1.0}
+    slow = cluster(baselines={**knobs, "k8s_exec_overhead_s": 0.25})
+    # a: bound at 0, ready at 1, exec cost 0.25, runs 1 s; b: bound at 1 (one bind a second)
+    assert acts(simulate(slow, trace, parse_policy("k8s"), check=True)) == [2.25, 3.25]
+    free = cluster(baselines={**knobs, "k8s_sched_pods_per_s": 0})
+    assert acts(simulate(free, trace, parse_policy("k8s"), check=True)) == [2.0, 2.0]
+
+
 def test_api_queue_versus_retry() -> None:
     """With concurrency 1, tangram queues the second call; api-retry retries after back-off."""
     call = [{"action": {"kind": "api", "api": "search", "dur_s": 1.0}}]

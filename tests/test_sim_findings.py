@@ -34,8 +34,10 @@ def test_lone_elastic_action_waits_one_second_for_four_cores() -> None:
         affinity={TrajectoryId("t"): node.pool_id},
         running={node.pool_id: [(1.0, 1), (1.0, 1), (1.0, 1)]},
     )
-    decision = schedule(snap, 0.0, SchedConfig())
-    assert not decision.placements or decision.placements[0].amount == 4
+    for rule in ("wait", "wait-eft"):
+        decision = schedule(snap, 0.0, SchedConfig(rule=rule))
+        assert decision.placements == (), rule  # it waits: 4 cores are free in 1 s
+        assert decision.waiting == (action.id,), rule
     paper = schedule(snap, 0.0, SchedConfig(rule="paper"))
     assert [p.amount for p in paper.placements] == [1]  # the paper's rule, kept selectable
 
@@ -58,9 +60,16 @@ def test_wait_eft_defers_straggler_that_wait_starts_on_one_core() -> None:
     )
     assert [p.amount for p in schedule(snap, 0.0, SchedConfig(rule="wait")).placements] == [1]
     assert not schedule(snap, 0.0, SchedConfig(rule="wait-eft")).placements
-    assert parse_policy("tangram").rule == "wait-eft"
-    assert parse_policy("tangram+backfill").rule == "wait-eft"
+
+
+def test_policy_names_select_the_replay_rule() -> None:
+    """``tangram`` runs the default rule; suffixes and aliases select the others."""
+    assert parse_policy("tangram").rule == SchedConfig().rule
+    assert parse_policy("tangram+backfill").rule == SchedConfig().rule
+    assert parse_policy("tangram+backfill").order == "backfill"
     assert parse_policy("tangram-wait").rule == "wait"
+    assert parse_policy("tangram-paper").rule == "paper"
+    assert parse_policy("fixed-dop:8+paper").rule == "paper"
 
 
 def test_gpu_pick_units_fits_what_the_chunk_operator_accepts() -> None:

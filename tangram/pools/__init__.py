@@ -5,7 +5,6 @@ and the simulator apply decisions through ``allocate`` / ``release``.
 """
 
 from tangram.pools.api import OVERFLOW_POLICIES, UNLIMITED_UNITS, ApiPool, Lease, Overflow
-from tangram.pools.base import SchedPool
 from tangram.pools.buddy import BuddyChunks, choose_chunk
 from tangram.pools.cpu import BUSY, NEVER, CpuCluster, CpuNodePool, pick_cores
 from tangram.pools.gpu import (
@@ -18,6 +17,7 @@ from tangram.pools.gpu import (
     ServiceKey,
     ServiceSpec,
 )
+from tangram.sched.pool import SchedPool
 
 __all__ = [
     "ALLOWED_GPU_COUNTS",

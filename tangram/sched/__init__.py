@@ -2,6 +2,7 @@
 
 from tangram.sched.dp import Arrangement, DPTable, InfeasibleArrangement, dp_arrange
 from tangram.sched.operators import BaseOperator, ChunkOperator, Operator, chunk_level
+from tangram.sched.pool import SchedPool
 from tangram.sched.schedule import (
     ORDERS,
     RULES,
@@ -27,6 +28,7 @@ __all__ = [
     "Operator",
     "Placement",
     "SchedConfig",
+    "SchedPool",
     "Snapshot",
     "chunk_level",
     "dp_arrange",

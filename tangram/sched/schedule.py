@@ -43,14 +43,12 @@ import bisect
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from tangram.model import Action, ActionId, Shortfall, TrajectoryId
 from tangram.sched.dp import DPTable
 from tangram.sched.operators import BaseOperator, Operator
-
-if TYPE_CHECKING:  # pools depend on sched, not the other way round
-    from tangram.pools.base import SchedPool
+from tangram.sched.pool import SchedPool
 
 Order = Literal["fcfs", "backfill"]
 ORDERS: tuple[str, ...] = ("fcfs", "backfill")

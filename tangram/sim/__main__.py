@@ -1,5 +1,5 @@
 """``python -m tangram.sim``: the ``tangramctl simulate`` command without the group."""
 
-from tangramctl.simulate import simulate
+from tangram.sim.cli import simulate
 
 simulate(prog_name="python -m tangram.sim")

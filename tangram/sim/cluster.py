@@ -63,6 +63,8 @@ class ApiSpec:
 class Baselines:
     k8s_pod_cores: int = 4
     k8s_pod_start_s: float = 2.0
+    k8s_sched_pods_per_s: float = 0.0  # kube-scheduler binding rate; 0 = unlimited
+    k8s_exec_overhead_s: float = 0.0  # per-exec round trip (kubectl exec) before it runs
     api_retry_backoff_s: float = 1.0
 
 
@@ -167,7 +169,13 @@ def parse_cluster(doc: Mapping[str, Any], source: str = "<cluster>") -> ClusterS
         Baselines,
         f"{source}: baselines",
         base,
-        {"k8s_pod_cores", "k8s_pod_start_s", "api_retry_backoff_s"},
+        {
+            "k8s_pod_cores",
+            "k8s_pod_start_s",
+            "k8s_sched_pods_per_s",
+            "k8s_exec_overhead_s",
+            "api_retry_backoff_s",
+        },
     )
     step_train = _value(source, "step_train_s", doc.get("step_train_s", 60.0))
     return ClusterSpec(

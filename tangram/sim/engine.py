@@ -7,7 +7,7 @@ The engine is the *driver* of ``tangram.sched.schedule`` and the pools of ``tang
 exactly like the daemon: it builds a ``Snapshot``, applies the ``Decision`` with
 ``allocate``/``release``/``reserve_mem``/``restore_for``, and feeds observed durations into a
 ``HistoryEstimator``. Baselines (``k8s`` pods, ``static-services`` replicas, ``api-retry``)
-are simulated here with the same pools for bookkeeping; they never touch the scheduler.
+live in ``tangram.sim.baselines``; the engine routes the actions they manage to them.
 
 Events sit in one heap ordered by ``(time, priority, sequence)``: deterministic, with no
 wall clock and no randomness (generators draw randomness up front from a seed). All events
@@ -23,65 +23,25 @@ finished; a trajectory arrives ``arrival_s`` after its step's start.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-from tangram.model import Action, ActionId, Choices, EnvId, HistoryEstimator, LeaseId, Range
+from tangram.model import Action, ActionId, Choices, EnvId, HistoryEstimator, Range
 from tangram.pools.api import ApiPool
-from tangram.pools.cpu import CpuNodePool, pick_cores
+from tangram.pools.cpu import CpuNodePool
 from tangram.pools.gpu import GpuCluster, GpuNodePool
 from tangram.pools.gpu import ServiceSpec as GpuServiceSpec
 from tangram.sched import SchedConfig, Snapshot, schedule
+from tangram.sim.baselines import ApiRetry, K8sPods, SimError, StaticServices
 from tangram.sim.cluster import GB, ClusterSpec
 from tangram.sim.metrics import ActionRecord, SimResult, summarize
 from tangram.sim.policy import Policy
+from tangram.sim.runs import Run, Traj
 from tangram.sim.trace import TraceAction, Trajectory
 
 # event kinds, in the order they are handled within one timestamp
-DONE, POD_READY, RETRY, GEN_DONE, ARRIVE, WAKE = range(6)
-MAX_BACKOFF_S = 30.0
-NO_TTL = 1e15  # api-retry leases are released explicitly when the call returns
-
-
-class SimError(Exception):
-    """The trace and the cluster do not go together (or a baseline cannot be deployed)."""
-
-
-@dataclass(slots=True)
-class _Traj:
-    spec: Trajectory
-    idx: int = 0
-    group: tuple[str, int] = ("", 0)
-    pod: Any = None  # k8s: (node, cores, created_at) once the pod exists
-    pending: _Run | None = None  # k8s: first action waiting for its pod
-
-
-@dataclass(slots=True)
-class _Run:
-    """One submitted action and its timings."""
-
-    action: Action
-    ta: TraceAction
-    traj: _Traj
-    submit: float
-    start: float = -1.0
-    restore: float = 0.0
-    exec: float = 0.0
-    units: int = 0
-    pool_id: str = ""
-    attempts: int = 0  # api-retry: refused calls so far
-
-
-@dataclass(slots=True)
-class _Static:
-    """static-services: ``free`` idle replicas of ``gpus`` GPUs each, FCFS queue."""
-
-    gpus: int
-    replicas: int
-    free: int
-    queue: deque[_Run] = field(default_factory=deque)
+DONE, POD_READY, RETRY, GEN_DONE, ARRIVE, WAKE, POD_BIND = range(7)
 
 
 class Engine:
@@ -153,22 +113,22 @@ class Engine:
             self.pools[self.gpu.pool_id] = self.gpu
         self.pools.update(self.apis)
         # scheduler-side state
-        self.queues: dict[str, dict[ActionId, _Run]] = {pid: {} for pid in self.pools}
-        self.unassigned: dict[ActionId, _Run] = {}
+        self.queues: dict[str, dict[ActionId, Run]] = {pid: {} for pid in self.pools}
+        self.unassigned: dict[ActionId, Run] = {}
         self.running: dict[str, dict[ActionId, tuple[float, int]]] = {p: {} for p in self.pools}
         self.affinity: dict[Any, str] = {}
         self.env_bytes: dict[str, int] = {}
         self.dirty: set[str] = set()
         self._wakes: set[tuple[str, float]] = set()
-        # baselines
-        self.pod_queue: deque[_Traj] = deque()
-        self.pods_dirty = False
-        self.static: dict[str, _Static] = {}
+        # baselines (set up in _build_steps once the trace is known)
+        self.k8s = K8sPods(self, list(self.cpu.values()), self.env_bytes, (POD_READY, POD_BIND))
+        self.retry = ApiRetry(self, self.apis, RETRY)
+        self.static: StaticServices | None = None
 
     def _build_steps(self, trajectories: Sequence[Trajectory]) -> None:
-        groups: dict[tuple[str, int], list[_Traj]] = {}
+        groups: dict[tuple[str, int], list[Traj]] = {}
         for t in trajectories:
-            st = _Traj(t, group=(t.task, t.step))
+            st = Traj(t, group=(t.task, t.step))
             groups.setdefault(st.group, []).append(st)
             self.env_bytes[t.id] = int(t.mem_gb * GB)
         self._groups = groups
@@ -182,36 +142,13 @@ class Engine:
                 self._next_step[(task, a)] = None if b is None else (task, b)
         self._step_start: dict[tuple[str, int], float] = {}
         if self.policy.gpu == "static":
-            self._deploy_static(trajectories)
+            self.static = StaticServices(self, trajectories)
         for task, steps in by_task.items():
             self._start_step((task, steps[0]), 0.0)
 
-    def _deploy_static(self, trajectories: Sequence[Trajectory]) -> None:
-        used = sorted({a.template.service or "" for t in trajectories for a in t.actions()} - {""})
-        free = [g.gpus for g in self.cluster.gpu_nodes for _ in range(g.count)]
-        demands = []
-        for name in used:
-            spec = self.cluster.service(name)
-            assert spec is not None  # checked in _check_names
-            demands += [(spec.static_gpus, name)] * spec.static_replicas
-            self.static[name] = _Static(
-                spec.static_gpus, spec.static_replicas, spec.static_replicas
-            )
-        need = sum(g for g, _ in demands)
-        for gpus, name in sorted(demands, key=lambda d: -d[0]):  # first fit decreasing
-            slot = next((i for i, f in enumerate(free) if f >= gpus), None)
-            if slot is None:
-                raise SimError(
-                    f"static-services: cluster {self.cluster.source} is too small: the "
-                    f"replicas of {', '.join(used)} need {need} GPUs, it has "
-                    f"{self.cluster.total_gpus} (could not place a {gpus}-GPU replica of {name!r})"
-                )
-            free[slot] -= gpus
-        self.static_gpus = need
-
     # ------------------------------------------------------------------ event loop
 
-    def _push(self, time: float, kind: int, obj: Any) -> None:
+    def push(self, time: float, kind: int, obj: Any) -> None:
         self._eseq += 1
         heapq.heappush(self._heap, (time, kind, self._eseq, kind, obj))
 
@@ -219,11 +156,12 @@ class Engine:
         heap = self._heap
         handlers: dict[int, Callable[[Any, float], None]] = {
             DONE: self._on_done,
-            POD_READY: self._on_pod_ready,
-            RETRY: self._on_retry,
+            POD_READY: self.k8s.on_ready,
+            RETRY: self.retry.attempt,
             GEN_DONE: self._on_gen_done,
             ARRIVE: self._on_gen_done,
             WAKE: self._on_wake,
+            POD_BIND: self.k8s.on_bind_free,
         }
         events = 0
         while heap:
@@ -235,8 +173,8 @@ class Engine:
                 events += 1
             if self.dirty or self.unassigned:
                 self._pass(now)
-            if self.pods_dirty:
-                self._create_pods(now)
+            if self.k8s.dirty:
+                self.k8s.create_pods(now)
             if self.check:
                 self._validate()
             if self.progress is not None and events >= 2000:
@@ -249,9 +187,9 @@ class Engine:
     def _start_step(self, group: tuple[str, int], at: float) -> None:
         self._step_start[group] = at
         for st in self._groups[group]:
-            self._push(at + st.spec.arrival_s, ARRIVE, st)
+            self.push(at + st.spec.arrival_s, ARRIVE, st)
 
-    def _on_gen_done(self, st: _Traj, now: float) -> None:
+    def _on_gen_done(self, st: Traj, now: float) -> None:
         steps = st.spec.steps
         while st.idx < len(steps):
             s = steps[st.idx]
@@ -260,20 +198,14 @@ class Engine:
                 self._submit(st, s, now)
                 return
             if s > 0:
-                self._push(now + s, GEN_DONE, st)
+                self.push(now + s, GEN_DONE, st)
                 return
         self._end_trajectory(st, now)
 
-    def _end_trajectory(self, st: _Traj, now: float) -> None:
+    def _end_trajectory(self, st: Traj, now: float) -> None:
         self._done_traj += 1
         tid = st.spec.id
-        if st.pod is not None:
-            node, _cores, created = st.pod
-            node.release(ActionId(f"pod:{tid}"))
-            node.unreserve_mem(EnvId(tid))
-            self._add(self.reserved, "cpu", self.cluster.baselines.k8s_pod_cores * (now - created))
-            st.pod = None
-            self.pods_dirty = True
+        self.k8s.end(st, now)
         pid = self.affinity.pop(st.spec.id, None)
         if pid is not None:
             self.cpu[pid].unreserve_mem(EnvId(tid))
@@ -306,17 +238,17 @@ class Engine:
             self._templates[key] = tpl
         return tpl
 
-    def _submit(self, st: _Traj, ta: TraceAction, now: float) -> None:
+    def _submit(self, st: Traj, ta: TraceAction, now: float) -> None:
         self._seq += 1
         tpl = self._template(ta)
         action = replace(
             tpl, id=ActionId(f"{st.spec.id}#{st.idx - 1}"), seq=self._seq, submitted_at=now
         )
-        run = _Run(action, ta, st, now)
+        run = Run(action, ta, st, now)
         pol = self.policy
         if ta.kind == "exec":
             if pol.cpu == "k8s":
-                self._k8s_submit(run, now)
+                self.k8s.submit(run, now)
                 return
             pid = self.affinity.get(st.spec.id)
             if pid is None:
@@ -325,30 +257,32 @@ class Engine:
                 self.queues[pid][action.id] = run
                 self.dirty.add(pid)
         elif ta.kind == "service":
-            if pol.gpu == "static":
-                svc = self.static[action.service or ""]
-                svc.queue.append(run)
-                self._static_dispatch(svc, now)
+            if self.static is not None:
+                self.static.submit(run, now)
                 return
             self.queues["gpu"][action.id] = run
             self.dirty.add("gpu")
         else:
             pid = action.key
             if pol.api == "retry":
-                self._retry_attempt(run, now)
+                self.retry.attempt(run, now)
                 return
             self.queues[pid][action.id] = run
             self.dirty.add(pid)
 
-    def _start(self, run: _Run, now: float, units: int, restore: float, resource: str) -> None:
-        run.start = now
+    def start_run(
+        self, run: Run, now: float, units: int, restore: float, resource: str, delay: float = 0.0
+    ) -> None:
+        """Start ``run`` on ``units`` units; ``delay`` seconds of dispatch cost (counted as
+        queueing) come before its restore and execution."""
+        run.start = now + delay
         run.units = units
         run.restore = restore
         run.exec = run.ta.true_duration(units)
-        self._add(self.busy, resource, units * run.exec)
-        self._push(now + restore + run.exec, DONE, run)
+        self.add_busy(resource, units * run.exec)
+        self.push(run.start + restore + run.exec, DONE, run)
 
-    def _on_done(self, run: _Run, now: float) -> None:
+    def _on_done(self, run: Run, now: float) -> None:
         action = run.action
         if run.ta.dur_s is not None:
             self.history.observe(action.klass, run.exec)
@@ -357,18 +291,16 @@ class Engine:
             self.pools[pid].release(action.id)
             del self.running[pid][action.id]
             self.dirty.add(pid)
-            self._add(self.reserved, self.pools[pid].resource, run.units * (now - run.start))
+            self.add_reserved(self.pools[pid].resource, run.units * (now - run.start))
         elif action.kind == "service":  # static-services replica
-            svc = self.static[action.service or ""]
-            svc.free += 1
-            self._static_dispatch(svc, now)
+            assert self.static is not None
+            self.static.done(run, now)
         elif action.kind == "api":  # api-retry lease
-            self.apis[action.key].release_lease(LeaseId(str(action.id)))
-            self._add(self.reserved, action.key, run.exec)
+            self.retry.done(run, now)
         self._record(run, now, failed=False)
         self._on_gen_done(run.traj, now)
 
-    def _record(self, run: _Run, now: float, failed: bool) -> None:
+    def _record(self, run: Run, now: float, failed: bool) -> None:
         start = run.start if run.start >= 0 else now
         self.records.append(
             ActionRecord(
@@ -384,7 +316,7 @@ class Engine:
             )
         )
 
-    def _fail(self, run: _Run, now: float) -> None:
+    def fail_run(self, run: Run, now: float) -> None:
         self._record(run, now, failed=True)
         self._on_gen_done(run.traj, now)
 
@@ -393,7 +325,7 @@ class Engine:
     def _pass(self, now: float) -> None:
         pools: dict[str, Any] = {}
         waiting: list[Action] = []
-        runs: dict[ActionId, _Run] = {}
+        runs: dict[ActionId, Run] = {}
         dirty = self.dirty
         if self.unassigned:
             dirty = dirty | set(self.cpu)
@@ -449,13 +381,13 @@ class Engine:
                 plan = self.gpu.restore_for(action.id, action.service or "", self._tick)
                 restore = plan.seconds
             self.running[p.pool_id][action.id] = (now + p.expected_s, p.amount)
-            self._start(run, now, len(p.units), restore, pool.resource)
+            self.start_run(run, now, len(p.units), restore, pool.resource)
         for inf in decision.infeasible:
             failed = self.unassigned.pop(inf.action_id, None)
             if failed is None:
                 pid = pool_of_run(runs[inf.action_id], self.affinity)
                 failed = self.queues[pid].pop(inf.action_id)
-            self._fail(failed, now)
+            self.fail_run(failed, now)
         for pid in self.apis:
             if self.queues[pid]:
                 self._api_wake(pid, now)
@@ -467,91 +399,19 @@ class Engine:
         at = self.apis[pid].next_grant_time(now)
         if at is not None and at > now and (pid, at) not in self._wakes:
             self._wakes.add((pid, at))
-            self._push(at, WAKE, pid)
+            self.push(at, WAKE, pid)
 
     def _on_wake(self, pid: str, now: float) -> None:
         self._wakes.discard((pid, now))
         self.dirty.add(pid)
 
-    # ------------------------------------------------------------------ k8s baseline
-
-    def _k8s_submit(self, run: _Run, now: float) -> None:
-        st = run.traj
-        if st.pod is None:
-            st.pending = run
-            self.pod_queue.append(st)
-            self.pods_dirty = True
-            return
-        self._k8s_start(run, now)
-
-    def _k8s_start(self, run: _Run, now: float) -> None:
-        action = run.action
-        cores = self.cluster.baselines.k8s_pod_cores
-        allowed = action.allowed_units()
-        if allowed[0] > cores:
-            self._fail(run, now)  # the action needs more cores than a pod has
-            return
-        amount = max(a for a in allowed if a <= cores) if action.is_elastic() else allowed[0]
-        self._start(run, now, amount, 0.0, "cpu")
-
-    def _create_pods(self, now: float) -> None:
-        self.pods_dirty = False
-        cores = self.cluster.baselines.k8s_pod_cores
-        nodes = list(self.cpu.values())
-        while self.pod_queue:
-            st = self.pod_queue[0]
-            mem = self.env_bytes[st.spec.id]
-            fits = [n for n in nodes if n.free_units() >= cores and n.mem_free >= mem]
-            if not fits:
-                if not any(n.capacity >= cores and n.mem_total >= mem for n in nodes):
-                    self.pod_queue.popleft()  # can never be scheduled
-                    run, st.pending = st.pending, None
-                    assert run is not None
-                    self._fail(run, now)
-                    continue
-                return  # FCFS: the head waits for room
-            self.pod_queue.popleft()
-            node = max(fits, key=lambda n: (n.free_units(), -int(n.node_id[1:])))  # spread
-            picked = pick_cores(node.free_by_numa(), cores)
-            node.allocate(ActionId(f"pod:{st.spec.id}"), picked)
-            node.reserve_mem(EnvId(st.spec.id), mem)
-            st.pod = (node, picked, now)
-            self._push(now + self.cluster.baselines.k8s_pod_start_s, POD_READY, st)
-
-    def _on_pod_ready(self, st: _Traj, now: float) -> None:
-        run, st.pending = st.pending, None
-        assert run is not None
-        self._k8s_start(run, now)
-
-    # ------------------------------------------------------------------ static services
-
-    def _static_dispatch(self, svc: _Static, now: float) -> None:
-        while svc.free and svc.queue:
-            run = svc.queue.popleft()
-            svc.free -= 1
-            self._start(run, now, svc.gpus, 0.0, "gpu")
-
-    # ------------------------------------------------------------------ api-retry baseline
-
-    def _retry_attempt(self, run: _Run, now: float) -> None:
-        pool = self.apis[run.action.key]
-        pool.advance(now)
-        if pool.acquire(LeaseId(str(run.action.id)), now, ttl_s=NO_TTL) is not None:
-            self._start(run, now, 1, 0.0, run.action.key)
-            return
-        base = self.cluster.baselines.api_retry_backoff_s
-        backoff = min(base * 2**run.attempts, MAX_BACKOFF_S)
-        run.attempts += 1
-        self._push(now + backoff, RETRY, run)
-
-    def _on_retry(self, run: _Run, now: float) -> None:
-        self._retry_attempt(run, now)
-
     # ------------------------------------------------------------------ bookkeeping
 
-    @staticmethod
-    def _add(table: dict[str, float], key: str, value: float) -> None:
-        table[key] = table.get(key, 0.0) + value
+    def add_busy(self, resource: str, unit_seconds: float) -> None:
+        self.busy[resource] = self.busy.get(resource, 0.0) + unit_seconds
+
+    def add_reserved(self, resource: str, unit_seconds: float) -> None:
+        self.reserved[resource] = self.reserved.get(resource, 0.0) + unit_seconds
 
     def _validate(self) -> None:
         for node in self.cpu.values():
@@ -561,8 +421,8 @@ class Engine:
             self.gpu.validate()
         for api in self.apis.values():
             api.validate()
-        for svc in self.static.values():
-            assert 0 <= svc.free <= svc.replicas, "static replicas over-used"
+        if self.static is not None:
+            self.static.validate()
 
     def _finish(self) -> SimResult:
         pending = len(self.unassigned) + sum(len(q) for q in self.queues.values())
@@ -572,14 +432,14 @@ class Engine:
                 f"{self._n_traj - self._done_traj} trajectories unfinished"
             )
         makespan = self.now
-        if self.policy.gpu == "static" and self.static:
-            self._add(self.reserved, "gpu", self.static_gpus * makespan)
+        if self.static is not None and self.static.services:
+            self.add_reserved("gpu", self.static.gpus * makespan)
         return summarize(
             self.policy.name, self.records, self.step_durations, self.busy, self.reserved, makespan
         )
 
 
-def pool_of_run(run: _Run, affinity: Any) -> str:
+def pool_of_run(run: Run, affinity: Any) -> str:
     a = run.action
     if a.kind == "exec":
         return str(affinity[a.trajectory])
