@@ -134,3 +134,16 @@ def test_affinity_without_cgroups(tmp_path):
     assert "tangram" not in out.stdout
     run(b.shutdown())
     assert os.sched_getaffinity(0) == before  # the daemon itself is never pinned
+
+
+@pytest.mark.parametrize("use_cgroups", [True, False], ids=["cgroup", "no-cgroup"])
+def test_background_process_holding_the_pipes_does_not_stall_the_action(tmp_path, use_cgroups):
+    """The action ends when its main process exits, even if a setsid child keeps the pipes."""
+    b = ProcessBackend(tmp_path, use_cgroups=use_cgroups)
+    try:
+        env = new_env(b)
+        result = ex(b, env, "setsid sleep 30 & echo started", timeout_s=3.0)
+        assert (result.outcome, result.exit_code, result.stdout) == ("ok", 0, "started\n")
+        assert result.exec_s < 2.0
+    finally:
+        run(b.shutdown())

@@ -13,7 +13,8 @@ No container engine needed; this is the embedded default (design §5.2).
   execs at once), which also catches descendants that leave the process group. The child is
   spawned without a ``preexec_fn`` (see ``ProcessBackend._spawn``); cgroups are removed at
   shutdown.
-- The exec ends when its main process exits; whatever it left running in its process group
+- The exec ends when its main process exits (not when its output pipes close: a background
+  descendant may hold them); whatever it left running in its process group
   (or cgroup) is killed then, so a core serves one action at a time.
 - A timeout sends SIGTERM to the group, SIGKILL 0.5 s later, and returns the partial output.
 - The environment's memory size is advisory only here: it is recorded but not enforced.
@@ -158,9 +159,26 @@ class CpusetCgroups:
         return [p for p in self.base.iterdir() if p.is_dir()]
 
 
+class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """The stream protocol plus an event set when the main process exits.
+
+    ``Process.wait()`` also waits for the output pipes to close, so a background descendant
+    that keeps them open would hold the action (and its cores) until it exits.
+    """
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=limit, loop=loop)
+        self.exited = asyncio.Event()
+
+    def process_exited(self) -> None:
+        self.exited.set()
+        super().process_exited()
+
+
 @dataclass(slots=True, eq=False)
 class _Running:
     proc: asyncio.subprocess.Process
+    exited: asyncio.Event
     cgroup: Path | None
     killed_for_shutdown: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -281,7 +299,7 @@ class ProcessBackend:
             return ExecResult("failed", code, "", msg, time.monotonic() - started, False)
         except (OSError, subprocess.SubprocessError) as e:
             return infra_error(f"spawn failed: {e}")
-        run = _Running(proc, cgroup)
+        run = _Running(proc, proc._protocol.exited, cgroup)  # type: ignore[attr-defined]
         self._running.add(run)
         if self._closing:  # shutdown began while we were spawning
             run.killed_for_shutdown = True
@@ -313,8 +331,10 @@ class ProcessBackend:
         if cgroup is not None:
             CpusetCgroups.join(cgroup, tid)
         os.sched_setaffinity(0, cores)
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.create_subprocess_exec(
+            transport, protocol = await loop.subprocess_exec(
+                lambda: _ExitProtocol(_READ_CHUNK, loop),
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
@@ -323,6 +343,7 @@ class ProcessBackend:
                 env=env,
                 start_new_session=True,
             )
+            return asyncio.subprocess.Process(transport, protocol, loop)
         finally:
             if cgroup is not None and self._home_cgroup is not None:
                 CpusetCgroups.join(self._home_cgroup, tid)
@@ -337,22 +358,26 @@ class ProcessBackend:
             asyncio.create_task(_pump(proc.stderr, err)),
         ]
         timed_out = False
+        # The action ends when its main process exits (not when its pipes close: a
+        # background descendant may hold them open); the timeout counts to that exit.
         try:
-            await asyncio.wait_for(proc.wait(), req.timeout_s)
+            await asyncio.wait_for(run.exited.wait(), req.timeout_s)
         except asyncio.TimeoutError:
             timed_out = True
             _killpg(proc.pid, signal.SIGTERM)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(proc.wait(), SIGTERM_GRACE_S)
+                await asyncio.wait_for(run.exited.wait(), SIGTERM_GRACE_S)
         exec_s = time.monotonic() - started
         # The main process is gone: end whatever it left behind, then drain the pipes.
         _killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
+        await run.exited.wait()
         if run.cgroup is not None and self.cgroups is not None:
             await self.cgroups.empty(run.cgroup)  # the cgroup is reused by the next exec
         _, pending = await asyncio.wait(readers, timeout=DRAIN_AFTER_EXIT_S)
-        for task in pending:  # a setsid'd descendant still holds a pipe open
+        for task in pending:  # a descendant that escaped every sweep holds a pipe open
             task.cancel()
+        if pending:
+            proc._transport.close()  # type: ignore[attr-defined]  # our pipe ends, no fd leak
         detail = "output pipes held open by an escaped descendant" if pending else ""
         if run.killed_for_shutdown:
             return infra_error(SHUTDOWN_DETAIL, stdout=out.text(), stderr=err.text())
