@@ -97,7 +97,7 @@ def test_reconcile_removes_leftovers_of_a_previous_run(tmp_path):
     """Env dirs and exec cgroups left by a crashed daemon are removed on start."""
     crashed = ProcessBackend(tmp_path)
     run(crashed.create_env("old-env", None, None))
-    leftover_cg = crashed.cgroups.create("old-action-1", (0,)) if crashed.cgroups else None
+    leftover_cg = crashed.cgroups.for_cores((0,)) if crashed.cgroups else None
     fresh = ProcessBackend(tmp_path)
     done = run(fresh.reconcile())
     assert not (tmp_path / "envs" / "old-env").exists()
