@@ -5,8 +5,11 @@ output is for people (aligned tables). Errors are one line on stderr, never a tr
 
 - the daemon cannot be reached → exit 2 (``exec``: 125, its infrastructure-error code);
 - the daemon refused the request (``not_found``, ``bad_request``, …) → exit 1;
-- ``exec`` exits with the command's own exit code, 124 on timeout, 125 on an
-  infrastructure error or a rejected action.
+- ``exec`` exits with the command's own exit code; 2 for a usage or request error (a bad
+  option, an unknown ``--profile`` or ``--env``, more ``--cpus`` or ``--mem`` than any node
+  has, a quota refusal), with one line naming the option; 124 on timeout; 125 only when
+  the infrastructure failed (daemon unreachable or shutting down, environment lost, engine
+  down).
 """
 
 from __future__ import annotations
@@ -21,12 +24,28 @@ import click
 from tangram.client import Client, ExecResult, default_socket_path
 from tangram.model import TangramError
 from tangram.protocol import ConnectionFailed
-from tangramctl.render import kv, table, to_json
+from tangramctl.render import humanize_sizes, kv, table, to_json
 
 EXIT_UNREACHABLE = 2
 EXIT_REFUSED = 1
+EXIT_USAGE = 2
 EXIT_TIMEOUT = 124
 EXIT_INFRA = 125
+# Error codes that mean "this request cannot be served as asked" (the caller's to fix),
+# as opposed to infrastructure failures.
+REQUEST_ERRORS = frozenset(
+    {"bad_request", "not_found", "unknown_op", "unschedulable", "quota_exceeded"}
+)
+# Words in a daemon message → the exec option they come from.
+_OPTION_OF = (
+    ("timeout", "--timeout"),
+    ("profile", "--profile"),
+    ("mem:", "--mem"),
+    ("environment", "--env"),
+    ("image", "--image"),
+    ("cpu", "--cpus"),
+    ("env_vars", "--setenv"),
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -86,7 +105,7 @@ class _Cli(click.Group):
             ctl = ctx.find_object(Ctl)
             fail(unreachable_message(ctl.path if ctl else default_socket_path(), exc), 2)
         except TangramError as exc:
-            fail(f"{exc.code}: {exc.message}", EXIT_REFUSED)
+            fail(f"{exc.code}: {humanize_sizes(exc.message)}", EXIT_REFUSED)
 
 
 def json_option(func: F) -> F:
@@ -208,7 +227,9 @@ def exit_code_for(result: ExecResult) -> int:
     """The CLI's exit status for an exec result (design §6 contract)."""
     if result.outcome == "timeout":
         return EXIT_TIMEOUT
-    if result.outcome in ("infra_error", "rejected"):
+    if result.outcome == "rejected":  # the request cannot be served as asked
+        return EXIT_USAGE
+    if result.outcome == "infra_error":
         return EXIT_INFRA
     code = result.exit_code
     if code is None:
@@ -218,6 +239,19 @@ def exit_code_for(result: ExecResult) -> int:
     if result.outcome == "failed" and code == 0:
         return 1
     return min(code, 255)
+
+
+def option_named(message: str) -> str | None:
+    """The ``exec`` option a daemon error message is about, if it says."""
+    lowered = message.lower()
+    return next((opt for word, opt in _OPTION_OF if word in lowered), None)
+
+
+def request_error_line(exc: TangramError) -> str:
+    """``--cpus: needs at least 3, the largest node has 2`` (sizes in GiB/MiB)."""
+    option = option_named(exc.message)
+    text = humanize_sizes(exc.message)
+    return f"{option}: {text}" if option else f"{exc.code}: {text}"
 
 
 def _refused_result(exc: TangramError) -> dict[str, Any]:
@@ -254,7 +288,13 @@ def _refused_result(exc: TangramError) -> dict[str, Any]:
     help="Cores: fixed or a range.",
 )
 @click.option("--mem", metavar="SIZE", help="Memory limit, e.g. 512MiB.")
-@click.option("--timeout", "timeout_s", type=float, metavar="SECONDS", help="Wall-clock limit.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="Wall-clock limit (> 0).",
+)
 @click.option("--profile", metavar="NAME", help="Stored elasticity profile to schedule by.")
 @click.option(
     "--elastic/--no-elastic",
@@ -313,7 +353,9 @@ def exec_(
     except TangramError as exc:
         if as_json:
             click.echo(to_json(_refused_result(exc)))
-        fail(f"{exc.code}: {exc.message}", EXIT_INFRA)
+        if exc.code in REQUEST_ERRORS:
+            fail(request_error_line(exc), EXIT_USAGE)
+        fail(f"{exc.code}: {humanize_sizes(exc.message)}", EXIT_INFRA)
     if as_json:
         click.echo(to_json(result.to_wire()))
     else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import statistics
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from tangram.client import Client, ExecResult
 from tangramctl.render import table, to_json
 
 EXIT_INFRA = 125  # as `tangramctl exec`: the infrastructure, not the command, failed
+EXIT_RUNS_FAILED = 1  # the command itself failed in some run: nothing to measure
 MIN_SECONDS = 1e-6  # a run too fast to time still gets a positive duration (t1_s > 0)
 _PYTEST_SUMMARY = re.compile(r"\b(?:\d+ \w+|no tests ran)\b.* in [0-9.]+s\b")
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
@@ -102,6 +104,7 @@ class Profile:
     runs: dict[int, list[float]] = field(default_factory=dict)
     signatures: dict[int, list[tuple[Any, ...]]] = field(default_factory=dict)
     skipped: list[int] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # "DoP K run R: why", one per bad run
 
     def medians(self) -> dict[int, float]:
         return {k: max(statistics.median(v), MIN_SECONDS) for k, v in sorted(self.runs.items())}
@@ -131,6 +134,7 @@ class Profile:
             "outcomes_differ": differ,
             "runs": {str(k): [round(x, 6) for x in v] for k, v in sorted(self.runs.items())},
             "skipped_dops": self.skipped,
+            "failed_runs": self.failures,
         }
 
 
@@ -210,11 +214,20 @@ def measure(
                         f"tangramctl: warning: asked for {k} cores, ran on {len(result.cores)}",
                         err=True,
                     )
+                if result.outcome != "ok":
+                    profile.failures.append(f"DoP {k} run {rep}: {failure_reason(result)}")
                 profile.runs.setdefault(k, []).append(result.exec_s)
                 profile.signatures.setdefault(k, []).append(outcome_signature(result, pytest))
     finally:
         client.env_close(env_id)
     return profile
+
+
+def failure_reason(result: ExecResult) -> str:
+    """``exit 4: ERROR: file or directory not found: tests/x`` (the last line it printed)."""
+    what = "timed out" if result.outcome == "timeout" else f"exit {result.exit_code}"
+    lines = (result.stderr.strip() or result.stdout.strip()).splitlines()
+    return f"{what}: {lines[-1][:200]}" if lines else what
 
 
 def _progress(done: int, total: int, k: int, rep: int, repeat: int, r: ExecResult) -> None:
@@ -262,10 +275,28 @@ def profile(
     as_json: bool,
     cmd: tuple[str, ...],
 ) -> None:
-    """Measure how CMD speeds up with cores: tangramctl profile [OPTIONS] -- CMD [ARG…]."""
+    """Measure how CMD speeds up with cores: tangramctl profile [OPTIONS] -- CMD [ARG…].
+
+    CMD runs in a fresh environment whose working directory starts empty (the process
+    backend's per-environment directory; /work in a container): give paths outside it as
+    absolute paths. Every run must succeed: if one fails, nothing is saved, the failed
+    runs are listed and the exit status is 1.
+    """
     dops = parse_dops(dop_text)
     client = ctl.client
     result = measure(client, list(cmd), dops, repeat, image, timeout_s)
+    if result.failures:
+        if as_json:
+            click.echo(to_json({**result.report(), "saved": None}))
+        for line in result.failures:
+            click.echo(f"tangramctl: {line}", err=True)
+        click.echo(
+            f"tangramctl: {len(result.failures)} run(s) failed: a profile of a failing command "
+            "measures nothing; not saved (the command runs in the environment's empty "
+            "working directory: use absolute paths)",
+            err=True,
+        )
+        sys.exit(EXIT_RUNS_FAILED)
     differing = result.differing()
     if differing:
         expected = describe_signature(result.signatures[1][0])

@@ -7,6 +7,7 @@ preferred columns first, so the CLI does not break when the daemon adds somethin
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -22,6 +23,8 @@ def fmt(value: Any, key: str = "") -> str:
         return "yes" if value else "no"
     if isinstance(value, int) and _is_size_key(key):
         return size(value)
+    if isinstance(value, float) and value.is_integer() and _is_count_key(key):
+        return str(int(value))
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1e-3 or abs(value) >= 1e6 else f"{value:.3f}"
     if isinstance(value, list | tuple):
@@ -40,6 +43,22 @@ def fmt(value: Any, key: str = "") -> str:
 def _is_size_key(key: str) -> bool:
     key = key.lower()
     return "mem" in key or key.endswith("bytes")
+
+
+def _is_count_key(key: str) -> bool:
+    key = key.lower()
+    return key in ("n", "count", "actions", "runs") or key.endswith(("count", "_n"))
+
+
+_MEM_CLAUSE = re.compile(r"\bmem\b[^;()]*")
+_BIG_INT = re.compile(r"\b\d{4,}\b")
+
+
+def humanize_sizes(message: str) -> str:
+    """Byte counts in a ``mem: needs N, free N`` clause as GiB/MiB for people."""
+    return _MEM_CLAUSE.sub(
+        lambda m: _BIG_INT.sub(lambda n: size(int(n.group())), m.group()), message
+    )
 
 
 def size(n: int) -> str:
@@ -123,6 +142,8 @@ def kv(mapping: Mapping[str, Any], *, indent: int = 0) -> str:
         if isinstance(value, Mapping) and value:
             lines.append(f"{pad}{key}:")
             lines.append(kv(value, indent=indent + 2))
+        elif isinstance(value, Mapping):  # nothing to show: say so, never a bare "key:"
+            lines.append(f"{pad}{str(key) + ':':<{width + 1}} (none yet)")
         else:
             lines.append(f"{pad}{str(key) + ':':<{width + 1}} {fmt(value, str(key))}")
     return "\n".join(lines)
@@ -141,4 +162,4 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-__all__ = ["columns_of", "fmt", "kv", "size", "table", "to_json"]
+__all__ = ["columns_of", "fmt", "humanize_sizes", "kv", "size", "table", "to_json"]

@@ -236,6 +236,34 @@ def _dops(value: Any) -> tuple[int, ...]:
     return tuple(sorted(value))
 
 
+def _id_list(value: Any) -> tuple[int, ...]:
+    """A list of numeric uids or gids (``[]``: no allowlist)."""
+    if not isinstance(value, list) or any(
+        isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value
+    ):
+        raise _Bad(f"got {value!r}", "a list of numeric ids, e.g. [1000, 1001]")
+    return tuple(sorted(set(value)))
+
+
+def _exec_user(value: Any) -> str:
+    """``"peer"`` or an existing user (name or numeric uid) that commands run as."""
+    text = _text(value)
+    if text != "peer" and resolve_user(text) is None:
+        raise _Bad(f"no such user {text!r}", "'peer', or a user name or uid of this host")
+    return text
+
+
+def resolve_user(name: str) -> tuple[int, int] | None:
+    """(uid, gid) of a user given by name or numeric uid; None if there is none."""
+    import pwd
+
+    try:
+        entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+    except (KeyError, OverflowError):
+        return None
+    return entry.pw_uid, entry.pw_gid
+
+
 def _opt_text(value: Any) -> str | None:
     return None if value is None else _text(value)
 
@@ -298,6 +326,11 @@ class DaemonConfig:
     log_level: str = _key(_choice(*LOG_LEVELS), "info")
     max_frame_bytes: int = _key(_size(1024), 16 * MIB)
     idle_timeout_s: float = _key(_number(0.0, exclusive=True), 300.0)
+    frame_timeout_s: float = _key(_number(0.0, exclusive=True), 30.0)
+    max_connections: int = _key(_int(1), 4096)
+    max_buffered_bytes: int = _key(_size(1024), 256 * MIB)
+    allowed_uids: tuple[int, ...] = _key(_id_list, ())
+    allowed_gids: tuple[int, ...] = _key(_id_list, ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +345,7 @@ class CpuConfig:
     max_output_bytes: int = _key(_size(1), MIB)
     docker_image: str = _key(_text, "tangram-test:bookworm")
     exec_agent: bool = _key(_bool, True)
+    exec_user: str = _key(_exec_user, "peer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -578,4 +612,5 @@ __all__ = [
     "load_config",
     "parse_cores",
     "parse_size",
+    "resolve_user",
 ]

@@ -3,6 +3,9 @@
 - :func:`sd_notify` speaks systemd's notify protocol with the standard library only (one
   datagram to ``$NOTIFY_SOCKET``, abstract ``@`` names included), so ``Type=notify`` units
   work without libsystemd; without ``$NOTIFY_SOCKET`` (a terminal, a test) it does nothing.
+- :func:`lock_state_dir` makes the state directory private and takes its ``flock``: a
+  second daemon on the same directory exits with the holder's pid instead of removing the
+  first one's environments.
 - :func:`install_stop_handlers` turns SIGTERM/SIGINT into an :class:`asyncio.Event` that the
   daemon's main coroutine awaits, so shutdown runs as ordinary code on the loop (ending
   in-flight actions with a typed outcome, removing the socket) instead of inside a signal
@@ -106,8 +109,61 @@ def install_stop_handlers(
 __all__ = [
     "NOTIFY_ENV",
     "STOP_SIGNALS",
+    "StateDirBusy",
+    "StateDirLock",
     "install_stop_handlers",
+    "lock_state_dir",
     "notify_ready",
     "notify_stopping",
     "sd_notify",
 ]
+
+
+# --- one daemon per state directory -----------------------------------------------------
+
+LOCK_NAME: Final = "tangramd.lock"
+
+
+class StateDirBusy(RuntimeError):
+    """Another daemon holds the state directory's lock."""
+
+
+class StateDirLock:
+    """An exclusive ``flock`` on ``<state_dir>/tangramd.lock``, held for the daemon's life.
+
+    The kernel drops it when the process dies (even by SIGKILL), so a crashed daemon never
+    leaves a stale lock; the file holds the holder's pid for the message of the next one.
+    """
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd = fd
+        self.path = path
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # releases the lock
+            self.fd = -1
+
+
+def lock_state_dir(state_dir: str, *, shared: bool = False) -> StateDirLock:
+    """Create ``state_dir`` (0700; 0711 with ``shared``: commands running as other users
+    must reach their own environment inside it) and take its lock, or raise StateDirBusy
+    naming the holder's pid."""
+    import fcntl
+
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    os.chmod(state_dir, 0o711 if shared else 0o700)
+    path = os.path.join(state_dir, LOCK_NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StateDirBusy(
+            f"state dir {state_dir} is in use by another tangramd (pid {holder}); "
+            "stop it first or give this one its own --state-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return StateDirLock(fd, path)

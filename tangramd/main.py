@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import sys
+from typing import Any
 
 import click
 import structlog
 
 from tangram.model import TangramError
-from tangramd.config import ConfigError, load_config
-from tangramd.lifecycle import install_stop_handlers, sd_notify
+from tangramd.config import ConfigError, load_config, resolve_user
+from tangramd.lifecycle import StateDirBusy, install_stop_handlers, lock_state_dir, sd_notify
 from tangramd.logs import configure_logging
+from tangramd.transport import check_socket_free
 
 log = structlog.get_logger("tangramd")
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="arl-tangram")
 def cli() -> None:
     """ARL-Tangram daemon: action-level resource manager for agentic RL."""
@@ -56,17 +59,51 @@ def up(
         click.echo(f"tangramd: {exc}", err=True)
         sys.exit(2)
     configure_logging(config.daemon.log_format, config.daemon.log_level)
+    # Files the daemon writes (registry, profiles, environments) are private: 0600/0700.
+    os.umask(0o077)
     try:
+        lock = lock_state_dir(config.daemon.state_dir, shared=os.geteuid() == 0)
+    except StateDirBusy as exc:
+        click.echo(f"tangramd: {exc}", err=True)
+        sys.exit(1)
+    except OSError as exc:
+        click.echo(f"tangramd: state dir {config.daemon.state_dir}: {exc.strerror}", err=True)
+        sys.exit(1)
+    try:
+        check_socket_free(config.daemon.socket)  # fail before touching any state
         asyncio.run(_serve(config))
     except TangramError as exc:
         click.echo(f"tangramd: {exc}", err=True)
         sys.exit(1)
+    except OSError as exc:  # the socket is in use, its directory is not writable, ...
+        where = f" {exc.filename}" if exc.filename else ""
+        click.echo(f"tangramd: cannot serve{where}: {exc.strerror or exc}", err=True)
+        sys.exit(1)
+    finally:
+        lock.close()
 
 
-async def _serve(config: object) -> None:
+def apply_limits(runtime: Any, config: Any) -> None:
+    """Give the transport and backend the hardening keys of the config.
+
+    ``build_runtime`` does not pass these yet; until it does, they are set here on the
+    objects it built (``UnixServer`` and ``ProcessBackend`` take them as arguments too).
+    """
+    server, daemon = runtime.server, config.daemon
+    server.frame_timeout_s = daemon.frame_timeout_s
+    server.max_connections = daemon.max_connections
+    server.max_buffered_bytes = daemon.max_buffered_bytes
+    server.allowed_uids = frozenset(daemon.allowed_uids)
+    server.allowed_gids = frozenset(daemon.allowed_gids)
+    if config.cpu.exec_user != "peer" and hasattr(runtime.backend, "default_user"):
+        runtime.backend.default_user = resolve_user(config.cpu.exec_user)
+
+
+async def _serve(config: Any) -> None:
     from tangramd.runtime import build_runtime
 
     runtime = build_runtime(config)
+    apply_limits(runtime, config)
     stop = asyncio.Event()
     uninstall = install_stop_handlers(asyncio.get_running_loop(), stop)
     try:

@@ -12,7 +12,16 @@ One :class:`asyncio.Protocol` per connection (cheaper than streams on the hot pa
 - a client that disconnects does not cancel its handler tasks (an exec keeps its cores
   until it ends, a lease lives until its TTL): :class:`ConnInfo` exposes ``closed`` and
   ``on_close`` so the daemon decides;
-- a connection with nothing in flight and no frame for ``idle_timeout_s`` is closed.
+- a connection with nothing in flight and no frame for ``idle_timeout_s`` is closed;
+- a frame must arrive whole within ``frame_timeout_s`` of its first byte, else the
+  connection is closed (a slow sender cannot hold a connection open byte by byte);
+- at most ``max_connections`` connections are served (past it a new one is answered
+  ``bad_request`` and closed), and the bytes of unfinished frames buffered across all
+  connections stay under ``max_buffered_bytes``: past it the connections holding the most
+  are closed, so small well-behaved requests keep being served;
+- peers are checked at accept with ``SO_PEERCRED``: with an allowlist (``allowed_uids``,
+  ``allowed_gids``; supplementary groups count) any other peer is answered and closed.
+  Root and the daemon's own user are always allowed.
 
 The transport knows nothing about ops: the handler dispatches (and validates) them.
 """
@@ -27,7 +36,7 @@ import os
 import socket
 import stat
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -56,6 +65,9 @@ WRITE_LOW_WATER = 1 << 18
 READ_CHUNK = 1 << 16
 
 _PEERCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+DEFAULT_FRAME_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_MAX_BUFFERED = 256 << 20
 
 
 @dataclass(eq=False)
@@ -121,6 +133,8 @@ class _Connection(asyncio.Protocol):
         self._can_write: asyncio.Event | None = None
         self._last_activity = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._frame_timer: asyncio.TimerHandle | None = None
+        self.buffered = 0  # bytes of an unfinished frame held by the decoder
 
     # -- asyncio.Protocol
 
@@ -133,23 +147,72 @@ class _Connection(asyncio.Protocol):
             with contextlib.suppress(OSError):
                 raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
                 self.info.pid, self.info.uid, self.info.gid = _PEERCRED.unpack(raw)
-        self._server._connections.add(self)
+        server = self._server
+        server._connections.add(self)
+        refusal = server._refusal(self.info)
+        if refusal:
+            log.warning(
+                "conn_refused", conn=self.info.id, reason=refusal, uid=self.info.uid,
+                gid=self.info.gid, pid=self.info.pid,
+            )  # fmt: skip
+            self._abort_with(None, BadRequest(refusal))
+            return
         self._last_activity = self._loop.time()
-        self._arm_idle_timer(self._server.idle_timeout_s)
+        self._arm_idle_timer(server.idle_timeout_s)
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
         self._last_activity = self._loop.time()
+        decoder = self._decoder
         try:
-            self._decoder.feed(data)
-            while (msg := self._decoder.next_message()) is not None:
+            decoder.feed(data)
+            completed = False
+            while (msg := decoder.next_message()) is not None:
+                completed = True
                 self._dispatch(msg)
                 if self._closing:
                     return
         except FrameError as exc:
             log.warning("bad_frame", conn=self.info.id, error=exc.message)
             self._abort_with(exc.request_id, exc)
+            return
+        self._track_partial(decoder.buffered, restart=completed)
+
+    # -- unfinished frames: a deadline each, and a budget across connections
+
+    def _track_partial(self, buffered: int, *, restart: bool) -> None:
+        server = self._server
+        server._buffered += buffered - self.buffered
+        self.buffered = buffered
+        if not buffered:
+            self._cancel_frame_timer()
+        elif restart or self._frame_timer is None:
+            # A new frame began (its first byte is in this chunk): its deadline starts now.
+            self._cancel_frame_timer()
+            self._frame_timer = self._loop.call_later(server.frame_timeout_s, self._frame_timed_out)
+        if server._buffered > server.max_buffered_bytes:
+            server._shed_buffered()
+
+    def _cancel_frame_timer(self) -> None:
+        if self._frame_timer is not None:
+            self._frame_timer.cancel()
+            self._frame_timer = None
+
+    def _frame_timed_out(self) -> None:
+        self._frame_timer = None
+        if self._closing or not self.buffered:
+            return
+        log.info("conn_frame_timeout", conn=self.info.id, buffered=self.buffered)
+        self._abort_with(
+            None,
+            BadRequest(f"frame not received whole within {self._server.frame_timeout_s:g} s"),
+        )
+
+    def _release_buffer(self) -> None:
+        self._server._buffered -= self.buffered
+        self.buffered = 0
+        self._cancel_frame_timer()
 
     def eof_received(self) -> bool:
         # The client finished sending; keep the write side open so pending answers still
@@ -161,6 +224,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        self._release_buffer()
         if self._idle_timer is not None:
             self._idle_timer.cancel()
         if self._can_write is not None:
@@ -260,6 +324,8 @@ class _Connection(asyncio.Protocol):
         """Answer a protocol violation, then close (buffered answers are flushed first)."""
         self._write(error_response(request_id, exc))
         self._closing = True
+        self._release_buffer()
+        self._decoder = FrameDecoder(self._server.max_frame)  # drop what it held
         if self._transport is not None:
             self._transport.close()
 
@@ -273,9 +339,12 @@ class _Connection(asyncio.Protocol):
         if should_pause and not self._read_paused:
             transport.pause_reading()
             self._read_paused = True
+            self._cancel_frame_timer()  # we stopped reading: the sender is not slow
         elif not should_pause and self._read_paused:
             transport.resume_reading()
             self._read_paused = False
+            if self.buffered:
+                self._track_partial(self.buffered, restart=True)
 
     # -- idle timeout
 
@@ -324,9 +393,22 @@ class UnixServer:
         idle_timeout_s: float = 300.0,
         max_inflight_per_conn: int = 1024,
         sync_handler: SyncHandler | None = None,
+        frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED,
+        allowed_uids: Iterable[int] = (),
+        allowed_gids: Iterable[int] = (),
     ) -> None:
         if max_inflight_per_conn < 1:
             raise ValueError("max_inflight_per_conn must be at least 1")
+        if frame_timeout_s <= 0 or max_connections < 1 or max_buffered_bytes < 1:
+            raise ValueError("frame_timeout_s, max_connections, max_buffered_bytes must be > 0")
+        self.frame_timeout_s = frame_timeout_s
+        self.max_connections = max_connections
+        self.max_buffered_bytes = max_buffered_bytes
+        self.allowed_uids = frozenset(allowed_uids)
+        self.allowed_gids = frozenset(allowed_gids)
+        self._buffered = 0  # bytes of unfinished frames across connections
         self.path = os.fspath(path)
         self.handler = handler
         self.max_frame = max_frame
@@ -342,6 +424,35 @@ class UnixServer:
     def connections(self) -> int:
         """Open client connections."""
         return len(self._connections)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of unfinished frames held across all connections."""
+        return self._buffered
+
+    def _refusal(self, info: ConnInfo) -> str:
+        """Why a new connection is refused ('' if it is served)."""
+        if len(self._connections) > self.max_connections:
+            return f"too many connections (daemon.max_connections = {self.max_connections})"
+        if not self.allowed_uids and not self.allowed_gids:
+            return ""
+        if info.uid is None or info.uid in (0, os.geteuid()) or info.uid in self.allowed_uids:
+            return ""  # None: no SO_PEERCRED on this platform, the socket mode guards
+        if self.allowed_gids & peer_groups(info):
+            return ""
+        return f"uid {info.uid} is not allowed (daemon.allowed_uids / daemon.allowed_gids)"
+
+    def _shed_buffered(self) -> None:
+        """Over the buffer budget: close the connections holding the most until under it."""
+        holders = sorted(self._connections, key=lambda c: c.buffered, reverse=True)
+        for conn in holders:
+            if self._buffered <= self.max_buffered_bytes or not conn.buffered:
+                break
+            log.warning(
+                "conn_buffer_shed", conn=conn.info.id, buffered=conn.buffered,
+                total=self._buffered, limit=self.max_buffered_bytes,
+            )  # fmt: skip
+            conn._abort_with(None, BadRequest("daemon input buffer full: frame dropped"))
 
     async def start(self) -> None:
         """Bind, chmod 0660 and listen; a stale socket file is replaced, a live one is not."""
@@ -399,6 +510,18 @@ class UnixServer:
         self._inode = None
 
 
+def peer_groups(info: ConnInfo) -> frozenset[int]:
+    """The peer's primary and supplementary groups (``/proc/<pid>/status``), as far as known."""
+    groups = {info.gid} if info.gid is not None else set()
+    if info.pid:
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/{info.pid}/status") as st:
+            for line in st:
+                if line.startswith("Groups:"):
+                    groups.update(int(g) for g in line.split()[1:])
+                    break
+    return frozenset(groups)
+
+
 def _bind_unix(path: str) -> socket.socket:
     """A bound (not yet listening) socket at ``path``, mode 0660 before anyone can connect."""
     parent = os.path.dirname(path) or "."
@@ -414,6 +537,11 @@ def _bind_unix(path: str) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def check_socket_free(path: str) -> None:
+    """Raise FileExistsError if a daemon serves ``path`` or it is not a socket (start-up)."""
+    _remove_stale_socket(path)
 
 
 def _remove_stale_socket(path: str) -> None:

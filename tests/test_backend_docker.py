@@ -303,3 +303,20 @@ def test_agent_path_needs_no_engine_while_creation_fails_fast(client, state_dir)
     finally:
         run(b.shutdown())
         via_proxy.close()
+
+
+def test_containers_run_without_new_privileges_and_with_few_capabilities(backend):
+    """A root command cannot gain privileges, make devices or use raw sockets; OOM picks it."""
+    env = new_env(backend)
+    result = ex(
+        backend,
+        env,
+        "grep -E '^(NoNewPrivs|CapEff)' /proc/self/status; cat /proc/self/oom_score_adj; "
+        "mknod /tmp/dev c 1 3 2>/dev/null && echo mknod-ok || echo mknod-refused",
+    )
+    fields = dict(line.split(":\t") for line in result.stdout.splitlines() if ":\t" in line)
+    assert fields["NoNewPrivs"] == "1", result
+    cap_net_raw, cap_mknod, cap_sys_admin = 1 << 13, 1 << 27, 1 << 21
+    caps = int(fields["CapEff"], 16)
+    assert caps and not caps & (cap_net_raw | cap_mknod | cap_sys_admin), hex(caps)
+    assert result.stdout.split()[-2:] == ["1000", "mknod-refused"]

@@ -97,7 +97,7 @@ def test_reconcile_removes_leftovers_of_a_previous_run(tmp_path):
     """Env dirs and exec cgroups left by a crashed daemon are removed on start."""
     crashed = ProcessBackend(tmp_path)
     run(crashed.create_env("old-env", None, None))
-    leftover_cg = crashed.cgroups.create("old-action-1", (0,)) if crashed.cgroups else None
+    leftover_cg = crashed.cgroups.for_cores((0,)) if crashed.cgroups else None
     fresh = ProcessBackend(tmp_path)
     done = run(fresh.reconcile())
     assert not (tmp_path / "envs" / "old-env").exists()
@@ -134,3 +134,16 @@ def test_affinity_without_cgroups(tmp_path):
     assert "tangram" not in out.stdout
     run(b.shutdown())
     assert os.sched_getaffinity(0) == before  # the daemon itself is never pinned
+
+
+@pytest.mark.parametrize("use_cgroups", [True, False], ids=["cgroup", "no-cgroup"])
+def test_background_process_holding_the_pipes_does_not_stall_the_action(tmp_path, use_cgroups):
+    """The action ends when its main process exits, even if a setsid child keeps the pipes."""
+    b = ProcessBackend(tmp_path, use_cgroups=use_cgroups)
+    try:
+        env = new_env(b)
+        result = ex(b, env, "setsid sleep 30 & echo started", timeout_s=3.0)
+        assert (result.outcome, result.exit_code, result.stdout) == ("ok", 0, "started\n")
+        assert result.exec_s < 2.0
+    finally:
+        run(b.shutdown())

@@ -209,7 +209,7 @@ EXIT_CASES = [
     ("failed", None, 1),
     ("timeout", 143, 124),
     ("infra_error", None, 125),
-    ("rejected", None, 125),
+    ("rejected", None, 2),
 ]
 
 
@@ -219,7 +219,8 @@ EXIT_CASES = [
 def test_exec_exit_codes(
     daemon: FakeDaemon, outcome: str, exit_code: int | None, expected: int
 ) -> None:
-    """exec exits with the command's code, 124 on timeout, 125 when the infra failed."""
+    """exec exits with the command's code, 124 on timeout, 125 when the infra failed, 2 when
+    the request was rejected."""
     daemon.handlers["exec"] = lambda args: exec_result(outcome=outcome, exit_code=exit_code)
     assert run(daemon.path, "exec", "--", "cmd").exit_code == expected
     assert run(daemon.path, "exec", "--json", "--", "cmd").exit_code == expected
@@ -274,19 +275,24 @@ def test_exec_rejects_bad_cpus(daemon: FakeDaemon, cpus: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("error", "outcome"),
-    [(Unschedulable("needs 64 cores"), "rejected"), (InfraError("dockerd down"), "infra_error")],
+    ("error", "outcome", "code"),
+    [
+        (Unschedulable("demand.cpu: needs 64 cores"), "rejected", 2),
+        (InfraError("dockerd down"), "infra_error", 125),
+    ],
     ids=["unschedulable", "infra"],
 )
-def test_exec_refused_by_daemon(daemon: FakeDaemon, error: Exception, outcome: str) -> None:
-    """When the daemon refuses an exec, the CLI exits 125 and --json still gives an object."""
+def test_exec_refused_by_daemon(
+    daemon: FakeDaemon, error: Exception, outcome: str, code: int
+) -> None:
+    """A refused request exits 2, an infrastructure failure 125; --json still gives an object."""
 
     def refuse(args: dict[str, Any]) -> Any:
         raise error
 
     daemon.handlers["exec"] = refuse
     result = run(daemon.path, "exec", "--json", "--", "true")
-    assert result.exit_code == 125
+    assert result.exit_code == code
     body = json.loads(result.stdout)
     assert body["outcome"] == outcome
     assert body["error"]["code"] == error.code  # type: ignore[attr-defined]

@@ -26,6 +26,9 @@ DEFAULT_MAX_OUTPUT = 1 << 20  # bytes kept per stream
 TRUNCATION_MARKER = "\n[tangram: output truncated, {dropped} bytes dropped]\n"
 SIGTERM_GRACE_S = 0.5  # between SIGTERM and SIGKILL of a timed-out process group
 SHUTDOWN_DETAIL = "daemon shutting down"
+# Sandboxed commands are the first the kernel's OOM killer picks (the daemon runs at -500
+# under systemd): under memory pressure a command dies, never the daemon.
+EXEC_OOM_SCORE_ADJ = 1000
 
 _ENV_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -53,10 +56,20 @@ class ExecRequest:
     env_vars: dict[str, str] = field(default_factory=dict)
     max_output: int = DEFAULT_MAX_OUTPUT  # bytes kept per stream
     action_id: str = ""
+    # (uid, gid) the command runs as: the connecting peer's, or the configured sandbox
+    # user's; None = the backend's default (its sandbox user, else the daemon's own user).
+    run_as: tuple[int, int] | None = None
 
     @classmethod
     def for_action(
-        cls, spec: ExecSpec, *, env_id: str, cores: tuple[int, ...], max_output: int, action_id: str
+        cls,
+        spec: ExecSpec,
+        *,
+        env_id: str,
+        cores: tuple[int, ...],
+        max_output: int,
+        action_id: str,
+        run_as: tuple[int, int] | None = None,
     ) -> ExecRequest:
         """The backend's view of an exec action's spec, once its cores are allocated."""
         return cls(
@@ -68,6 +81,7 @@ class ExecRequest:
             env_vars=dict(spec.env_vars or {}),
             max_output=max_output,
             action_id=action_id,
+            run_as=run_as,
         )
 
     def __post_init__(self) -> None:
@@ -79,6 +93,8 @@ class ExecRequest:
             raise ValueError("timeout_s must be positive")
         if self.max_output < 0:
             raise ValueError("max_output must be >= 0")
+        if self.run_as is not None and (len(self.run_as) != 2 or min(self.run_as) < 0):
+            raise ValueError(f"bad run_as {self.run_as!r}: want (uid, gid)")
 
 
 def infra_error(
@@ -106,8 +122,16 @@ class Backend(Protocol):
 
     name: str
 
-    async def create_env(self, env_id: str, image: str | None, mem_bytes: int | None) -> None:
-        """Create an environment; raises `EnvError` if it cannot."""
+    async def create_env(
+        self,
+        env_id: str,
+        image: str | None,
+        mem_bytes: int | None,
+        owner: tuple[int, int] | None = None,
+    ) -> None:
+        """Create an environment owned by `owner` (uid, gid; None: the default user).
+
+        Raises `EnvError` if it cannot."""
         ...
 
     async def exec(self, req: ExecRequest) -> ExecResult:

@@ -1,7 +1,9 @@
 """The Docker backend: environments are long-lived containers (design §5.2).
 
-- An environment is a container started from its image with ``network_mode="none"``, a
-  memory limit reserved for its whole life, our owner label, and docker-init as PID 1. Its
+- An environment is a container started from its image with ``network_mode="none"``,
+  ``no-new-privileges``, every capability dropped but ``CONTAINER_CAPS``, the exec OOM
+  score (``oom_score_adj`` 1000), a memory limit reserved for its whole life, our owner
+  label, and docker-init as PID 1. Its
   main process is the exec agent (``agent.py``, stdlib only) when the image has python3,
   else ``sleep infinity``. The agent listens on a Unix socket in a host directory
   bind-mounted at ``/run/tangram-agent``: the only way in, since there is no network.
@@ -47,6 +49,7 @@ import requests.exceptions
 
 from tangramd.backends import agent as agent_mod
 from tangramd.backends.base import (
+    EXEC_OOM_SCORE_ADJ,
     SHUTDOWN_DETAIL,
     SIGTERM_GRACE_S,
     EnvError,
@@ -69,6 +72,10 @@ NO_AGENT_MARK = "no-agent"
 WORKDIR = "/work"
 CPU_PERIOD_US = 100_000
 REPLY_MARGIN_S = 10.0  # how much longer than the exec timeout we wait for the agent
+# What a root command inside an environment keeps (docker's default set minus NET_RAW,
+# NET_BIND_SERVICE, MKNOD, SETFCAP, SETPCAP, SYS_CHROOT, AUDIT_WRITE): enough for package
+# managers (chown, setuid to a build user), nothing for raw devices or network tricks.
+CONTAINER_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID")
 
 _ENGINE_ERRORS = (requests.exceptions.RequestException, ConnectionError, OSError)
 
@@ -199,7 +206,15 @@ class DockerBackend:
 
     # --- environments ---------------------------------------------------------------------
 
-    async def create_env(self, env_id: str, image: str | None, mem_bytes: int | None) -> None:
+    async def create_env(
+        self,
+        env_id: str,
+        image: str | None,
+        mem_bytes: int | None,
+        owner: tuple[int, int] | None = None,
+    ) -> None:
+        """Start the environment's container. `owner` is recorded by the daemon only: the
+        container is its own user namespace of files, reached through the daemon alone."""
         check_env_id(env_id)
         if self._closing:
             raise EnvError(SHUTDOWN_DETAIL)
@@ -218,6 +233,12 @@ class DockerBackend:
             "detach": True,
             "init": True,
             "network_mode": "none",
+            # Hardening: no setuid escalation inside, a small capability set, and the
+            # first victim of the OOM killer (never the daemon or dockerd).
+            "security_opt": ["no-new-privileges"],
+            "cap_drop": ["ALL"],
+            "cap_add": list(CONTAINER_CAPS),
+            "oom_score_adj": EXEC_OOM_SCORE_ADJ,
             "labels": {
                 self.label: self.owner_id,
                 ENV_LABEL: env_id,

@@ -2,20 +2,27 @@
 
 No container engine needed; this is the embedded default (design §5.2).
 
-- An environment is a working directory ``<root_dir>/envs/<env_id>``; every exec runs with
-  that directory as cwd and as ``HOME``, so files persist across execs of one environment
-  and environments do not see each other's files (this is not a security sandbox: the
-  commands run as the daemon's user).
-- Each exec is a fresh session (its own process group) pinned to exactly ``req.cores`` with
-  ``sched_setaffinity`` and, when running as root with a writable cgroup-v1 cpuset
-  hierarchy, also placed in the cpuset cgroup of its core set
-  ``<cpuset>/tangram/<scope>/c<cores>`` (created once, reused: a core set never serves two
-  execs at once), which also catches descendants that leave the process group. The child is
-  spawned without a ``preexec_fn`` (see ``ProcessBackend._spawn``); cgroups are removed at
-  shutdown.
-- The exec ends when its main process exits; whatever it left running in its process group
-  (or cgroup) is killed then, so a core serves one action at a time.
-- A timeout sends SIGTERM to the group, SIGKILL 0.5 s later, and returns the partial output.
+- An environment is a working directory ``<root_dir>/envs/<env_id>``, mode 0700 and owned by
+  the environment's owner; every exec runs with that directory as cwd and as ``HOME``
+  (umask 077), so files persist across execs of one environment and no other user reads
+  them. The backend's directories are 0711 as root (commands running as other users reach
+  their own environment, nobody lists the others) and 0700 otherwise.
+- Commands run as ``req.run_as`` (the connecting peer, as wired by the daemon), else as the
+  backend's ``default_user`` (a sandbox user), else as the daemon's own user. Running as
+  another user drops every supplementary group.
+- Each exec is a fresh session (its own process group). The child starts as a tiny shell
+  that waits at a *gate* (a byte on its stdin) before running the command; meanwhile the
+  daemon moves it into the exec cgroup of its core set (``cgroups.py``: v1 cpuset, or v2
+  where delegated), pins it with ``sched_setaffinity`` and raises its ``oom_score_adj`` to
+  ``EXEC_OOM_SCORE_ADJ``. So the command never runs elsewhere, and no daemon thread ever
+  enters an exec's cgroup (nor needs a ``preexec_fn``).
+- The exec ends when its main process exits (watched through a pidfd, not through its
+  pipes: a background descendant may hold them); whatever it left is killed then — its
+  process group and its cgroup, or, without a usable cgroup, its session and every process
+  carrying its ``TANGRAM_EXEC_ID`` — and the pipes are drained for at most 1 s. A core
+  serves one action at a time.
+- A timeout (counted from the spawn to the main process's exit) sends SIGTERM to the group,
+  SIGKILL 0.5 s later, and returns the partial output.
 - The environment's memory size is advisory only here: it is recorded but not enforced.
 """
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import os
 import shutil
 import signal
@@ -34,7 +42,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
+
+from tangramd.backends import cgroups as cg
 from tangramd.backends.base import (
+    EXEC_OOM_SCORE_ADJ,
     SHUTDOWN_DETAIL,
     SIGTERM_GRACE_S,
     EnvError,
@@ -46,122 +58,119 @@ from tangramd.backends.base import (
     infra_error,
     outcome_for,
     rewrite_pytest,
-    shell_argv,
 )
+from tangramd.backends.cgroups import CPUSET_ROOT, Cgroups
 
-CPUSET_ROOT = Path("/sys/fs/cgroup/cpuset")
+__all__ = ["CPUSET_ROOT", "ProcessBackend"]
+
+log = structlog.get_logger(__name__)
+
 DRAIN_AFTER_EXIT_S = 1.0  # how long to wait for pipes to close once the group is dead
+MARKER_VAR = "TANGRAM_EXEC_ID"
+EXEC_UMASK = 0o077
 _READ_CHUNK = 1 << 16
 _ENV_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "TERM")
+# The gate: wait for the daemon's go (one line on stdin), then run with stdin at /dev/null.
+# Exit 125 if the daemon closed the gate without a go (it could not place the child).
+_GATE = "read -r _ || exit 125; exec </dev/null; "
 
 
-def own_cpuset_dir(root: Path = CPUSET_ROOT) -> Path:
-    """The cpuset cgroup this process lives in (the parent for per-exec cgroups)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            if "cpuset" in controllers.split(","):
-                return root / path.lstrip("/")
-    return root
+def gated_argv(cmd: list[str] | str) -> list[str]:
+    """The argv to spawn: a shell that waits at the gate, then runs ``cmd``."""
+    if isinstance(cmd, str):
+        return ["/bin/sh", "-c", _GATE + cmd]
+    return ["/bin/sh", "-c", _GATE + 'exec "$@"', "tangram-exec", *cmd]
 
 
-class CpusetCgroups:
-    """Per-exec cgroup-v1 cpusets under ``<parent>/tangram/<scope>`` (root only).
+class _Child:
+    """One spawned command: its exit (by pidfd) and non-blocking readers of its pipes."""
 
-    The scope is derived from the backend's state directory, so a restarted daemon finds
-    its own leftovers and two backends on one host never touch each other's cgroups.
-    """
-
-    def __init__(self, parent: Path, scope: str) -> None:
-        self.mems = (parent / "cpuset.mems").read_text().strip()
-        cpus = (parent / "cpuset.cpus").read_text().strip()
-        self.base = parent / "tangram" / scope
-        for level in (parent / "tangram", self.base):
-            level.mkdir(exist_ok=True)  # cpuset v1: a child needs cpus and mems set
-            if not (level / "cpuset.cpus").read_text().strip():
-                (level / "cpuset.cpus").write_text(cpus)
-            if not (level / "cpuset.mems").read_text().strip():
-                (level / "cpuset.mems").write_text(self.mems)
-
-    @classmethod
-    def probe(cls, scope: str) -> CpusetCgroups | None:
-        """A manager if we are root and the cpuset hierarchy is writable, else None."""
-        if os.geteuid() != 0 or not (CPUSET_ROOT / "cpuset.cpus").exists():
-            return None
+    def __init__(
+        self,
+        popen: subprocess.Popen[bytes],
+        loop: asyncio.AbstractEventLoop,
+        out: OutputBuffer,
+        err: OutputBuffer,
+    ) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self.loop = loop
+        self.exited = asyncio.Event()
+        self.pipes_closed = asyncio.Event()
+        self._open: dict[int, object] = {}
+        for stream, buf in ((popen.stdout, out), (popen.stderr, err)):
+            assert stream is not None
+            fd = stream.fileno()
+            os.set_blocking(fd, False)
+            self._open[fd] = stream
+            loop.add_reader(fd, self._read, fd, buf)
+        self._pidfd: int | None = None
         try:
-            return cls(own_cpuset_dir(), scope)
-        except OSError:
-            return None
+            self._pidfd = os.pidfd_open(self.pid)
+            loop.add_reader(self._pidfd, self._reap)
+        except (AttributeError, OSError):  # no pidfd (old kernel): one thread per child
+            threading.Thread(target=self._wait_in_thread, daemon=True).start()
 
-    def create(self, name: str, cores: tuple[int, ...]) -> Path:
-        path = self.base / name
-        path.mkdir()
-        (path / "cpuset.cpus").write_text(",".join(map(str, cores)))
-        (path / "cpuset.mems").write_text(self.mems)
-        return path
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode
 
-    def for_cores(self, cores: tuple[int, ...]) -> Path:
-        """The cgroup of one core set, created once and reused.
-
-        Reuse is safe because the scheduler never gives a core to two actions at once, so
-        one core set is never used by two running execs.
-        """
-        path = self.base / ("c" + "_".join(map(str, sorted(cores))))
-        if not path.is_dir():
-            with contextlib.suppress(FileExistsError):
-                self.create(path.name, tuple(sorted(cores)))
-        return path
-
-    @staticmethod
-    def join(path: Path, tid: int) -> None:
-        """Move one thread (cgroup v1 ``tasks``) into the cgroup."""
-        with open(path / "tasks", "w") as f:
-            f.write(str(tid))
-
-    @staticmethod
-    def pids(path: Path) -> list[int]:
+    def release_gate(self) -> None:
+        """Let the command run (the child is placed and pinned)."""
+        stdin = self.popen.stdin
+        assert stdin is not None
+        with contextlib.suppress(OSError):  # it died already (e.g. a shell syntax error)
+            os.write(stdin.fileno(), b"\n")
         with contextlib.suppress(OSError):
-            return [int(p) for p in (path / "cgroup.procs").read_text().split()]
-        return []
+            stdin.close()
 
-    async def empty(self, path: Path) -> bool:
-        """Kill everything left in the cgroup and wait until it is gone; False on a hang."""
-        me = os.getpid()
-        for _ in range(100):
-            if not [p for p in self.pids(path) if p != me]:
-                return True
-            self.kill_all(path)
-            await asyncio.sleep(0.01)
-        return False
+    def _read(self, fd: int, buf: OutputBuffer) -> None:
+        try:
+            data = os.read(fd, _READ_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            buf.feed(data)
+        else:
+            self._close_pipe(fd)
 
-    def kill_all(self, path: Path) -> None:
-        for pid in self.pids(path):
-            if pid == os.getpid():  # the daemon itself, mid-spawn: never
-                continue
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    def _close_pipe(self, fd: int) -> None:
+        stream = self._open.pop(fd, None)
+        if stream is None:
+            return
+        self.loop.remove_reader(fd)
+        with contextlib.suppress(OSError):
+            stream.close()  # type: ignore[attr-defined]
+        if not self._open:
+            self.pipes_closed.set()
 
-    async def remove(self, path: Path) -> bool:
-        """Kill what is left in the cgroup and remove it; False if it stayed busy."""
-        for _ in range(50):
-            self.kill_all(path)
-            try:
-                path.rmdir()
-                return True
-            except FileNotFoundError:
-                return True
-            except OSError:
-                await asyncio.sleep(0.02)
-        return False
+    def _reap(self) -> None:
+        if self.popen.poll() is None:
+            return
+        if self._pidfd is not None:
+            self.loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        self.exited.set()
 
-    def leftovers(self) -> list[Path]:
-        return [p for p in self.base.iterdir() if p.is_dir()]
+    def _wait_in_thread(self) -> None:
+        self.popen.wait()
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            self.loop.call_soon_threadsafe(self.exited.set)
+
+    def close(self) -> None:
+        """Stop reading (a descendant that escaped every sweep may hold the pipes)."""
+        for fd in list(self._open):
+            self._close_pipe(fd)
 
 
 @dataclass(slots=True, eq=False)
 class _Running:
-    proc: asyncio.subprocess.Process
+    child: _Child
     cgroup: Path | None
+    marker: str
     killed_for_shutdown: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -171,23 +180,65 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
+def _session_and_marked(sid: int, marker: bytes) -> list[int]:
+    """Pids in session ``sid`` or carrying ``marker`` in their environment (no cgroups)."""
+    found: list[int] = []
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_bytes()
+            fields = stat[stat.rindex(b")") + 2 :].split()
+            if int(fields[3]) == sid or marker in Path(f"/proc/{name}/environ").read_bytes():
+                found.append(int(name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 class ProcessBackend:
     """Environments as directories, execs as pinned subprocesses (see the module doc)."""
 
     name = "process"
 
-    def __init__(self, root_dir: str | os.PathLike[str], *, use_cgroups: bool = True) -> None:
+    def __init__(
+        self,
+        root_dir: str | os.PathLike[str],
+        *,
+        use_cgroups: bool = True,
+        cgroup_version: str = "auto",
+        default_user: tuple[int, int] | None = None,
+        oom_score_adj: int = EXEC_OOM_SCORE_ADJ,
+    ) -> None:
         self.root = Path(root_dir)
         self.envs_dir = self.root / "envs"
-        self.envs_dir.mkdir(parents=True, exist_ok=True)
+        self._is_root = os.geteuid() == 0
+        dir_mode = 0o711 if self._is_root else 0o700
+        for path in (self.root, self.envs_dir):
+            path.mkdir(parents=True, exist_ok=True)
+            os.chmod(path, dir_mode)
         scope = "p-" + hashlib.sha1(str(self.root.resolve()).encode()).hexdigest()[:12]
-        self.cgroups = CpusetCgroups.probe(scope) if use_cgroups else None
+        self.cgroups: Cgroups | None = (
+            cg.probe(scope, prefer=cgroup_version) if use_cgroups else None
+        )
+        if self.cgroups is None:
+            log.warning(
+                "exec_cgroups_unavailable",
+                detail="no usable cgroup (v1 cpuset as root, or a writable v2 subtree): "
+                "commands are pinned by affinity alone and their leftovers are killed by "
+                "session, process group and TANGRAM_EXEC_ID marker",
+            )
+        else:
+            log.info("exec_cgroups", kind=self.cgroups.kind, base=str(self.cgroups.base))
+        self.default_user = default_user
+        self.oom_score_adj = oom_score_adj
         self._envs: dict[str, int | None] = {}  # env_id -> advisory memory bytes
+        self._owners: dict[str, tuple[int, int] | None] = {}
         self._running: set[_Running] = set()
         self._closing = False
-        # where the daemon's thread returns after each spawn (see _spawn)
-        self._home_affinity = os.sched_getaffinity(0)
-        self._home_cgroup = own_cpuset_dir() if self.cgroups is not None else None
+        self._token = f"{scope}.{os.getpid()}"
+        self._exec_ids = itertools.count(1)
 
     # --- environments -----------------------------------------------------------------
 
@@ -197,8 +248,16 @@ class ProcessBackend:
     def env_exists(self, env_id: str) -> bool:
         return env_id in self._envs and self.env_dir(env_id).is_dir()
 
-    async def create_env(self, env_id: str, image: str | None, mem_bytes: int | None) -> None:
-        """Create the environment's directory; `image` is ignored, `mem_bytes` advisory."""
+    async def create_env(
+        self,
+        env_id: str,
+        image: str | None,
+        mem_bytes: int | None,
+        owner: tuple[int, int] | None = None,
+    ) -> None:
+        """Create the environment's directory (0700, owned by ``owner`` or the default user).
+
+        `image` is ignored, `mem_bytes` advisory."""
         if self._closing:
             raise EnvError(SHUTDOWN_DETAIL)
         path = self.env_dir(env_id)
@@ -206,11 +265,17 @@ class ProcessBackend:
             raise EnvError(f"environment {env_id} exists")
         if path.exists():  # a leftover of a previous run that reconcile did not see
             shutil.rmtree(path)
-        path.mkdir()
+        owner = owner or self.default_user
+        path.mkdir(mode=0o700)
+        os.chmod(path, 0o700)  # whatever the umask
+        if owner is not None and self._is_root:
+            os.chown(path, *owner)
         self._envs[env_id] = mem_bytes
+        self._owners[env_id] = owner
 
     async def close_env(self, env_id: str) -> None:
         self._envs.pop(env_id, None)
+        self._owners.pop(env_id, None)
         path = self.env_dir(env_id)
         await asyncio.to_thread(shutil.rmtree, path, True)
 
@@ -223,18 +288,16 @@ class ProcessBackend:
                 done.append(f"removed env dir {path}")
         if self.cgroups is not None:
             busy = {r.cgroup for r in self._running}
-            for cg in self.cgroups.leftovers():
-                if cg not in busy and await self.cgroups.remove(cg):
-                    done.append(f"removed cgroup {cg}")
+            for cgroup in self.cgroups.leftovers():
+                if cgroup not in busy and await self.cgroups.remove(cgroup):
+                    done.append(f"removed cgroup {cgroup}")
         return done
 
     async def shutdown(self) -> None:
         self._closing = True
         for run in list(self._running):
             run.killed_for_shutdown = True
-            _killpg(run.proc.pid, signal.SIGKILL)
-            if run.cgroup is not None and self.cgroups is not None:
-                self.cgroups.kill_all(run.cgroup)
+            self._kill_leftovers(run)
         for run in list(self._running):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(run.done.wait(), 5)
@@ -242,13 +305,13 @@ class ProcessBackend:
             await self.close_env(env_id)
         if self.cgroups is not None:
             with contextlib.suppress(OSError):
-                for cg in self.cgroups.leftovers():
-                    await self.cgroups.remove(cg)
+                for cgroup in self.cgroups.leftovers():
+                    await self.cgroups.remove(cgroup)
             await self.cgroups.remove(self.cgroups.base)
 
     # --- execs ------------------------------------------------------------------------
 
-    def _child_env(self, req: ExecRequest, home: Path) -> dict[str, str]:
+    def _child_env(self, req: ExecRequest, home: Path, marker: str) -> dict[str, str]:
         env = {k: os.environ[k] for k in _ENV_PASSTHROUGH if k in os.environ}
         env.setdefault("PATH", os.defpath)
         # The daemon's interpreter first, so `python -m pytest` finds the same packages.
@@ -257,106 +320,130 @@ class ProcessBackend:
         env.update(req.env_vars)
         env["TANGRAM_CPUS"] = str(len(req.cores))
         env["TANGRAM_CORES"] = ",".join(map(str, req.cores))
+        env[MARKER_VAR] = marker
         return env
+
+    def _user_for(self, req: ExecRequest) -> tuple[int, int] | str | None:
+        """(uid, gid) to switch to, None for the daemon's own user, or a refusal text."""
+        user = req.run_as or self.default_user
+        if user is None or user == (os.geteuid(), os.getegid()):
+            return None
+        if not self._is_root:
+            return f"cannot run as uid {user[0]}: the daemon is not root"
+        owner = self._owners.get(req.env_id)
+        if owner is not None and user[0] not in (0, owner[0]):
+            return f"environment {req.env_id} belongs to uid {owner[0]}, not uid {user[0]}"
+        return user
 
     async def exec(self, req: ExecRequest) -> ExecResult:
         if self._closing:
             return infra_error(SHUTDOWN_DETAIL)
         if not self.env_exists(req.env_id):
             return infra_error(f"no such environment {req.env_id}")
+        user = self._user_for(req)
+        if isinstance(user, str):
+            return infra_error(user)
         cwd = self.env_dir(req.env_id)
-        argv = shell_argv(rewrite_pytest(req.cmd, len(req.cores), req.elastic))
+        argv = gated_argv(rewrite_pytest(req.cmd, len(req.cores), req.elastic))
         cgroup: Path | None = None
         if self.cgroups is not None:
             try:
                 cgroup = self.cgroups.for_cores(req.cores)
             except OSError as e:
                 return infra_error(f"cannot create cpuset cgroup: {e}")
+        marker = f"{self._token}.{next(self._exec_ids)}"
+        out, err = OutputBuffer(req.max_output), OutputBuffer(req.max_output)
         started = time.monotonic()
         try:
-            proc = await self._spawn(argv, cwd, self._child_env(req, cwd), req.cores, cgroup)
-        except (FileNotFoundError, PermissionError) as e:
-            msg = f"tangram: cannot run {argv[0]}: {e.strerror}\n"
-            code = 127 if isinstance(e, FileNotFoundError) else 126
-            return ExecResult("failed", code, "", msg, time.monotonic() - started, False)
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env=self._child_env(req, cwd, marker),
+                start_new_session=True,
+                umask=EXEC_UMASK,
+                user=None if user is None else user[0],
+                group=None if user is None else user[1],
+                extra_groups=None if user is None else [],  # drop root's groups
+            )
         except (OSError, subprocess.SubprocessError) as e:
             return infra_error(f"spawn failed: {e}")
-        run = _Running(proc, cgroup)
+        child = _Child(popen, asyncio.get_running_loop(), out, err)
+        run = _Running(child, cgroup, marker)
         self._running.add(run)
-        if self._closing:  # shutdown began while we were spawning
-            run.killed_for_shutdown = True
-            _killpg(proc.pid, signal.SIGKILL)
         try:
-            return await self._supervise(req, run, started)
+            problem = self._place(child.pid, req.cores, cgroup)
+            if problem or self._closing:
+                run.killed_for_shutdown = self._closing
+                self._kill_leftovers(run)
+                child.release_gate()
+                await child.exited.wait()
+                child.close()
+                return infra_error(problem or SHUTDOWN_DETAIL)
+            child.release_gate()
+            return await self._supervise(req, run, started, out, err)
         finally:
             self._running.discard(run)
             run.done.set()
 
-    async def _spawn(
+    def _place(self, pid: int, cores: tuple[int, ...], cgroup: Path | None) -> str:
+        """Move the gated child into its cgroup, pin it, raise its OOM score; '' if done."""
+        try:
+            if cgroup is not None:
+                Cgroups.place(cgroup, pid)
+            os.sched_setaffinity(pid, cores)
+        except OSError as e:
+            return f"cannot pin the command to cores {list(cores)}: {e}"
+        with contextlib.suppress(OSError):  # best effort: the score is advice to the kernel
+            Path(f"/proc/{pid}/oom_score_adj").write_text(str(self.oom_score_adj))
+        return ""
+
+    def _kill_leftovers(self, run: _Running) -> None:
+        """SIGKILL the exec's process group, and its cgroup or (without one) session."""
+        _killpg(run.child.pid, signal.SIGKILL)
+        if run.cgroup is not None and self.cgroups is not None:
+            self.cgroups.kill_all(run.cgroup)
+        else:
+            for pid in _session_and_marked(run.child.pid, f"{MARKER_VAR}={run.marker}\0".encode()):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+
+    async def _supervise(
         self,
-        argv: list[str],
-        cwd: Path,
-        env: dict[str, str],
-        cores: tuple[int, ...],
-        cgroup: Path | None,
-    ) -> asyncio.subprocess.Process:
-        """Start the child already pinned, without a ``preexec_fn``.
-
-        A ``preexec_fn`` forces a full fork that runs Python in the child (~3 ms here).
-        Instead the daemon's own thread takes the child's cpuset cgroup and affinity for the
-        instant of the spawn (a child inherits both at fork, so it never runs elsewhere) and
-        then returns to the cgroup and mask it had at start-up. ``Popen`` runs synchronously
-        inside ``create_subprocess_exec`` before its first suspension; restoring to the
-        *start-up* state (not "the previous one") keeps interleaved spawns correct.
-        """
-        tid = threading.get_native_id()
-        if cgroup is not None:
-            CpusetCgroups.join(cgroup, tid)
-        os.sched_setaffinity(0, cores)
-        try:
-            return await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                cwd=cwd,
-                env=env,
-                start_new_session=True,
-            )
-        finally:
-            if cgroup is not None and self._home_cgroup is not None:
-                CpusetCgroups.join(self._home_cgroup, tid)
-            os.sched_setaffinity(0, self._home_affinity)
-
-    async def _supervise(self, req: ExecRequest, run: _Running, started: float) -> ExecResult:
-        proc = run.proc
-        assert proc.stdout is not None and proc.stderr is not None
-        out, err = OutputBuffer(req.max_output), OutputBuffer(req.max_output)
-        readers = [
-            asyncio.create_task(_pump(proc.stdout, out)),
-            asyncio.create_task(_pump(proc.stderr, err)),
-        ]
+        req: ExecRequest,
+        run: _Running,
+        started: float,
+        out: OutputBuffer,
+        err: OutputBuffer,
+    ) -> ExecResult:
+        child = run.child
         timed_out = False
+        # The action ends when its main process exits (not when its pipes close: a
+        # background descendant may hold them); the timeout counts to that exit.
         try:
-            await asyncio.wait_for(proc.wait(), req.timeout_s)
+            await asyncio.wait_for(child.exited.wait(), req.timeout_s)
         except asyncio.TimeoutError:
             timed_out = True
-            _killpg(proc.pid, signal.SIGTERM)
+            _killpg(child.pid, signal.SIGTERM)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(proc.wait(), SIGTERM_GRACE_S)
+                await asyncio.wait_for(child.exited.wait(), SIGTERM_GRACE_S)
         exec_s = time.monotonic() - started
         # The main process is gone: end whatever it left behind, then drain the pipes.
-        _killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
+        self._kill_leftovers(run)
+        await child.exited.wait()
         if run.cgroup is not None and self.cgroups is not None:
             await self.cgroups.empty(run.cgroup)  # the cgroup is reused by the next exec
-        _, pending = await asyncio.wait(readers, timeout=DRAIN_AFTER_EXIT_S)
-        for task in pending:  # a setsid'd descendant still holds a pipe open
-            task.cancel()
-        detail = "output pipes held open by an escaped descendant" if pending else ""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(child.pipes_closed.wait(), DRAIN_AFTER_EXIT_S)
+        held = not child.pipes_closed.is_set()
+        child.close()  # our pipe ends: no fd outlives the exec
+        detail = "output pipes held open by an escaped descendant" if held else ""
         if run.killed_for_shutdown:
             return infra_error(SHUTDOWN_DETAIL, stdout=out.text(), stderr=err.text())
-        code = exit_code_from_returncode(proc.returncode if proc.returncode is not None else -9)
+        rc = child.returncode
+        code = exit_code_from_returncode(rc if rc is not None else -9)
         return ExecResult(
             outcome_for(code, timed_out),
             code,
@@ -366,8 +453,3 @@ class ProcessBackend:
             out.truncated or err.truncated,
             detail or (f"killed after {req.timeout_s} s" if timed_out else ""),
         )
-
-
-async def _pump(stream: asyncio.StreamReader, buf: OutputBuffer) -> None:
-    while chunk := await stream.read(_READ_CHUNK):
-        buf.feed(chunk)

@@ -1,0 +1,258 @@
+"""Per-exec cgroups of the process backend: cgroup v1 cpuset, or cgroup v2 where delegated.
+
+Each exec runs in the cgroup of its core set ``<parent>/tangram/<scope>/c<cores>`` (created
+once, reused: the scheduler never gives a core to two running actions). The cgroup does two
+jobs: it pins (``cpuset.cpus``, so a command cannot widen its affinity with ``taskset``) and
+it tracks (every descendant, ``setsid`` or double-forked, stays in it, so the exec's end
+kills them all). The daemon itself never enters an exec's cgroup: the child is moved in by
+pid while it waits at a gate, before the command runs (see ``process.py``).
+
+- **v1** (``cpuset`` hierarchy mounted, root): pins and tracks.
+- **v2** (a ``cgroup2`` mount whose subtree under our own cgroup is writable: root, or a
+  delegated subtree such as systemd's ``Delegate=yes``): tracks always; pins too where the
+  ``cpuset`` controller is available to us (then the daemon moves itself to a ``daemon``
+  leaf, as v2 allows no processes in a cgroup whose controllers are delegated).
+- Neither: :func:`probe` returns None; the backend logs it at start-up, pins with
+  ``sched_setaffinity`` alone and kills by session and process group.
+
+Before each exec, :meth:`Cgroups.for_cores` checks the cgroup's ``cpuset.cpus`` and rewrites
+it if a previous command changed it, so the next action gets exactly its allocation.
+The cgroup files belong to root (or the daemon's user) and are not writable by the
+unprivileged users that commands run as, so a sandboxed command cannot change its cgroup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CPUSET_ROOT = CGROUP_ROOT / "cpuset"
+
+
+def _mounts() -> list[tuple[str, str, str]]:
+    """(mount point, fs type, options) of every mount."""
+    out: list[tuple[str, str, str]] = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 4:
+                out.append((parts[1], parts[2], parts[3]))
+    return out
+
+
+def _own_path(match: str) -> str | None:
+    """Our cgroup path in the hierarchy whose controller list is ``match`` ('' for v2)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            hid, controllers, path = line.split(":", 2)
+            if match == "" and hid == "0" and controllers == "":
+                return path
+            if match and match in controllers.split(","):
+                return path
+    return None
+
+
+def own_cpuset_dir(root: Path = CPUSET_ROOT) -> Path:
+    """The v1 cpuset cgroup this process lives in (the parent for per-exec cgroups)."""
+    path = _own_path("cpuset")
+    return root / path.lstrip("/") if path is not None else root
+
+
+def parse_cpulist(text: str) -> tuple[int, ...]:
+    """``"0-2,5"`` → ``(0, 1, 2, 5)``; an empty file is the empty tuple."""
+    cores: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cores.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(sorted(cores))
+
+
+class Cgroups:
+    """Exec cgroups under ``<parent>/tangram/<scope>``; subclasses say how to pin."""
+
+    kind = "none"
+    pins = False  # whether the cgroup restricts cores (else affinity alone pins)
+
+    def __init__(self, parent: Path, scope: str) -> None:
+        self.parent = parent
+        self.base = parent / "tangram" / scope
+
+    def _make(self, path: Path, cores: tuple[int, ...] | None) -> None:
+        """Create one level; ``cores`` None for the intermediate levels."""
+        path.mkdir(exist_ok=True)
+
+    def _write_cpus(self, path: Path, cores: tuple[int, ...]) -> None:
+        (path / "cpuset.cpus").write_text(",".join(map(str, cores)))
+
+    def for_cores(self, cores: tuple[int, ...]) -> Path:
+        """The cgroup of one core set, created once and reused, its cores verified.
+
+        Reuse is safe because the scheduler never gives a core to two actions at once. A
+        command running as root could have rewritten ``cpuset.cpus``: reset it here.
+        """
+        cores = tuple(sorted(cores))
+        path = self.base / ("c" + "_".join(map(str, cores)))
+        if not path.is_dir():
+            with contextlib.suppress(FileExistsError):
+                self._make(path, cores)
+        elif self.pins:
+            seen = parse_cpulist((path / "cpuset.cpus").read_text())
+            if seen != cores:
+                log.warning("cpuset_reset", cgroup=str(path), found=list(seen), want=list(cores))
+                self._write_cpus(path, cores)
+        return path
+
+    @staticmethod
+    def place(path: Path, pid: int) -> None:
+        """Move a whole process (not yet running its command) into the cgroup."""
+        with open(path / "cgroup.procs", "w") as f:
+            f.write(str(pid))
+
+    @staticmethod
+    def pids(path: Path) -> list[int]:
+        with contextlib.suppress(OSError, ValueError):
+            return [int(p) for p in (path / "cgroup.procs").read_text().split()]
+        return []
+
+    def kill_all(self, path: Path) -> None:
+        me = os.getpid()
+        for pid in self.pids(path):
+            if pid == me:  # never the daemon (it never enters an exec cgroup anyway)
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+    async def empty(self, path: Path) -> bool:
+        """Kill everything left in the cgroup and wait until it is gone; False on a hang."""
+        me = os.getpid()
+        for _ in range(200):
+            if not [p for p in self.pids(path) if p != me]:
+                return True
+            self.kill_all(path)
+            await asyncio.sleep(0.005)
+        return False
+
+    async def remove(self, path: Path) -> bool:
+        """Kill what is left in the cgroup and remove it; False if it stayed busy."""
+        for _ in range(50):
+            self.kill_all(path)
+            try:
+                path.rmdir()
+                return True
+            except FileNotFoundError:
+                return True
+            except OSError:
+                await asyncio.sleep(0.02)
+        return False
+
+    def leftovers(self) -> list[Path]:
+        with contextlib.suppress(OSError):
+            return [p for p in self.base.iterdir() if p.is_dir()]
+        return []
+
+    def _prepare(self) -> None:
+        for level in (self.parent / "tangram", self.base):
+            self._make(level, None)
+
+
+class CpusetV1(Cgroups):
+    """cgroup v1 cpuset hierarchy: pins and tracks (root only)."""
+
+    kind = "v1-cpuset"
+    pins = True
+
+    def __init__(self, parent: Path, scope: str) -> None:
+        super().__init__(parent, scope)
+        self.mems = (parent / "cpuset.mems").read_text().strip()
+        self.cpus = (parent / "cpuset.cpus").read_text().strip()
+        self._prepare()
+
+    def _make(self, path: Path, cores: tuple[int, ...] | None) -> None:
+        path.mkdir(exist_ok=cores is None)
+        # cpuset v1: a cgroup needs cpus and mems before a task may join
+        if cores is not None:
+            self._write_cpus(path, cores)
+        elif not (path / "cpuset.cpus").read_text().strip():
+            (path / "cpuset.cpus").write_text(self.cpus)
+        if not (path / "cpuset.mems").read_text().strip():
+            (path / "cpuset.mems").write_text(self.mems)
+
+
+class CgroupV2(Cgroups):
+    """A cgroup v2 subtree we may write: tracks always, pins where ``cpuset`` is ours."""
+
+    kind = "v2"
+
+    def __init__(self, parent: Path, scope: str, *, want_cpuset: bool = True) -> None:
+        super().__init__(parent, scope)
+        controllers = (parent / "cgroup.controllers").read_text().split()
+        if want_cpuset and "cpuset" in controllers:
+            self._enable_cpuset()
+        self._prepare()
+
+    def _enable_cpuset(self) -> None:
+        """Delegate ``cpuset`` below us: the daemon moves to a leaf first (v2 rule)."""
+        leaf = self.parent / "daemon"
+        leaf.mkdir(exist_ok=True)
+        for pid in self.pids(self.parent):  # the daemon (threads move with it in v2)
+            with contextlib.suppress(OSError):
+                self.place(leaf, pid)
+        try:
+            (self.parent / "cgroup.subtree_control").write_text("+cpuset")
+            tangram = self.parent / "tangram"
+            tangram.mkdir(exist_ok=True)
+            (tangram / "cgroup.subtree_control").write_text("+cpuset")
+        except OSError as exc:
+            log.warning("cgroup_v2_cpuset_unavailable", error=str(exc))
+            return
+        self.kind, self.pins = "v2-cpuset", True
+
+    def _make(self, path: Path, cores: tuple[int, ...] | None) -> None:
+        path.mkdir(exist_ok=cores is None)
+        if cores is None and self.pins and path == self.base:
+            with contextlib.suppress(OSError):
+                (path / "cgroup.subtree_control").write_text("+cpuset")
+        if cores is not None and self.pins:
+            self._write_cpus(path, cores)
+
+    def kill_all(self, path: Path) -> None:
+        kill = path / "cgroup.kill"  # Linux >= 5.14: atomic, forks cannot race it
+        if kill.exists():
+            with contextlib.suppress(OSError):
+                kill.write_text("1")
+                return
+        super().kill_all(path)
+
+
+def probe(scope: str, *, prefer: str = "auto") -> Cgroups | None:
+    """The usable exec-cgroup manager of this host, or None (then say so at start-up).
+
+    ``prefer``: "auto" (v1 cpuset, else v2), "v1", "v2" or "none".
+    """
+    if prefer == "none":
+        return None
+    mounts = _mounts()
+    if prefer in ("auto", "v1") and os.geteuid() == 0:
+        v1 = next((m for m, t, o in mounts if t == "cgroup" and "cpuset" in o.split(",")), None)
+        if v1 is not None:
+            with contextlib.suppress(OSError):
+                return CpusetV1(own_cpuset_dir(Path(v1)), scope)
+    if prefer in ("auto", "v2"):
+        v2 = next((m for m, t, _ in mounts if t == "cgroup2"), None)
+        own = _own_path("")
+        if v2 is not None and own is not None:
+            parent = Path(v2) / own.lstrip("/")
+            if os.access(parent, os.W_OK):
+                with contextlib.suppress(OSError):
+                    return CgroupV2(parent, scope)
+    return None
