@@ -366,7 +366,8 @@ def exec_(
         if result.outcome == "timeout":
             click.echo(f"tangramctl: timed out after {result.exec_s:.3g} s", err=True)
         elif result.outcome in ("infra_error", "rejected"):
-            click.echo(f"tangramctl: {result.outcome}: the command did not complete", err=True)
+            why = result.detail or "the command did not complete"
+            click.echo(f"tangramctl: {result.outcome}: {why}", err=True)
     sys.exit(exit_code_for(result))
 
 

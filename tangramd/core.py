@@ -293,9 +293,8 @@ class Core:
                 )
                 out.append(self._reply(rec.token, result=final.to_wire()))
             rec.token = None
-        if env is not None and env.active == 0 and (env.throwaway or self.shutting_down):
-            why = "throwaway environment done" if env.throwaway else "daemon shutting down"
-            self._close_env(env, now, out, why)
+        if env is not None and env.active == 0 and env.throwaway:
+            self._close_env(env, now, out, "throwaway environment done")
         # forget the record (the story keeps what happened), bounded memory for long runs
         self.actions.pop(rec.action.id, None)
         self.recent[rec.action.id] = outcome
@@ -430,6 +429,8 @@ class Core:
         env = answer.env
         token, env.open_token = env.open_token, None
         if isinstance(answer, Ready):
+            if not env.throwaway:
+                self._persist_envs(out)
             if token is not None:
                 out.append(self._reply(token, result={"id": env.id, "node": env.node}))
             for aid in answer.pending:
@@ -450,8 +451,20 @@ class Core:
 
     def _env_removed(self, e: ev.EnvRemoved, now: float, out: list[ev.Command]) -> None:
         gone = self.envs.removed(e.env_id, now, out, self.stimulus)
-        if gone is not None and gone.env.close_token is not None:
+        if gone is None:
+            return
+        if not gone.env.throwaway and not self.shutting_down:
+            self._persist_envs(out)
+        if gone.env.close_token is not None:
             out.insert(0, self._reply(gone.env.close_token, result={"closed": True}))
+
+    def _envs_recovered(self, e: ev.EnvsRecovered, now: float, out: list[ev.Command]) -> None:
+        adopted = self.envs.adopt(e.envs, now)
+        if len(adopted) != len(e.envs):
+            self._persist_envs(out)  # forget the records that could not be adopted
+
+    def _persist_envs(self, out: list[ev.Command]) -> None:
+        out.append(ev.PersistEnvs(envs=self.envs.records(), cause=self.stimulus))
 
     # ------------------------------------------------------------------ leases
     def _acquire(self, e: ev.AcquireLease, now: float, out: list[ev.Command]) -> None:
@@ -596,10 +609,12 @@ class Core:
                 self._close_env(env, now, out, "client gone")
 
     def _shutdown(self, e: ev.Shutdown, now: float, out: list[ev.Command]) -> None:
-        """Refuse new work, end waiting work, return leases, close idle environments.
+        """Refuse new work, end waiting work, return leases, close throwaway environments.
 
-        Environments with a running action close when it ends (``_finish_action``); the
-        executor ends running execs through the backend, which reports them finished.
+        Persistent environments belong to their trajectories, not to this process: they are
+        kept, their records written, and the next daemon on this state dir re-adopts them.
+        A throwaway environment with a running action closes when the action ends
+        (``_finish_action``); the executor ends running execs through the backend.
         """
         self.shutting_down = True
         for rec in list(self.queue.values()) + [
@@ -610,8 +625,11 @@ class Core:
             if lease.state == "granted":
                 self._end_lease(lease, now, out, "released")
         for env in self.envs:
-            if env.active == 0:
+            if env.throwaway and env.active == 0:
                 self._close_env(env, now, out, "daemon shutting down")
+            elif not env.throwaway and env.state in ("creating", "waiting_mem"):
+                self._close_env(env, now, out, "daemon shutting down before it was ready")
+        self._persist_envs(out)
 
     # ------------------------------------------------------------------ read model
     def trajectory_of(self, action_id: str) -> str | None:
@@ -726,8 +744,8 @@ class Core:
     def total_cores(self) -> int:
         return sum(p.capacity for p in self.cpu.nodes)
 
-    def env_ids(self) -> list[str]:
-        return [env.id for env in self.envs]
+    def env_ids(self, *, throwaway_only: bool = False) -> list[str]:
+        return [env.id for env in self.envs if env.throwaway or not throwaway_only]
 
     # ------------------------------------------------------------------ invariants
     def validate(self) -> None:
@@ -799,6 +817,7 @@ _HANDLERS: dict[type, Callable[[Core, Any, float, list[ev.Command]], None]] = {
     ev.ReleaseLease: Core._release,
     ev.SaveProfile: Core._save_profile,
     ev.ProfilesLoaded: Core._profiles_loaded,
+    ev.EnvsRecovered: Core._envs_recovered,
     ev.ConnClosed: Core._conn_closed,
     ev.Tick: lambda c, e, now, out: c._tick(now, out),
     ev.Shutdown: Core._shutdown,

@@ -112,6 +112,7 @@ class EnvRec:
     open_token: int | None = None
     close_token: int | None = None
     conn: int | None = None
+    owner: tuple[int, int] | None = None  # (uid, gid) of the client that opened it
     state: str = "creating"
     active: int = 0  # actions submitted and not done
     pending: list[ActionId] = field(default_factory=list)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +110,66 @@ class EnvBook:
             if not e.throwaway
         ]
 
+    def records(self) -> tuple[dict[str, Any], ...]:
+        """What a restarted daemon needs to re-adopt the persistent environments."""
+        return tuple(
+            {
+                "id": e.id,
+                "trajectory": e.trajectory,
+                "node": e.node,
+                "image": e.image,
+                "mem": e.mem,
+                "owner": list(e.owner) if e.owner is not None else None,
+            }
+            for e in self._envs.values()
+            if not e.throwaway and e.state in ("ready", "lost")
+        )
+
     # ------------------------------------------------------------------ changes
+    def adopt(self, records: Iterable[Mapping[str, Any]], now: float) -> list[EnvRec]:
+        """Take over environments an earlier run left (ready, idle TTL restarting now).
+
+        Records that name an unknown node or no longer fit in memory are skipped (and
+        returned nowhere): the backend removes what the book does not hold.
+        """
+        adopted: list[EnvRec] = []
+        for rec in records:
+            env_id = EnvId(str(rec["id"]))
+            if env_id in self._envs:
+                continue
+            traj = TrajectoryId(str(rec["trajectory"]))
+            placed = self.cpu.place_trajectory(traj, env_id, 0, int(rec["mem"]))
+            if not isinstance(placed, Placed) or placed.node != rec.get("node", placed.node):
+                if isinstance(placed, Placed):
+                    self.cpu.forget_trajectory(traj)
+                continue
+            owner = rec.get("owner")
+            env = EnvRec(
+                id=env_id,
+                trajectory=traj,
+                node=placed.node,
+                image=rec.get("image"),
+                mem=int(rec["mem"]),
+                created_at=now,
+                last_used=now,
+                owner=(int(owner[0]), int(owner[1])) if owner else None,
+                state="ready",
+            )
+            env.history.append((now, "new", "ready", "re-adopted after a daemon restart"))
+            self._envs[env_id] = env
+            adopted.append(env)
+            self._skip_ids_through(env_id)
+        return adopted
+
+    def _skip_ids_through(self, env_id: str) -> None:
+        """New ids never reuse an adopted one (``e<hex>``)."""
+        try:
+            used = int(env_id[1:], 16)
+        except ValueError:
+            return
+        nxt = next(self._ids)
+        self._ids = itertools.count(max(nxt, used + 1))
+
     def open(
         self,
         now: float,
@@ -123,6 +182,7 @@ class EnvBook:
         throwaway: bool,
         token: int | None,
         conn: int | None,
+        owner: tuple[int, int] | None = None,
     ) -> EnvRec:
         """A new environment: created at once where memory is free, else waiting for it.
 
@@ -145,6 +205,7 @@ class EnvBook:
             throwaway=throwaway,
             open_token=token,
             conn=conn,
+            owner=owner,
         )
         self._envs[env_id] = env
         if isinstance(placed, NoRoomYet):

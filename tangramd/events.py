@@ -96,6 +96,14 @@ class ProfilesLoaded(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class EnvsRecovered(Event):
+    """Persistent environments an earlier run of the daemon left and the backend still has
+    (fed once at start-up, from the records ``PersistEnvs`` wrote)."""
+
+    envs: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ConnClosed(Event):
     conn: int = 0
 
@@ -154,3 +162,11 @@ class PersistProfiles(Command):
     """Write every profile to the state dir (after a change, before the reply counts)."""
 
     profiles: Mapping[str, Mapping[str, Any]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PersistEnvs(Command):
+    """Write the records of every persistent environment to the state dir (they outlive the
+    daemon process: a restarted daemon re-adopts them)."""
+
+    envs: tuple[Mapping[str, Any], ...]

@@ -13,7 +13,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -92,18 +92,19 @@ class Executor:
         )
 
     async def stop(self) -> None:
-        """Graceful stop through the core: refuse new work, end what waits, close envs.
+        """Graceful stop through the core: refuse new work, end what waits, close throwaway
+        environments (persistent ones stay for the next daemon to re-adopt).
 
         The backend ends running execs (``infra_error`` "daemon shutting down"); their
-        ``ExecFinished`` lets the core close their environments too, and every
+        ``ExecFinished`` lets the core close their throwaway environments too, and every
         ``RemoveEnv`` comes back as ``EnvRemoved``.
         """
         self.feed(ev.Shutdown())
         await self.backend.shutdown()
         deadline = self.clock() + STOP_GRACE_S
-        while (self._tasks or self.core.env_ids()) and self.clock() < deadline:
+        while (self._tasks or self.core.env_ids(throwaway_only=True)) and self.clock() < deadline:
             await asyncio.sleep(0.01)
-        leftover = self.core.env_ids()
+        leftover = self.core.env_ids(throwaway_only=True)
         if leftover:
             log.warning("envs_not_removed_at_stop", envs=leftover)
         await self.server.close(grace_s=0.5)
@@ -201,7 +202,9 @@ class Executor:
         elif isinstance(cmd, ev.RemoveEnv):
             self._spawn(self._remove_env(cmd))
         elif isinstance(cmd, ev.PersistProfiles):
-            self._write_profiles(cmd.profiles)
+            self._write_json(self._profiles_path(), dict(cmd.profiles))
+        elif isinstance(cmd, ev.PersistEnvs):
+            self._write_json(self._envs_path(), [dict(r) for r in cmd.envs])
         else:  # pragma: no cover - a new command type without an executor is a bug
             raise TypeError(f"no executor for {cmd!r}")
 
@@ -276,9 +279,32 @@ class Executor:
             return {}
         return loaded
 
-    def _write_profiles(self, profiles: Mapping[str, Any]) -> None:
-        path = self._profiles_path()
+    def _envs_path(self) -> Path:
+        return self.state_dir / "envs.json"
+
+    def _read_env_records(self) -> list[dict[str, Any]]:
+        path = self._envs_path()
+        try:
+            loaded = json.loads(path.read_text())
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as exc:
+            log.warning("env_records_unreadable", path=str(path), error=str(exc))
+            return []
+        ok = isinstance(loaded, list) and all(
+            isinstance(r, dict) and {"id", "trajectory", "mem"} <= set(r) for r in loaded
+        )
+        if not ok:
+            log.warning("env_records_unreadable", path=str(path), error="not a list of records")
+            return []
+        return loaded
+
+    def _write_json(self, path: Path, data: Any) -> None:
+        """Atomically replace ``path`` (private to the daemon's user) before anyone relies
+        on it: the command that asks for it comes before the reply that acknowledges."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dict(profiles), indent=1, sort_keys=True))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)

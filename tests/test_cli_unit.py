@@ -202,6 +202,18 @@ def test_exec_json_shape(daemon: FakeDaemon) -> None:
     assert (body["outcome"], body["stdout"], body["cores"]) == ("ok", "hi\n", [0, 1])
 
 
+def test_infra_error_detail_reaches_stderr_and_json(daemon: FakeDaemon) -> None:
+    """The daemon's reason for an infra_error is printed, and kept in --json."""
+    why = "cannot create cpuset cgroup for cores [1]"
+    daemon.handlers["exec"] = lambda args: exec_result(
+        outcome="infra_error", exit_code=None, detail=why
+    )
+    result = run(daemon.path, "exec", "--", "cmd")
+    assert result.exit_code == 125 and f"infra_error: {why}" in result.stderr
+    body = json.loads(run(daemon.path, "exec", "--json", "--", "cmd").stdout)
+    assert body["detail"] == why
+
+
 EXIT_CASES = [
     ("ok", 0, 0),
     ("failed", 3, 3),

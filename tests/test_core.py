@@ -37,11 +37,16 @@ def make_core(cores: int = 2, **cfg) -> Core:
     return Core(cluster, apis, CoreConfig(**cfg))
 
 
+def acting(commands: list[ev.Command]) -> list[ev.Command]:
+    """The commands other than writing the environment records (tested on their own)."""
+    return [c for c in commands if not isinstance(c, ev.PersistEnvs)]
+
+
 def ready_env(core: Core, now: float = 0.0) -> str:
     out = core.handle(ev.OpenEnv(token=1), now)
     (create,) = out
     assert isinstance(create, ev.CreateEnv)
-    (reply,) = core.handle(ev.EnvCreated(env_id=create.env_id), now)
+    (reply,) = acting(core.handle(ev.EnvCreated(env_id=create.env_id), now))
     assert reply.result["id"] == create.env_id
     return create.env_id
 
@@ -136,7 +141,7 @@ def test_shutdown_rejects_waiting_work():
     core.handle(submit(1, "sleep 9", env), 0.0)
     core.handle(submit(2, "true", env), 0.0)
     tick(core, 0.01)
-    (reply,) = core.handle(ev.Shutdown(), 0.5)
+    (reply,) = acting(core.handle(ev.Shutdown(), 0.5))
     assert reply.token == 2 and reply.result["outcome"] == "rejected"
 
 
@@ -168,9 +173,9 @@ def test_environment_waits_for_memory_in_fifo_order():
     first = ready_env(core)
     assert core.handle(ev.OpenEnv(token=9), 1.0) == []  # waits, nothing created yet
     core.handle(ev.CloseEnv(token=10, env_id=first), 2.0)
-    (create,) = core.handle(ev.EnvRemoved(env_id=first), 2.1)[1:]
+    (create,) = acting(core.handle(ev.EnvRemoved(env_id=first), 2.1))[1:]
     assert isinstance(create, ev.CreateEnv)
-    (reply,) = core.handle(ev.EnvCreated(env_id=create.env_id), 2.2)
+    (reply,) = acting(core.handle(ev.EnvCreated(env_id=create.env_id), 2.2))
     assert reply.token == 9
 
 
@@ -226,18 +231,41 @@ def test_profiles_enter_as_events_and_are_saved_by_a_command():
     assert [p["name"] for p in core.profile_rows()] == ["old", "suite"]
 
 
-def test_shutdown_closes_environments_through_the_core():
-    """Shutdown removes idle environments at once, busy ones when their action ends."""
+def test_shutdown_goes_through_the_core_and_keeps_persistent_envs():
+    """Shutdown removes throwaway environments (busy ones when their action ends) and keeps
+    persistent ones, writing their records for the next daemon."""
     core = make_core()
-    idle, busy = ready_env(core), ready_env(core)
-    core.handle(submit(1, "sleep 9", busy), 0.0)
+    persistent = ready_env(core)
+    (create,) = core.handle(submit(1, "sleep 9"), 0.0)  # a throwaway env
+    core.handle(ev.EnvCreated(env_id=create.env_id), 0.0)
     (run,) = tick(core, 0.01)
     out = core.handle(ev.Shutdown(), 0.5)
-    assert [(type(c), c.env_id) for c in out] == [(ev.RemoveEnv, idle)]
+    assert [type(c) for c in out] == [ev.PersistEnvs]  # nothing removed yet
+    assert [r["id"] for r in out[0].envs] == [persistent]
     result = ExecResult("infra_error", detail="daemon shutting down")
     reply, remove = core.handle(ev.ExecFinished(action_id=run.action_id, result=result), 0.6)
     assert reply.result["outcome"] == "infra_error"
-    assert isinstance(remove, ev.RemoveEnv) and remove.env_id == busy
-    for env_id in (idle, busy):
-        core.handle(ev.EnvRemoved(env_id=env_id), 0.7)
-    assert core.env_ids() == []
+    assert isinstance(remove, ev.RemoveEnv) and remove.env_id == create.env_id
+    core.handle(ev.EnvRemoved(env_id=create.env_id), 0.7)
+    assert core.env_ids() == [persistent]
+
+
+def test_persistent_envs_are_recorded_and_readopted():
+    """Opening and closing a persistent env rewrites the records; a new core adopts them,
+    reserves their memory and never reuses their ids."""
+    core = make_core()
+    (create,) = core.handle(ev.OpenEnv(token=1, trajectory="t1"), 0.0)
+    persist, reply = core.handle(ev.EnvCreated(env_id=create.env_id), 0.1)
+    assert isinstance(persist, ev.PersistEnvs) and reply.result["id"] == create.env_id
+    (record,) = persist.envs
+    assert record["trajectory"] == "t1" and record["node"] == "local"
+
+    fresh = make_core()
+    assert fresh.handle(ev.EnvsRecovered(envs=persist.envs), 5.0) == []
+    assert fresh.env_ids() == [create.env_id]
+    assert fresh.cpu.pool("local").mem_reserved == record["mem"]
+    (run_create,) = fresh.handle(submit(2, "true"), 5.1)  # a new env: a new id
+    assert run_create.env_id != create.env_id
+    fresh.handle(submit(3, "true", create.env_id), 5.2)
+    (run,) = tick(fresh, 5.3)
+    assert isinstance(run, ev.RunExec) and run.env_id == create.env_id

@@ -213,4 +213,5 @@ def test_sigterm_ends_inflight_actions_and_exits_zero(tmp_path):
         assert d.stop(signal.SIGTERM) == 0
         t.join(10)
         assert box["r"].outcome == "infra_error"
+        assert box["r"].detail == "daemon shutting down"  # the daemon's why reaches the client
         assert not os.path.exists(d.socket)
