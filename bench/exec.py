@@ -53,7 +53,7 @@ def interleaved(fns: dict[str, Callable[[], None]], n: int, warmup: int) -> dict
 
 def bench_process(n: int, warmup: int) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="tangram-bench-") as tmp:
-        d = spawn_daemon(tmp, "[sched]\ncoalesce_ms = 0.0\n")
+        d = spawn_daemon(tmp, "")  # the default config: adaptive 1 ms coalescing
         try:
             with d.client() as c:
                 env = c.env_open()
@@ -99,8 +99,8 @@ def bench_docker(n: int, warmup: int) -> dict[str, object]:
     # One daemon at a time (a tangramd reconciles away containers it does not own), each
     # interleaved with the bare SDK baseline.
     cfgs = {
-        "update_plus_docker_exec": "[cpu]\nexec_agent = false\n[sched]\ncoalesce_ms = 0.0\n",
-        "agent": "[cpu]\nexec_agent = true\n[sched]\ncoalesce_ms = 0.0\n",
+        "update_plus_docker_exec": "[cpu]\nexec_agent = false\n",
+        "agent": "[cpu]\nexec_agent = true\n",
     }
     out: dict[str, object] = {"backend": "docker", "n": n}
     base: list[float] = []

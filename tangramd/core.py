@@ -14,9 +14,10 @@ In ``tangramd up`` this one core is both the coordinator (queues, registry, glob
 scheduler) and, through its :class:`~tangramd.envbook.EnvBook`, the node's bookkeeping of
 environments: the all-in-one mode.
 
-Scheduling passes are coalesced: arrivals and completions only mark the core *dirty*; the
-executor calls ``Tick`` at most once per ``coalesce_s`` window, so a flood of tiny actions is
-scheduled in batches rather than one pass per event.
+Scheduling passes are coalesced adaptively: arrivals and completions only mark the core
+*dirty*, and a pass is due at once when none ran in the last ``coalesce_s`` (a quiet daemon
+answers a lone action without waiting), else at the end of that window, so a flood of tiny
+actions is scheduled in batches of one pass per window rather than one pass per event.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class Core:
         self.stimulus = 0  # id of the event being handled
         self._dirty = False
         self._pass_due: float | None = None
+        self._last_pass = -math.inf
         self.shutting_down = False
         self.passes = 0
         self.finished: deque[tuple[str, float, float]] = deque(maxlen=4096)  # kind, queue, exec
@@ -133,7 +135,7 @@ class Core:
                 raise
             out.append(self._reply(token, error=(exc.code, exc.message)))
         if self._dirty and self._pass_due is None:
-            self._pass_due = now + self.cfg.coalesce_s
+            self._pass_due = max(now, self._last_pass + self.cfg.coalesce_s)
         return out
 
     def next_wakeup(self, now: float) -> float | None:
@@ -309,6 +311,7 @@ class Core:
     def run_pass(self, now: float, out: list[ev.Command]) -> None:
         self._pass_due = None
         self._dirty = False
+        self._last_pass = now
         if not self.queue:
             return
         for pool in self.apis.values():

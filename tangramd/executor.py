@@ -73,6 +73,7 @@ class Executor:
         self._futures: dict[int, asyncio.Future[Any]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
+        self._ticking = False  # feeding an inline Tick (a due pass runs once, not recursively)
         self._tasks: set[asyncio.Task[Any]] = set()
         # TANGRAM_VALIDATE=1 (tests): check the core's invariants after every event
         self._validate = os.environ.get("TANGRAM_VALIDATE") == "1"
@@ -160,8 +161,16 @@ class Executor:
             conn.on_close(lambda c: self.feed(ev.ConnClosed(conn=c.id)))
 
     def _arm_timer(self) -> None:
-        due = self.core.next_wakeup(self.clock())
+        now = self.clock()
+        due = self.core.next_wakeup(now)
         if due is None:
+            return
+        if due <= now and not self._ticking:  # a pass due now: run it before returning
+            self._ticking = True
+            try:
+                self.feed(ev.Tick())
+            finally:
+                self._ticking = False
             return
         if self._timer is not None and self._timer_at is not None and self._timer_at <= due:
             return

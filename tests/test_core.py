@@ -60,7 +60,7 @@ def test_exec_lifecycle_commands():
     core = make_core()
     env = ready_env(core)
     assert core.handle(submit(7, "true", env), 1.0) == []
-    assert core.next_wakeup(1.0) == pytest.approx(1.001)
+    assert core.next_wakeup(1.0) == 1.0  # a quiet core schedules a lone action at once
     (run,) = tick(core, 1.001)
     assert isinstance(run, ev.RunExec) and run.cores == (0,) and run.env_id == env
     (reply,) = core.handle(
@@ -269,3 +269,19 @@ def test_persistent_envs_are_recorded_and_readopted():
     fresh.handle(submit(3, "true", create.env_id), 5.2)
     (run,) = tick(fresh, 5.3)
     assert isinstance(run, ev.RunExec) and run.env_id == create.env_id
+
+
+def test_passes_are_immediate_when_quiet_and_batched_under_a_burst():
+    """The first arrival after a quiet spell is scheduled at once; arrivals within
+    coalesce_s of a pass wait for the end of that window and share one pass."""
+    core = make_core(cores=2, coalesce_s=0.001)
+    env = ready_env(core)
+    core.handle(submit(1, "true", env), 1.0)
+    assert core.next_wakeup(1.0) == 1.0
+    tick(core, 1.0)
+    assert core.passes == 1
+    for i in range(5):
+        core.handle(submit(10 + i, "true", env), 1.0002 + i * 1e-5)
+    assert core.next_wakeup(1.0003) == pytest.approx(1.001)
+    tick(core, 1.001)
+    assert core.passes == 2
