@@ -15,9 +15,11 @@ No container engine needed; this is the embedded default (design §5.2).
   The child starts as a tiny shell that first raises its own ``oom_score_adj`` to
   ``EXEC_OOM_SCORE_ADJ`` (before anything can fork), then runs the command. With v1 the
   child is born in its cgroup and mask (the daemon's thread holds both for the instant of
-  the fork); with v2 or no cgroup the shell waits at a *gate* (a line on its stdin) while
-  the daemon moves it in and pins it by pid. Either way the command never runs elsewhere,
-  no ``preexec_fn`` is needed, and no daemon thread stays in an exec's cgroup.
+  the fork, on a small spawner thread pool: a v1 cgroup join can block for an RCU grace
+  period, which must not stall the event loop); with v2 or no cgroup the shell waits at a
+  *gate* (a line on its stdin) while the daemon moves it in and pins it by pid. Either way
+  the command never runs elsewhere, no ``preexec_fn`` is needed, and no daemon thread
+  stays in an exec's cgroup.
 - The exec ends when its main process exits (watched through a pidfd, not through its
   pipes: a background descendant may hold them); whatever it left is killed then — its
   process group and its cgroup, or, without a usable cgroup, its session and every process
@@ -42,6 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -246,6 +249,12 @@ class ProcessBackend:
         self._closing = False
         self._token = f"{scope}.{os.getpid()}"
         self._home_affinity = os.sched_getaffinity(0)
+        # v1 spawns run here: joining a cgroup blocks in the kernel for up to an RCU grace
+        # period, which must not stall the event loop (and every other client) meanwhile.
+        self._spawner = ThreadPoolExecutor(
+            max_workers=max(2, min(16, len(self._home_affinity))),
+            thread_name_prefix="tangram-spawn",
+        )
         self._exec_ids = itertools.count(1)
 
     # --- environments -----------------------------------------------------------------
@@ -316,6 +325,7 @@ class ProcessBackend:
                 for cgroup in self.cgroups.leftovers():
                     await self.cgroups.remove(cgroup)
             await self.cgroups.remove(self.cgroups.base)
+        self._spawner.shutdown(wait=False)
 
     # --- execs ------------------------------------------------------------------------
 
@@ -386,7 +396,12 @@ class ProcessBackend:
 
         started = time.monotonic()
         try:
-            popen = spawn() if gate else self._born_pinned(spawn, req.cores, cgroup)
+            if gate:
+                popen = spawn()
+            else:  # the cgroup writes may wait for an RCU grace period: not on the loop
+                popen = await asyncio.get_running_loop().run_in_executor(
+                    self._spawner, self._born_pinned, spawn, req.cores, cgroup
+                )
         except (OSError, subprocess.SubprocessError) as e:
             return infra_error(f"spawn failed: {e}")
         child = _Child(popen, asyncio.get_running_loop(), out, err)
