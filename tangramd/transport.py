@@ -185,7 +185,7 @@ class _Connection(asyncio.Protocol):
         server = self._server
         server._buffered += buffered - self.buffered
         self.buffered = buffered
-        if not buffered:
+        if not buffered or self._read_paused:  # paused: we are the ones not reading
             self._cancel_frame_timer()
         elif restart or self._frame_timer is None:
             # A new frame began (its first byte is in this chunk): its deadline starts now.

@@ -10,12 +10,16 @@ No container engine needed; this is the embedded default (design §5.2).
 - Commands run as ``req.run_as`` (the connecting peer, as wired by the daemon), else as the
   backend's ``default_user`` (a sandbox user), else as the daemon's own user. Running as
   another user drops every supplementary group.
-- Each exec is a fresh session (its own process group). The child starts as a tiny shell
-  that waits at a *gate* (a byte on its stdin) before running the command; meanwhile the
-  daemon moves it into the exec cgroup of its core set (``cgroups.py``: v1 cpuset, or v2
-  where delegated), pins it with ``sched_setaffinity`` and raises its ``oom_score_adj`` to
-  ``EXEC_OOM_SCORE_ADJ``. So the command never runs elsewhere, and no daemon thread ever
-  enters an exec's cgroup (nor needs a ``preexec_fn``).
+- Each exec is a fresh session (its own process group) in the exec cgroup of its core set
+  (``cgroups.py``: v1 cpuset, or v2 where delegated), pinned with ``sched_setaffinity``.
+  The child starts as a tiny shell that first raises its own ``oom_score_adj`` to
+  ``EXEC_OOM_SCORE_ADJ`` (before anything can fork), then runs the command. With v1 the
+  child is born in its cgroup and mask (the daemon's thread holds both for the instant of
+  the fork, on a small spawner thread pool: a v1 cgroup join can block for an RCU grace
+  period, which must not stall the event loop); with v2 or no cgroup the shell waits at a
+  *gate* (a line on its stdin) while the daemon moves it in and pins it by pid. Either way
+  the command never runs elsewhere, no ``preexec_fn`` is needed, and no daemon thread
+  stays in an exec's cgroup.
 - The exec ends when its main process exits (watched through a pidfd, not through its
   pipes: a background descendant may hold them); whatever it left is killed then — its
   process group and its cgroup, or, without a usable cgroup, its session and every process
@@ -39,6 +43,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,11 +81,15 @@ _ENV_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "TERM")
 _GATE = "read -r _ || exit 125; exec </dev/null; "
 
 
-def gated_argv(cmd: list[str] | str) -> list[str]:
-    """The argv to spawn: a shell that waits at the gate, then runs ``cmd``."""
+def exec_argv(cmd: list[str] | str, *, oom_score_adj: int, gate: bool) -> list[str]:
+    """The argv to spawn: a shell that raises its own OOM score (before anything can fork,
+    so every descendant inherits it), waits at the gate if asked, then runs ``cmd``."""
+    prefix = f"echo {oom_score_adj} >/proc/self/oom_score_adj 2>/dev/null; "
+    if gate:
+        prefix += _GATE
     if isinstance(cmd, str):
-        return ["/bin/sh", "-c", _GATE + cmd]
-    return ["/bin/sh", "-c", _GATE + 'exec "$@"', "tangram-exec", *cmd]
+        return ["/bin/sh", "-c", prefix + cmd]
+    return ["/bin/sh", "-c", prefix + 'exec "$@"', "tangram-exec", *cmd]
 
 
 class _Child:
@@ -238,6 +248,13 @@ class ProcessBackend:
         self._running: set[_Running] = set()
         self._closing = False
         self._token = f"{scope}.{os.getpid()}"
+        self._home_affinity = os.sched_getaffinity(0)
+        # v1 spawns run here: joining a cgroup blocks in the kernel for up to an RCU grace
+        # period, which must not stall the event loop (and every other client) meanwhile.
+        self._spawner = ThreadPoolExecutor(
+            max_workers=max(2, min(16, len(self._home_affinity))),
+            thread_name_prefix="tangram-spawn",
+        )
         self._exec_ids = itertools.count(1)
 
     # --- environments -----------------------------------------------------------------
@@ -308,6 +325,7 @@ class ProcessBackend:
                 for cgroup in self.cgroups.leftovers():
                     await self.cgroups.remove(cgroup)
             await self.cgroups.remove(self.cgroups.base)
+        self._spawner.shutdown(wait=False)
 
     # --- execs ------------------------------------------------------------------------
 
@@ -344,20 +362,27 @@ class ProcessBackend:
         if isinstance(user, str):
             return infra_error(user)
         cwd = self.env_dir(req.env_id)
-        argv = gated_argv(rewrite_pytest(req.cmd, len(req.cores), req.elastic))
         cgroup: Path | None = None
         if self.cgroups is not None:
             try:
                 cgroup = self.cgroups.for_cores(req.cores)
             except OSError as e:
                 return infra_error(f"cannot create cpuset cgroup: {e}")
+        # v1: the child is born in its cgroup and mask (see _born_pinned), no gate needed.
+        # v2 / no cgroup: it is placed by pid while it waits at the gate.
+        gate = not (cgroup is not None and self.cgroups is not None and self.cgroups.by_thread)
+        argv = exec_argv(
+            rewrite_pytest(req.cmd, len(req.cores), req.elastic),
+            oom_score_adj=self.oom_score_adj,
+            gate=gate,
+        )
         marker = f"{self._token}.{next(self._exec_ids)}"
         out, err = OutputBuffer(req.max_output), OutputBuffer(req.max_output)
-        started = time.monotonic()
-        try:
-            popen = subprocess.Popen(
+
+        def spawn() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
                 argv,
-                stdin=subprocess.PIPE,
+                stdin=subprocess.PIPE if gate else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=cwd,
@@ -368,36 +393,69 @@ class ProcessBackend:
                 group=None if user is None else user[1],
                 extra_groups=None if user is None else [],  # drop root's groups
             )
+
+        started = time.monotonic()
+        try:
+            if gate:
+                popen = spawn()
+            else:  # the cgroup writes may wait for an RCU grace period: not on the loop
+                popen = await asyncio.get_running_loop().run_in_executor(
+                    self._spawner, self._born_pinned, spawn, req.cores, cgroup
+                )
         except (OSError, subprocess.SubprocessError) as e:
             return infra_error(f"spawn failed: {e}")
         child = _Child(popen, asyncio.get_running_loop(), out, err)
         run = _Running(child, cgroup, marker)
         self._running.add(run)
         try:
-            problem = self._place(child.pid, req.cores, cgroup)
+            problem = self._place(child.pid, req.cores, cgroup) if gate else ""
             if problem or self._closing:
                 run.killed_for_shutdown = self._closing
                 self._kill_leftovers(run)
-                child.release_gate()
+                if gate:
+                    child.release_gate()
                 await child.exited.wait()
                 child.close()
                 return infra_error(problem or SHUTDOWN_DETAIL)
-            child.release_gate()
+            if gate:
+                child.release_gate()
             return await self._supervise(req, run, started, out, err)
         finally:
             self._running.discard(run)
             run.done.set()
 
+    def _born_pinned(
+        self,
+        spawn: Callable[[], subprocess.Popen[bytes]],
+        cores: tuple[int, ...],
+        cgroup: Path | None,
+    ) -> subprocess.Popen[bytes]:
+        """Spawn with the daemon's thread in the child's v1 cgroup and mask for the instant
+        of the fork (a child inherits both), then return the thread home.
+
+        Cheaper than moving the child afterwards (a v1 process migration waits for an RCU
+        grace period) and needs no gate. Nothing else runs on this thread meanwhile, and
+        no thread is created (the exit is watched by pidfd), so no daemon thread ever
+        stays in an exec cgroup.
+        """
+        assert self.cgroups is not None and cgroup is not None
+        tid = threading.get_native_id()
+        self.cgroups.join_thread(cgroup, tid)
+        try:
+            os.sched_setaffinity(0, cores)
+            return spawn()
+        finally:
+            self.cgroups.join_thread(self.cgroups.parent, tid)
+            os.sched_setaffinity(0, self._home_affinity)
+
     def _place(self, pid: int, cores: tuple[int, ...], cgroup: Path | None) -> str:
-        """Move the gated child into its cgroup, pin it, raise its OOM score; '' if done."""
+        """Move the gated child into its cgroup and pin it; '' if done."""
         try:
             if cgroup is not None:
                 Cgroups.place(cgroup, pid)
             os.sched_setaffinity(pid, cores)
         except OSError as e:
             return f"cannot pin the command to cores {list(cores)}: {e}"
-        with contextlib.suppress(OSError):  # best effort: the score is advice to the kernel
-            Path(f"/proc/{pid}/oom_score_adj").write_text(str(self.oom_score_adj))
         return ""
 
     def _kill_leftovers(self, run: _Running) -> None:
