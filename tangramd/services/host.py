@@ -137,12 +137,16 @@ class ServiceHost:
     async def start(self) -> dict[str, str]:
         """Load the persisted registrations; ``{name: error}`` for those that failed to load
         (they stay registered, in state ``failed``, and are retried on their next use)."""
+        specs = self.registry.load()
+        loaded = await asyncio.gather(
+            *(self.register(spec, persist=False) for spec in specs), return_exceptions=True
+        )
         errors: dict[str, str] = {}
-        for spec in self.registry.load():
-            try:
-                await self.register(spec, persist=False)
-            except ServiceLoadError as exc:
-                errors[spec.name] = str(exc)
+        for spec, outcome in zip(specs, loaded, strict=True):
+            if isinstance(outcome, ServiceLoadError):
+                errors[spec.name] = str(outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
         return errors
 
     async def register(self, spec: ServiceSpec, *, persist: bool = True) -> dict[str, Any]:
@@ -452,6 +456,9 @@ class ServiceHost:
             )
             if pid is not None and slot.state != "failed":
                 entry["pid"] = pid
+                port = getattr(slot.replica, "port", None)
+                if port is not None:
+                    entry["port"] = port
             if slot.error and slot.state == "failed":
                 entry["error"] = slot.error
             replicas.append(entry)

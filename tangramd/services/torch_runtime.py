@@ -135,7 +135,7 @@ class TorchReplica:
             if proc.stdin is not None:
                 proc.stdin.close()
             try:
-                await asyncio.wait_for(proc.wait(), 2.0)
+                await asyncio.wait_for(proc.wait(), 0.5)  # an idle worker exits at EOF
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):  # exited meanwhile
                     os.killpg(proc.pid, signal.SIGKILL)

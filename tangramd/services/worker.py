@@ -41,14 +41,13 @@ class Served:
     """The module, its flat weights and the request handlers both modes share."""
 
     def __init__(self, name: str, entry: str, path: str | None, device: str) -> None:
+        module = build(name, entry, path)  # first: a broken factory fails before torch loads
         import torch
 
         from tangramd.services.weights import FlatWeights
 
         self.name = name
         self.torch = torch
-        torch.manual_seed(0)  # factories that draw random weights build the same module
-        module = build(name, entry, path)
         self.weights = FlatWeights(module, torch.device(device))
         self.module = module
         self.calls = 0
@@ -92,8 +91,6 @@ class Served:
 
 def build(name: str, entry: str, path: str | None) -> Any:
     """Import ``MODULE:FACTORY`` (``path`` first on ``sys.path``) and build the module."""
-    import torch
-
     if path:
         sys.path.insert(0, path)
     module_name, _, factory_name = entry.partition(":")
@@ -104,6 +101,8 @@ def build(name: str, entry: str, path: str | None) -> Any:
         raise FactoryError(
             f"service {name!r}: factory {entry} failed: {type(exc).__name__}: {exc}"
         ) from exc
+    import torch
+
     if not isinstance(module, torch.nn.Module):
         raise FactoryError(
             f"service {name!r}: factory {entry} returned {type(module).__name__}, "
