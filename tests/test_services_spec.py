@@ -85,7 +85,7 @@ def test_registry_persists_atomically(tmp_path: Path) -> None:
 def test_registry_names_a_corrupt_file(tmp_path: Path) -> None:
     """A corrupt registry is an error naming the file, not a silent empty registry."""
     (tmp_path / "services.json").write_text('{"services": [{"name": "x"}]}')
-    with pytest.raises(ValueError, match="services.json"):
+    with pytest.raises(ValueError, match=r"services\.json"):
         Registry(tmp_path).load()
     assert Registry(tmp_path / "fresh").load() == []
 

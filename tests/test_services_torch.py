@@ -57,10 +57,10 @@ def small():
 def big():
     return Scaler(8 << 20)  # 32 MiB of float32
 '''
-BROKEN = '''
+BROKEN = """
 def make():
     raise RuntimeError("no weights here")
-'''
+"""
 GPU_GB = 0.1  # two services of 0.06 GB never share a simulated GPU
 H2D_GBPS = 0.12  # a 0.06 GB restore takes 0.5 s on the simulated link
 
@@ -137,7 +137,7 @@ def test_register_makes_backup_and_refuses_bad_factories(
         run(loop, host.register(spec("bad", "broken_models:make", models)))
     assert "service 'bad'" in str(info.value)
     assert "RuntimeError: no weights here" in str(info.value)
-    with pytest.raises(ServiceLoadError, match="'missing'.*ModuleNotFoundError"):
+    with pytest.raises(ServiceLoadError, match=r"'missing'.*ModuleNotFoundError"):
         run(loop, host.register(spec("missing", "no_such_module:make", models)))
     services = by_name(host)
     assert sorted(services) == ["a", "b"]
@@ -155,8 +155,11 @@ def test_call_is_correct_after_evict_and_restore(
     expected = reference.small().handle({"x": 3.0})["y"]
     restored = run(loop, host.ensure_resident("a", [0]))
     assert restored.needed and restored.nbytes > 0
-    assert by_name(host)["a"]["replicas"][0] == {**by_name(host)["a"]["replicas"][0],
-                                                  "gpus": [0], "state": "resident"}
+    assert by_name(host)["a"]["replicas"][0] == {
+        **by_name(host)["a"]["replicas"][0],
+        "gpus": [0],
+        "state": "resident",
+    }
     first = run(loop, host.call("a", [0], {"x": 3.0}, timeout=30))
     assert first.outcome == "ok" and first.result["y"] == pytest.approx(expected)
     assert first.restore_s == 0.0
@@ -237,9 +240,7 @@ def test_restores_on_different_gpus_overlap(
         for gpus in ([0], [1]):
             run(loop, host.evict(name, gpus))
     start = time.perf_counter()
-    one, two = run(
-        loop, gather(host.ensure_resident("a", [0]), host.ensure_resident("b", [1]))
-    )
+    one, two = run(loop, gather(host.ensure_resident("a", [0]), host.ensure_resident("b", [1])))
     wall = time.perf_counter() - start
     assert one.needed and two.needed
     assert min(one.seconds, two.seconds) >= 0.45
