@@ -29,6 +29,8 @@ from tangramd.services import (
 from tangramd.services.http_runtime import http_request
 
 SCORER = """
+import time
+
 import torch
 
 class Scorer(torch.nn.Module):
@@ -40,6 +42,7 @@ class Scorer(torch.nn.Module):
         values = payload.get("values")
         if not isinstance(values, list) or not values:
             raise ValueError("'values' must be a non-empty list")
+        time.sleep(float(payload.get("sleep", 0)))
         x = torch.tensor(values, dtype=torch.float32)
         return {"score": float((self.weight[: len(values)] * x).sum().detach())}
 
@@ -152,6 +155,18 @@ def test_server_rejection_is_failed_with_its_message(
     bad = run(loop, host.call("vl", [0], {"values": "nope"}, timeout=30))
     assert bad.outcome == "failed"
     assert bad.error == "ValueError: 'values' must be a non-empty list"
+
+
+def test_slow_call_times_out_and_the_server_stays(
+    host: ServiceHost, loop: asyncio.AbstractEventLoop
+) -> None:
+    """A call past its timeout ends 'timeout' without restarting the model server."""
+    pid = replica(host, "sg")["pid"]
+    slow = run(loop, host.call("sg", [1], {"values": [1.0], "sleep": 1.5}, timeout=0.3))
+    assert slow.outcome == "timeout"
+    after = run(loop, host.call("sg", [1], {"values": [1.0]}, timeout=30))
+    assert after.outcome == "ok"
+    assert replica(host, "sg")["pid"] == pid and replica(host, "sg")["state"] == "resident"
 
 
 def test_killed_server_is_infra_error_then_restarted(

@@ -123,12 +123,14 @@ class ServiceHost:
         *,
         load_timeout_s: float = 300.0,
         http_load_timeout_s: float = 900.0,
+        restore_timeout_s: float = 600.0,
     ) -> None:
         self.inventory = inventory
         self.state_dir = Path(state_dir)
         self.registry = Registry(self.state_dir)
         self.load_timeout_s = load_timeout_s
         self.http_load_timeout_s = http_load_timeout_s
+        self.restore_timeout_s = restore_timeout_s
         self._services: dict[str, Hosted] = {}
         self._watchers: set[asyncio.Task[None]] = set()
 
@@ -236,24 +238,34 @@ class ServiceHost:
         crash or a failed (re)load ``infra_error``, a call on a service being removed
         ``rejected``. Unknown services (``ServiceNotFound``) and decisions that would
         oversubscribe a GPU (``Oversubscribed``) are the caller's bugs and do raise.
+        ``timeout`` bounds the handler (``exec_s``); a restore is bounded by
+        ``restore_timeout_s`` and one that overruns it is an ``infra_error``.
         """
         hosted = self._hosted(name)
         slot = self._claim(hosted, self._chunk(hosted.spec, gpus))
-        deadline = time.monotonic() + timeout
         restore_s = 0.0
         async with slot.lock:
             if hosted.removed:  # queued behind the lock while the service was removed
                 return self._ended(hosted, "rejected", "", 0.0)
             try:
                 restored = await asyncio.wait_for(
-                    self._make_resident(hosted, slot), max(timeout, 0.0)
+                    self._make_resident(hosted, slot), self.restore_timeout_s
                 )
                 restore_s = restored.seconds
-                reply = await slot.replica.call(payload, max(deadline - time.monotonic(), 0.0))
             except TimeoutError:
-                await self._fail(slot, "timed out")
-                return self._ended(hosted, "timeout", f"no answer within {timeout} s", restore_s)
+                error = f"restore took longer than {self.restore_timeout_s} s"
+                await self._fail(slot, error)
+                return self._ended(hosted, "infra_error", error, restore_s)
             except (ReplicaCrashed, ServiceLoadError) as exc:
+                await self._fail(slot, str(exc))
+                return self._ended(hosted, "infra_error", str(exc), restore_s)
+            try:
+                reply = await slot.replica.call(payload, timeout)
+            except TimeoutError:
+                if not slot.replica.alive:  # torch: the stuck worker was stopped
+                    await self._fail(slot, "a call timed out; the worker was stopped")
+                return self._ended(hosted, "timeout", f"no answer within {timeout} s", restore_s)
+            except ReplicaCrashed as exc:
                 await self._fail(slot, str(exc))
                 return self._ended(hosted, "infra_error", str(exc), restore_s)
         slot.last_used = time.monotonic()
