@@ -36,8 +36,15 @@ from tangramd.services.runtime_base import (
 )
 from tangramd.services.spec import ServiceSpec
 
-SLEEP = {"vllm": ("/sleep?level=1", None), "sglang": ("/release_memory_occupation", {})}
-WAKE = {"vllm": ("/wake_up", None), "sglang": ("/resume_memory_occupation", {})}
+# api -> (path, JSON body); level 1 keeps the weights in host memory (the backup)
+SLEEP: dict[str, tuple[str, Any]] = {
+    "vllm": ("/sleep?level=1", None),
+    "sglang": ("/release_memory_occupation", {}),
+}
+WAKE: dict[str, tuple[str, Any]] = {
+    "vllm": ("/wake_up", None),
+    "sglang": ("/resume_memory_occupation", {}),
+}
 CONTROL_TIMEOUT_S = 600.0  # waking a 100 GB model takes seconds; a wedged server, forever
 
 

@@ -139,7 +139,7 @@ def _gpu_counts(value: object) -> tuple[int, ...]:
     for item in items:
         if isinstance(item, bool) or item not in ALLOWED_GPU_COUNTS:
             raise SpecError("gpus", f"{item!r} is not an allowed GPU count ({allowed})")
-        counts.add(int(item))  # type: ignore[call-overload]  # checked against the allowed ints
+        counts.add(int(item))
     return tuple(sorted(counts))
 
 

@@ -21,7 +21,7 @@ class WireError(Exception):
 
 
 def encode(msg: dict[str, Any]) -> bytes:
-    body = msgpack.packb(msg, use_bin_type=True)
+    body: bytes = msgpack.packb(msg, use_bin_type=True)
     if len(body) > MAX_FRAME:
         raise WireError(f"message of {len(body)} bytes exceeds the {MAX_FRAME}-byte frame limit")
     return _LEN.pack(len(body)) + body
