@@ -81,6 +81,16 @@ class ConnInfo:
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     _callbacks: list[Callable[[ConnInfo], object]] = field(default_factory=list, repr=False)
 
+    @property
+    def peer(self) -> tuple[int, int] | None:
+        """(uid, gid) of the connecting process (SO_PEERCRED), None where unknown.
+
+        What an exec runs as under ``cpu.exec_user = "peer"`` (``ExecRequest.run_as``) and
+        who owns an environment it opens (``create_env(owner=...)``)."""
+        if self.uid is None or self.gid is None:
+            return None
+        return (self.uid, self.gid)
+
     def on_close(self, callback: Callable[[ConnInfo], object]) -> None:
         """Call ``callback(conn)`` once when the connection closes (now, if it already has).
 

@@ -559,3 +559,15 @@ def test_connection_cap() -> None:
                 raw.close()
 
     run(main)
+
+
+def test_conn_info_carries_the_peer_credentials() -> None:
+    """The handler sees the connecting process's uid/gid (SO_PEERCRED) as ConnInfo.peer."""
+
+    async def main() -> None:
+        async with serving() as (server, daemon), AsyncClient(server.path) as client:
+            await client.ping()
+            conn = daemon.conns[-1]
+            assert conn.peer == (os.getuid(), os.getgid()) and conn.pid == os.getpid()
+
+    run(main)
