@@ -66,6 +66,7 @@ class CoreConfig:
     default_deadline_s: float = 30.0
     max_output: int = 1 << 20
     default_image: str | None = None
+    exec_as_peer: bool = False  # commands run as the connecting client (cpu.exec_user="peer")
 
 
 @dataclass
@@ -100,6 +101,7 @@ class Core:
                 mem=self.cfg.default_env_mem,
                 image=self.cfg.default_image,
                 idle_ttl_s=self.cfg.env_idle_ttl_s,
+                owned_by_peer=self.cfg.exec_as_peer,
             ),
         )
         self.history = history or HistoryEstimator(default_s=1.0)
@@ -187,7 +189,7 @@ class Core:
         if isinstance(cpus, tuple):
             cpus = list(cpus)
         if spec.env is not None:
-            env = self.envs.open_env(spec.env)
+            env = self.envs.open_env(spec.env, e.peer)
             if env is None:
                 raise NotFound(f"environment {spec.env!r} not found")
         else:
@@ -201,6 +203,7 @@ class Core:
                 throwaway=True,
                 token=None,
                 conn=e.conn,
+                owner=e.peer,
             )
         max_cores = max(p.capacity for p in self.cpu.nodes)
         aid = ActionId(self._new_id("a"))
@@ -230,6 +233,7 @@ class Core:
             submitted_at=now,
             history=self.stories.open(aid),
             spec=spec,
+            run_as=e.peer if self.cfg.exec_as_peer else None,
         )
         self.actions[aid] = rec
         note(
@@ -379,6 +383,7 @@ class Core:
                 cores=tuple(rec.units),
                 spec=rec.spec,
                 max_output=self.cfg.max_output,
+                run_as=rec.run_as,
                 cause=self.stimulus,
             )
         )
@@ -416,10 +421,11 @@ class Core:
             throwaway=False,
             token=e.token,
             conn=e.conn,
+            owner=e.peer,
         )
 
     def _close(self, e: ev.CloseEnv, now: float, out: list[ev.Command]) -> None:
-        env = self.envs.open_env(e.env_id)
+        env = self.envs.open_env(e.env_id, e.peer)
         if env is None:
             raise NotFound(f"environment {e.env_id!r} not found")
         env.close_token = e.token
@@ -747,8 +753,13 @@ class Core:
     def total_cores(self) -> int:
         return sum(p.capacity for p in self.cpu.nodes)
 
-    def env_ids(self, *, throwaway_only: bool = False) -> list[str]:
-        return [env.id for env in self.envs if env.throwaway or not throwaway_only]
+    def env_ids(self, *, throwaway_only: bool = False, persistent_only: bool = False) -> list[str]:
+        return [
+            env.id
+            for env in self.envs
+            if not (throwaway_only and not env.throwaway)
+            and not (persistent_only and env.throwaway)
+        ]
 
     # ------------------------------------------------------------------ invariants
     def validate(self) -> None:

@@ -28,6 +28,7 @@ class SubmitExec(Event):
     spec: ExecSpec
     token: int | None = None
     conn: int | None = None
+    peer: tuple[int, int] | None = None  # (uid, gid) of the client (SO_PEERCRED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +38,14 @@ class OpenEnv(Event):
     mem: int | None = None
     trajectory: str | None = None
     conn: int | None = None
+    peer: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class CloseEnv(Event):
     token: int | None = None
     env_id: str = ""
+    peer: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,7 @@ class CreateEnv(Command):
     node: str
     image: str | None
     mem: int
+    owner: tuple[int, int] | None = None  # the user its files belong to (None: backend's)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,6 +159,7 @@ class RunExec(Command):
     cores: tuple[int, ...]
     spec: ExecSpec
     max_output: int
+    run_as: tuple[int, int] | None = None  # (uid, gid), None: the backend's sandbox user
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -109,17 +109,20 @@ async def _env_open(ex: Executor, args: Args, conn: ConnInfo) -> Any:
             mem=args.get("mem"),
             trajectory=args.get("trajectory"),
             conn=None,  # a persistent environment outlives the connection that opened it
+            peer=conn.peer,
         )
     )
 
 
 async def _env_close(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return await ex.request(lambda tok: ev.CloseEnv(token=tok, env_id=args["id"]))
+    return await ex.request(lambda tok: ev.CloseEnv(token=tok, env_id=args["id"], peer=conn.peer))
 
 
 async def _exec(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     spec = ExecSpec.from_wire(args)
-    return await ex.request(lambda tok: ev.SubmitExec(spec=spec, token=tok, conn=conn.id))
+    return await ex.request(
+        lambda tok: ev.SubmitExec(spec=spec, token=tok, conn=conn.id, peer=conn.peer)
+    )
 
 
 async def _lease_acquire(ex: Executor, args: Args, conn: ConnInfo) -> Any:
