@@ -107,8 +107,15 @@ class ForkServer:
         """Run the factory and make the backup; ``ServiceLoadError`` naming the service."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [*_worker_argv(self.python, self.spec), "--fd", str(theirs.fileno())]
-        # One torch thread in the fork server: GNU OpenMP's pool does not survive fork.
-        env = _worker_env(self.spec, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        # Fork safety: one torch thread (GNU OpenMP's pool does not survive fork), and
+        # torch.cuda.is_available() answered by NVML, not by cuInit (CUDA does not survive
+        # fork either).
+        env = _worker_env(
+            self.spec,
+            OMP_NUM_THREADS="1",
+            MKL_NUM_THREADS="1",
+            PYTORCH_NVML_BASED_CUDA_CHECK="1",
+        )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = await asyncio.create_subprocess_exec(

@@ -59,7 +59,10 @@ class FlatWeights:
         # Pinned host memory makes the H2D copy a single DMA at full PCIe/NVLink speed.
         # A shared backup (the fork server's) lives in shared memory instead: the forked
         # replicas map the same pages and pin them with ``pin_backup`` after they fork.
-        pin = (torch.cuda.is_available() if pin is None else pin) and not shared
+        if shared:
+            pin = False  # and no CUDA call at all: the fork server must stay fork-safe
+        elif pin is None:
+            pin = torch.cuda.is_available()
         self.backup = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
         if shared:
             self.backup.share_memory_()  # type: ignore[no-untyped-call]  # torch stub
