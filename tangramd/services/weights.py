@@ -163,21 +163,3 @@ def _assign(slot: Slot, tensor: torch.Tensor) -> None:
         slot.module._parameters[slot.attr].data = tensor  # type: ignore[union-attr]
     else:
         slot.module._buffers[slot.attr] = tensor
-
-
-def bare_copy(nbytes: int, device: torch.device, *, repeats: int = 3) -> Moved:
-    """Best of ``repeats`` plain ``torch`` copies of ``nbytes`` host bytes to a fresh device
-    buffer (pinned source on CUDA): the yardstick for ``FlatWeights.restore``."""
-    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst.copy_(src, non_blocking=device.type == "cuda")
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-        del dst
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return Moved(nbytes, best)
