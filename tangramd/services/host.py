@@ -6,8 +6,9 @@ executor then calls ``apply(name, gpus, plan.evicted)`` and ``call(...)`` here. 
 checks every decision against its own memory accounting and refuses one that would
 oversubscribe a GPU (``Oversubscribed``) instead of silently running it.
 
-Replicas: a torch replica is a worker process (not bound to GPUs; restored onto the chunk
-it is given); an http replica is a model server bound to one chunk. A replica is named by
+Replicas: a torch replica is a process forked from the service's fork server (not bound to
+GPUs; restored onto the chunk it is given; all replicas share the one host backup); an http
+replica is a model server bound to one chunk. A replica is named by
 the chunk it is resident on, so the interface speaks ``(name, gpus)``, as the pool does.
 GPU ids are node-local (``0..n-1``, the inventory's order); ``GpuCluster`` ids map to them
 with ``GpuCluster.locate``.
@@ -153,9 +154,10 @@ class ServiceHost:
         return errors
 
     async def register(self, spec: ServiceSpec, *, persist: bool = True) -> dict[str, Any]:
-        """Add a service and make its host backup (torch: start one worker, which builds the
-        module); ``ServiceLoadError`` naming the service when the factory fails (a new
-        registration is then not kept). Re-registering the same spec is a no-op."""
+        """Add a service and make its host backup (torch: the fork server runs the factory,
+        and one replica is forked, backed up); ``ServiceLoadError`` naming the service when
+        the factory fails (a new registration is then not kept). Re-registering the same
+        spec is a no-op; a different spec under a known name is a ``ValueError``."""
         known = self._services.get(spec.name)
         if known is not None:
             if known.spec != spec:
