@@ -173,7 +173,8 @@ async def check_vllm() -> dict[str, Any]:
             await host.register(spec)
             chunk = [gpu.local]
             payload = {"model": str(model), "prompt": [1, 2, 3], "max_tokens": 4}
-            payload["temperature"] = 0
+            # greedy; logprobs and token ids make the answers comparable without a tokenizer
+            payload.update(temperature=0, logprobs=1, return_token_ids=True)
             t0 = time.perf_counter()
             await host.ensure_resident("llm", chunk)
             result["start_s"] = time.perf_counter() - t0
