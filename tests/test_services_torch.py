@@ -303,7 +303,10 @@ def test_killed_worker_is_infra_error_then_restarted(
         return str(by_name(host)["b"]["replicas"][0]["state"])
 
     assert run(loop, kill_idle()) == "failed"
+    run(loop, host.evict("b", [1]))  # the pool moves on: the dead replica leaves its GPU
+    assert by_name(host)["b"]["replicas"][0]["gpus"] == []
     assert run(loop, host.call("b", [1], {"x": 5}, timeout=30)).result["y"] == again.result["y"]
+    assert len(by_name(host)["b"]["replicas"]) == 1  # the slot was reused, not leaked
 
 
 def test_remove_rejects_running_and_queued_calls(

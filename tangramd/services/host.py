@@ -224,6 +224,8 @@ class ServiceHost:
         if hosted is None or slot is None:
             return Moved(0, 0.0)
         async with slot.lock:
+            if slot.state == "failed" and hosted.spec.runtime == "torch" and slot.gpus == chunk:
+                slot.gpus = ()  # a crashed replica the pool now evicts: nothing to drop
             if slot.state != "resident" or slot.gpus != chunk:
                 return Moved(0, 0.0)
             try:
