@@ -135,6 +135,8 @@ def test_register_makes_backup_and_refuses_bad_factories(
     assert "RuntimeError: no weights here" in str(info.value)
     with pytest.raises(ServiceLoadError, match=r"'missing'.*ModuleNotFoundError"):
         run(loop, host.register(spec("missing", "no_such_module:make", models)))
+    with pytest.raises(ValueError, match="already registered"):
+        run(loop, host.register(spec("a", "tiny_models:big", models)))
     services = by_name(host)
     assert sorted(services) == ["a", "b"]
     assert services["b"]["module_bytes"] >= 32 << 20
