@@ -113,6 +113,7 @@ class EnvRec:
     close_token: int | None = None
     conn: int | None = None
     state: str = "creating"
+    lost_node: str = ""  # set when the environment was lost with its node (cluster mode)
     active: int = 0  # actions submitted and not done
     pending: list[ActionId] = field(default_factory=list)
     history: deque[tuple[float, str, str, str]] = field(default_factory=lambda: deque(maxlen=16))

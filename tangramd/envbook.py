@@ -90,7 +90,11 @@ class EnvBook:
 
     def affinity(self) -> dict[TrajectoryId, str]:
         """Pool of each trajectory whose environment is placed."""
-        return {env.trajectory: f"cpu:{env.node}" for env in self._envs.values() if env.node}
+        return {
+            env.trajectory: f"cpu:{env.node}"
+            for env in self._envs.values()
+            if env.node and not env.lost_node
+        }
 
     def rows(self, now: float) -> list[dict[str, Any]]:
         """The ``env.list`` view: persistent environments."""
@@ -173,6 +177,16 @@ class EnvBook:
 
     def lose(self, env: EnvRec, now: float, why: str) -> None:
         """An exec found the environment gone behind our back."""
+        if env.state == "ready":
+            transition(env, "lost", ENV_EDGES, now, why)
+
+    def lose_node(self, env: EnvRec, now: float, why: str) -> None:
+        """The node holding ``env`` was lost: the environment is lost for good.
+
+        Unlike :meth:`lose`, the next action is refused (``env_lost``) rather than given a
+        fresh environment: the node's memory reservation went with the node.
+        """
+        env.lost_node = env.node
         if env.state == "ready":
             transition(env, "lost", ENV_EDGES, now, why)
 

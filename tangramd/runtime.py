@@ -37,7 +37,27 @@ def build_runtime(config: Any) -> Executor:
         raise TangramError(f"cpu.cores {sorted(cores)} selects no core of this host")
     mem = config.cpu.mem or topo.mem_bytes
     cluster = CpuCluster([CpuNodePool(NODE_ID, layout, mem)])
-    apis = {
+    core = Core(cluster, api_pools(config), core_config(config))
+    if config.gpu.simulated_count or config.services:
+        log.warning(
+            "gpu_manager_not_available",
+            detail="[gpu]/[[service]] are configured but tangramd up has no GPU manager yet",
+        )
+    state_dir = config.daemon.state_dir
+    return Executor(
+        core,
+        make_backend(config),
+        config.daemon.socket,
+        state_dir=state_dir,
+        max_frame=config.daemon.max_frame_bytes,
+        idle_timeout_s=config.daemon.idle_timeout_s,
+        handlers=ops,
+    )
+
+
+def api_pools(config: Any) -> dict[str, ApiPool]:
+    """The ``[[api]]`` endpoints as pools."""
+    return {
         a.name: ApiPool(
             a.name,
             concurrency=a.concurrency,
@@ -48,7 +68,11 @@ def build_runtime(config: Any) -> Executor:
         )
         for a in config.apis
     }
-    core_cfg = CoreConfig(
+
+
+def core_config(config: Any) -> CoreConfig:
+    """The core's config (the scheduler's built once from ``[sched]``)."""
+    return CoreConfig(
         sched=config.sched.scheduler(),
         coalesce_s=config.sched.coalesce_ms / 1000.0,
         default_env_mem=config.cpu.default_env_mem,
@@ -57,32 +81,19 @@ def build_runtime(config: Any) -> Executor:
         max_output=config.cpu.max_output_bytes,
         default_image=config.cpu.docker_image if config.cpu.backend == "docker" else None,
     )
-    core = Core(cluster, apis, core_cfg)
-    if config.gpu.simulated_count or config.services:
-        log.warning(
-            "gpu_manager_not_available",
-            detail="[gpu]/[[service]] are configured but tangramd up has no GPU manager yet",
-        )
+
+
+def make_backend(config: Any) -> Backend:
+    """The execution backend of ``[cpu] backend`` (environments under the state dir)."""
     state_dir = config.daemon.state_dir
-    backend: Backend
     if config.cpu.backend == "docker":
         from tangramd.backends.docker import DockerBackend
 
-        backend = DockerBackend(
+        return DockerBackend(
             default_image=config.cpu.docker_image,
             state_dir=state_dir,
             use_agent=config.cpu.exec_agent,
         )
-    else:
-        from tangramd.backends.process import ProcessBackend
+    from tangramd.backends.process import ProcessBackend
 
-        backend = ProcessBackend(os.path.join(state_dir, "process"))
-    return Executor(
-        core,
-        backend,
-        config.daemon.socket,
-        state_dir=state_dir,
-        max_frame=config.daemon.max_frame_bytes,
-        idle_timeout_s=config.daemon.idle_timeout_s,
-        handlers=ops,
-    )
+    return ProcessBackend(os.path.join(state_dir, "process"))
