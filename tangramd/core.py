@@ -37,7 +37,7 @@ from tangram.model import (
 )
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster, CpuNodePool
-from tangram.protocol.errors import EnvLost, NotFound, QuotaExceeded, ShuttingDown
+from tangram.protocol.errors import EnvLost, InfraError, NotFound, QuotaExceeded, ShuttingDown
 from tangram.protocol.results import ExecResult
 from tangram.sched import SchedConfig, Snapshot, schedule
 from tangramd import events as ev
@@ -188,6 +188,11 @@ class Core:
             env = self.envs.open_env(spec.env)
             if env is None:
                 raise NotFound(f"environment {spec.env!r} not found")
+            if env.awaiting_node:
+                raise InfraError(
+                    f"environment {env.id}: node {env.node} has not reconnected since the "
+                    "coordinator restarted; retry"
+                )
             if env.lost_node:
                 raise EnvLost(
                     f"environment {env.id} was lost with node {env.lost_node}; open a new one"
@@ -558,6 +563,7 @@ class Core:
         pool = CpuNodePool(e.node, e.cores_by_numa, e.mem_bytes)
         self.cpu.add_node(pool)
         self.pools[pool_id] = pool
+        self.envs.reclaim(e.node, now)
         self._dirty = True
 
     def _node_lost(self, e: ev.NodeLost, now: float, out: list[ev.Command]) -> None:
@@ -568,6 +574,7 @@ class Core:
         ``env_lost``; throwaway ones are closed with their actions.
         """
         why = f"node {e.node} lost: {e.why}"
+        self.envs.give_up(e.node)
         on_node = [env for env in self.envs if env.node == e.node]
         ids = {env.id for env in on_node}
         for rec in list(self.actions.values()):
@@ -588,6 +595,18 @@ class Core:
             del self.pools[pool_id]
             self.cpu.remove_node(e.node)
         self._dirty = True
+
+    def _envs_restored(self, e: ev.EnvsRestored, now: float, out: list[ev.Command]) -> None:
+        for row in e.envs:
+            self.envs.restore(
+                now,
+                env_id=str(row["id"]),
+                trajectory=str(row["trajectory"]),
+                node=str(row["node"]),
+                image=row.get("image"),
+                mem=int(row["mem"]),
+                lost_node=str(row.get("lost_node") or ""),
+            )
 
     def _drain_node(self, e: ev.DrainNode, now: float, out: list[ev.Command]) -> None:
         try:
@@ -800,6 +819,21 @@ class Core:
         ]
         return {"keep": keep, "creating": creating, "closing": closing, "running": running}
 
+    def env_record(self, env_id: str) -> dict[str, Any] | None:
+        """A persistent environment as the coordinator stores it (None: gone, throwaway,
+        or not yet created)."""
+        env = self.envs.get(env_id)
+        if env is None or env.throwaway or env.state not in ("ready", "lost"):
+            return None
+        return {
+            "id": env.id,
+            "trajectory": env.trajectory,
+            "node": env.node,
+            "image": env.image,
+            "mem": env.mem,
+            "lost_node": env.lost_node,
+        }
+
     def env_node(self, env_id: str) -> str | None:
         """The node holding an environment (None: unknown or not placed)."""
         env = self.envs.get(env_id)
@@ -901,6 +935,7 @@ _HANDLERS: dict[type, Callable[[Core, Any, float, list[ev.Command]], None]] = {
     ev.NodeJoined: Core._node_joined,
     ev.NodeLost: Core._node_lost,
     ev.DrainNode: Core._drain_node,
+    ev.EnvsRestored: Core._envs_restored,
     ev.Tick: lambda c, e, now, out: c._tick(now, out),
     ev.Shutdown: Core._shutdown,
 }

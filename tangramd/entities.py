@@ -31,6 +31,7 @@ ENV_EDGES: dict[tuple[str, str], str] = {
     ("creating", "closing"): "creation failed, or closed while being created",
     ("ready", "lost"): "an exec found it gone (container died or removed behind our back)",
     ("lost", "creating"): "the next action recreates a fresh environment",
+    ("lost", "ready"): "its node reconnected to a restarted coordinator that restored it",
     ("ready", "closing"): "env.close, idle TTL, throwaway done, or shutdown",
     ("lost", "closing"): "env.close of a lost environment",
     ("closing", "closed"): "the backend removed it",
@@ -114,6 +115,7 @@ class EnvRec:
     conn: int | None = None
     state: str = "creating"
     lost_node: str = ""  # set when the environment was lost with its node (cluster mode)
+    awaiting_node: bool = False  # restored by a restarted coordinator, node not back yet
     active: int = 0  # actions submitted and not done
     pending: list[ActionId] = field(default_factory=list)
     history: deque[tuple[float, str, str, str]] = field(default_factory=lambda: deque(maxlen=16))

@@ -122,6 +122,14 @@ class NodeLost(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class EnvsRestored(Event):
+    """Persistent environments a restarted coordinator read back from its store: maps
+    with ``id``, ``trajectory``, ``node``, ``image``, ``mem``, ``lost_node``."""
+
+    envs: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class DrainNode(Event):
     """``node.drain`` / ``node.undrain``: stop (or resume) placing new trajectories there."""
 

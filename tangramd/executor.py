@@ -112,6 +112,10 @@ class Executor:
                 fut.set_exception(InfraError("daemon shutting down"))
         log.info("daemon_stopped")
 
+    def persist(self, event: ev.Event) -> None:
+        """Write what ``event`` changed that must survive a restart, before its commands
+        run (the all-in-one daemon persists profiles through ``PersistProfiles`` only)."""
+
     # ------------------------------------------------------------------ views of the mode
     def node_rows(self) -> list[dict[str, Any]]:
         """The ``nodes`` view: the one local node, always ready to itself."""
@@ -135,6 +139,7 @@ class Executor:
             if token is not None:
                 self._resolve(token, None, ("internal", "internal error; see daemon log"))
             return
+        self.persist(event)  # before any reply goes out
         for cmd in commands:
             self._execute(cmd)
         if self._validate:

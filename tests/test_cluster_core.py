@@ -164,3 +164,20 @@ def test_draining_an_unknown_node_is_not_found() -> None:
     assert reply.error is not None and reply.error[0] == "not_found"
     with pytest.raises(TangramError):
         core.handle(ev.DrainNode(node="ghost"), 0)
+
+
+def test_restored_environments_wait_for_their_node() -> None:
+    """After a coordinator restart an environment answers a retryable infra_error until its
+    node rejoins, then runs there; new ids do not collide with restored ones."""
+    core = cluster_core()
+    row = {"id": "e7", "trajectory": "t", "node": "a", "image": None, "mem": GIB, "lost_node": ""}
+    gone = {**row, "id": "e3", "trajectory": "u", "node": "b", "lost_node": "b"}
+    assert core.handle(ev.EnvsRestored(envs=(row, gone)), 0) == []
+    (early,) = core.handle(ev.SubmitExec(spec=ExecSpec(cmd="true", env="e7"), token=1), 0)
+    assert early.error is not None and early.error[0] == "infra_error"
+    join(core, "a")
+    running = run(core, 2, "e7", 1.0)
+    assert (running.node, running.env_id) == ("a", "e7")
+    (lost,) = core.handle(ev.SubmitExec(spec=ExecSpec(cmd="true", env="e3"), token=3), 1)
+    assert lost.error is not None and lost.error[0] == "env_lost"
+    assert open_ready(core, 4).env_id == "e8"

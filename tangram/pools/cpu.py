@@ -392,6 +392,16 @@ class CpuCluster:
         self._placed[trajectory] = (best.node_id, env_id)
         return Placed(best.node_id)
 
+    def place_on(
+        self, trajectory: TrajectoryId, env_id: EnvId, node_id: str, env_mem_bytes: int
+    ) -> bool:
+        """Put a trajectory back on the node it was on (a restarted coordinator restoring
+        its environments); False when that node cannot hold its memory now."""
+        if trajectory in self._placed or not self.pool(node_id).reserve_mem(env_id, env_mem_bytes):
+            return False
+        self._placed[trajectory] = (node_id, env_id)
+        return True
+
     def forget_trajectory(self, trajectory: TrajectoryId) -> str | None:
         """Drop the affinity and return the environment's memory; the node it was on."""
         placed = self._placed.pop(trajectory, None)

@@ -34,6 +34,7 @@ from tangramd.cluster.config import ClusterConfig
 from tangramd.cluster.link import Link, LinkClosed
 from tangramd.cluster.pki import CoordinatorPki
 from tangramd.cluster.registry import NodeRecord, Refused, Registry
+from tangramd.cluster.store import Store, StoredEnv
 from tangramd.core import Core
 from tangramd.executor import Executor, OpHandlers
 from tangramd.transport import ConnInfo
@@ -80,7 +81,8 @@ class CoordinatorExecutor(Executor):
         self.listen = listen
         self.cluster = cluster
         self.pki = pki
-        self.registry = Registry(state_dir)
+        self.store = Store(state_dir)
+        self.registry = Registry(self.store)
         self.max_frame = max_frame
         self._link_server: asyncio.base_events.Server | None = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -90,6 +92,7 @@ class CoordinatorExecutor(Executor):
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> None:
         self.feed(ev.ProfilesLoaded(profiles=self._read_profiles()))
+        self._restore()
         await self.server.start()
         tls = self.pki.server_context() if self.pki is not None else None
         host, port = self.listen
@@ -106,6 +109,46 @@ class CoordinatorExecutor(Executor):
             ca_sha256=self.pki.ca_sha256() if self.pki else None,
         )
 
+    def _restore(self) -> None:
+        """After a restart: environments are back in the book, lost until their node
+        reconnects; a known node has ``heartbeat_timeout_s`` to do so, else it is lost."""
+        now = self.clock()
+        for rec in self.registry.nodes.values():
+            rec.restored, rec.last_seen = True, now
+        envs = self.store.envs()
+        if envs:
+            rows = tuple(
+                {
+                    "id": e.id,
+                    "trajectory": e.trajectory,
+                    "node": e.node,
+                    "image": e.image,
+                    "mem": e.mem,
+                    "lost_node": e.lost_node,
+                }
+                for e in envs
+            )
+            self.feed(ev.EnvsRestored(envs=rows))
+            log.info("envs_restored", count=len(rows))
+
+    def persist(self, event: ev.Event) -> None:
+        """Environments and their nodes reach SQLite before the answer that reveals them."""
+        if isinstance(event, ev.EnvCreated) and event.error is None:
+            self._store_env(event.env_id)
+        elif isinstance(event, ev.EnvRemoved):
+            self.store.drop_envs([event.env_id])
+        elif isinstance(event, ev.NodeLost):
+            for env in self.store.envs():
+                if env.node == event.node:
+                    self._store_env(env.id)
+
+    def _store_env(self, env_id: str) -> None:
+        row = self.core.env_record(env_id)
+        if row is None:
+            self.store.drop_envs([env_id])
+        else:
+            self.store.put_env(StoredEnv(**row))
+
     async def stop(self) -> None:
         """Stop serving; environments on nodes stay (nodes reconcile when it is back)."""
         if self._watchdog is not None:
@@ -119,6 +162,7 @@ class CoordinatorExecutor(Executor):
         for fut in self._futures.values():
             if not fut.done():
                 fut.set_exception(InfraError("coordinator shutting down"))
+        self.store.close()
         log.info("coordinator_stopped")
 
     # ------------------------------------------------------------------ views
@@ -219,7 +263,7 @@ class CoordinatorExecutor(Executor):
             name, _opt_str(hello, "token"), _opt_str(hello, "credential")
         )
         rec, was_lost = self.registry.attach(name, link, cores, mem, self.clock())
-        rec.backend = backend
+        rec.backend, rec.restored = backend, False
         self.feed(ev.NodeJoined(node=name, cores_by_numa=cores, mem_bytes=mem))
         work = self.core.node_work(name)
         welcome: dict[str, Any] = {
@@ -339,6 +383,11 @@ class CoordinatorExecutor(Executor):
             for rec in self.registry.overdue(now, timeout):
                 state = "link closed" if rec.link is None else "no heartbeat"
                 self._lose(rec, f"{state} for {now - rec.last_seen:.1f} s")
+            for rec in self.registry.nodes.values():
+                if rec.restored and rec.lost and now - rec.last_seen > timeout:
+                    rec.restored = False
+                    log.warning("node_lost", node=rec.name, why="not back after a restart")
+                    self.feed(ev.NodeLost(node=rec.name, why="not back after a restart"))
 
     def _lose(self, rec: NodeRecord, why: str) -> None:
         if rec.lost:

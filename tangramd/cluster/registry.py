@@ -3,8 +3,9 @@
 Secrets: the join token (``cluster join`` prints it; ``--rotate`` replaces it) and one
 credential per joined node, issued at its first join and kept by the node in its state dir
 for reconnects, so rotating the token never drops a joined node. The registry keeps only a
-SHA-256 of each credential. Both live in ``<state_dir>/cluster.json`` (0600), written
-before the node is told (a restarted coordinator still knows its nodes).
+SHA-256 of each credential. Both live in the coordinator's store
+(:mod:`tangramd.cluster.store`), written before the node is told, with each node's last
+known capacity: a restarted coordinator still knows its nodes.
 
 The registry does not touch the core: the coordinator turns its answers into events
 (``NodeJoined``, ``NodeLost``).
@@ -14,14 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
-import os
 import secrets
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tangramd.cluster.link import Link
+from tangramd.cluster.store import Store
 
 NODE_STATES = ("ready", "draining", "lost")
 
@@ -37,6 +36,7 @@ class NodeRecord:
     last_seen: float = 0.0  # monotonic time of the last message on its link
     lost: bool = True  # until it joins; again when it misses heartbeats
     backend: str = ""
+    restored: bool = False  # known from the store, not yet back since a restart
     remote_conns: dict[int, Any] = field(default_factory=dict)  # node conn id -> ConnInfo
 
     @property
@@ -58,21 +58,26 @@ class Refused(Exception):
 class Registry:
     """Nodes, the join token and node credentials (see the module doc)."""
 
-    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
-        self.path = Path(state_dir) / "cluster.json"
+    def __init__(self, store: Store) -> None:
+        self.store = store
         self.nodes: dict[str, NodeRecord] = {}
         self._credentials: dict[str, str] = {}  # name -> sha256 hex of its credential
-        self.token = ""
-        self._load()
+        for known in store.nodes():
+            self.nodes[known.name] = NodeRecord(
+                known.name, cores_by_numa=known.cores_by_numa, mem_bytes=known.mem_bytes
+            )
+            if known.credential_sha256:
+                self._credentials[known.name] = known.credential_sha256
+        self.token = store.get_meta("join_token") or ""
         if not self.token:
             self.token = _new_token()
-            self._save()
+            store.set_meta("join_token", self.token)
 
     # ------------------------------------------------------------------ secrets
     def rotate(self) -> str:
         """A new join token; the old one stops working, joined nodes keep their credentials."""
         self.token = _new_token()
-        self._save()
+        self.store.set_meta("join_token", self.token)
         return self.token
 
     def authenticate(self, name: str, token: str | None, credential: str | None) -> str | None:
@@ -93,7 +98,7 @@ class Registry:
             raise Refused(f"node name {name!r} is already joined and connected", retry=True)
         issued = secrets.token_urlsafe(32)
         self._credentials[name] = _digest(issued)
-        self._save()
+        self.store.set_credential(name, self._credentials[name])
         return issued
 
     # ------------------------------------------------------------------ links
@@ -115,6 +120,7 @@ class Registry:
         was_lost = rec.lost
         if was_lost:
             rec.cores_by_numa, rec.mem_bytes = cores_by_numa, mem_bytes
+            self.store.set_capacity(name, cores_by_numa, mem_bytes)
         rec.lost = False
         rec.last_seen = now
         return rec, was_lost
@@ -136,32 +142,6 @@ class Registry:
     def overdue(self, now: float, timeout_s: float) -> list[NodeRecord]:
         """Live nodes whose last message is older than ``timeout_s``."""
         return [r for r in self.nodes.values() if not r.lost and now - r.last_seen > timeout_s]
-
-    # ------------------------------------------------------------------ file
-    def _load(self) -> None:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError) as exc:
-            raise RuntimeError(f"{self.path}: unreadable cluster registry: {exc}") from None
-        self.token = str(data.get("token", ""))
-        creds = data.get("credentials", {})
-        if isinstance(creds, dict):
-            self._credentials = {str(k): str(v) for k, v in creds.items()}
-        for name in self._credentials:
-            self.nodes.setdefault(name, NodeRecord(name))
-
-    def _save(self) -> None:
-        data = {"token": self.token, "credentials": self._credentials}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
 
 
 def _new_token() -> str:
