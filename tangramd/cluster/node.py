@@ -176,12 +176,12 @@ class NodeAgent:
         host, port = self.coordinator
         tls = None if self.insecure else client_context()
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, ssl=tls, limit=1 << 20), CONNECT_TIMEOUT_S
+            asyncio.open_connection(host, port, ssl=tls, limit=1 << 20), self._patience()
         )
         return Link(reader, writer, max_frame=self.max_frame)
 
     async def _join(self, link: Link) -> None:
-        first = await asyncio.wait_for(link.recv(), CONNECT_TIMEOUT_S)
+        first = await asyncio.wait_for(link.recv(), self._patience())
         if first.get("t") != "ca" or not isinstance(first.get("pem"), str):
             raise LinkClosed("the coordinator did not present its CA")
         if not self.insecure:
@@ -216,7 +216,7 @@ class NodeAgent:
         if self.token:
             hello["token"] = self.token
         link.send(hello)
-        answer = await asyncio.wait_for(link.recv(), CONNECT_TIMEOUT_S)
+        answer = await asyncio.wait_for(link.recv(), self._patience())
         if answer.get("t") == "refused":
             reason = str(answer.get("reason", "no reason given"))
             if answer.get("retry"):
@@ -257,6 +257,11 @@ class NodeAgent:
                 return
             link.send({"t": "hb"})
             await asyncio.sleep(self.heartbeat_s)
+
+    def _patience(self) -> float:
+        """How long a dial or join step may take: a silent coordinator is retried as soon
+        as it would count as lost."""
+        return min(CONNECT_TIMEOUT_S, self.heartbeat_timeout_s)
 
     def _link_down(self) -> None:
         if self.link is not None:

@@ -6,10 +6,12 @@ in time, raises with the daemon's log.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -138,8 +140,10 @@ def spawn_node(
     env: dict[str, str] | None = None,
     wait_ready: bool = True,
     ready_timeout_s: float = 30.0,
+    address: str | None = None,
 ) -> Daemon:
-    """A node joined to ``coordinator`` (its current token and CA hash unless given)."""
+    """A node joined to ``coordinator`` (its current token and CA hash unless given;
+    ``address``: dial this instead, e.g. a :class:`FaultProxy`)."""
     work = Path(workdir) / name
     work.mkdir(parents=True, exist_ok=True)
     cfg = work / "node.toml"
@@ -149,7 +153,7 @@ def spawn_node(
     args = [
         "node",
         "--coordinator",
-        join["coordinator"],
+        address or join["coordinator"],
         "--socket",
         sock,
         "--state-dir",
@@ -213,3 +217,82 @@ def _wait_alive(
         return wait_for(check, timeout_s, what)
     except TimeoutError as exc:
         raise TimeoutError(f"{exc}\n--- {daemon.name} log ---\n{daemon.log()}") from None
+
+
+class FaultProxy:
+    """A TCP proxy between a node and the coordinator that can partition them.
+
+    ``partition()`` holds every byte in both directions (on existing and new connections)
+    until ``heal()``: what a black-holed network looks like to TCP, which retransmits and
+    delivers late. ``cut()`` resets every connection now. It runs its own event loop in a
+    thread, listening on a free loopback port.
+    """
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self._loop = asyncio.new_event_loop()
+        self._open: asyncio.Event | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.address = ""
+
+    def start(self) -> str:
+        self._thread.start()
+        self.address = asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(10)
+        return self.address
+
+    async def _listen(self) -> str:
+        self._open = asyncio.Event()
+        self._open.set()
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        return f"127.0.0.1:{port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+        self._writers |= {writer, up_writer}
+        await asyncio.gather(
+            self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True
+        )
+        self._writers -= {writer, up_writer}
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self._open is not None
+        try:
+            while data := await reader.read(1 << 16):
+                await self._open.wait()
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    def _call(self, fn: Callable[[], object]) -> None:
+        async def run() -> None:
+            fn()
+
+        asyncio.run_coroutine_threadsafe(run(), self._loop).result(10)
+
+    def partition(self) -> None:
+        assert self._open is not None
+        self._call(self._open.clear)
+
+    def heal(self) -> None:
+        assert self._open is not None
+        self._call(self._open.set)
+
+    def cut(self) -> None:
+        def reset() -> None:
+            for writer in list(self._writers):
+                writer.transport.abort()
+
+        self._call(reset)
+
+    def close(self) -> None:
+        self.heal()
+        self.cut()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
