@@ -305,3 +305,84 @@ def _raises_infra(c: Client) -> bool:
     except InfraError as exc:
         return "coordinator" in str(exc)
     return False
+
+
+def test_garbage_on_the_node_port_never_crashes_the_coordinator(tmp_path: Path) -> None:
+    """Plain bytes, TLS garbage, a huge length prefix and malformed hellos are refused or
+    dropped; the coordinator keeps serving and logs no traceback."""
+    import socket
+    import ssl
+
+    from tangram.protocol.codec import encode
+    from tangramd.cluster.link import split_host_port
+
+    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
+    host, port = split_host_port(coord.join["coordinator"])
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+
+    def tls_send(payload: bytes) -> bytes:
+        with (
+            socket.create_connection((host, port), timeout=10) as raw,
+            ctx.wrap_socket(raw) as tls,
+        ):
+            tls.sendall(payload)
+            chunks = []
+            while chunk := tls.recv(65536):
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+    try:
+        with socket.create_connection((host, port), timeout=10) as raw:
+            raw.sendall(b"GET / HTTP/1.0\r\n\r\n" * 10)
+            raw.settimeout(10)
+            assert raw.recv(65536) is not None  # the TLS server answers or closes
+        assert b"refused" in tls_send(encode({"t": "hello", "name": 7}))
+        assert b"refused" in tls_send(encode({"t": "hello", "name": "x", "cores_by_numa": "0"}))
+        assert b"refused" in tls_send(encode({"t": "bogus"}))
+        tls_send(b"\xff\xff\xff\xff" + b"x" * 100)  # a 4 GiB frame is never buffered
+        tls_send(b"\x00\x00\x00\x02\xc1\xc1")  # not msgpack
+        with coord.client() as c:
+            assert c.ping()["pong"] is True
+            assert c.nodes() == []
+    finally:
+        coord.stop()
+    _check_clean(coord)
+
+
+def test_insecure_is_refused_off_loopback(tmp_path: Path) -> None:
+    """--insecure (plain TCP) exits 2 with a clear message unless the address is loopback."""
+    base = [sys.executable, "-m", "tangramd.main"]
+    sock, state = str(tmp_path / "s.sock"), str(tmp_path / "state")
+    coord_args = ["--listen", "0.0.0.0:0", "--socket", sock, "--state-dir", state, "--insecure"]
+    coord = subprocess.run(
+        [*base, "coordinator", *coord_args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert coord.returncode == 2 and "refused off loopback" in coord.stderr
+    node_args = ["--coordinator", "192.0.2.1:7000", "--token", "t", "--socket", sock]
+    node = subprocess.run(
+        [*base, "node", *node_args, "--state-dir", state, "--insecure"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert node.returncode == 2 and "refused off loopback" in node.stderr
+
+
+def test_insecure_mode_works_on_loopback(tmp_path: Path) -> None:
+    """With --insecure on both ends (loopback only) a node joins over plain TCP and runs."""
+    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV, extra=["--insecure"])
+    assert coord.join["ca_sha256"] == ""
+    node = None
+    try:
+        node = spawn_node(tmp_path, coord, "plain", cpus=CPUS_A, env=ENV, extra=["--insecure"])
+        with node.client() as c:
+            assert c.exec(["true"]).node == "plain"
+    finally:
+        if node is not None:
+            node.stop()
+        coord.stop()
+    _check_clean(coord)

@@ -96,9 +96,8 @@ class CoordinatorExecutor(Executor):
         await self.server.start()
         tls = self.pki.server_context() if self.pki is not None else None
         host, port = self.listen
-        self._link_server = await asyncio.start_server(
-            self._serve_link, host, port, ssl=tls, ssl_handshake_timeout=HELLO_TIMEOUT_S
-        )
+        handshake = {"ssl": tls, "ssl_handshake_timeout": HELLO_TIMEOUT_S} if tls else {}
+        self._link_server = await asyncio.start_server(self._serve_link, host, port, **handshake)
         self.port = self._link_server.sockets[0].getsockname()[1]
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         log.info(
