@@ -567,22 +567,34 @@ class Core:
         self._dirty = True
 
     def _node_lost(self, e: ev.NodeLost, now: float, out: list[ev.Command]) -> None:
-        """End the node's actions (``infra_error``), lose its environments, drop its pool.
+        """End the node's running actions (``infra_error``), lose its environments, drop
+        its pool, and move the queued work of its throwaway environments elsewhere.
 
         Running actions never hang: they end here, naming the node. Persistent
         environments stay in the book as lost, so the next action on one gets
-        ``env_lost``; throwaway ones are closed with their actions.
+        ``env_lost``. A throwaway environment holds no state worth keeping: its actions
+        that had not started wait for a fresh one on another node.
         """
         why = f"node {e.node} lost: {e.why}"
         self.envs.give_up(e.node)
         on_node = [env for env in self.envs if env.node == e.node]
         ids = {env.id for env in on_node}
+        moving: list[EnvRec] = []
         for rec in list(self.actions.values()):
-            if rec.env in ids:
+            env = self.envs.get(rec.env) if rec.env in ids else None
+            if env is None:
+                continue
+            if rec.state == "running" or not env.throwaway:
                 self._finish_action(rec, now, out, outcome="infra_error", detail=why)
+            elif rec.state == "queued":
+                self.queue.pop(rec.action.id, None)
+                env.pending.append(rec.action.id)
+                self._transition(rec, "waiting_env", now, f"{why}; moving to another node")
         for env in on_node:
             if env.state in ("closing", "closed"):
                 self.envs.removed(env.id, now, out, self.stimulus)  # it will never answer
+            elif env.throwaway and env.pending:
+                moving.append(env)
             elif env.state == "creating":
                 token, env.open_token = env.open_token, None
                 if token is not None:
@@ -594,6 +606,14 @@ class Core:
         if pool_id in self.pools:
             del self.pools[pool_id]
             self.cpu.remove_node(e.node)
+        for env in moving:
+            try:
+                self.envs.move(env, now, out, self.stimulus, why)
+            except TangramError as exc:  # no node could ever hold it now
+                for aid in tuple(env.pending):
+                    self._finish_action(
+                        self.actions[aid], now, out, outcome="infra_error", detail=exc.message
+                    )
         self._dirty = True
 
     def _envs_restored(self, e: ev.EnvsRestored, now: float, out: list[ev.Command]) -> None:

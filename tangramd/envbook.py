@@ -234,6 +234,23 @@ class EnvBook:
         if env.state == "ready":
             transition(env, "lost", ENV_EDGES, now, why)
 
+    def move(self, env: EnvRec, now: float, out: list[ev.Command], cause: int, why: str) -> None:
+        """A throwaway environment whose node was lost starts afresh on another node (or
+        waits for memory); raises ``Unschedulable`` when no node could ever hold it."""
+        if env.state != "lost":
+            transition(env, "lost", ENV_EDGES, now, why, cause)
+        placed = self.cpu.place_trajectory(env.trajectory, env.id, 0, env.mem)
+        if isinstance(placed, NeverFits):
+            raise Unschedulable(f"cannot place environment: {placed.shortfall.describe()}")
+        if isinstance(placed, NoRoomYet):
+            env.node = ""
+            transition(env, "waiting_mem", ENV_EDGES, now, "waiting for memory elsewhere", cause)
+            self._waitq.append(env.id)
+            return
+        env.node = placed.node
+        transition(env, "creating", ENV_EDGES, now, f"recreated on {placed.node}", cause)
+        out.append(self._create(env, cause))
+
     def lose_node(self, env: EnvRec, now: float, why: str) -> None:
         """The node holding ``env`` was lost: the environment is lost for good.
 

@@ -181,3 +181,29 @@ def test_restored_environments_wait_for_their_node() -> None:
     (lost,) = core.handle(ev.SubmitExec(spec=ExecSpec(cmd="true", env="e3"), token=3), 1)
     assert lost.error is not None and lost.error[0] == "env_lost"
     assert open_ready(core, 4).env_id == "e8"
+
+
+def test_queued_throwaway_work_of_a_lost_node_moves_to_another() -> None:
+    """A throwaway exec queued on a node that is lost is not failed: its environment is
+    created afresh on the other node and it runs there."""
+    core = cluster_core()
+    join(core, "a", cores=(0,))
+    join(core, "b", cores=(0,))
+    env = open_ready(core, 1)  # the persistent env decides which node is busier
+    busy = env.node
+    run(core, 2, env.env_id, 0.5)  # holds the busy node's only core
+    core.handle(ev.DrainNode(node="b" if busy == "a" else "a"), 0.6)  # send the next to busy
+    (create,) = core.handle(ev.SubmitExec(spec=ExecSpec(cmd="true"), token=3), 1)
+    assert create.node == busy
+    core.handle(ev.DrainNode(node="b" if busy == "a" else "a", drain=False), 1)
+    assert core.handle(ev.EnvCreated(env_id=create.env_id), 1) == []
+    assert core.handle(ev.Tick(), 1.01) == []  # queued: the only core there is held
+    out = core.handle(ev.NodeLost(node=busy), 2)
+    (moved,) = [c for c in out if isinstance(c, ev.CreateEnv)]
+    assert moved.env_id == create.env_id and moved.node != busy
+    assert [c.token for c in out if isinstance(c, ev.Reply)] == [2]  # only the running one
+    assert core.handle(ev.EnvCreated(env_id=moved.env_id), 2) == []
+    (run_cmd,) = core.handle(ev.Tick(), 2.01)
+    assert isinstance(run_cmd, ev.RunExec) and run_cmd.node == moved.node
+    story = core.story(run_cmd.action_id, 0)["events"]
+    assert any("moving to another node" in entry["detail"] for entry in story)
