@@ -50,6 +50,13 @@ def _address(text: str, what: str) -> tuple[str, int]:
         raise AssertionError("unreachable") from None
 
 
+def apply_limits(daemon: Any, config: Any) -> None:
+    """The ``[daemon]`` caps and peer checks on the client socket, as ``tangramd up``."""
+    from tangramd.main import apply_limits as apply
+
+    apply(daemon, config)
+
+
 def _run(config: Any, serve: Any) -> None:
     """Lock the state dir, serve until SIGTERM/SIGINT; errors become one clear line."""
     configure_logging(config.daemon.log_format, config.daemon.log_level)
@@ -114,6 +121,7 @@ def coordinator(
             max_frame=config.daemon.max_frame_bytes,
             idle_timeout_s=config.daemon.idle_timeout_s,
         )
+        apply_limits(ex, config)
         stop = asyncio.Event()
         uninstall = install_stop_handlers(asyncio.get_running_loop(), stop)
         try:
@@ -195,6 +203,7 @@ def node(
             max_frame=config.daemon.max_frame_bytes,
             idle_timeout_s=config.daemon.idle_timeout_s,
         )
+        apply_limits(agent, config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         uninstall = install_stop_handlers(loop, stop)
