@@ -21,7 +21,7 @@ from tangram.pools.cpu import CpuCluster
 from tangramd import ops
 from tangramd.cluster import config as cluster_config
 from tangramd.cluster.link import is_loopback, split_host_port
-from tangramd.config import ConfigError, parse_cores
+from tangramd.config import ConfigError, parse_cores, resolve_user
 from tangramd.lifecycle import StateDirBusy, install_stop_handlers, lock_state_dir, sd_notify
 from tangramd.logs import configure_logging
 from tangramd.transport import check_socket_free
@@ -51,10 +51,16 @@ def _address(text: str, what: str) -> tuple[str, int]:
 
 
 def apply_limits(daemon: Any, config: Any) -> None:
-    """The ``[daemon]`` caps and peer checks on the client socket, as ``tangramd up``."""
-    from tangramd.main import apply_limits as apply
-
-    apply(daemon, config)
+    """The ``[daemon]`` caps and peer checks on the client socket, as ``tangramd up`` sets
+    them (``tangramd.main.apply_limits``; importing it from here would be a cycle)."""
+    server, limits = daemon.server, config.daemon
+    server.frame_timeout_s = limits.frame_timeout_s
+    server.max_connections = limits.max_connections
+    server.max_buffered_bytes = limits.max_buffered_bytes
+    server.allowed_uids = frozenset(limits.allowed_uids)
+    server.allowed_gids = frozenset(limits.allowed_gids)
+    if config.cpu.exec_user != "peer" and hasattr(daemon.backend, "default_user"):
+        daemon.backend.default_user = resolve_user(config.cpu.exec_user)
 
 
 def _run(config: Any, serve: Any) -> None:
