@@ -37,7 +37,7 @@ from tangramd.cluster.registry import NodeRecord, Refused, Registry
 from tangramd.cluster.store import Store, StoredEnv
 from tangramd.core import Core
 from tangramd.executor import Executor, OpHandlers
-from tangramd.transport import ConnInfo
+from tangramd.transport import NOT_SYNC, ConnInfo
 
 log = structlog.get_logger("tangramd")
 
@@ -311,7 +311,8 @@ class CoordinatorExecutor(Executor):
             if kind == "hb":
                 link.send({"t": "hb"})
             elif kind == "req":
-                self._spawn(self._remote_request(rec, link, msg))
+                if not self._remote_inline(rec, link, msg):
+                    self._spawn(self._remote_request(rec, link, msg))
             elif kind == "conn_closed":
                 conn = rec.remote_conns.pop(int(msg["conn"]), None)
                 if conn is not None:
@@ -343,6 +344,23 @@ class CoordinatorExecutor(Executor):
             self.feed(ev.EnvCreated(env_id=env_id, error=None if error is None else str(error)))
         else:
             self.feed(ev.EnvRemoved(env_id=env_id))
+
+    def _remote_inline(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> bool:
+        """Answer a forwarded view (status, nodes, ...) at once, as the Unix socket's fast
+        path does; False for ops that wait (they run as tasks)."""
+        op, args = msg.get("op"), msg.get("args") or {}
+        if not isinstance(op, str) or not isinstance(args, dict) or op in LOCAL_ONLY_OPS:
+            return False
+        try:
+            conn = self._remote_conn(rec, int(msg["conn"]))
+            result = self.handlers.handle_sync(self, op, args, conn)
+            if result is NOT_SYNC:
+                return False
+            reply: dict[str, Any] = {"t": "resp", "id": msg.get("id"), "ok": True, "result": result}
+        except Exception as exc:  # every failure is an answer, never a dead link
+            reply = {"t": "resp", "id": msg.get("id"), "ok": False, "error": error_to_wire(exc)}
+        link.send(reply)
+        return True
 
     async def _remote_request(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         """A client request from a node's socket, through the same op handlers."""
