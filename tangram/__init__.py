@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from tangram.protocol.errors import (
         BadRequest,
         ConnectionFailed,
+        EnvLost,
         InfraError,
         InternalError,
         NotFound,
@@ -36,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "Unschedulable": "tangram.model",
     "BadRequest": "tangram.protocol.errors",
     "ConnectionFailed": "tangram.protocol.errors",
+    "EnvLost": "tangram.protocol.errors",
     "InfraError": "tangram.protocol.errors",
     "InternalError": "tangram.protocol.errors",
     "NotFound": "tangram.protocol.errors",
@@ -51,6 +53,7 @@ __all__ = [
     "Client",
     "ConnectionFailed",
     "Env",
+    "EnvLost",
     "ExecResult",
     "InfraError",
     "InternalError",

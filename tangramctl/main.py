@@ -152,8 +152,65 @@ def status(ctl: Ctl, as_json: bool) -> None:
 def nodes(ctl: Ctl, as_json: bool) -> None:
     """Nodes with capacity, free resources and heartbeat age."""
     rows = ctl.client.nodes()
-    preferred = ("id", "cores", "free_cores", "busy_cores", "mem_bytes", "mem_reserved", "gpus")
+    preferred = (
+        "name",
+        "state",
+        "id",
+        "cores",
+        "free_cores",
+        "busy_cores",
+        "mem_bytes",
+        "mem_reserved",
+        "gpus",
+        "envs",
+        "running",
+        "heartbeat_age_s",
+    )
     emit(as_json, {"nodes": rows}, lambda: table(rows, preferred=preferred))
+
+
+@cli.group()
+def node() -> None:
+    """Drain and undrain cluster nodes."""
+
+
+@node.command("drain")
+@click.argument("name")
+@json_option
+@pass_ctl
+def node_drain(ctl: Ctl, name: str, as_json: bool) -> None:
+    """Stop placing new trajectories on NAME (its environments keep working)."""
+    result = ctl.client.node_drain(name)
+    emit(as_json, result, lambda: f"node {name} draining")
+
+
+@node.command("undrain")
+@click.argument("name")
+@json_option
+@pass_ctl
+def node_undrain(ctl: Ctl, name: str, as_json: bool) -> None:
+    """Place new trajectories on NAME again."""
+    result = ctl.client.node_undrain(name)
+    emit(as_json, result, lambda: f"node {name} ready")
+
+
+@cli.group()
+def cluster() -> None:
+    """Cluster membership (ask the coordinator's socket)."""
+
+
+@cluster.command("join")
+@click.option("--rotate", is_flag=True, help="Replace the join token; joined nodes stay.")
+@json_option
+@pass_ctl
+def cluster_join(ctl: Ctl, rotate: bool, as_json: bool) -> None:
+    """Print the command a new host runs to join this cluster."""
+    info = ctl.client.cluster_join(rotate=rotate)
+    line = (
+        f"tangramd node --coordinator {info['coordinator']} --token {info['token']} "
+        f"--ca-sha256 {info['ca_sha256']}"
+    )
+    emit(as_json, info, lambda: line)
 
 
 @cli.command()

@@ -37,8 +37,8 @@ from tangram.model import (
     make_action,
 )
 from tangram.pools.api import ApiPool
-from tangram.pools.cpu import CpuCluster
-from tangram.protocol.errors import NotFound, QuotaExceeded, ShuttingDown
+from tangram.pools.cpu import CpuCluster, CpuNodePool
+from tangram.protocol.errors import EnvLost, InfraError, NotFound, QuotaExceeded, ShuttingDown
 from tangram.protocol.results import ExecResult
 from tangram.sched import SchedConfig, Snapshot, schedule
 from tangramd import events as ev
@@ -67,6 +67,7 @@ class CoreConfig:
     max_output: int = 1 << 20
     default_image: str | None = None
     exec_as_peer: bool = False  # commands run as the connecting client (cpu.exec_user="peer")
+    record_envs: bool = True  # emit PersistEnvs (tangramd up; a coordinator keeps its registry)
 
 
 @dataclass
@@ -192,6 +193,15 @@ class Core:
             env = self.envs.open_env(spec.env, e.peer)
             if env is None:
                 raise NotFound(f"environment {spec.env!r} not found")
+            if env.awaiting_node:
+                raise InfraError(
+                    f"environment {env.id}: node {env.node} has not reconnected since the "
+                    "coordinator restarted; retry"
+                )
+            if env.lost_node:
+                raise EnvLost(
+                    f"environment {env.id} was lost with node {env.lost_node}; open a new one"
+                )
         else:
             env = self.envs.open(
                 now,
@@ -205,7 +215,7 @@ class Core:
                 conn=e.conn,
                 owner=e.peer,
             )
-        max_cores = max(p.capacity for p in self.cpu.nodes)
+        max_cores = max((p.capacity for p in self.cpu.nodes), default=0)
         aid = ActionId(self._new_id("a"))
         try:
             action = make_action(
@@ -473,7 +483,8 @@ class Core:
             self._persist_envs(out)  # forget the records that could not be adopted
 
     def _persist_envs(self, out: list[ev.Command]) -> None:
-        out.append(ev.PersistEnvs(envs=self.envs.records(), cause=self.stimulus))
+        if self.cfg.record_envs:
+            out.append(ev.PersistEnvs(envs=self.envs.records(), cause=self.stimulus))
 
     # ------------------------------------------------------------------ leases
     def _acquire(self, e: ev.AcquireLease, now: float, out: list[ev.Command]) -> None:
@@ -567,6 +578,87 @@ class Core:
     def _profiles_loaded(self, e: ev.ProfilesLoaded, now: float, out: list[ev.Command]) -> None:
         for name, prof in e.profiles.items():
             self.profiles.setdefault(name, dict(prof))
+
+    # ------------------------------------------------------------------ nodes (cluster mode)
+    def _node_joined(self, e: ev.NodeJoined, now: float, out: list[ev.Command]) -> None:
+        pool_id = f"cpu:{e.node}"
+        if pool_id in self.pools or not e.cores_by_numa:
+            return  # a known node came back within the timeout, or a pure gateway
+        pool = CpuNodePool(e.node, e.cores_by_numa, e.mem_bytes)
+        self.cpu.add_node(pool)
+        self.pools[pool_id] = pool
+        self.envs.reclaim(e.node, now)
+        self._dirty = True
+
+    def _node_lost(self, e: ev.NodeLost, now: float, out: list[ev.Command]) -> None:
+        """End the node's running actions (``infra_error``), lose its environments, drop
+        its pool, and move the queued work of its throwaway environments elsewhere.
+
+        Running actions never hang: they end here, naming the node. Persistent
+        environments stay in the book as lost, so the next action on one gets
+        ``env_lost``. A throwaway environment holds no state worth keeping: its actions
+        that had not started wait for a fresh one on another node.
+        """
+        why = f"node {e.node} lost: {e.why}"
+        self.envs.give_up(e.node)
+        on_node = [env for env in self.envs if env.node == e.node]
+        ids = {env.id for env in on_node}
+        moving: list[EnvRec] = []
+        for rec in list(self.actions.values()):
+            env = self.envs.get(rec.env) if rec.env in ids else None
+            if env is None:
+                continue
+            if rec.state == "running" or not env.throwaway:
+                self._finish_action(rec, now, out, outcome="infra_error", detail=why)
+            elif rec.state == "queued":
+                self.queue.pop(rec.action.id, None)
+                env.pending.append(rec.action.id)
+                self._transition(rec, "waiting_env", now, f"{why}; moving to another node")
+        for env in on_node:
+            if env.state in ("closing", "closed"):
+                self.envs.removed(env.id, now, out, self.stimulus)  # it will never answer
+            elif env.throwaway and env.pending:
+                moving.append(env)
+            elif env.state == "creating":
+                token, env.open_token = env.open_token, None
+                if token is not None:
+                    out.append(self._reply(token, error=("infra_error", why)))
+                self._close_env(env, now, out, why)
+            else:
+                self.envs.lose_node(env, now, why)
+        pool_id = f"cpu:{e.node}"
+        if pool_id in self.pools:
+            del self.pools[pool_id]
+            self.cpu.remove_node(e.node)
+        for env in moving:
+            try:
+                self.envs.move(env, now, out, self.stimulus, why)
+            except TangramError as exc:  # no node could ever hold it now
+                for aid in tuple(env.pending):
+                    self._finish_action(
+                        self.actions[aid], now, out, outcome="infra_error", detail=exc.message
+                    )
+        self._dirty = True
+
+    def _envs_restored(self, e: ev.EnvsRestored, now: float, out: list[ev.Command]) -> None:
+        for row in e.envs:
+            self.envs.restore(
+                now,
+                env_id=str(row["id"]),
+                trajectory=str(row["trajectory"]),
+                node=str(row["node"]),
+                image=row.get("image"),
+                mem=int(row["mem"]),
+                lost_node=str(row.get("lost_node") or ""),
+            )
+
+    def _drain_node(self, e: ev.DrainNode, now: float, out: list[ev.Command]) -> None:
+        try:
+            self.cpu.set_draining(e.node, e.drain)
+        except KeyError:
+            raise NotFound(f"node {e.node!r} not found (or lost)") from None
+        if e.token is not None:
+            out.append(self._reply(e.token, result={"name": e.node, "draining": e.drain}))
 
     # ------------------------------------------------------------------ ticks
     def _tick(self, now: float, out: list[ev.Command]) -> None:
@@ -727,8 +819,19 @@ class Core:
         ]
 
     def node_rows(self) -> list[dict[str, Any]]:
+        """The ``nodes`` view of the nodes with a pool (``heartbeat_age_s`` is the
+        executor's: the core does not know the links)."""
+        envs: dict[str, int] = {}
+        for env in self.envs:
+            if env.node and env.state not in ("closing", "closed"):
+                envs[env.node] = envs.get(env.node, 0) + 1
         return [
             {
+                "name": p.node_id,
+                "state": "draining" if self.cpu.is_draining(p.node_id) else "ready",
+                "mem_gb": round(p.mem_total / (1 << 30), 3),
+                "envs": envs.get(p.node_id, 0),
+                "running": len(p.actions()),
                 "id": p.node_id,
                 "cores": p.capacity,
                 "free_cores": p.free_units(),
@@ -740,6 +843,57 @@ class Core:
             }
             for p in self.cpu.nodes
         ]
+
+    def node_work(self, node: str) -> dict[str, Any]:
+        """What the core expects of one node (cluster reconciliation after a reconnect):
+        the environments it still owns, those being created (with image and memory) or
+        removed there, and the exec actions running there."""
+        keep: list[str] = []
+        creating: list[dict[str, Any]] = []
+        closing: list[str] = []
+        for env in self.envs:
+            if env.node != node or env.lost_node:
+                continue
+            if env.state == "closing":
+                closing.append(env.id)
+            elif env.state in ("ready", "creating", "lost"):
+                keep.append(env.id)
+                if env.state == "creating":
+                    creating.append({"env_id": env.id, "image": env.image, "mem": env.mem})
+        pool_id = f"cpu:{node}"
+        running = [
+            rec.action.id
+            for rec in self.actions.values()
+            if rec.state == "running" and rec.action.kind == "exec" and rec.pool_id == pool_id
+        ]
+        return {"keep": keep, "creating": creating, "closing": closing, "running": running}
+
+    def env_record(self, env_id: str) -> dict[str, Any] | None:
+        """A persistent environment as the coordinator stores it (None: gone, throwaway,
+        or not yet created)."""
+        env = self.envs.get(env_id)
+        if env is None or env.throwaway or env.state not in ("ready", "lost"):
+            return None
+        return {
+            "id": env.id,
+            "trajectory": env.trajectory,
+            "node": env.node,
+            "image": env.image,
+            "mem": env.mem,
+            "lost_node": env.lost_node,
+        }
+
+    def env_node(self, env_id: str) -> str | None:
+        """The node holding an environment (None: unknown or not placed)."""
+        env = self.envs.get(env_id)
+        return env.node if env is not None and env.node else None
+
+    def action_node(self, action_id: str) -> str | None:
+        """The node a running exec action runs on (None: not running)."""
+        rec = self.actions.get(ActionId(action_id))
+        if rec is None or rec.state != "running" or not rec.pool_id.startswith("cpu:"):
+            return None
+        return rec.pool_id[len("cpu:") :]
 
     def profile(self, name: str) -> dict[str, Any]:
         prof = self.profiles.get(name)
@@ -833,6 +987,10 @@ _HANDLERS: dict[type, Callable[[Core, Any, float, list[ev.Command]], None]] = {
     ev.ProfilesLoaded: Core._profiles_loaded,
     ev.EnvsRecovered: Core._envs_recovered,
     ev.ConnClosed: Core._conn_closed,
+    ev.NodeJoined: Core._node_joined,
+    ev.NodeLost: Core._node_lost,
+    ev.DrainNode: Core._drain_node,
+    ev.EnvsRestored: Core._envs_restored,
     ev.Tick: lambda c, e, now, out: c._tick(now, out),
     ev.Shutdown: Core._shutdown,
 }

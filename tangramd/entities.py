@@ -18,6 +18,7 @@ ACTION_EDGES: dict[tuple[str, str], str] = {
     ("new", "waiting_env"): "submitted while its environment is being created",
     ("waiting_env", "queued"): "the backend reported the environment created",
     ("waiting_env", "done"): "environment creation failed, env closed, client gone, shutdown",
+    ("queued", "waiting_env"): "its node was lost; its throwaway env is recreated elsewhere",
     ("queued", "running"): "the scheduler placed it and the pool allocated its units",
     ("queued", "done"): "infeasible, lease deadline passed, client gone, or shutdown",
     ("running", "done"): "the backend finished the exec / the lease was released or expired",
@@ -30,7 +31,10 @@ ENV_EDGES: dict[tuple[str, str], str] = {
     ("creating", "ready"): "the backend created it",
     ("creating", "closing"): "creation failed, or closed while being created",
     ("ready", "lost"): "an exec found it gone (container died or removed behind our back)",
+    ("creating", "lost"): "its node was lost while the environment was being created",
+    ("lost", "waiting_mem"): "a throwaway env of a lost node waits for memory on another node",
     ("lost", "creating"): "the next action recreates a fresh environment",
+    ("lost", "ready"): "its node reconnected to a restarted coordinator that restored it",
     ("ready", "closing"): "env.close, idle TTL, throwaway done, or shutdown",
     ("lost", "closing"): "env.close of a lost environment",
     ("closing", "closed"): "the backend removed it",
@@ -115,6 +119,8 @@ class EnvRec:
     conn: int | None = None
     owner: tuple[int, int] | None = None  # (uid, gid) of the client that opened it
     state: str = "creating"
+    lost_node: str = ""  # set when the environment was lost with its node (cluster mode)
+    awaiting_node: bool = False  # restored by a restarted coordinator, node not back yet
     active: int = 0  # actions submitted and not done
     pending: list[ActionId] = field(default_factory=list)
     history: deque[tuple[float, str, str, str]] = field(default_factory=lambda: deque(maxlen=16))

@@ -96,7 +96,11 @@ class EnvBook:
 
     def affinity(self) -> dict[TrajectoryId, str]:
         """Pool of each trajectory whose environment is placed."""
-        return {env.trajectory: f"cpu:{env.node}" for env in self._envs.values() if env.node}
+        return {
+            env.trajectory: f"cpu:{env.node}"
+            for env in self._envs.values()
+            if env.node and not env.lost_node
+        }
 
     def rows(self, now: float) -> list[dict[str, Any]]:
         """The ``env.list`` view: persistent environments."""
@@ -221,6 +225,60 @@ class EnvBook:
             out.append(self._create(env, cause))
         return env
 
+    def restore(
+        self,
+        now: float,
+        *,
+        env_id: str,
+        trajectory: str,
+        node: str,
+        image: str | None,
+        mem: int,
+        lost_node: str,
+    ) -> EnvRec:
+        """An environment a restarted coordinator read back: lost until its node
+        reconnects (:meth:`reclaim`), for good if it was lost before the restart."""
+        env = EnvRec(
+            id=EnvId(env_id),
+            trajectory=TrajectoryId(trajectory),
+            node=node,
+            image=image,
+            mem=mem,
+            created_at=now,
+            last_used=now,
+            state="lost",
+            lost_node=node,
+            awaiting_node=not lost_node,
+        )
+        env.history.append((now, "new", "lost", "restored from the coordinator's store"))
+        self._envs[env.id] = env
+        try:
+            number = int(env_id[1:], 16)  # ids are e<hex>: new ones must not collide
+        except ValueError:
+            number = 0
+        self._ids = itertools.count(max(number + 1, next(self._ids)))
+        return env
+
+    def reclaim(self, node: str, now: float) -> list[EnvRec]:
+        """``node`` is back: its restored environments are ready again where its memory
+        holds them; returns them."""
+        back = []
+        for env in self._envs.values():
+            if not (env.awaiting_node and env.node == node):
+                continue
+            env.awaiting_node = False
+            if self.cpu.place_on(env.trajectory, env.id, node, env.mem):
+                env.lost_node = ""
+                transition(env, "ready", ENV_EDGES, now, "its node reconnected")
+                back.append(env)
+        return back
+
+    def give_up(self, node: str) -> None:
+        """``node`` did not come back: its restored environments stay lost."""
+        for env in self._envs.values():
+            if env.awaiting_node and env.node == node:
+                env.awaiting_node = False
+
     def recreate(self, env: EnvRec, now: float, out: list[ev.Command], cause: int) -> None:
         """A lost environment is created afresh for its next action."""
         transition(env, "creating", ENV_EDGES, now, "next action recreates a lost env")
@@ -240,6 +298,33 @@ class EnvBook:
 
     def lose(self, env: EnvRec, now: float, why: str) -> None:
         """An exec found the environment gone behind our back."""
+        if env.state == "ready":
+            transition(env, "lost", ENV_EDGES, now, why)
+
+    def move(self, env: EnvRec, now: float, out: list[ev.Command], cause: int, why: str) -> None:
+        """A throwaway environment whose node was lost starts afresh on another node (or
+        waits for memory); raises ``Unschedulable`` when no node could ever hold it."""
+        if env.state != "lost":
+            transition(env, "lost", ENV_EDGES, now, why, cause)
+        placed = self.cpu.place_trajectory(env.trajectory, env.id, 0, env.mem)
+        if isinstance(placed, NeverFits):
+            raise Unschedulable(f"cannot place environment: {placed.shortfall.describe()}")
+        if isinstance(placed, NoRoomYet):
+            env.node = ""
+            transition(env, "waiting_mem", ENV_EDGES, now, "waiting for memory elsewhere", cause)
+            self._waitq.append(env.id)
+            return
+        env.node = placed.node
+        transition(env, "creating", ENV_EDGES, now, f"recreated on {placed.node}", cause)
+        out.append(self._create(env, cause))
+
+    def lose_node(self, env: EnvRec, now: float, why: str) -> None:
+        """The node holding ``env`` was lost: the environment is lost for good.
+
+        Unlike :meth:`lose`, the next action is refused (``env_lost``) rather than given a
+        fresh environment: the node's memory reservation went with the node.
+        """
+        env.lost_node = env.node
         if env.state == "ready":
             transition(env, "lost", ENV_EDGES, now, why)
 

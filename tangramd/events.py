@@ -112,6 +112,44 @@ class ConnClosed(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class NodeJoined(Event):
+    """A node's link came up (cluster mode): its cores and memory join the pools.
+
+    A node that is still known (its link dropped and came back within the heartbeat
+    timeout) keeps its pool as it is.
+    """
+
+    node: str
+    cores_by_numa: tuple[tuple[int, ...], ...] = ()
+    mem_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLost(Event):
+    """A node missed its heartbeats for the timeout (or its link stayed closed that long)."""
+
+    node: str
+    why: str = "missed heartbeats"
+
+
+@dataclass(frozen=True, slots=True)
+class EnvsRestored(Event):
+    """Persistent environments a restarted coordinator read back from its store: maps
+    with ``id``, ``trajectory``, ``node``, ``image``, ``mem``, ``lost_node``."""
+
+    envs: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DrainNode(Event):
+    """``node.drain`` / ``node.undrain``: stop (or resume) placing new trajectories there."""
+
+    node: str
+    drain: bool = True
+    token: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Tick(Event):
     pass
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from tangram.protocol.errors import InfraError, error_from_wire
+from tangram.protocol.errors import InfraError, UnknownOp, error_from_wire
 from tangram.protocol.results import ExecResult
 from tangramd import events as ev
 from tangramd.backends.base import Backend, ExecRequest
@@ -122,6 +122,22 @@ class Executor:
                 fut.set_exception(InfraError("daemon shutting down"))
         log.info("daemon_stopped")
 
+    def persist(self, event: ev.Event) -> None:
+        """Write what ``event`` changed that must survive a restart, before its commands
+        run (the all-in-one daemon persists profiles through ``PersistProfiles`` only)."""
+
+    # ------------------------------------------------------------------ views of the mode
+    def node_rows(self) -> list[dict[str, Any]]:
+        """The ``nodes`` view: the one local node, always ready to itself."""
+        return [
+            {**row, "backend": self.backend.name, "heartbeat_age_s": 0.0}
+            for row in self.core.node_rows()
+        ]
+
+    def join_info(self, rotate: bool) -> dict[str, Any]:
+        """``cluster.join``: only a coordinator has a cluster to join."""
+        raise UnknownOp("cluster.join is served by `tangramd coordinator`, not `tangramd up`")
+
     # ------------------------------------------------------------------ event loop glue
     def feed(self, event: ev.Event) -> None:
         now = self.clock()
@@ -133,6 +149,7 @@ class Executor:
             if token is not None:
                 self._resolve(token, None, ("internal", "internal error; see daemon log"))
             return
+        self.persist(event)  # before any reply goes out
         for cmd in commands:
             self._execute(cmd)
         if self._validate:

@@ -105,19 +105,34 @@ async def _serve(config: Any) -> None:
 
 
 @cli.command()
-def node() -> None:
-    """Per-host node daemon for multi-host clusters (not in this release; use `up`)."""
-    click.echo("tangramd node: multi-host mode is not available yet; run `tangramd up`", err=True)
-    sys.exit(2)
+@click.option("--coordinator", "coordinator_addr", required=True, metavar="HOST:PORT")
+@click.option("--token", default=None, help="Join token (`tangramctl cluster join`).")
+@click.option("--ca-sha256", default=None, help="Pinned hash of the coordinator's CA.")
+@click.option("--socket", "socket_path", default=None, help="Unix socket path for clients.")
+@click.option("--state-dir", default=None, help="Directory for environments and the credential.")
+@click.option("--name", default=None, help="Node name (default: the host name).")
+@click.option("--cpus", default=None, metavar="LIST", help="Cores offered, e.g. 0-3 ('' : none).")
+@click.option("--cpu-backend", type=click.Choice(["process", "docker"]), default=None)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--insecure", is_flag=True, help="Plain TCP (loopback only; tests and demos).")
+def node(**options: Any) -> None:
+    """Per-host node: joins a coordinator, runs its environments, serves the local socket."""
+    from tangramd.cluster import daemon
+
+    daemon.node(**options)
 
 
 @cli.command()
-def coordinator() -> None:
-    """Cluster coordinator for multi-host clusters (not in this release; use `up`)."""
-    click.echo(
-        "tangramd coordinator: multi-host mode is not available yet; run `tangramd up`", err=True
-    )
-    sys.exit(2)
+@click.option("--listen", required=True, metavar="HOST:PORT", help="Where nodes connect.")
+@click.option("--socket", "socket_path", default=None, help="Unix socket path for operators.")
+@click.option("--state-dir", default=None, help="Directory for the CA, registry, profiles.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--insecure", is_flag=True, help="Plain TCP (loopback only; tests and demos).")
+def coordinator(**options: Any) -> None:
+    """Cluster coordinator: the global scheduler over every node's pools."""
+    from tangramd.cluster import daemon
+
+    daemon.coordinator(**options)
 
 
 def main() -> None:

@@ -66,7 +66,19 @@ def _status(ex: Executor, args: Args, conn: ConnInfo) -> Any:
 
 
 def _nodes(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return {"nodes": [{**row, "backend": ex.backend.name} for row in ex.core.node_rows()]}
+    return {"nodes": ex.node_rows()}
+
+
+def _node_drain(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return ex.answer_now(lambda tok: ev.DrainNode(node=args["name"], drain=True, token=tok))
+
+
+def _node_undrain(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return ex.answer_now(lambda tok: ev.DrainNode(node=args["name"], drain=False, token=tok))
+
+
+def _cluster_join(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return ex.join_info(rotate=bool(args.get("rotate")))
 
 
 def _queue(ex: Executor, args: Args, conn: ConnInfo) -> Any:
@@ -146,6 +158,9 @@ SYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Any]] = {
     "ping": _ping,
     "status": _status,
     "nodes": _nodes,
+    "node.drain": _node_drain,
+    "node.undrain": _node_undrain,
+    "cluster.join": _cluster_join,
     "queue": _queue,
     "story": _story,
     "env.list": _env_list,

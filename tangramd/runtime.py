@@ -38,7 +38,25 @@ def build_runtime(config: Any) -> Executor:
         raise TangramError(f"cpu.cores {sorted(cores)} selects no core of this host")
     mem = config.cpu.mem or topo.mem_bytes
     cluster = CpuCluster([CpuNodePool(NODE_ID, layout, mem)])
-    apis = {
+    core = Core(cluster, api_pools(config), core_config(config))
+    if config.gpu.simulated_count or config.services:
+        log.warning(
+            "gpu_manager_not_available",
+            detail="[gpu]/[[service]] are configured but tangramd up has no GPU manager yet",
+        )
+    return Executor(
+        core,
+        make_backend(config),
+        config.daemon.socket,
+        state_dir=config.daemon.state_dir,
+        handlers=ops,
+        **server_options(config),
+    )
+
+
+def api_pools(config: Any) -> dict[str, ApiPool]:
+    """The ``[[api]]`` endpoints as pools."""
+    return {
         a.name: ApiPool(
             a.name,
             concurrency=a.concurrency,
@@ -49,7 +67,11 @@ def build_runtime(config: Any) -> Executor:
         )
         for a in config.apis
     }
-    core_cfg = CoreConfig(
+
+
+def core_config(config: Any) -> CoreConfig:
+    """The core's config (the scheduler's built once from ``[sched]``)."""
+    return CoreConfig(
         sched=config.sched.scheduler(),
         coalesce_s=config.sched.coalesce_ms / 1000.0,
         default_env_mem=config.cpu.default_env_mem,
@@ -59,41 +81,34 @@ def build_runtime(config: Any) -> Executor:
         default_image=config.cpu.docker_image if config.cpu.backend == "docker" else None,
         exec_as_peer=config.cpu.exec_user == "peer",
     )
-    core = Core(cluster, apis, core_cfg)
-    if config.gpu.simulated_count or config.services:
-        log.warning(
-            "gpu_manager_not_available",
-            detail="[gpu]/[[service]] are configured but tangramd up has no GPU manager yet",
-        )
+
+
+def make_backend(config: Any) -> Backend:
+    """The execution backend of ``[cpu] backend`` (environments under the state dir)."""
     state_dir = config.daemon.state_dir
-    backend: Backend
     if config.cpu.backend == "docker":
         from tangramd.backends.docker import DockerBackend
 
-        backend = DockerBackend(
+        return DockerBackend(
             default_image=config.cpu.docker_image,
             state_dir=state_dir,
             use_agent=config.cpu.exec_agent,
         )
-    else:
-        from tangramd.backends.process import ProcessBackend
+    from tangramd.backends.process import ProcessBackend
 
-        sandbox_user = None
-        if config.cpu.exec_user != "peer":
-            sandbox_user = resolve_user(config.cpu.exec_user)
-        backend = ProcessBackend(os.path.join(state_dir, "process"), default_user=sandbox_user)
+    sandbox_user = None if config.cpu.exec_user == "peer" else resolve_user(config.cpu.exec_user)
+    return ProcessBackend(os.path.join(state_dir, "process"), default_user=sandbox_user)
+
+
+def server_options(config: Any) -> dict[str, Any]:
+    """The Unix socket server's limits and peer allowlist, from ``[daemon]``."""
     daemon = config.daemon
-    return Executor(
-        core,
-        backend,
-        daemon.socket,
-        state_dir=state_dir,
-        handlers=ops,
-        max_frame=daemon.max_frame_bytes,
-        idle_timeout_s=daemon.idle_timeout_s,
-        frame_timeout_s=daemon.frame_timeout_s,
-        max_connections=daemon.max_connections,
-        max_buffered_bytes=daemon.max_buffered_bytes,
-        allowed_uids=daemon.allowed_uids,
-        allowed_gids=daemon.allowed_gids,
-    )
+    return {
+        "max_frame": daemon.max_frame_bytes,
+        "idle_timeout_s": daemon.idle_timeout_s,
+        "frame_timeout_s": daemon.frame_timeout_s,
+        "max_connections": daemon.max_connections,
+        "max_buffered_bytes": daemon.max_buffered_bytes,
+        "allowed_uids": daemon.allowed_uids,
+        "allowed_gids": daemon.allowed_gids,
+    }

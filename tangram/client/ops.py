@@ -82,6 +82,19 @@ class Ops:
         """Nodes with capacity and usage."""
         return self._op("nodes", {}, _field("nodes", list))
 
+    def node_drain(self, name: str) -> dict[str, Any]:
+        """Stop placing new trajectories on node ``name``; ``{"name", "draining"}``."""
+        return self._op("node.drain", {"name": name}, _as_dict)
+
+    def node_undrain(self, name: str) -> dict[str, Any]:
+        """Place new trajectories on node ``name`` again; ``{"name", "draining"}``."""
+        return self._op("node.undrain", {"name": name}, _as_dict)
+
+    def cluster_join(self, rotate: bool = False) -> dict[str, Any]:
+        """``{"coordinator", "token", "ca_sha256"}`` for ``tangramd node`` (coordinator only)."""
+        args = {"rotate": True} if rotate else {}
+        return self._op("cluster.join", args, _as_dict)
+
     def queue(self) -> dict[str, Any]:
         """Waiting and running actions."""
         return self._op("queue", {}, _as_dict)

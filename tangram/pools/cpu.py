@@ -305,6 +305,7 @@ class CpuCluster:
             raise ValueError(f"duplicate CPU node ids in {ids}")
         self._nodes: dict[str, CpuNodePool] = {node.node_id: node for node in nodes}
         self._placed: dict[TrajectoryId, tuple[str, EnvId]] = {}
+        self._draining: set[str] = set()  # nodes that take no new trajectories
 
     @property
     def nodes(self) -> tuple[CpuNodePool, ...]:
@@ -315,6 +316,39 @@ class CpuCluster:
             return self._nodes[node_id]
         except KeyError:
             raise KeyError(f"no CPU node {node_id!r}") from None
+
+    def add_node(self, node: CpuNodePool) -> None:
+        """A node joined the cluster (cluster mode adds nodes at run time)."""
+        if node.node_id in self._nodes:
+            raise ValueError(f"CPU node {node.node_id!r} already exists")
+        self._nodes[node.node_id] = node
+
+    def remove_node(self, node_id: str) -> tuple[TrajectoryId, ...]:
+        """A node left (lost): drop it and the affinities that pointed at it.
+
+        The node's pool goes with its memory reservations; returns the trajectories that
+        were placed there. Raises ``ValueError`` while an action still holds its cores.
+        """
+        node = self.pool(node_id)
+        if node.actions():
+            raise ValueError(f"CPU node {node_id!r} still has actions holding cores")
+        gone = tuple(t for t, (n, _) in self._placed.items() if n == node_id)
+        for trajectory in gone:
+            del self._placed[trajectory]
+        del self._nodes[node_id]
+        self._draining.discard(node_id)
+        return gone
+
+    def set_draining(self, node_id: str, draining: bool) -> None:
+        """A draining node keeps its environments and takes no new trajectories."""
+        self.pool(node_id)  # KeyError for an unknown node
+        if draining:
+            self._draining.add(node_id)
+        else:
+            self._draining.discard(node_id)
+
+    def is_draining(self, node_id: str) -> bool:
+        return node_id in self._draining
 
     def node_of(self, trajectory: TrajectoryId) -> str | None:
         placed = self._placed.get(trajectory)
@@ -333,9 +367,10 @@ class CpuCluster:
         """Pick the trajectory's node for its first action, reserve the environment's memory.
 
         Among nodes with ``min_cores`` free cores and ``env_mem_bytes`` free memory, the one
-        with the lowest memory load (reserved / total), ties by node id. An already placed
-        trajectory keeps its node. ``NeverFits`` when no node could hold it even idle,
-        ``NoRoomYet`` when none can right now (each with its ``Shortfall``).
+        with the lowest memory load (reserved / total), ties by node id; draining nodes take
+        no new trajectories. An already placed trajectory keeps its node. ``NeverFits`` when
+        no node could hold it even idle, ``NoRoomYet`` when none can right now (each with
+        its ``Shortfall``).
         """
         if trajectory in self._placed:
             return Placed(self._placed[trajectory][0])
@@ -345,7 +380,9 @@ class CpuCluster:
         fitting = [
             node
             for node in self._nodes.values()
-            if node.free_units() >= min_cores and node.mem_free >= env_mem_bytes
+            if node.free_units() >= min_cores
+            and node.mem_free >= env_mem_bytes
+            and node.node_id not in self._draining
         ]
         if not fitting:
             return NoRoomYet(self._busy_shortfall(min_cores, env_mem_bytes))
@@ -354,6 +391,16 @@ class CpuCluster:
         assert reserved, "memory fit was checked just above"
         self._placed[trajectory] = (best.node_id, env_id)
         return Placed(best.node_id)
+
+    def place_on(
+        self, trajectory: TrajectoryId, env_id: EnvId, node_id: str, env_mem_bytes: int
+    ) -> bool:
+        """Put a trajectory back on the node it was on (a restarted coordinator restoring
+        its environments); False when that node cannot hold its memory now."""
+        if trajectory in self._placed or not self.pool(node_id).reserve_mem(env_id, env_mem_bytes):
+            return False
+        self._placed[trajectory] = (node_id, env_id)
+        return True
 
     def forget_trajectory(self, trajectory: TrajectoryId) -> str | None:
         """Drop the affinity and return the environment's memory; the node it was on."""

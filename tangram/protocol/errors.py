@@ -22,6 +22,7 @@ TIMEOUT: Final = "timeout"
 INFRA_ERROR: Final = "infra_error"
 INTERNAL: Final = "internal"
 SHUTTING_DOWN: Final = "shutting_down"
+ENV_LOST: Final = "env_lost"
 
 ERROR_CODES: Final[tuple[str, ...]] = (
     BAD_REQUEST,
@@ -33,6 +34,7 @@ ERROR_CODES: Final[tuple[str, ...]] = (
     INFRA_ERROR,
     INTERNAL,
     SHUTTING_DOWN,
+    ENV_LOST,
 )
 
 
@@ -96,6 +98,12 @@ class ShuttingDown(TangramError):
     code = SHUTTING_DOWN
 
 
+class EnvLost(TangramError):
+    """The environment was lost with the node that held it; open a new one."""
+
+    code = ENV_LOST
+
+
 ERROR_CLASSES: Final[dict[str, type[TangramError]]] = {
     BAD_REQUEST: BadRequest,
     UNKNOWN_OP: UnknownOp,
@@ -106,6 +114,7 @@ ERROR_CLASSES: Final[dict[str, type[TangramError]]] = {
     INFRA_ERROR: InfraError,
     INTERNAL: InternalError,
     SHUTTING_DOWN: ShuttingDown,
+    ENV_LOST: EnvLost,
 }
 
 

@@ -328,7 +328,34 @@ OPS: Final[dict[str, Op]] = {
     for op in (
         Op("ping", "liveness check", result=("pong: true", "version: str")),
         Op("status", "daemon summary: uptime, capacity, usage, counts", result=_STATUS_FIELDS),
-        Op("nodes", "nodes with capacity and free resources", result=("nodes: [map]",)),
+        Op(
+            "nodes",
+            "nodes with capacity, free resources and heartbeat age; each row has name, "
+            "state (ready|draining|lost), cores, free_cores, mem_gb, envs, running, "
+            "heartbeat_age_s",
+            result=("nodes: [map]",),
+        ),
+        Op(
+            "node.drain",
+            "stop placing new trajectories on a node (its environments keep working)",
+            (Arg("name", NAME, True),),
+            result=("name: str", "draining: bool"),
+            errors=("not_found",),
+        ),
+        Op(
+            "node.undrain",
+            "place new trajectories on a drained node again",
+            (Arg("name", NAME, True),),
+            result=("name: str", "draining: bool"),
+            errors=("not_found",),
+        ),
+        Op(
+            "cluster.join",
+            "what a new host needs to join this coordinator (served by the coordinator)",
+            (Arg("rotate", Bool(), doc="replace the join token first (joined nodes stay)"),),
+            result=("coordinator: str", "token: str", "ca_sha256: str"),
+            errors=("unknown_op",),
+        ),
         Op("queue", "waiting and running actions", result=("waiting: [map]", "running: [map]")),
         Op(
             "story",

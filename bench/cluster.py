@@ -1,0 +1,288 @@
+"""Cluster mode benchmarks: real daemons on loopback, plus the core's pass in-process.
+
+Usage: python bench/cluster.py [--json] [--acts N] [--clients N] [--skip a,b,c,d]
+
+(a) ACT overhead of ``true``: the client-measured round trip of one exec in an open
+    environment through node → coordinator → node, against ``tangramd up``, in the same run;
+(b) throughput with 4 nodes and ``--clients`` concurrent clients spread over their sockets;
+(c) one scheduling pass of the coordinator's core at 16 nodes × 64 cores with 1,024 queued
+    actions (80% 1 core, 20% elastic), next to ``bench/sched.py``'s single-node pool case
+    (1,024 queued, 256 cores) measured in the same process;
+(d) node death: SIGKILL of a node while an action runs there, until its client holds the
+    ``infra_error``; coordinator restart: SIGKILL, restart, until every node is ready.
+
+On a small host all daemons share its cores: absolute numbers are upper bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from tangram import AsyncClient, Client  # noqa: E402
+from tangram.pools.cpu import CpuCluster  # noqa: E402
+from tangram.protocol.results import ExecSpec  # noqa: E402
+from tangram.testing import spawn_daemon  # noqa: E402
+from tangramd import events as ev  # noqa: E402
+from tangramd.cluster.testing import (  # noqa: E402
+    node_row,
+    spawn_coordinator,
+    spawn_node,
+    wait_for,
+    wait_node_state,
+)
+from tangramd.core import Core, CoreConfig  # noqa: E402
+
+GIB = 1 << 30
+CORES = sorted(os.sched_getaffinity(0))
+TIMEOUT_S = 2.0
+CONFIG = f"""
+[cluster]
+heartbeat_s = 0.25
+heartbeat_timeout_s = {TIMEOUT_S}
+
+[cpu]
+default_env_mem = "64MiB"
+"""
+UP_CONFIG = '[cpu]\ndefault_env_mem = "64MiB"\n'
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _stats_ms(values: list[float]) -> dict[str, float]:
+    return {
+        "p50_ms": round(statistics.median(values) * 1e3, 3),
+        "p99_ms": round(pct(values, 0.99) * 1e3, 3),
+        "mean_ms": round(statistics.fmean(values) * 1e3, 3),
+    }
+
+
+def _act_loop(sock: str, n: int) -> list[float]:
+    with Client(sock) as c:
+        env = c.env_open()
+        for _ in range(20):  # warm-up
+            c.exec(["true"], env=env)
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            result = c.exec(["true"], env=env)
+            times.append(time.perf_counter() - t0)
+            assert result.outcome == "ok", result
+        c.env_close(env)
+    return times
+
+
+def bench_act(work: Path, n: int) -> dict[str, Any]:
+    up = spawn_daemon(work / "up", UP_CONFIG)
+    try:
+        local = _act_loop(up.socket, n)
+    finally:
+        up.stop()
+    coord = spawn_coordinator(work / "act", CONFIG)
+    node = spawn_node(work / "act", coord, "n1", cpus=",".join(map(str, CORES)))
+    try:
+        cluster = _act_loop(node.socket, n)
+    finally:
+        node.stop()
+        coord.stop()
+    a, b = _stats_ms(local), _stats_ms(cluster)
+    return {
+        "actions": n,
+        "tangramd_up": a,
+        "through_node": b,
+        "extra_p50_ms": round(b["p50_ms"] - a["p50_ms"], 3),
+        "extra_p99_ms": round(b["p99_ms"] - a["p99_ms"], 3),
+    }
+
+
+def bench_throughput(work: Path, clients: int, per_client: int) -> dict[str, Any]:
+    coord = spawn_coordinator(work / "tput", CONFIG)
+    nodes = [
+        spawn_node(work / "tput", coord, f"n{i}", cpus=str(CORES[i % len(CORES)])) for i in range(4)
+    ]
+    try:
+
+        async def one(sock: str, out: list[str]) -> None:
+            async with AsyncClient(sock) as c:
+                for _ in range(per_client):
+                    out.append((await c.exec(["true"])).outcome)
+
+        async def run() -> list[str]:
+            out: list[str] = []
+            await asyncio.gather(*(one(nodes[i % 4].socket, out) for i in range(clients)))
+            return out
+
+        t0 = time.perf_counter()
+        outcomes = asyncio.run(run())
+        wall = time.perf_counter() - t0
+        placed = {row["name"]: row for row in Client(coord.socket).nodes()}
+    finally:
+        for node in nodes:
+            node.stop()
+        coord.stop()
+    return {
+        "nodes": 4,
+        "clients": clients,
+        "actions": len(outcomes),
+        "ok": outcomes.count("ok"),
+        "wall_s": round(wall, 3),
+        "actions_per_s": round(len(outcomes) / wall, 1),
+        "nodes_seen": sorted(placed),
+    }
+
+
+def _queued_core(nodes: int, cores: int, queued: int, seed: int = 0) -> Core:
+    rng = random.Random(seed)
+    core = Core(CpuCluster([]), {}, CoreConfig(default_env_mem=64 << 20))
+    for i in range(nodes):
+        half = cores // 2
+        numa = (tuple(range(half)), tuple(range(half, cores)))
+        core.handle(ev.NodeJoined(node=f"n{i:02d}", cores_by_numa=numa, mem_bytes=512 * GIB), 0)
+    for i in range(queued):
+        if rng.random() < 0.8:
+            spec = ExecSpec(cmd="true", cpus=1)
+        else:
+            amounts = sorted(rng.sample(range(1, 17), 2))
+            eff = {str(m): max(0.3, 1.0 - 0.02 * (m - 1)) for m in range(1, amounts[1] + 1)}
+            spec = ExecSpec(cmd="pytest", cpus=(amounts[0], amounts[1]), t1_s=60.0, eff=eff)
+        for cmd in core.handle(ev.SubmitExec(spec=spec, token=i + 1), 0):
+            if isinstance(cmd, ev.CreateEnv):
+                core.handle(ev.EnvCreated(env_id=cmd.env_id), 0)
+    assert len(core.queue) == queued, len(core.queue)
+    return core
+
+
+def bench_pass(repeat: int) -> dict[str, Any]:
+    times, placed = [], 0
+    for seed in range(repeat):
+        core = _queued_core(16, 64, 1024, seed)
+        t0 = time.perf_counter()
+        out = core.handle(ev.Tick(), 1.0)
+        times.append(time.perf_counter() - t0)
+        placed = sum(isinstance(c, ev.RunExec) for c in out)
+    from sched import run as single_node  # bench/sched.py
+
+    reference = next(
+        c
+        for c in single_node(max(20, repeat), "fcfs")["cases"]
+        if (c["queued"], c["units"]) == (1024, 256)
+    )
+    return {
+        "nodes": 16,
+        "cores_per_node": 64,
+        "queued": 1024,
+        "placed": placed,
+        "core_pass": _stats_ms(times),
+        "single_pool_reference": {
+            k: reference[k] for k in ("queued", "units", "p50_ms", "p99_ms", "placed")
+        },
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _one_death(work: Path) -> float:
+    """Seconds from SIGKILL of the node running an action to its client's infra_error."""
+    coord = spawn_coordinator(work, CONFIG)
+    a = spawn_node(work, coord, "a", cpus=str(CORES[0]))
+    b = spawn_node(work, coord, "b", cpus=str(CORES[-1]))
+    try:
+        with a.client() as c:
+            opened = (c.request("env.open", {}) for _ in range(8))
+            env = next(e["id"] for e in opened if e["node"] == "b")
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            with Client(a.socket) as c:
+                box["r"] = c.exec(["sleep", "60"], env=env)
+                box["t"] = time.monotonic()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        wait_for(lambda: node_row(coord, "b")["running"] == 1, 10, "running on b")
+        killed = time.monotonic()
+        b.kill()
+        thread.join(TIMEOUT_S + 10)
+        assert box["r"].outcome == "infra_error", box
+        return float(box["t"] - killed)
+    finally:
+        a.stop()
+        coord.stop()
+
+
+def bench_failures(work: Path, repeat: int) -> dict[str, Any]:
+    deaths = [_one_death(work / f"death{k}") for k in range(repeat)]
+    restarts = []
+    for k in range(repeat):
+        listen = f"127.0.0.1:{_free_port()}"
+        coord = spawn_coordinator(work / f"restart{k}", CONFIG, listen=listen)
+        nodes = [
+            spawn_node(work / f"restart{k}", coord, f"n{i}", cpus=str(CORES[i % len(CORES)]))
+            for i in range(4)
+        ]
+        try:
+            coord.kill()
+            t0 = time.monotonic()
+            coord = spawn_coordinator(work / f"restart{k}", CONFIG, listen=listen)
+            for node in nodes:
+                wait_node_state(coord, node.name, "ready", 30, node=node)
+            restarts.append(time.monotonic() - t0)
+        finally:
+            for node in nodes:
+                node.stop()
+            coord.stop()
+    return {
+        "heartbeat_timeout_s": TIMEOUT_S,
+        "node_death_to_infra_error_s": [round(x, 3) for x in deaths],
+        "coordinator_restart_to_all_ready_s": [round(x, 3) for x in restarts],
+        "nodes": 4,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--acts", type=int, default=300, help="(a) sequential execs per side")
+    ap.add_argument("--clients", type=int, default=256, help="(b) concurrent clients")
+    ap.add_argument("--per-client", type=int, default=4, help="(b) execs per client")
+    ap.add_argument("--repeat", type=int, default=3, help="(c), (d) repetitions")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c,d")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    work = Path(tempfile.mkdtemp(prefix="tangram-bench-cluster-"))
+    result: dict[str, Any] = {"host_cores": len(CORES)}
+    if "a" not in skip:
+        result["a_act_overhead"] = bench_act(work, args.acts)
+    if "b" not in skip:
+        result["b_throughput"] = bench_throughput(work, args.clients, args.per_client)
+    if "c" not in skip:
+        result["c_pass"] = bench_pass(args.repeat)
+    if "d" not in skip:
+        result["d_failures"] = bench_failures(work, args.repeat)
+    print(json.dumps(result, indent=None if args.json else 1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,479 @@
+"""``tangramd coordinator``: the one global core over every node's pools.
+
+The coordinator is the all-in-one executor with its backend replaced by the nodes: the
+same :class:`~tangramd.core.Core` (queues, scheduler, environment book over a
+:class:`~tangram.pools.cpu.CpuCluster` whose nodes come and go), the same op handlers on
+its Unix socket, and a TLS link server for nodes. A command for a node (``CreateEnv``,
+``RunExec``, ``RemoveEnv``) goes over that node's link; the node's answer comes back as
+the event the core expects (``EnvCreated``, ``ExecFinished``, ``EnvRemoved``). Client
+requests that nodes forward from their own sockets run through the same op handlers.
+
+Failure: a node whose link has been silent for ``heartbeat_timeout_s`` is lost
+(``NodeLost``: its actions end ``infra_error`` naming it, its environments are lost, its
+pool leaves). A node that comes back is reconciled: the welcome lists the environments it
+still owns, and what was in flight across a short drop is resent or ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import socket
+import ssl
+from typing import Any
+
+import structlog
+
+from tangram.protocol.codec import FrameError
+from tangram.protocol.errors import InfraError, TangramError, UnknownOp, error_to_wire
+from tangram.protocol.results import ExecResult
+from tangram.version import __version__
+from tangramd import events as ev
+from tangramd.cluster.config import ClusterConfig
+from tangramd.cluster.link import Link, LinkClosed
+from tangramd.cluster.pki import CoordinatorPki
+from tangramd.cluster.registry import NodeRecord, Refused, Registry
+from tangramd.cluster.store import Store, StoredEnv
+from tangramd.core import Core
+from tangramd.executor import Executor, OpHandlers
+from tangramd.transport import NOT_SYNC, ConnInfo
+
+log = structlog.get_logger("tangramd")
+
+HELLO_TIMEOUT_S = 10.0
+REMOTE_CONN_BASE = 1 << 40  # ids of clients on node sockets, apart from local connections
+LOCAL_ONLY_OPS = frozenset({"cluster.join"})  # secrets: never handed out through a node
+
+
+class _Nodes:
+    """Stands where the all-in-one executor has a backend: only its name is read."""
+
+    name = "cluster"
+
+
+class CoordinatorExecutor(Executor):
+    """The executor of ``tangramd coordinator`` (see the module doc)."""
+
+    def __init__(
+        self,
+        core: Core,
+        *,
+        socket_path: str,
+        state_dir: str,
+        listen: tuple[str, int],
+        cluster: ClusterConfig,
+        pki: CoordinatorPki | None,
+        handlers: OpHandlers,
+        **server_options: Any,
+    ) -> None:
+        super().__init__(
+            core,
+            _Nodes(),  # type: ignore[arg-type]  # commands go to nodes, see _create_env etc.
+            socket_path,
+            state_dir=state_dir,
+            handlers=handlers,
+            **server_options,
+        )
+        self.handlers = handlers
+        self.listen = listen
+        self.cluster = cluster
+        self.pki = pki
+        self.store = Store(state_dir)
+        self.registry = Registry(self.store)
+        self.max_frame = int(server_options.get("max_frame", 16 << 20))
+        self._link_server: asyncio.base_events.Server | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._remote_ids = itertools.count(REMOTE_CONN_BASE)
+        self.port = listen[1]
+
+    # ------------------------------------------------------------------ life cycle
+    async def start(self) -> None:
+        self.feed(ev.ProfilesLoaded(profiles=self._read_profiles()))
+        self._restore()
+        await self.server.start()
+        tls = self.pki.server_context() if self.pki is not None else None
+        host, port = self.listen
+        handshake = {"ssl": tls, "ssl_handshake_timeout": HELLO_TIMEOUT_S} if tls else {}
+        self._link_server = await asyncio.start_server(self._serve_link, host, port, **handshake)
+        self.port = self._link_server.sockets[0].getsockname()[1]
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        log.info(
+            "coordinator_ready",
+            socket=self.socket_path,
+            listen=f"{host}:{self.port}",
+            tls=tls is not None,
+            ca_sha256=self.pki.ca_sha256() if self.pki else None,
+        )
+
+    def _restore(self) -> None:
+        """After a restart: environments are back in the book, lost until their node
+        reconnects; a known node has ``heartbeat_timeout_s`` to do so, else it is lost."""
+        now = self.clock()
+        for rec in self.registry.nodes.values():
+            rec.restored, rec.last_seen = True, now
+        envs = self.store.envs()
+        if envs:
+            rows = tuple(
+                {
+                    "id": e.id,
+                    "trajectory": e.trajectory,
+                    "node": e.node,
+                    "image": e.image,
+                    "mem": e.mem,
+                    "lost_node": e.lost_node,
+                }
+                for e in envs
+            )
+            self.feed(ev.EnvsRestored(envs=rows))
+            log.info("envs_restored", count=len(rows))
+
+    def persist(self, event: ev.Event) -> None:
+        """Environments and their nodes reach SQLite before the answer that reveals them."""
+        if isinstance(event, ev.EnvCreated) and event.error is None:
+            self._store_env(event.env_id)
+        elif isinstance(event, ev.EnvRemoved):
+            self.store.drop_envs([event.env_id])
+        elif isinstance(event, ev.NodeLost):
+            for env in self.store.envs():
+                if env.node == event.node:
+                    self._store_env(env.id)
+
+    def _store_env(self, env_id: str) -> None:
+        row = self.core.env_record(env_id)
+        if row is None:
+            self.store.drop_envs([env_id])
+        else:
+            self.store.put_env(StoredEnv(**row))
+
+    async def stop(self) -> None:
+        """Stop serving; environments on nodes stay (nodes reconcile when it is back)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._link_server is not None:
+            self._link_server.close()
+        for rec in self.registry.nodes.values():
+            if rec.link is not None:
+                rec.link.abort()
+        await self.server.close(grace_s=0.5)
+        for fut in self._futures.values():
+            if not fut.done():
+                fut.set_exception(InfraError("coordinator shutting down"))
+        self.store.close()
+        log.info("coordinator_stopped")
+
+    # ------------------------------------------------------------------ views
+    def node_rows(self) -> list[dict[str, Any]]:
+        rows = {row["name"]: row for row in self.core.node_rows()}
+        now = self.clock()
+        out = []
+        for rec in sorted(self.registry.nodes.values(), key=lambda r: r.name):
+            row = rows.pop(rec.name, None) or _row_without_pool(rec)
+            if rec.lost:
+                row["state"] = "lost"
+            row["heartbeat_age_s"] = now - rec.last_seen if rec.last_seen else None
+            row["backend"] = rec.backend
+            out.append(row)
+        return out
+
+    def join_info(self, rotate: bool) -> dict[str, Any]:
+        if rotate:
+            self.registry.rotate()
+            log.info("join_token_rotated")
+        host = self.listen[0]
+        if host in ("", "0.0.0.0", "::"):
+            host = socket.getfqdn()
+        host = f"[{host}]" if ":" in host else host
+        return {
+            "coordinator": f"{host}:{self.port}",
+            "token": self.registry.token,
+            "ca_sha256": self.pki.ca_sha256() if self.pki is not None else "",
+        }
+
+    # ------------------------------------------------------------------ commands to nodes
+    async def _create_env(self, cmd: ev.CreateEnv) -> None:
+        msg = {"t": "create_env", "env_id": cmd.env_id, "image": cmd.image, "mem": cmd.mem}
+        if not self._send(cmd.node, msg):
+            self.feed(ev.EnvCreated(env_id=cmd.env_id, error=f"node {cmd.node} is not connected"))
+
+    async def _remove_env(self, cmd: ev.RemoveEnv) -> None:
+        if not self._send(cmd.node, {"t": "remove_env", "env_id": cmd.env_id}):
+            # nothing to remove there now; the node drops it when it reconciles
+            self.feed(ev.EnvRemoved(env_id=cmd.env_id))
+
+    async def _run_exec(self, cmd: ev.RunExec) -> None:
+        msg = {
+            "t": "run_exec",
+            "action_id": cmd.action_id,
+            "env_id": cmd.env_id,
+            "cores": list(cmd.cores),
+            "spec": cmd.spec.to_wire(),
+            "max_output": cmd.max_output,
+        }
+        if not self._send(cmd.node, msg):
+            detail = f"node {cmd.node} is not connected"
+            self.feed(ev.ExecFinished(cmd.action_id, ExecResult("infra_error", detail=detail)))
+
+    def _send(self, node: str, msg: dict[str, Any]) -> bool:
+        link = self.registry.link_of(node)
+        return link is not None and link.send(msg)
+
+    # ------------------------------------------------------------------ node links
+    async def _serve_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        link = Link(reader, writer, max_frame=self.max_frame)
+        try:
+            rec = await self._join(link)
+        except Refused as exc:
+            log.warning("node_refused", peer=link.peer, reason=str(exc))
+            link.send({"t": "refused", "reason": str(exc), "retry": exc.retry})
+            await _drain_quietly(link)
+            await link.wait_closed()
+            return
+        except (LinkClosed, FrameError, TimeoutError, ssl.SSLError, OSError) as exc:
+            log.info("node_link_failed_before_join", peer=link.peer, error=str(exc))
+            await link.wait_closed()
+            return
+        try:
+            while True:
+                msg = await link.recv()
+                rec.last_seen = self.clock()
+                self._on_message(rec, link, msg)
+        except (LinkClosed, FrameError, OSError, ssl.SSLError) as exc:
+            if rec.link is link:
+                log.warning("node_link_closed", node=rec.name, error=str(exc))
+        finally:
+            if self.registry.detach(rec.name, link) is not None:
+                self._drop_remote_conns(rec)
+            await link.wait_closed()
+
+    async def _join(self, link: Link) -> NodeRecord:
+        pem = self.pki.ca_pem().decode() if self.pki is not None else ""
+        link.send({"t": "ca", "pem": pem, "version": __version__})
+        hello = await asyncio.wait_for(link.recv(), HELLO_TIMEOUT_S)
+        if hello.get("t") == "reject":
+            log.warning(
+                "node_rejected_coordinator", peer=link.peer, reason=str(hello.get("reason"))[:300]
+            )
+            raise LinkClosed("the node rejected this coordinator")
+        name, cores, mem, backend = _parse_hello(hello)
+        credential = self.registry.authenticate(
+            name, _opt_str(hello, "token"), _opt_str(hello, "credential")
+        )
+        rec, was_lost = self.registry.attach(name, link, cores, mem, self.clock())
+        rec.backend, rec.restored = backend, False
+        self.feed(ev.NodeJoined(node=name, cores_by_numa=cores, mem_bytes=mem))
+        work = self.core.node_work(name)
+        welcome: dict[str, Any] = {
+            "t": "welcome",
+            "name": name,
+            "heartbeat_s": self.cluster.heartbeat_s,
+            "heartbeat_timeout_s": self.cluster.heartbeat_timeout_s,
+            "keep": work["keep"],
+        }
+        if credential is not None:
+            welcome["credential"] = credential
+        link.send(welcome)
+        if not was_lost:
+            self._resume_inflight(name, hello, work)
+        log.info(
+            "node_joined",
+            node=name,
+            peer=link.peer,
+            cores=rec.cores,
+            mem_bytes=mem,
+            resumed=not was_lost,
+            with_token=credential is not None,
+        )
+        return rec
+
+    def _resume_inflight(self, node: str, hello: dict[str, Any], work: dict[str, Any]) -> None:
+        """After a drop shorter than the timeout: resend what the node never got, end what
+        it no longer knows. Outcomes it still holds come next (its outbox)."""
+        held = set(_str_list(hello, "envs"))
+        running = set(_str_list(hello, "running"))
+        pending = set(_str_list(hello, "outbox"))
+        for env in work["creating"]:
+            if env["env_id"] not in held and f"c:{env['env_id']}" not in pending:
+                self._send(node, {"t": "create_env", **env})
+        for env_id in work["closing"]:
+            if env_id not in held and f"r:{env_id}" not in pending:
+                self.feed(ev.EnvRemoved(env_id=env_id))
+        for action_id in work["running"]:
+            if action_id not in running and f"x:{action_id}" not in pending:
+                detail = f"node {node} lost track of the action while its link was down"
+                self.feed(ev.ExecFinished(action_id, ExecResult("infra_error", detail=detail)))
+
+    def _on_message(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        kind = msg.get("t")
+        try:
+            if kind == "hb":
+                link.send({"t": "hb"})
+            elif kind == "req":
+                if not self._remote_inline(rec, link, msg):
+                    self._spawn(self._remote_request(rec, link, msg))
+            elif kind == "conn_closed":
+                conn = rec.remote_conns.pop(int(msg["conn"]), None)
+                if conn is not None:
+                    conn._fire()
+            elif kind in ("exec_done", "env_created", "env_removed"):
+                self._outcome(rec, kind, msg)
+                link.send({"t": "ack", "key": str(msg["key"])})
+            elif kind == "bye":
+                self._lose(rec, "node stopped")
+            else:
+                log.warning("node_message_unknown", node=rec.name, kind=str(kind)[:40])
+        except (KeyError, TypeError, ValueError, TangramError) as exc:
+            log.warning("node_message_bad", node=rec.name, kind=str(kind)[:40], error=str(exc))
+
+    def _outcome(self, rec: NodeRecord, kind: str, msg: dict[str, Any]) -> None:
+        """A node's outcome becomes the core's event, if it is about that node's work."""
+        if kind == "exec_done":
+            action_id = str(msg["action_id"])
+            if self.core.action_node(action_id) != rec.name:
+                return  # already ended (node lost, resumed) or not this node's: ignore
+            result = ExecResult.from_wire(msg["result"])
+            self.feed(ev.ExecFinished(action_id, result, env_lost=bool(msg.get("env_lost"))))
+            return
+        env_id = str(msg["env_id"])
+        if self.core.env_node(env_id) != rec.name:
+            return
+        if kind == "env_created":
+            error = msg.get("error")
+            self.feed(ev.EnvCreated(env_id=env_id, error=None if error is None else str(error)))
+        else:
+            self.feed(ev.EnvRemoved(env_id=env_id))
+
+    def _remote_inline(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> bool:
+        """Answer a forwarded view (status, nodes, ...) at once, as the Unix socket's fast
+        path does; False for ops that wait (they run as tasks)."""
+        op, args = msg.get("op"), msg.get("args") or {}
+        if not isinstance(op, str) or not isinstance(args, dict) or op in LOCAL_ONLY_OPS:
+            return False
+        try:
+            conn = self._remote_conn(rec, int(msg["conn"]))
+            result = self.handlers.handle_sync(self, op, args, conn)
+            if result is NOT_SYNC:
+                return False
+            reply: dict[str, Any] = {"t": "resp", "id": msg.get("id"), "ok": True, "result": result}
+        except Exception as exc:  # every failure is an answer, never a dead link
+            reply = {"t": "resp", "id": msg.get("id"), "ok": False, "error": error_to_wire(exc)}
+        link.send(reply)
+        return True
+
+    async def _remote_request(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        """A client request from a node's socket, through the same op handlers."""
+        request_id = msg.get("id")
+        try:
+            op, args = msg["op"], msg.get("args") or {}
+            if not isinstance(op, str) or not isinstance(args, dict):
+                raise UnknownOp("malformed forwarded request")
+            if op in LOCAL_ONLY_OPS:
+                raise UnknownOp(f"{op} is served on the coordinator's own socket only")
+            conn = self._remote_conn(rec, int(msg["conn"]))
+            result = await self.handlers.handle(self, op, args, conn)
+            reply: dict[str, Any] = {"t": "resp", "id": request_id, "ok": True, "result": result}
+        except Exception as exc:  # every failure is an answer, never a dead link
+            reply = {"t": "resp", "id": request_id, "ok": False, "error": error_to_wire(exc)}
+        link.send(reply)
+
+    def _remote_conn(self, rec: NodeRecord, conn_id: int) -> ConnInfo:
+        conn = rec.remote_conns.get(conn_id)
+        if conn is None:
+            conn = rec.remote_conns[conn_id] = ConnInfo(id=next(self._remote_ids))
+        return conn
+
+    def _drop_remote_conns(self, rec: NodeRecord) -> None:
+        conns, rec.remote_conns = rec.remote_conns, {}
+        for conn in conns.values():
+            conn._fire()
+
+    # ------------------------------------------------------------------ failure
+    async def _watch(self) -> None:
+        """Declare nodes lost whose link has been silent for the heartbeat timeout."""
+        timeout = self.cluster.heartbeat_timeout_s
+        period = min(self.cluster.heartbeat_s, timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = self.clock()
+            for rec in self.registry.overdue(now, timeout):
+                state = "link closed" if rec.link is None else "no heartbeat"
+                self._lose(rec, f"{state} for {now - rec.last_seen:.1f} s")
+            for rec in self.registry.nodes.values():
+                if rec.restored and rec.lost and now - rec.last_seen > timeout:
+                    rec.restored = False
+                    log.warning("node_lost", node=rec.name, why="not back after a restart")
+                    self.feed(ev.NodeLost(node=rec.name, why="not back after a restart"))
+
+    def _lose(self, rec: NodeRecord, why: str) -> None:
+        if rec.lost:
+            return
+        rec.lost = True
+        link, rec.link = rec.link, None
+        if link is not None:
+            link.abort()
+        self._drop_remote_conns(rec)
+        log.warning("node_lost", node=rec.name, why=why)
+        self.feed(ev.NodeLost(node=rec.name, why=why))
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _parse_hello(
+    hello: dict[str, Any],
+) -> tuple[str, tuple[tuple[int, ...], ...], int, str]:
+    """Name, cores by NUMA node, memory and backend of a hello; Refused when malformed."""
+    if hello.get("t") != "hello":
+        raise Refused(f"expected hello, got {str(hello.get('t'))[:40]!r}")
+    name = hello.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64 or not name.isprintable():
+        raise Refused("hello: name must be a printable string of 1-64 characters")
+    numa = hello.get("cores_by_numa", [])
+    mem = hello.get("mem_bytes", 0)
+    ok = isinstance(numa, list) and all(
+        isinstance(group, list)
+        and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in group)
+        for group in numa
+    )
+    if not ok or not isinstance(mem, int) or isinstance(mem, bool) or mem < 0:
+        raise Refused("hello: cores_by_numa must be lists of core ids, mem_bytes an int >= 0")
+    cores = tuple(tuple(sorted(group)) for group in numa if group)
+    flat = [c for group in cores for c in group]
+    if len(set(flat)) != len(flat):
+        raise Refused("hello: a core appears twice in cores_by_numa")
+    backend = str(hello.get("backend", "process"))[:32]
+    return name, cores, mem, backend
+
+
+def _opt_str(msg: dict[str, Any], key: str) -> str | None:
+    value = msg.get(key)
+    return value if isinstance(value, str) and value else None
+
+
+def _str_list(msg: dict[str, Any], key: str) -> list[str]:
+    value = msg.get(key)
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+def _row_without_pool(rec: NodeRecord) -> dict[str, Any]:
+    """A ``nodes`` row for a node the core has no pool for (lost, or a pure gateway)."""
+    return {
+        "name": rec.name,
+        "state": "ready",
+        "mem_gb": round(rec.mem_bytes / (1 << 30), 3),
+        "envs": 0,
+        "running": 0,
+        "id": rec.name,
+        "cores": 0,
+        "free_cores": 0,
+        "numa": [],
+        "mem_bytes": rec.mem_bytes,
+        "mem_reserved": 0,
+        "busy_cores": [],
+        "gpus": 0,
+    }
+
+
+async def _drain_quietly(link: Link) -> None:
+    with contextlib.suppress(LinkClosed, TimeoutError):
+        await asyncio.wait_for(link.drain(), 2.0)

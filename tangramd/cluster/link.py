@@ -1,0 +1,133 @@
+"""The node ↔ coordinator link: the client protocol's frames (4-byte length + msgpack map)
+over a TLS (or, with ``--insecure``, loopback-only plain) asyncio stream.
+
+Every message is a map with a ``"t"`` (type) key. In the order of a link's life:
+
+- coordinator ``ca`` {pem}: the CA the node checks against its pin before anything else;
+- node ``hello`` {name, token and/or credential, cores_by_numa, mem_bytes, backend,
+  envs, running, outbox}: who it is, what it offers, what it holds and still owes;
+- coordinator ``refused`` {reason, retry} (then closes), or ``welcome`` {name,
+  credential (after a token join), heartbeat_s, heartbeat_timeout_s, keep: the
+  environments the node still owns; it removes the rest};
+- both ``hb``: heartbeats (the coordinator answers each one);
+- coordinator ``create_env`` / ``remove_env`` / ``run_exec``: what the core decided;
+- node ``env_created`` / ``env_removed`` / ``exec_done`` {key, ...}: outcomes, kept by
+  the node until the coordinator's ``ack`` {key};
+- node ``req`` {id, conn, op, args} / ``conn_closed`` {conn}: clients of its socket;
+  coordinator ``resp`` {id, ok, result | error: {code, message}};
+- node ``bye``: it is stopping (lost at once rather than after the timeout).
+
+Framing and decoding are :mod:`tangram.protocol.codec` (sans-IO, size-checked before
+buffering, no object hooks): a malformed frame ends the link, never the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from tangram.protocol.codec import DEFAULT_MAX_FRAME, FrameDecoder, encode
+
+READ_CHUNK = 1 << 16
+
+
+class LinkClosed(Exception):
+    """The peer closed the link, or it broke."""
+
+
+class Link:
+    """One framed, bidirectional stream (either end)."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.max_frame = max_frame
+        self._decoder = FrameDecoder(max_frame)
+        self.closed = False
+        peer = writer.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+
+    def send(self, msg: Mapping[str, Any]) -> bool:
+        """Queue one message; False when the link is already closed (nothing sent)."""
+        if self.closed or self.writer.is_closing():
+            return False
+        self.writer.write(encode(msg, max_frame=self.max_frame))
+        return True
+
+    async def drain(self) -> None:
+        try:
+            await self.writer.drain()
+        except (ConnectionError, OSError) as exc:
+            raise LinkClosed(str(exc)) from None
+
+    async def recv(self) -> dict[str, Any]:
+        """The next message; raise LinkClosed at end of stream, FrameError on garbage."""
+        while True:
+            msg = self._decoder.next_message()
+            if msg is not None:
+                return msg
+            try:
+                data = await self.reader.read(READ_CHUNK)
+            except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
+                raise LinkClosed(str(exc) or type(exc).__name__) from None
+            if not data:
+                raise LinkClosed("closed by peer")
+            self._decoder.feed(data)
+
+    def peer_cert_der(self) -> bytes | None:
+        """The DER certificate the peer presented in the TLS handshake (None: plain TCP)."""
+        ssl_obj = self.writer.get_extra_info("ssl_object")
+        return None if ssl_obj is None else ssl_obj.getpeercert(binary_form=True)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.writer.close()
+
+    def abort(self) -> None:
+        """Close at once, without a TLS goodbye (the peer may be unreachable)."""
+        self.closed = True
+        self.writer.transport.abort()
+
+    async def wait_closed(self) -> None:
+        self.close()
+        with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
+            await self.writer.wait_closed()
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """``("10.0.0.1", 7000)`` from ``10.0.0.1:7000`` or ``[::1]:7000``; raise ValueError."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    number = int(port)
+    if not 0 <= number <= 65535:
+        raise ValueError(f"port out of range in {text!r}")
+    return host, number
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (where ``--insecure`` is allowed)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(
+                ipaddress.ip_address(info[4][0]).is_loopback
+                for info in socket.getaddrinfo(host, None)
+            )
+        except (OSError, ValueError):
+            return False

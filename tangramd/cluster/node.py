@@ -1,0 +1,425 @@
+"""``tangramd node``: one host's executor and client socket in a cluster.
+
+The node has no core: the coordinator decides. It
+
+- joins over TLS after checking the coordinator's CA against the pinned hash (see
+  :mod:`tangramd.cluster.pki`), with the join token the first time and with the
+  credential the coordinator then issued (kept in ``<state_dir>/node.json``) afterwards;
+- reports its capacity (cores by NUMA node, memory) and heartbeats;
+- carries out ``create_env`` / ``remove_env`` / ``run_exec`` on its local backend and
+  reports each outcome until the coordinator acknowledges it (an outcome that finishes
+  while the link is down is sent when it is back);
+- serves the client protocol on its Unix socket by forwarding every request to the
+  coordinator, so ``Client``, ``AsyncClient`` and ``tangramctl`` work unchanged;
+- reconnects with backoff when the link drops, and when the coordinator has been silent
+  for the heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import itertools
+import json
+import os
+import random
+import ssl
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from tangram.protocol.codec import FrameError
+from tangram.protocol.errors import InfraError, error_from_wire
+from tangram.protocol.results import ExecResult, ExecSpec
+from tangram.version import __version__
+from tangramd.backends.base import Backend, ExecRequest
+from tangramd.cluster.link import Link, LinkClosed
+from tangramd.cluster.pki import CertInvalid, PinMismatch, client_context, verify_server
+from tangramd.transport import ConnInfo, UnixServer
+
+log = structlog.get_logger("tangramd")
+
+CONNECT_TIMEOUT_S = 10.0
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 5.0
+
+
+class JoinFailed(Exception):
+    """The node cannot join and retrying will not help (wrong pin, wrong token)."""
+
+
+class NodeAgent:
+    """The node daemon (see the module doc)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        coordinator: tuple[str, int],
+        token: str | None,
+        ca_sha256: str | None,
+        insecure: bool,
+        backend: Backend,
+        socket_path: str,
+        state_dir: str,
+        cores_by_numa: tuple[tuple[int, ...], ...],
+        mem_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+        **server_options: Any,
+    ) -> None:
+        """``server_options`` go to the local ``UnixServer`` (limits, peer allowlist)."""
+        self.name = name
+        self.coordinator = coordinator
+        self.token = token
+        self.pin = ca_sha256
+        self.insecure = insecure
+        self.backend = backend
+        self.socket_path = socket_path
+        self.state_path = Path(state_dir) / "node.json"
+        self.cores_by_numa = cores_by_numa
+        self.mem_bytes = mem_bytes
+        self.max_frame = int(server_options.get("max_frame", 16 << 20))
+        self.clock = clock
+        self.server = UnixServer(socket_path, self._forward, **server_options)
+        self.link: Link | None = None
+        self.failed: str | None = None  # why the node gave up joining
+        self.gave_up = asyncio.Event()
+        self.heartbeat_s = 1.0
+        self.heartbeat_timeout_s = 10.0
+        self._last_rx = 0.0
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._watched: set[int] = set()
+        self._outbox: dict[str, dict[str, Any]] = {}  # outcomes not yet acknowledged
+        self._envs: set[str] = set()
+        self._running: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    @property
+    def addr(self) -> str:
+        return f"{self.coordinator[0]}:{self.coordinator[1]}"
+
+    # ------------------------------------------------------------------ life cycle
+    async def start(self) -> None:
+        for what in await self.backend.reconcile():
+            log.info("reconciled", detail=what)
+        await self.server.start()
+        self._loop_task = asyncio.get_running_loop().create_task(self._run_link())
+        log.info(
+            "node_started",
+            node=self.name,
+            socket=self.socket_path,
+            coordinator=self.addr,
+            cores=sum(len(n) for n in self.cores_by_numa),
+            backend=self.backend.name,
+        )
+
+    async def stop(self) -> None:
+        """End running execs, remove environments, say goodbye, stop serving."""
+        await self.backend.shutdown()
+        deadline = self.clock() + 5.0
+        while self._running and self.clock() < deadline:
+            await asyncio.sleep(0.01)
+        for env_id in list(self._envs):
+            await self._close_env_quietly(env_id)
+        link = self.link
+        if link is not None:
+            link.send({"t": "bye"})
+            with contextlib.suppress(LinkClosed, TimeoutError):
+                await asyncio.wait_for(link.drain(), 1.0)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._link_down()
+        await self.server.close(grace_s=0.5)
+        log.info("node_stopped", node=self.name)
+
+    # ------------------------------------------------------------------ the link
+    async def _run_link(self) -> None:
+        backoff = BACKOFF_MIN_S
+        while True:
+            try:
+                link = await self._connect()
+                try:
+                    await self._join(link)
+                    backoff = BACKOFF_MIN_S
+                    await self._serve(link)
+                finally:
+                    self._link_down()
+                    link.abort()
+            except JoinFailed as exc:
+                self.failed = str(exc)
+                log.error("join_failed", node=self.name, coordinator=self.addr, reason=str(exc))
+                self.gave_up.set()
+                return
+            except (OSError, LinkClosed, FrameError, TimeoutError, ssl.SSLError) as exc:
+                log.warning(
+                    "coordinator_unreachable",
+                    node=self.name,
+                    coordinator=self.addr,
+                    error=str(exc) or type(exc).__name__,
+                    retry_s=round(backoff, 2),
+                )
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _connect(self) -> Link:
+        host, port = self.coordinator
+        tls = None if self.insecure else client_context()
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, ssl=tls, limit=1 << 20), self._patience()
+        )
+        return Link(reader, writer, max_frame=self.max_frame)
+
+    async def _join(self, link: Link) -> None:
+        first = await asyncio.wait_for(link.recv(), self._patience())
+        if first.get("t") != "ca" or not isinstance(first.get("pem"), str):
+            raise LinkClosed("the coordinator did not present its CA")
+        if not self.insecure:
+            der = link.peer_cert_der()
+            if der is None or self.pin is None:
+                raise JoinFailed("no TLS certificate to check against --ca-sha256")
+            try:
+                verify_server(
+                    first["pem"].encode(), der, self.pin, datetime.datetime.now(datetime.UTC)
+                )
+            except (PinMismatch, CertInvalid, ValueError) as exc:  # ValueError: unparsable
+                # no secret goes out, only why: so the coordinator's log says it too
+                link.send({"t": "reject", "reason": str(exc)})
+                with contextlib.suppress(LinkClosed, TimeoutError):
+                    await asyncio.wait_for(link.drain(), 1.0)
+                raise JoinFailed(str(exc)) from None
+        # Only now, with the coordinator verified, do secrets go on the wire.
+        hello: dict[str, Any] = {
+            "t": "hello",
+            "name": self.name,
+            "version": __version__,
+            "cores_by_numa": [list(n) for n in self.cores_by_numa],
+            "mem_bytes": self.mem_bytes,
+            "backend": self.backend.name,
+            "envs": sorted(self._envs),
+            "running": sorted(self._running),
+            "outbox": list(self._outbox),
+        }
+        credential = self._stored_credential()
+        if credential is not None:
+            hello["credential"] = credential
+        if self.token:
+            hello["token"] = self.token
+        link.send(hello)
+        answer = await asyncio.wait_for(link.recv(), self._patience())
+        if answer.get("t") == "refused":
+            reason = str(answer.get("reason", "no reason given"))
+            if answer.get("retry"):
+                raise LinkClosed(f"refused for now: {reason}")
+            raise JoinFailed(f"coordinator {self.addr} refused the join: {reason}")
+        if answer.get("t") != "welcome":
+            raise LinkClosed(f"expected welcome, got {str(answer.get('t'))[:40]!r}")
+        if isinstance(answer.get("credential"), str):
+            self._store_credential(answer["credential"])
+        self.heartbeat_s = _positive(answer.get("heartbeat_s"), 1.0)
+        self.heartbeat_timeout_s = _positive(answer.get("heartbeat_timeout_s"), 10.0)
+        keep = {k for k in answer.get("keep", []) if isinstance(k, str)}
+        for env_id in sorted(self._envs - keep):
+            log.info("env_not_owned_removed", node=self.name, env=env_id)
+            self._spawn(self._remove_env(env_id))
+        log.info("node_joined", node=self.name, coordinator=self.addr, keep=len(keep))
+
+    async def _serve(self, link: Link) -> None:
+        self.link = link
+        self._last_rx = self.clock()
+        for msg in list(self._outbox.values()):
+            link.send(msg)
+        beat = asyncio.get_running_loop().create_task(self._heartbeat(link))
+        try:
+            while True:
+                msg = await link.recv()
+                self._last_rx = self.clock()
+                self._on_message(msg)
+        finally:
+            beat.cancel()
+
+    async def _heartbeat(self, link: Link) -> None:
+        while not link.closed:
+            silent = self.clock() - self._last_rx
+            if silent > self.heartbeat_timeout_s:
+                log.warning("coordinator_silent", node=self.name, silent_s=round(silent, 2))
+                link.abort()
+                return
+            link.send({"t": "hb"})
+            await asyncio.sleep(self.heartbeat_s)
+
+    def _patience(self) -> float:
+        """How long a dial or join step may take: a silent coordinator is retried as soon
+        as it would count as lost."""
+        return min(CONNECT_TIMEOUT_S, self.heartbeat_timeout_s)
+
+    def _link_down(self) -> None:
+        if self.link is not None:
+            log.warning("coordinator_link_down", node=self.name, coordinator=self.addr)
+        self.link = None
+        self._watched.clear()
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(
+                    InfraError(f"node {self.name}: link to the coordinator {self.addr} dropped")
+                )
+
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        kind = msg.get("t")
+        try:
+            if kind == "hb":
+                return
+            if kind == "resp":
+                self._answer(msg)
+            elif kind == "ack":
+                self._outbox.pop(str(msg["key"]), None)
+            elif kind == "run_exec":
+                self._running.add(str(msg["action_id"]))
+                self._spawn(self._run_exec(msg))
+            elif kind == "create_env":
+                self._spawn(self._create_env(msg))
+            elif kind == "remove_env":
+                self._spawn(self._remove_env(str(msg["env_id"])))
+            else:
+                log.warning("coordinator_message_unknown", kind=str(kind)[:40])
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("coordinator_message_bad", kind=str(kind)[:40], error=str(exc))
+
+    def _report(self, key: str, msg: dict[str, Any]) -> None:
+        """Send an outcome now if the link is up; keep it until acknowledged."""
+        msg = {**msg, "key": key}
+        self._outbox[key] = msg
+        if self.link is not None:
+            self.link.send(msg)
+
+    # ------------------------------------------------------------------ work
+    async def _create_env(self, msg: dict[str, Any]) -> None:
+        env_id = str(msg["env_id"])
+        error = None
+        try:
+            mem = msg.get("mem")
+            image = msg.get("image")
+            await self.backend.create_env(
+                env_id,
+                image if isinstance(image, str) else None,
+                mem if isinstance(mem, int) else None,
+            )
+            self._envs.add(env_id)
+            log.info("env_created", node=self.name, env=env_id)
+        except Exception as exc:  # backend failure of any kind is an infra error
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("env_create_failed", node=self.name, env=env_id, error=error)
+        self._report(f"c:{env_id}", {"t": "env_created", "env_id": env_id, "error": error})
+
+    async def _remove_env(self, env_id: str) -> None:
+        await self._close_env_quietly(env_id)
+        self._report(f"r:{env_id}", {"t": "env_removed", "env_id": env_id})
+
+    async def _close_env_quietly(self, env_id: str) -> None:
+        self._envs.discard(env_id)
+        try:
+            await self.backend.close_env(env_id)
+        except Exception as exc:
+            log.warning("env_remove_failed", node=self.name, env=env_id, error=str(exc))
+
+    async def _run_exec(self, msg: dict[str, Any]) -> None:
+        action_id = str(msg["action_id"])
+        env_id = str(msg.get("env_id"))
+        try:
+            req = ExecRequest.for_action(
+                ExecSpec.from_wire(msg["spec"]),
+                env_id=env_id,
+                cores=tuple(int(c) for c in msg["cores"]),
+                max_output=int(msg["max_output"]),
+                action_id=action_id,
+            )
+            res = await self.backend.exec(req)
+        except Exception as exc:
+            res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
+        finally:
+            self._running.discard(action_id)
+        lost = res.outcome == "infra_error" and not self.backend.env_exists(env_id)
+        log.info(
+            "action_finished",
+            node=self.name,
+            action_id=action_id,
+            env=env_id,
+            outcome=res.outcome,
+            exec_s=round(res.exec_s, 6),
+        )
+        self._report(
+            f"x:{action_id}",
+            {"t": "exec_done", "action_id": action_id, "result": res.to_wire(), "env_lost": lost},
+        )
+
+    # ------------------------------------------------------------------ client requests
+    async def _forward(self, op: str, args: dict[str, Any], conn: ConnInfo) -> Any:
+        """Every client op goes to the coordinator; its answer (or error) comes back."""
+        link = self.link
+        if link is None:
+            raise InfraError(f"node {self.name}: not connected to the coordinator {self.addr}")
+        if conn.id not in self._watched:
+            self._watched.add(conn.id)
+            conn.on_close(self._conn_closed)
+        request_id = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = fut
+        link.send({"t": "req", "id": request_id, "conn": conn.id, "op": op, "args": args})
+        try:
+            return await fut
+        finally:
+            self._pending.pop(request_id, None)
+
+    def _answer(self, msg: dict[str, Any]) -> None:
+        fut = self._pending.pop(int(msg["id"]), None)
+        if fut is None or fut.done():
+            return
+        if msg.get("ok"):
+            fut.set_result(msg.get("result"))
+        else:
+            error = msg.get("error") or {}
+            fut.set_exception(
+                error_from_wire(str(error.get("code", "internal")), str(error.get("message")))
+            )
+
+    def _conn_closed(self, conn: ConnInfo) -> None:
+        self._watched.discard(conn.id)
+        if self.link is not None:
+            self.link.send({"t": "conn_closed", "conn": conn.id})
+
+    # ------------------------------------------------------------------ state dir
+    def _stored_credential(self) -> str | None:
+        try:
+            data = json.loads(self.state_path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("coordinator_ca") != self.pin:
+            return None  # a credential for another coordinator
+        if data.get("name") != self.name or not isinstance(data.get("credential"), str):
+            return None
+        return str(data["credential"])
+
+    def _store_credential(self, credential: str) -> None:
+        data = {"name": self.name, "credential": credential, "coordinator_ca": self.pin}
+        tmp = self.state_path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, self.state_path)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _positive(value: Any, default: float) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return default

@@ -1,0 +1,388 @@
+"""Cluster mode with real daemons: a coordinator and nodes as subprocesses on loopback.
+
+Two nodes share this small host's cores (``--cpus 0`` and ``--cpus 1``); heartbeats are
+fast so failures show within seconds. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tangram import Client, EnvLost
+from tangram.protocol import OPS, InfraError, UnknownOp
+from tangramd.cluster.testing import (
+    Daemon,
+    node_row,
+    spawn_coordinator,
+    spawn_node,
+    wait_for,
+    wait_node_state,
+)
+
+HEARTBEAT_TIMEOUT_S = 2.0
+CONFIG = f"""
+[cluster]
+heartbeat_s = 0.25
+heartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S}
+
+[[api]]
+name = "search"
+concurrency = 2
+"""
+ENV = {"TANGRAM_VALIDATE": "1"}
+CORES = sorted(os.sched_getaffinity(0))
+CPUS_A, CPUS_B = str(CORES[0]), str(CORES[-1])  # the same core on a one-core host
+
+
+def _check_clean(daemon: Daemon) -> None:
+    text = daemon.log()
+    assert "Traceback" not in text, text
+    assert "invariant_violated" not in text, text
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[dict[str, Daemon]]:
+    """A coordinator and two joined nodes, ``a`` and ``b``; logs must stay clean."""
+    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
+    daemons = {"coordinator": coord}
+    try:
+        daemons["a"] = spawn_node(tmp_path, coord, "a", cpus=CPUS_A, env=ENV)
+        daemons["b"] = spawn_node(tmp_path, coord, "b", cpus=CPUS_B, env=ENV)
+        yield daemons
+    finally:
+        for daemon in reversed(list(daemons.values())):
+            if daemon.proc.poll() is None:
+                daemon.stop()
+    for daemon in daemons.values():
+        _check_clean(daemon)
+
+
+def _env_on(c: Client, node: str, tries: int = 8) -> str:
+    """Open environments until one lands on ``node`` (placement balances memory)."""
+    for _ in range(tries):
+        env = c.request("env.open", {})
+        if env["node"] == node:
+            return str(env["id"])
+    raise AssertionError(f"no environment landed on {node} in {tries} tries")
+
+
+def test_exec_through_a_node_runs_where_its_environment_is(cluster: dict[str, Daemon]) -> None:
+    """An exec sent to node a's socket runs on the node holding its env, within its cores."""
+    cpus = {"a": {int(CPUS_A)}, "b": {int(CPUS_B)}}
+    with cluster["a"].client() as c:
+        for node in ("a", "b"):
+            env = _env_on(c, node)
+            result = c.exec(
+                ["sh", "-c", "grep Cpus_allowed_list /proc/self/status; echo $TANGRAM_CORES"],
+                env=env,
+            )
+            assert result.outcome == "ok", result
+            assert result.node == node
+            assert set(result.cores) <= cpus[node]
+            assert result.stdout.split()[-1] == ",".join(str(x) for x in result.cores)
+        throwaway = c.exec(["true"])
+        assert throwaway.outcome == "ok" and throwaway.node in ("a", "b")
+        rows = {row["name"]: row for row in c.nodes()}
+    assert set(rows) == {"a", "b"}
+    for name, row in rows.items():
+        assert row["state"] == "ready"
+        assert row["cores"] == 1 and row["free_cores"] == 1 and row["running"] == 0
+        assert row["envs"] == 1 and row["mem_gb"] > 0
+        assert 0 <= row["heartbeat_age_s"] < HEARTBEAT_TIMEOUT_S, name
+
+
+def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, Daemon]) -> None:
+    """Each op of the table, forwarded by a node, answers exactly its documented fields;
+    cluster.join answers on the coordinator and is refused through a node (it is secret)."""
+    with cluster["b"].client() as c:
+        env = c.env_open()
+        result = c.request("exec", {"cmd": "true", "env": env})
+        lease = c.request("lease.acquire", {"api": "search"})
+        profile = {
+            "name": "p",
+            "dop": {"1": 2.0},
+            "t1_s": 2.0,
+            "eff": {"1": 1.0},
+            "speedup": {"1": 1.0},
+            "elastic": False,
+        }
+        answers: dict[str, Any] = {
+            "exec": result,
+            "lease.acquire": lease,
+            "profile.save": c.request("profile.save", profile),
+        }
+        args = {
+            "story": {"action_id": result["action_id"]},
+            "env.close": {"id": env},
+            "lease.release": {"lease_id": lease["lease_id"]},
+            "profile.get": {"name": "p"},
+            "node.drain": {"name": "a"},
+            "node.undrain": {"name": "a"},
+        }
+        for op in [o for o in OPS if o not in answers and o != "cluster.join"]:
+            answers[op] = c.request(op, args.get(op, {}))
+        with pytest.raises(UnknownOp, match="coordinator's own socket"):
+            c.cluster_join()
+    with cluster["coordinator"].client() as c:
+        answers["cluster.join"] = c.request("cluster.join", {})
+    assert set(answers) == set(OPS)
+    for op, answer in answers.items():
+        assert sorted(answer) == sorted(OPS[op].result_fields), op
+    assert answers["exec"]["node"] in ("a", "b")
+
+
+def test_wrong_token_is_refused_on_both_sides(tmp_path: Path) -> None:
+    """A node with a wrong token exits 1 saying so; the coordinator logs the refusal."""
+    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
+    try:
+        node = spawn_node(tmp_path, coord, "x", token="not-the-token", wait_ready=False)
+        assert node.proc.wait(30) == 1
+        assert "wrong join token" in node.log()
+        assert "refused the join" in node.log()
+        wait_for(lambda: "node_refused" in coord.log(), 10, "coordinator logs the refusal")
+        assert node_row(coord, "x") is None
+    finally:
+        coord.stop()
+    _check_clean(coord)
+
+
+def test_wrong_ca_hash_is_refused_before_the_token_is_sent(tmp_path: Path) -> None:
+    """A node pinned to another CA names the expected and actual hash and never sends its
+    token; the coordinator logs that the node rejected it."""
+    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
+    wrong = "sha256:" + "0" * 64
+    try:
+        node = spawn_node(tmp_path, coord, "x", ca_sha256=wrong, wait_ready=False)
+        assert node.proc.wait(30) == 1
+        log = node.log()
+        assert f"expected {wrong}" in log and f"got {coord.join['ca_sha256']}" in log
+        wait_for(lambda: "node_rejected_coordinator" in coord.log(), 10, "coordinator log")
+        assert "node_refused" not in coord.log()  # no hello (and so no token) ever arrived
+    finally:
+        coord.stop()
+    _check_clean(coord)
+
+
+def test_killed_node_ends_its_actions_and_loses_its_envs(cluster: dict[str, Daemon]) -> None:
+    """SIGKILL of node b: its running action ends infra_error naming b within the timeout,
+    its env answers env_lost, b shows lost, and node a keeps working."""
+    with cluster["a"].client() as c:
+        env_b = _env_on(c, "b")
+        env_a = _env_on(c, "a")
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        with Client(cluster["a"].socket) as c:
+            outcome["result"] = c.exec(["sleep", "60"], env=env_b)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    wait_for(lambda: node_row(cluster["coordinator"], "b")["running"] == 1, 10, "sleep runs")
+    killed_at = time.monotonic()
+    cluster["b"].kill()
+    worker.join(HEARTBEAT_TIMEOUT_S + 10)
+    assert not worker.is_alive(), "the action on the killed node hangs"
+    ended_after = time.monotonic() - killed_at
+    result = outcome["result"]
+    assert result.outcome == "infra_error" and result.node == "b"
+    assert "node b lost" in result.detail
+    assert ended_after < HEARTBEAT_TIMEOUT_S + 5
+    with cluster["a"].client() as c:
+        with pytest.raises(EnvLost, match="node b"):
+            c.exec(["true"], env=env_b)
+        assert c.exec(["true"], env=env_a).node == "a"
+        assert c.exec(["true"]).node == "a"  # new work goes where there is capacity
+        rows = {row["name"]: row for row in c.nodes()}
+        c.env_close(env_b)  # a lost environment can still be closed
+    assert rows["b"]["state"] == "lost" and rows["a"]["state"] == "ready"
+    assert "node_lost" in cluster["coordinator"].log()
+
+
+def test_drained_node_gets_no_new_trajectories(cluster: dict[str, Daemon]) -> None:
+    """After `tangramctl node drain a` new environments land on b only; a's existing
+    environment keeps working; undrain makes a eligible again."""
+    with cluster["a"].client() as c:
+        env_a = _env_on(c, "a")
+    ctl = [sys.executable, "-m", "tangramctl.main", "--socket", cluster["b"].socket]
+    subprocess.run([*ctl, "node", "drain", "a"], check=True, timeout=30)
+    with cluster["a"].client() as c:
+        assert node_row(cluster["coordinator"], "a")["state"] == "draining"
+        placed = {c.request("env.open", {})["node"] for _ in range(4)}
+        assert placed == {"b"}
+        assert c.exec(["true"], env=env_a).node == "a"
+        assert c.exec(["true"]).node == "b"
+    subprocess.run([*ctl, "node", "undrain", "a"], check=True, timeout=30)
+    out = subprocess.run([*ctl, "nodes", "--json"], check=True, timeout=30, capture_output=True)
+    states = {row["name"]: row["state"] for row in json.loads(out.stdout)["nodes"]}
+    assert states == {"a": "ready", "b": "ready"}
+    with cluster["a"].client() as c:
+        assert _env_on(c, "a")  # a takes new trajectories again (it is now the lighter)
+
+
+def test_rotated_token_keeps_joined_nodes(tmp_path: Path) -> None:
+    """`cluster join --rotate` stops the old token; a joined node restarted with it still
+    rejoins with its credential; a new node needs the new token."""
+    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
+    daemons = [coord]
+    try:
+        a = spawn_node(tmp_path, coord, "a", cpus=CPUS_A, env=ENV)
+        daemons.append(a)
+        old = coord.join["token"]
+        ctl = [sys.executable, "-m", "tangramctl.main", "--socket", coord.socket]
+        out = subprocess.run(
+            [*ctl, "cluster", "join", "--rotate", "--json"],
+            check=True,
+            timeout=30,
+            capture_output=True,
+        )
+        rotated = json.loads(out.stdout)
+        assert rotated["token"] != old and rotated["ca_sha256"] == coord.join["ca_sha256"]
+        line = subprocess.run(
+            [*ctl, "cluster", "join"], check=True, timeout=30, capture_output=True, text=True
+        ).stdout
+        assert f"--token {rotated['token']}" in line and "tangramd node --coordinator" in line
+        assert a.stop() == 0
+        wait_node_state(coord, "a", "lost", 10)
+        a = spawn_node(tmp_path, coord, "a", cpus=CPUS_A, token=old, env=ENV)
+        daemons.append(a)
+        with a.client() as c:
+            assert c.exec(["true"]).node == "a"
+        stale = spawn_node(tmp_path, coord, "c", token=old, wait_ready=False)
+        assert stale.proc.wait(30) == 1 and "wrong join token" in stale.log()
+        coord.join = rotated
+        daemons.append(spawn_node(tmp_path, coord, "c", cpus=CPUS_B, env=ENV))
+    finally:
+        for daemon in reversed(daemons):
+            if daemon.proc.poll() is None:
+                daemon.stop()
+    _check_clean(coord)
+
+
+def test_gateway_node_forwards_without_offering_cores(tmp_path: Path) -> None:
+    """A node started with --cpus '' offers no cores: its clients' work runs elsewhere."""
+    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
+    daemons = [coord]
+    try:
+        daemons.append(spawn_node(tmp_path, coord, "worker", cpus=CPUS_A, env=ENV))
+        gateway = spawn_node(tmp_path, coord, "gw", cpus="", env=ENV)
+        daemons.append(gateway)
+        with gateway.client() as c:
+            assert c.exec(["true"]).node == "worker"
+            rows = {row["name"]: row for row in c.nodes()}
+        assert rows["gw"]["cores"] == 0 and rows["gw"]["state"] == "ready"
+    finally:
+        for daemon in reversed(daemons):
+            if daemon.proc.poll() is None:
+                daemon.stop()
+
+
+def test_node_without_coordinator_answers_infra_error(tmp_path: Path) -> None:
+    """A client of a node whose coordinator is gone gets a typed infra_error, not a hang."""
+    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
+    node = spawn_node(tmp_path, coord, "a", cpus=CPUS_A, env=ENV)
+    try:
+        coord.kill()
+        with node.client() as c:
+            wait_for(lambda: _raises_infra(c), HEARTBEAT_TIMEOUT_S + 10, "infra_error")
+    finally:
+        node.stop()
+    _check_clean(node)
+
+
+def _raises_infra(c: Client) -> bool:
+    try:
+        c.status()
+    except InfraError as exc:
+        return "coordinator" in str(exc)
+    return False
+
+
+def test_garbage_on_the_node_port_never_crashes_the_coordinator(tmp_path: Path) -> None:
+    """Plain bytes, TLS garbage, a huge length prefix and malformed hellos are refused or
+    dropped; the coordinator keeps serving and logs no traceback."""
+    import socket
+    import ssl
+
+    from tangram.protocol.codec import encode
+    from tangramd.cluster.link import split_host_port
+
+    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
+    host, port = split_host_port(coord.join["coordinator"])
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+
+    def tls_send(payload: bytes) -> bytes:
+        with (
+            socket.create_connection((host, port), timeout=10) as raw,
+            ctx.wrap_socket(raw) as tls,
+        ):
+            tls.sendall(payload)
+            chunks = []
+            while chunk := tls.recv(65536):
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+    try:
+        with socket.create_connection((host, port), timeout=10) as raw:
+            raw.sendall(b"GET / HTTP/1.0\r\n\r\n" * 10)
+            raw.settimeout(10)
+            assert raw.recv(65536) is not None  # the TLS server answers or closes
+        assert b"refused" in tls_send(encode({"t": "hello", "name": 7}))
+        assert b"refused" in tls_send(encode({"t": "hello", "name": "x", "cores_by_numa": "0"}))
+        assert b"refused" in tls_send(encode({"t": "bogus"}))
+        tls_send(b"\xff\xff\xff\xff" + b"x" * 100)  # a 4 GiB frame is never buffered
+        tls_send(b"\x00\x00\x00\x02\xc1\xc1")  # not msgpack
+        with coord.client() as c:
+            assert c.ping()["pong"] is True
+            assert c.nodes() == []
+    finally:
+        coord.stop()
+    _check_clean(coord)
+
+
+def test_insecure_is_refused_off_loopback(tmp_path: Path) -> None:
+    """--insecure (plain TCP) exits 2 with a clear message unless the address is loopback."""
+    base = [sys.executable, "-m", "tangramd.main"]
+    sock, state = str(tmp_path / "s.sock"), str(tmp_path / "state")
+    coord_args = ["--listen", "0.0.0.0:0", "--socket", sock, "--state-dir", state, "--insecure"]
+    coord = subprocess.run(
+        [*base, "coordinator", *coord_args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert coord.returncode == 2 and "refused off loopback" in coord.stderr
+    node_args = ["--coordinator", "192.0.2.1:7000", "--token", "t", "--socket", sock]
+    node = subprocess.run(
+        [*base, "node", *node_args, "--state-dir", state, "--insecure"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert node.returncode == 2 and "refused off loopback" in node.stderr
+
+
+def test_insecure_mode_works_on_loopback(tmp_path: Path) -> None:
+    """With --insecure on both ends (loopback only) a node joins over plain TCP and runs."""
+    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV, extra=["--insecure"])
+    assert coord.join["ca_sha256"] == ""
+    node = None
+    try:
+        node = spawn_node(tmp_path, coord, "plain", cpus=CPUS_A, env=ENV, extra=["--insecure"])
+        with node.client() as c:
+            assert c.exec(["true"]).node == "plain"
+    finally:
+        if node is not None:
+            node.stop()
+        coord.stop()
+    _check_clean(coord)

@@ -1,0 +1,125 @@
+"""Coordinator failure: SIGKILL and restart on the same state dir and port.
+
+The registry (join token, node credentials and capacities, persistent environments and
+their nodes) is in SQLite, profiles in profiles.json: the restarted coordinator takes its
+nodes back as they reconnect, and environments on them keep working.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sqlite3
+import stat
+from pathlib import Path
+
+import pytest
+
+from tangram import EnvLost, InfraError
+from tangramd.cluster.testing import (
+    Daemon,
+    node_row,
+    spawn_coordinator,
+    spawn_node,
+    wait_for,
+    wait_node_state,
+)
+
+CONFIG = """
+[cluster]
+heartbeat_s = 0.25
+heartbeat_timeout_s = 3
+"""
+ENV = {"TANGRAM_VALIDATE": "1"}
+CORES = sorted(os.sched_getaffinity(0))
+PROFILE = {
+    "name": "unit",
+    "dop": {"1": 2.0},
+    "t1_s": 2.0,
+    "eff": {"1": 1.0},
+    "speedup": {"1": 1.0},
+    "elastic": False,
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_coordinator_restart_keeps_nodes_envs_profiles_and_token(tmp_path: Path) -> None:
+    """After SIGKILL, requests through a node fail infra_error at once; after a restart
+    both nodes are ready again, their environments run, the profile and token are kept."""
+    listen = f"127.0.0.1:{_free_port()}"
+    coord = spawn_coordinator(tmp_path, CONFIG, listen=listen, env=ENV)
+    daemons: list[Daemon] = [coord]
+    try:
+        a = spawn_node(tmp_path, coord, "a", cpus=str(CORES[0]), env=ENV)
+        b = spawn_node(tmp_path, coord, "b", cpus=str(CORES[-1]), env=ENV)
+        daemons += [a, b]
+        with a.client() as c:
+            envs = {}
+            while len(envs) < 2:
+                opened = c.request("env.open", {})
+                envs.setdefault(opened["node"], opened["id"])
+            c.request("profile.save", PROFILE)
+        db = Path(coord.state_dir) / "coordinator.db"
+        assert stat.S_IMODE(db.stat().st_mode) == 0o600
+        with sqlite3.connect(db) as conn:
+            stored = dict(conn.execute("SELECT id, node FROM envs").fetchall())
+        assert {stored[envs["a"]], stored[envs["b"]]} == {"a", "b"}
+        join = coord.join
+
+        coord.kill()
+        with a.client() as c, pytest.raises(InfraError, match="coordinator"):
+            c.exec(["true"])  # answered at once, not held until the coordinator is back
+        coord = spawn_coordinator(tmp_path, CONFIG, listen=listen, env=ENV)
+        daemons.append(coord)
+        assert coord.join == join  # same token, same CA (nodes keep their pin)
+        for name, node in (("a", a), ("b", b)):
+            wait_node_state(coord, name, "ready", 30, node=node)
+        with b.client() as c:
+            for node, env in envs.items():
+                result = c.exec(["true"], env=env)
+                assert result.outcome == "ok" and result.node == node
+            assert c.profile_get("unit")["t1_s"] == 2.0
+            fresh = c.env_open()
+            assert fresh not in envs.values()  # ids continue after the restored ones
+        for node in (a, b):
+            assert "env_not_owned_removed" not in node.log()
+    finally:
+        for daemon in reversed(daemons):
+            if daemon.proc.poll() is None:
+                daemon.stop()
+    for daemon in daemons:
+        assert "Traceback" not in daemon.log(), daemon.log()
+        assert "invariant_violated" not in daemon.log(), daemon.log()
+
+
+def test_node_that_never_returns_after_a_restart_is_lost(tmp_path: Path) -> None:
+    """A node known before the restart that does not come back: its environment answers a
+    retryable infra_error during the timeout, env_lost after it."""
+    listen = f"127.0.0.1:{_free_port()}"
+    coord = spawn_coordinator(tmp_path, CONFIG, listen=listen, env=ENV)
+    daemons: list[Daemon] = [coord]
+    try:
+        a = spawn_node(tmp_path, coord, "a", cpus=str(CORES[0]), env=ENV)
+        daemons.append(a)
+        with a.client() as c:
+            env = c.env_open()
+        coord.kill()
+        a.kill()
+        coord = spawn_coordinator(tmp_path, CONFIG, listen=listen, env=ENV)
+        daemons.append(coord)
+        with coord.client() as c:
+            with pytest.raises(InfraError, match="has not reconnected"):
+                c.exec(["true"], env=env)
+            wait_for(lambda: "not back after a restart" in coord.log(), 15, "a lost")
+            with pytest.raises(EnvLost, match="node a"):
+                c.exec(["true"], env=env)
+        assert node_row(coord, "a")["state"] == "lost"
+    finally:
+        for daemon in reversed(daemons):
+            if daemon.proc.poll() is None:
+                daemon.stop()
