@@ -23,7 +23,7 @@ import click
 
 from tangram.client import Client, ExecResult, default_socket_path
 from tangram.model import TangramError
-from tangram.protocol import ConnectionFailed
+from tangram.protocol import ConnectionFailed, parse_size
 from tangramctl.render import humanize_sizes, kv, table, to_json
 
 EXIT_UNREACHABLE = 2
@@ -442,9 +442,12 @@ def env() -> None:
 @json_option
 @pass_ctl
 def env_open(ctl: Ctl, image: str | None, mem: str | None, as_json: bool) -> None:
-    """Open an environment and print its id."""
-    env_id = ctl.client.env_open(image=image, mem=mem)
-    click.echo(to_json({"id": env_id}) if as_json else env_id)
+    """Open an environment and print its id (``--json``: its id and node)."""
+    args = {"image": image, "mem": None if mem is None else parse_size(mem)}
+    opened = ctl.client.request("env.open", {k: v for k, v in args.items() if v is not None})
+    click.echo(
+        to_json({"id": opened["id"], "node": opened.get("node")}) if as_json else opened["id"]
+    )
 
 
 @env.command("close")

@@ -171,13 +171,13 @@ def test_list_commands_json(
 
 
 def test_env_open_prints_the_id(daemon: FakeDaemon) -> None:
-    """env open prints the bare id for scripts, and {"id": …} with --json."""
-    daemon.handlers["env.open"] = lambda args: {"id": "e42"}
+    """env open prints the bare id for scripts, and {"id": …, "node": …} with --json."""
+    daemon.handlers["env.open"] = lambda args: {"id": "e42", "node": "n1"}
     plain = run(daemon.path, "env", "open", "--mem", "512MiB")
     assert (plain.exit_code, plain.stdout) == (0, "e42\n")
     assert daemon.ops("env.open")[0] == {"mem": 512 << 20}
     as_json = run(daemon.path, "env", "open", "--image", "img:1", "--json")
-    assert json.loads(as_json.stdout) == {"id": "e42"}
+    assert json.loads(as_json.stdout) == {"id": "e42", "node": "n1"}
     assert daemon.ops("env.open")[1] == {"image": "img:1"}
 
 
