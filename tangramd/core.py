@@ -38,15 +38,17 @@ from tangram.model import (
 )
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster
-from tangram.protocol.errors import NotFound, QuotaExceeded, ShuttingDown
+from tangram.protocol.errors import BadRequest, InfraError, NotFound, QuotaExceeded, ShuttingDown
 from tangram.protocol.results import ExecResult
 from tangram.sched import SchedConfig, Snapshot, schedule
 from tangramd import events as ev
 from tangramd.entities import (
     ACTION_EDGES,
     LEASE_EDGES,
+    SESSION_EDGES,
     ActionRec,
     EnvRec,
+    SessionRec,
     Stories,
     note,
     transition,
@@ -66,6 +68,7 @@ class CoreConfig:
     default_deadline_s: float = 30.0
     max_output: int = 1 << 20
     default_image: str | None = None
+    max_transfer: int = 8 << 20  # bytes one env.get may return (env.put: the op table's cap)
 
 
 @dataclass
@@ -121,6 +124,7 @@ class Core:
         self.shutting_down = False
         self.passes = 0
         self.finished: deque[tuple[str, float, float]] = deque(maxlen=4096)  # kind, queue, exec
+        self.sessions: dict[str, SessionRec] = {}
 
     # ------------------------------------------------------------------ entry point
     def handle(self, event: ev.Event, now: float) -> list[ev.Command]:
@@ -186,7 +190,10 @@ class Core:
                     cpus = [dops[0], dops[-1]]
         if isinstance(cpus, tuple):
             cpus = list(cpus)
-        if spec.env is not None:
+        session = self._session_for(spec.session, spec.env) if spec.session else None
+        if session is not None:
+            env = self._ready_env(session.env)
+        elif spec.env is not None:
             env = self.envs.open_env(spec.env)
             if env is None:
                 raise NotFound(f"environment {spec.env!r} not found")
@@ -232,6 +239,8 @@ class Core:
             spec=spec,
         )
         self.actions[aid] = rec
+        if session is not None:
+            session.busy = aid  # one command at a time per shell
         note(
             rec, now, "submitted", f"cpus={cpus} env={env.id} cmd={_short(spec.cmd)}", self.stimulus
         )
@@ -269,6 +278,8 @@ class Core:
         if env is not None and rec.action.id in env.pending:
             env.pending.remove(rec.action.id)
         self.queue.pop(rec.action.id, None)
+        if rec.spec is not None and rec.spec.session is not None:
+            self._session_idle(rec.spec.session, rec.action.id)
         if rec.units:
             self.pools[rec.pool_id].release(rec.action.id)
             self._dirty = True
@@ -456,6 +467,7 @@ class Core:
         gone = self.envs.removed(e.env_id, now, out, self.stimulus)
         if gone is None:
             return
+        self._forget_sessions(gone.env.id, now, out)
         if not gone.env.throwaway and not self.shutting_down:
             self._persist_envs(out)
         if gone.env.close_token is not None:
@@ -468,6 +480,146 @@ class Core:
 
     def _persist_envs(self, out: list[ev.Command]) -> None:
         out.append(ev.PersistEnvs(envs=self.envs.records(), cause=self.stimulus))
+
+    # ------------------------------------------------------------------ environment I/O
+    def _ready_env(self, env_id: str) -> EnvRec:
+        env = self.envs.open_env(env_id)
+        if env is None:
+            raise NotFound(f"environment {env_id!r} not found")
+        if env.state != "ready":
+            raise InfraError(f"environment {env_id} is {env.state}, not ready")
+        return env
+
+    def _put_file(self, e: ev.PutFile, now: float, out: list[ev.Command]) -> None:
+        env = self._ready_env(e.env_id)
+        env.last_used = now
+        out.append(
+            ev.RunTransfer(
+                token=e.token,
+                env_id=env.id,
+                node=env.node,
+                direction="put",
+                path=e.path,
+                data=e.data,
+                tar=e.tar,
+                max_bytes=self.cfg.max_transfer,
+                cause=self.stimulus,
+            )
+        )
+
+    def _get_file(self, e: ev.GetFile, now: float, out: list[ev.Command]) -> None:
+        env = self._ready_env(e.env_id)
+        env.last_used = now
+        out.append(
+            ev.RunTransfer(
+                token=e.token,
+                env_id=env.id,
+                node=env.node,
+                direction="get",
+                path=e.path,
+                max_bytes=self.cfg.max_transfer,
+                cause=self.stimulus,
+            )
+        )
+
+    def _transfer_done(self, e: ev.TransferDone, now: float, out: list[ev.Command]) -> None:
+        env = self.envs.get(e.env_id)
+        if env is not None:
+            env.last_used = now
+        if e.token is not None:
+            out.append(self._reply(e.token, result=e.result, error=e.error))
+
+    # ------------------------------------------------------------------ shell sessions
+    def _session_for(self, session_id: str, env_id: str | None) -> SessionRec:
+        session = self.sessions.get(session_id)
+        if session is None or session.state != "open":
+            raise NotFound(f"session {session_id!r} not found (or not open)")
+        if env_id is not None and env_id != session.env:
+            raise BadRequest(f"session {session_id} belongs to environment {session.env}")
+        if session.busy is not None:
+            raise BadRequest(f"session {session_id} is busy with {session.busy}")
+        return session
+
+    def _session_idle(self, session_id: str, action_id: ActionId) -> None:
+        session = self.sessions.get(session_id)
+        if session is not None and session.busy == action_id:
+            session.busy = None
+
+    def _open_session(self, e: ev.OpenSession, now: float, out: list[ev.Command]) -> None:
+        if self.shutting_down:
+            raise ShuttingDown("daemon is shutting down")
+        env = self._ready_env(e.env_id)
+        env.last_used = now
+        sid = self._new_id("s")
+        session = SessionRec(id=sid, env=env.id, node=env.node, open_token=e.token)
+        session.history.append((now, "new", "opening", "session.open"))
+        self.sessions[sid] = session
+        out.append(ev.StartShell(session_id=sid, env_id=env.id, node=env.node, cause=self.stimulus))
+
+    def _session_opened(self, e: ev.SessionOpened, now: float, out: list[ev.Command]) -> None:
+        session = self.sessions.get(e.session_id)
+        if session is None:
+            return
+        token, session.open_token = session.open_token, None
+        if e.error is not None:
+            if session.state == "opening":
+                transition(session, "closed", SESSION_EDGES, now, e.error)
+            del self.sessions[session.id]
+            if token is not None:
+                out.append(self._reply(token, error=("infra_error", e.error)))
+            return
+        if session.state != "opening":  # closed while starting: end the shell (again)
+            out.append(ev.EndShell(session_id=session.id, node=session.node, cause=self.stimulus))
+            if token is not None:
+                out.append(self._reply(token, error=("not_found", "session closed meanwhile")))
+            return
+        transition(session, "open", SESSION_EDGES, now, "shell started")
+        if token is not None:
+            out.append(self._reply(token, result={"id": session.id, "env": session.env}))
+
+    def _interrupt_session(self, e: ev.InterruptSession, now: float, out: list[ev.Command]) -> None:
+        session = self.sessions.get(e.session_id)
+        if session is None or session.state != "open":
+            raise NotFound(f"session {e.session_id!r} not found (or not open)")
+        busy = session.busy is not None
+        if busy:
+            out.append(
+                ev.InterruptShell(session_id=session.id, node=session.node, cause=self.stimulus)
+            )
+        if e.token is not None:
+            out.append(self._reply(e.token, result={"interrupted": busy}))
+
+    def _close_session(self, e: ev.CloseSession, now: float, out: list[ev.Command]) -> None:
+        session = self.sessions.get(e.session_id)
+        if session is None or session.state in ("closing", "closed"):
+            raise NotFound(f"session {e.session_id!r} not found")
+        transition(session, "closing", SESSION_EDGES, now, "session.close")
+        session.close_token = e.token
+        out.append(ev.EndShell(session_id=session.id, node=session.node, cause=self.stimulus))
+
+    def _session_closed(self, e: ev.SessionClosed, now: float, out: list[ev.Command]) -> None:
+        session = self.sessions.pop(e.session_id, None)
+        if session is None:
+            return
+        if session.state == "closing":
+            transition(session, "closed", SESSION_EDGES, now, "shell ended")
+        if session.close_token is not None:
+            out.append(self._reply(session.close_token, result={"closed": True}))
+
+    def _forget_sessions(self, env_id: str, now: float, out: list[ev.Command]) -> None:
+        """The environment was removed: its shells went with it."""
+        for session in [s for s in self.sessions.values() if s.env == env_id]:
+            del self.sessions[session.id]
+            transition(session, "closed", SESSION_EDGES, now, "environment removed")
+            for token in (session.open_token, session.close_token):
+                if token is not None:
+                    out.append(self._reply(token, error=("not_found", "environment removed")))
+
+    def session_rows(self) -> list[dict[str, Any]]:
+        return [
+            {"id": s.id, "env": s.env, "state": s.state, "busy": s.busy}
+            for s in self.sessions.values()
+        ]
 
     # ------------------------------------------------------------------ leases
     def _acquire(self, e: ev.AcquireLease, now: float, out: list[ev.Command]) -> None:
@@ -821,6 +973,14 @@ _HANDLERS: dict[type, Callable[[Core, Any, float, list[ev.Command]], None]] = {
     ev.SaveProfile: Core._save_profile,
     ev.ProfilesLoaded: Core._profiles_loaded,
     ev.EnvsRecovered: Core._envs_recovered,
+    ev.PutFile: Core._put_file,
+    ev.GetFile: Core._get_file,
+    ev.TransferDone: Core._transfer_done,
+    ev.OpenSession: Core._open_session,
+    ev.SessionOpened: Core._session_opened,
+    ev.InterruptSession: Core._interrupt_session,
+    ev.CloseSession: Core._close_session,
+    ev.SessionClosed: Core._session_closed,
     ev.ConnClosed: Core._conn_closed,
     ev.Tick: lambda c, e, now, out: c._tick(now, out),
     ev.Shutdown: Core._shutdown,

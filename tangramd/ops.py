@@ -117,6 +117,34 @@ async def _env_close(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return await ex.request(lambda tok: ev.CloseEnv(token=tok, env_id=args["id"]))
 
 
+async def _env_put(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(
+        lambda tok: ev.PutFile(
+            token=tok,
+            env_id=args["id"],
+            path=args["path"],
+            data=args["data"],
+            tar=bool(args.get("tar")),
+        )
+    )
+
+
+async def _env_get(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(lambda tok: ev.GetFile(token=tok, env_id=args["id"], path=args["path"]))
+
+
+async def _session_open(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(lambda tok: ev.OpenSession(token=tok, env_id=args["env"]))
+
+
+async def _session_interrupt(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(lambda tok: ev.InterruptSession(token=tok, session_id=args["id"]))
+
+
+async def _session_close(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(lambda tok: ev.CloseSession(token=tok, session_id=args["id"]))
+
+
 async def _exec(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     spec = ExecSpec.from_wire(args)
     return await ex.request(lambda tok: ev.SubmitExec(spec=spec, token=tok, conn=conn.id))
@@ -156,6 +184,11 @@ ASYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Awaitable[Any]]] = {
     "env.open": _env_open,
     "env.close": _env_close,
     "exec": _exec,
+    "env.put": _env_put,
+    "env.get": _env_get,
+    "session.open": _session_open,
+    "session.interrupt": _session_interrupt,
+    "session.close": _session_close,
     "lease.acquire": _lease_acquire,
     "lease.release": _lease_release,
 }

@@ -9,7 +9,8 @@ that many bytes of UTF-8 JSON (never pickle).
 
     {"op": "ping"}                                  -> {"ok": true, "pid": ..., "python": ...}
     {"op": "exec", "cmd": [..] | "sh string", "env": {..}, "cores": [0, 1],
-     "timeout_s": 1.5 | null, "max_output": 1048576, "exec_id": "..", "cwd": null}
+     "timeout_s": 1.5 | null, "max_output": 1048576, "exec_id": "..", "cwd": null,
+     "stdin_b64": null | "<base64 of the command's input>"}
         -> {"ok": true, "exit_code": 0, "stdout": "..", "stderr": "..",
             "timed_out": false, "truncated": false, "exec_s": 0.01}
     any failure of the agent itself                 -> {"ok": false, "error": "..."}
@@ -24,6 +25,7 @@ third-party imports.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -34,6 +36,7 @@ import socketserver
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 MAX_FRAME = 64 << 20
@@ -130,11 +133,12 @@ def run_command(req: dict) -> dict:
     if cores:
         # Pin this handler thread: the child forked from it inherits the mask.
         os.sched_setaffinity(0, [int(c) for c in cores])
+    data = base64.b64decode(req["stdin_b64"]) if req.get("stdin_b64") else b""
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
             argv,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if data else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=req.get("cwd") or None,
@@ -145,6 +149,8 @@ def run_command(req: dict) -> dict:
         code = 127 if isinstance(e, FileNotFoundError) else 126
         msg = f"tangram: cannot run {argv[0]}: {e.strerror}\n"
         return _result(code, "", msg, False, False, time.monotonic() - started)
+    if data:  # a thread: the command may never read its input
+        threading.Thread(target=_feed, args=(proc.stdin, data), daemon=True).start()
     deadline = None if timeout_s is None else started + float(timeout_s)
     streams = {proc.stdout: out, proc.stderr: err}
     sel = selectors.DefaultSelector()
@@ -188,6 +194,13 @@ def run_command(req: dict) -> dict:
     code = 128 - returncode if returncode < 0 else returncode
     truncated = bool(out.dropped or err.dropped)
     return _result(code, out.text(), err.text(), timed_out, truncated, exec_s)
+
+
+def _feed(stream, data: bytes) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        stream.write(data)
+    with contextlib.suppress(OSError, ValueError):
+        stream.close()
 
 
 def _result(code, stdout, stderr, timed_out, truncated, exec_s) -> dict:

@@ -29,11 +29,13 @@ All SDK calls run in a dedicated thread pool; the agent is spoken to with asynci
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import hashlib
 import json
 import os
+import posixpath
 import shutil
 import tempfile
 import time
@@ -48,6 +50,7 @@ import docker.errors
 import requests.exceptions
 
 from tangramd.backends import agent as agent_mod
+from tangramd.backends import files
 from tangramd.backends.base import (
     EXEC_OOM_SCORE_ADJ,
     SHUTDOWN_DETAIL,
@@ -469,6 +472,8 @@ class DockerBackend:
             "timeout_s": req.timeout_s,
             "max_output": req.max_output,
             "exec_id": f"{req.action_id or 'exec'}-{uuid.uuid4().hex[:8]}",
+            "cwd": container_cwd(req.cwd),
+            "stdin_b64": base64.b64encode(req.stdin).decode() if req.stdin else None,
         }
         wait = None if req.timeout_s is None else req.timeout_s + REPLY_MARGIN_S
         sock = env.agent_dir / AGENT_SOCK
@@ -504,21 +509,26 @@ class DockerBackend:
     ) -> ExecResult:
         """Run through `docker exec`; the marker lets a second exec kill strays on timeout."""
         marker = f"{agent_mod.MARKER_VAR}={req.action_id or 'exec'}-{uuid.uuid4().hex[:8]}"
-        # Through sh so that a missing program is exit 127 as in the other paths.
+        # Through sh so that a missing program is exit 127 as in the other paths. Input
+        # goes in as a file first (docker exec's attach protocol is not worth it here).
+        stdin_file = f"/tmp/.tangram-stdin-{uuid.uuid4().hex[:12]}" if req.stdin else ""
+        redirect = f"exec <{stdin_file}; rm -f {stdin_file}; " if stdin_file else ""
         argv = (
-            ["/bin/sh", "-c", cmd]
+            ["/bin/sh", "-c", redirect + cmd]
             if isinstance(cmd, str)
-            else ["/bin/sh", "-c", 'exec "$@"', "sh", *cmd]
+            else ["/bin/sh", "-c", redirect + 'exec "$@"', "sh", *cmd]
         )
         api = self.client.api
         try:
+            if stdin_file:
+                await self.put_bytes(env, stdin_file, req.stdin or b"")
             exec_id = (
                 await self._call(
                     api.exec_create,
                     env.container_id,
                     argv,
                     environment=[f"{k}={v}" for k, v in env_vars.items()] + [marker],
-                    workdir=WORKDIR,
+                    workdir=container_cwd(req.cwd),
                 )
             )["Id"]
         except docker.errors.NotFound:
@@ -583,6 +593,82 @@ class DockerBackend:
             f"killed after {req.timeout_s} s" if timed_out else "",
         )
 
+    # --- file transfer ----------------------------------------------------------------------
+
+    def _live(self, env_id: str) -> _Env:
+        env = self._envs.get(env_id)
+        if env is None or not env.alive:
+            raise EnvError(f"no such environment {env_id}")
+        return env
+
+    async def put_bytes(self, env: _Env, path: str, data: bytes) -> None:
+        """Write one file in the container through the engine's archive API."""
+        parent, name = posixpath.split(path)
+        await self._call(
+            self.client.api.put_archive, env.container_id, parent, files.single_file_tar(name, data)
+        )
+
+    async def put(self, env_id: str, path: str, data: bytes, *, tar: bool = False) -> int:
+        """Write a file (or extract a tar stream into a directory) inside the container.
+
+        Paths are relative to the working directory; the container is the confinement."""
+        env = self._live(env_id)
+        target = container_cwd(path)
+        mkdir = posixpath.dirname(target) if not tar else target
+        result = await self._call(
+            env_container(self.client, env).exec_run, ["mkdir", "-p", "--", mkdir]
+        )
+        if result.exit_code != 0:
+            raise EnvError(f"cannot create {mkdir}: {result.output.decode(errors='replace')}")
+        if tar:
+            await self._call(self.client.api.put_archive, env.container_id, target, data)
+        else:
+            await self.put_bytes(env, target, data)
+        return len(data)
+
+    async def get(self, env_id: str, path: str, *, max_bytes: int) -> tuple[bytes, bool]:
+        """A file's bytes, or a directory as a tar stream of its contents."""
+        env = self._live(env_id)
+        try:
+            stream, stat = await self._call(
+                self.client.api.get_archive, env.container_id, container_cwd(path)
+            )
+        except docker.errors.NotFound as e:
+            raise FileNotFoundError(f"{path}: no such file or directory") from e
+        if int(stat.get("size", 0)) > max_bytes:
+            raise files.TooLarge(f"{path}: more than {max_bytes} bytes")
+
+        def collect() -> bytes:
+            chunks, total = [], 0
+            for chunk in stream:
+                total += len(chunk)
+                if total > 2 * max_bytes + (1 << 20):  # tar headers and padding included
+                    raise files.TooLarge(f"{path}: more than {max_bytes} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        data = await self._call(collect)
+        single = files.only_file(data)
+        if single is not None:
+            return single
+        tree = files.strip_top_dir(data)
+        if len(tree) > max_bytes:
+            raise files.TooLarge(f"{path}: more than {max_bytes} bytes as a tar stream")
+        return tree, True
+
+    # --- shell sessions ---------------------------------------------------------------------
+
+    async def open_session(
+        self, env_id: str, session_id: str, run_as: tuple[int, int] | None = None
+    ) -> None:
+        raise EnvError("shell sessions are served by the process backend only (for now)")
+
+    async def interrupt_session(self, session_id: str) -> bool:
+        return False
+
+    async def close_session(self, session_id: str) -> None:
+        return None
+
     async def _kill_marked(self, env: _Env, sig: str, marker: str) -> None:
         with contextlib.suppress(docker.errors.APIError, *_ENGINE_ERRORS):
             await self._call(
@@ -607,6 +693,11 @@ class DockerBackend:
         await self._remove_container(env.container_id)
         shutil.rmtree(env.agent_dir, ignore_errors=True)
         return infra_error(why)
+
+
+def container_cwd(cwd: str | None) -> str:
+    """An exec's working directory in the container: relative to ``WORKDIR``."""
+    return posixpath.join(WORKDIR, cwd) if cwd else WORKDIR
 
 
 def env_container(client: docker.DockerClient, env: _Env) -> Any:
