@@ -7,7 +7,10 @@ cd "$(dirname "$0")/.."
 
 PY="${PYTHON:-python3}"
 echo "== installing arl-tangram with dev extras"
-"$PY" -m pip install -q --disable-pip-version-check -e '.[dev,plot]'
+"$PY" -m pip install -q --disable-pip-version-check -e '.[dev,plot,http]' \
+  httpx sandbox-fusion==0.3.7 swe-rex==1.4.0
+# verl's own reward functions are tested against the gateway: its import needs no more
+"$PY" -m pip install -q --disable-pip-version-check --no-deps verl==0.9.1
 
 echo "== preparing the Docker engine and the test image"
 bash .ci/docker-setup.sh

@@ -348,6 +348,7 @@ _STATUS_FIELDS: Final = (
     "backend: str",
     "socket: str",
     "nodes: int",
+    "clients: int",
 )
 
 OPS: Final[dict[str, Op]] = {
