@@ -12,7 +12,8 @@ pipelined over its connection), so every call is an action the daemon schedules.
 With an API key every request must carry it in ``X-API-Key`` (compared in constant time),
 else it is answered 401 before anything else happens. Errors never take the process down:
 a malformed body is a 422 with FastAPI's JSON detail, an unexpected exception on a SWE-ReX
-route is SWE-ReX's 511 transfer, anywhere else a 500 with a JSON body.
+route is SWE-ReX's 511 transfer, a refusal of the daemon elsewhere a 4xx/502 with a JSON
+body (anything else is a bug: a 500, logged with its traceback).
 """
 
 from __future__ import annotations
@@ -20,14 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import structlog
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tangram.client import AsyncClient, ExecResult
 from tangram.model import TangramError
@@ -82,19 +81,11 @@ def build_app(socket: str, *, api_key: str | None = None, cpus: int = 1) -> Fast
     async def remote_error(request: Request, exc: swerex.RemoteError) -> JSONResponse:
         return swerex.exception_response(exc)
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        if isinstance(exc, StarletteHTTPException):  # pragma: no cover - handled by FastAPI
-            return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
-        if request.url.path.startswith("/swerex/"):
-            if isinstance(exc, TangramError):
-                return swerex.exception_response(swerex._from_tangram(exc))
-            class_path = f"{type(exc).__module__}.{type(exc).__name__}"
-            return swerex.exception_response(swerex.RemoteError(class_path, str(exc)))
-        if isinstance(exc, TangramError):
-            return JSONResponse({"detail": f"{exc.code}: {exc.message}"}, status_code=502)
-        log.error("gateway_error", path=request.url.path, error=traceback.format_exc())
-        return JSONResponse({"detail": f"{type(exc).__name__}: {exc}"}, status_code=500)
+    @app.exception_handler(TangramError)
+    async def daemon_refused(request: Request, exc: TangramError) -> JSONResponse:
+        # /envs and the like: the daemon's refusal, as JSON (the SWE-ReX routes guard theirs)
+        status = 404 if exc.code == "not_found" else 400 if exc.code == "bad_request" else 502
+        return JSONResponse({"detail": f"{exc.code}: {exc.message}"}, status_code=status)
 
     @app.post("/run_code", response_model=sf.RunCodeResponse)
     async def run_code(request: sf.RunCodeRequest) -> sf.RunCodeResponse:

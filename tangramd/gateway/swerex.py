@@ -25,6 +25,7 @@ import io
 import tarfile
 import traceback
 import zipfile
+from collections.abc import Awaitable
 from typing import Any, Literal
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
@@ -342,6 +343,19 @@ def zip_to_tar(data: bytes) -> bytes:
 # --------------------------------------------------------------------------- routes
 
 
+async def guard(call: Awaitable[Any]) -> Any:
+    """Any failure of a runtime call as SWE-ReX's server reports it (511 + class path)."""
+    try:
+        return await call
+    except RemoteError:
+        raise
+    except TangramError as exc:
+        raise _from_tangram(exc) from None
+    except Exception as exc:  # e.g. a bad zip upload: SWE-ReX transfers every exception
+        class_path = f"{type(exc).__module__}.{type(exc).__name__}"
+        raise RemoteError(class_path, str(exc)) from None
+
+
 def router(runtimes: Runtimes) -> APIRouter:
     """The ``/swerex/{env}`` routes and ``POST /envs``."""
     api = APIRouter()
@@ -374,27 +388,27 @@ def router(runtimes: Runtimes) -> APIRouter:
 
     @api.post("/swerex/{env}/create_session")
     async def create_session(env: str, req: CreateBashSessionRequest) -> Any:
-        return await runtimes.create_session(env, req)
+        return await guard(runtimes.create_session(env, req))
 
     @api.post("/swerex/{env}/run_in_session")
     async def run_in_session(env: str, action: BashAction | BashInterruptAction) -> Any:
-        return await runtimes.run_in_session(env, action)
+        return await guard(runtimes.run_in_session(env, action))
 
     @api.post("/swerex/{env}/close_session")
     async def close_session(env: str, req: CloseBashSessionRequest) -> Any:
-        return await runtimes.close_session(env, req)
+        return await guard(runtimes.close_session(env, req))
 
     @api.post("/swerex/{env}/execute")
     async def execute(env: str, command: Command) -> Any:
-        return await runtimes.execute(env, command)
+        return await guard(runtimes.execute(env, command))
 
     @api.post("/swerex/{env}/read_file")
     async def read_file(env: str, req: ReadFileRequest) -> Any:
-        return await runtimes.read_file(env, req)
+        return await guard(runtimes.read_file(env, req))
 
     @api.post("/swerex/{env}/write_file")
     async def write_file(env: str, req: WriteFileRequest) -> Any:
-        return await runtimes.write_file(env, req)
+        return await guard(runtimes.write_file(env, req))
 
     @api.post("/swerex/{env}/upload")
     async def upload(
@@ -407,10 +421,10 @@ def router(runtimes: Runtimes) -> APIRouter:
             data = await file.read()
         finally:
             await file.close()
-        return await runtimes.upload(env, data, target_path, unzip)
+        return await guard(runtimes.upload(env, data, target_path, unzip))
 
     @api.post("/swerex/{env}/close")
     async def close(env: str) -> Any:
-        return await runtimes.close(env)
+        return await guard(runtimes.close(env))
 
     return api
