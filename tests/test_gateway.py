@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib.util
-import sys
+import re
 import threading
 import time
-import types
 from pathlib import Path
 
 import httpx
 import pytest
 import sandbox_fusion as sfc
 from gateway_fixture import running_stack
+from verl_loader import verl_module
 
 from tangramd.gateway.spawn import spawn_gateway
 
@@ -30,38 +29,6 @@ def run(stack, **body) -> dict:
     r = httpx.post(f"{stack.url}/run_code", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def verl_sandbox_fusion() -> types.ModuleType:
-    """verl's own ``verl.utils.reward_score.sandbox_fusion``, from the installed verl.
-
-    ``import verl`` pulls in ray and torch (verl/__init__.py imports its DataProto); the
-    reward module needs neither, so its parent packages are registered as bare namespace
-    packages over verl's real directories and the module itself is executed unchanged.
-    """
-    name = "verl.utils.reward_score.sandbox_fusion"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.find_spec("verl")  # locates verl without executing it
-    assert spec is not None and spec.submodule_search_locations, "verl is not installed"
-    root = Path(next(iter(spec.submodule_search_locations)))
-    for parent, path in (
-        ("verl", root),
-        ("verl.utils", root / "utils"),
-        ("verl.utils.reward_score", root / "utils" / "reward_score"),
-    ):
-        if parent not in sys.modules:
-            package = types.ModuleType(parent)
-            package.__path__ = [str(path)]
-            sys.modules[parent] = package
-    module_spec = importlib.util.spec_from_file_location(
-        name, root / "utils" / "reward_score" / "sandbox_fusion" / "__init__.py"
-    )
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    module_spec.loader.exec_module(module)
-    return module
 
 
 def test_client_run_code_stdout_stderr_stdin(stack):
@@ -128,7 +95,7 @@ def test_concurrent_requests_overlap_on_free_cores(stack):
 
 def test_verl_reward_functions_score_through_the_gateway(stack):
     """verl's compute_score / check_correctness grade code through /run_code unchanged."""
-    verl_sf = verl_sandbox_fusion()
+    verl_sf = verl_module("verl.utils.reward_score.sandbox_fusion")
     cases = {"inputs": ["1 2\n", "5 7\n"], "outputs": ["3\n", "12\n"]}
     right = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     wrong = "```python\na, b = map(int, input().split())\nprint(a - b)\n```"
@@ -170,6 +137,7 @@ def test_bad_requests_get_422_and_the_gateway_stays_up(stack):
 def test_metrics_expose_pools_queues_and_action_histograms(stack):
     """GET /metrics: pool units, queue length, clients, actions by kind/outcome, ACT buckets."""
     run(stack, code="print(1)", language="python")
+    run(stack, code="raise SystemExit(1)", language="python")
     text = httpx.get(f"{stack.url}/metrics").text
     for needle in (
         'tangram_pool_free_units{pool="cpu:local"} 2.0',
@@ -184,6 +152,9 @@ def test_metrics_expose_pools_queues_and_action_histograms(stack):
         'tangram_action_exec_seconds_sum{kind="run_code/python"}',
     ):
         assert needle in text, needle
+    dashboard = (Path(__file__).parent.parent / "docs" / "grafana-gateway.json").read_text()
+    for name in set(re.findall(r"tangram_[a-z_]+", dashboard)):
+        assert name in text, f"docs/grafana-gateway.json plots {name}, which /metrics lacks"
 
 
 def test_api_key_is_required_when_configured(stack, tmp_path):
