@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The main job: install, start `tangramd up` on the embedded default (process backend) and
-# drive an example agentic rollout through it, printing a per-action-kind summary.
+# drive an example agentic rollout through it: a crowded phase (cores scarce, reward runs
+# on one core each) and a tail phase (stragglers alone, where the elastic reward run gets a
+# second core if the profile says it pays on this host). Prints a per-phase, per-kind
+# summary, and where the daemon's log and the demo's files are (/tmp/tangram-demo-*).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

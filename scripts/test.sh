@@ -7,10 +7,10 @@ cd "$(dirname "$0")/.."
 
 PY="${PYTHON:-python3}"
 echo "== installing arl-tangram with dev extras"
-"$PY" -m pip install -q --disable-pip-version-check -e '.[dev,plot,http]' \
+"$PY" -m pip install -q --disable-pip-version-check -e '.[dev,plot,gpu,http]' \
   httpx sandbox-fusion==0.3.7 swe-rex==1.4.0
 # verl's own reward functions and tool registry are tested against the gateway; without
-# verl/__init__ (torch) they need only ray (rollout tracing) and omegaconf (tool configs)
+# verl/__init__ (torch, tensordict) they need only ray (rollout tracing) and omegaconf
 "$PY" -m pip install -q --disable-pip-version-check --no-deps verl==0.9.1
 "$PY" -m pip install -q --disable-pip-version-check ray omegaconf
 

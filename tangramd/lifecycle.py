@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import signal
 import socket
+import stat
 from collections.abc import Callable, Iterable
 from typing import Final
 
@@ -149,9 +151,14 @@ def lock_state_dir(state_dir: str, *, shared: bool = False) -> StateDirLock:
     """Create ``state_dir`` (0700; 0711 with ``shared``: commands running as other users
     must reach their own environment inside it) and take its lock, or raise StateDirBusy
     naming the holder's pid."""
-    import fcntl
-
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    st = os.stat(state_dir)
+    if st.st_mode & (stat.S_ISVTX | stat.S_IWOTH) or st.st_uid != os.geteuid():
+        # e.g. --state-dir /tmp: tightening it would break everyone else's use of it
+        raise StateDirBusy(
+            f"state dir {state_dir} is shared (world-writable, sticky or not ours); "
+            "give tangramd a directory of its own"
+        )
     os.chmod(state_dir, 0o711 if shared else 0o700)
     path = os.path.join(state_dir, LOCK_NAME)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

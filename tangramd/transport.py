@@ -81,6 +81,16 @@ class ConnInfo:
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     _callbacks: list[Callable[[ConnInfo], object]] = field(default_factory=list, repr=False)
 
+    @property
+    def peer(self) -> tuple[int, int] | None:
+        """(uid, gid) of the connecting process (SO_PEERCRED), None where unknown.
+
+        What an exec runs as under ``cpu.exec_user = "peer"`` (``ExecRequest.run_as``) and
+        who owns an environment it opens (``create_env(owner=...)``)."""
+        if self.uid is None or self.gid is None:
+            return None
+        return (self.uid, self.gid)
+
     def on_close(self, callback: Callable[[ConnInfo], object]) -> None:
         """Call ``callback(conn)`` once when the connection closes (now, if it already has).
 
@@ -185,7 +195,7 @@ class _Connection(asyncio.Protocol):
         server = self._server
         server._buffered += buffered - self.buffered
         self.buffered = buffered
-        if not buffered:
+        if not buffered or self._read_paused:  # paused: we are the ones not reading
             self._cancel_frame_timer()
         elif restart or self._frame_timer is None:
             # A new frame began (its first byte is in this chunk): its deadline starts now.

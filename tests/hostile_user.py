@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import pwd
+import signal
 import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+import psutil
 
 
 @dataclass(frozen=True)
@@ -30,9 +34,18 @@ def local_user() -> Iterator[LocalUser]:
         check=True,
         capture_output=True,
     )
+    entry = pwd.getpwnam(name)
     try:
-        entry = pwd.getpwnam(name)
         yield LocalUser(name, entry.pw_uid, entry.pw_gid)
     finally:
-        subprocess.run(["pkill", "-KILL", "-u", name], capture_output=True)
+        _kill_processes_of(entry.pw_uid)
         subprocess.run(["userdel", name], capture_output=True)
+
+
+def _kill_processes_of(uid: int) -> None:
+    """SIGKILL, by pid, whatever the throwaway user still runs (its uid is ours alone)."""
+    for proc in psutil.process_iter(["uids"]):
+        uids = proc.info["uids"]
+        if uids is not None and uid in (uids.real, uids.effective):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc.pid, signal.SIGKILL)

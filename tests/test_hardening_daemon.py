@@ -270,3 +270,17 @@ def test_peer_allowlist_is_enforced_at_accept(allowed):
             assert ping(daemon.socket)  # root is always allowed
         finally:
             daemon.stop()
+
+
+def test_a_shared_directory_is_refused_as_state_dir(tmp_path):
+    """`--state-dir /tmp`-like directories are refused, never chmod'ed to 0700."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    result = subprocess.run(
+        [sys.executable, "-m", "tangramd.main", "up", "--socket", str(tmp_path / "s.sock"),
+         "--state-dir", str(shared)],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 1 and "is shared" in result.stderr
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777

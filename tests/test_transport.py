@@ -484,3 +484,90 @@ def test_bad_request_from_handler() -> None:
                 await client.exec("true", cpus=0)
 
     run(main)
+
+
+# --------------------------------------------------------------------------- issue 9 limits
+
+
+def test_frame_deadline_closes_a_trickling_sender() -> None:
+    """A frame not received whole within frame_timeout_s of its first byte closes the conn."""
+
+    async def main() -> None:
+        async with serving(frame_timeout_s=0.3, idle_timeout_s=5) as (server, _):
+            raw = await Raw.open(server.path)
+            payload = encode(make_request(1, "ping", {}))
+            for byte in payload[:-1]:
+                raw.send(bytes([byte]))
+                await asyncio.sleep(0.05)
+                if server.connections == 0:
+                    break
+            msg = await asyncio.wait_for(raw.recv(), 3)
+            assert msg is not None and "not received whole" in msg["error"]["message"]
+            assert await asyncio.wait_for(raw.recv(), 3) is None
+            assert server.buffered_bytes == 0
+            raw.close()
+
+    run(main)
+
+
+def test_frame_deadline_does_not_count_while_we_stopped_reading() -> None:
+    """A half frame waiting behind a full in-flight queue is not the sender's slowness."""
+
+    async def main() -> None:
+        async with serving(frame_timeout_s=0.3, max_inflight_per_conn=1) as (server, _):
+            raw = await Raw.open(server.path)
+            second = encode(make_request(2, "ping", {}))
+            raw.send(encode(make_request(1, "sleep", {"s": 1.0})) + second[:3])
+            await asyncio.sleep(0.6)  # past the deadline, but we are the ones not reading
+            raw.send(second[3:])
+            answers = {(await raw.recv())["id"], (await raw.recv())["id"]}  # type: ignore[index]
+            assert answers == {1, 2}
+            raw.close()
+
+    run(main)
+
+
+def test_buffer_budget_sheds_the_largest_holder_and_serves_the_rest() -> None:
+    """Past max_buffered_bytes the connection holding most is closed; small ones go on."""
+
+    async def main() -> None:
+        async with serving(max_buffered_bytes=256 << 10) as (server, _):
+            hog = await Raw.open(server.path)
+            hog.send(struct.pack(">I", 1 << 20) + b"\x80" + b"x" * (300 << 10))
+            assert await asyncio.wait_for(hog.recv(), 3) is not None  # the refusal
+            assert await asyncio.wait_for(hog.recv(), 3) is None
+            assert server.buffered_bytes == 0
+            async with AsyncClient(server.path) as client:
+                assert (await client.ping())["pong"] is True
+            hog.close()
+
+    run(main)
+
+
+def test_connection_cap() -> None:
+    """Connections past max_connections are refused with a reason; the others keep working."""
+
+    async def main() -> None:
+        async with serving(max_connections=2) as (server, _):
+            a, b = await Raw.open(server.path), await Raw.open(server.path)
+            c = await Raw.open(server.path)
+            msg = await asyncio.wait_for(c.recv(), 3)
+            assert msg is not None and "too many connections" in msg["error"]["message"]
+            a.send(encode(make_request(5, "ping", {})))
+            assert (await a.recv())["id"] == 5  # type: ignore[index]
+            for raw in (a, b, c):
+                raw.close()
+
+    run(main)
+
+
+def test_conn_info_carries_the_peer_credentials() -> None:
+    """The handler sees the connecting process's uid/gid (SO_PEERCRED) as ConnInfo.peer."""
+
+    async def main() -> None:
+        async with serving() as (server, daemon), AsyncClient(server.path) as client:
+            await client.ping()
+            conn = daemon.conns[-1]
+            assert conn.peer == (os.getuid(), os.getgid()) and conn.pid == os.getpid()
+
+    run(main)

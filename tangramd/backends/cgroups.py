@@ -4,8 +4,9 @@ Each exec runs in the cgroup of its core set ``<parent>/tangram/<scope>/c<cores>
 once, reused: the scheduler never gives a core to two running actions). The cgroup does two
 jobs: it pins (``cpuset.cpus``, so a command cannot widen its affinity with ``taskset``) and
 it tracks (every descendant, ``setsid`` or double-forked, stays in it, so the exec's end
-kills them all). The daemon itself never enters an exec's cgroup: the child is moved in by
-pid while it waits at a gate, before the command runs (see ``process.py``).
+kills them all). With v1 a child is born inside (the spawning thread holds the cgroup for
+the instant of the fork); with v2 it is moved in by pid while it waits at a gate, before
+the command runs (see ``process.py``).
 
 - **v1** (``cpuset`` hierarchy mounted, root): pins and tracks.
 - **v2** (a ``cgroup2`` mount whose subtree under our own cgroup is writable: root, or a
@@ -82,6 +83,7 @@ class Cgroups:
 
     kind = "none"
     pins = False  # whether the cgroup restricts cores (else affinity alone pins)
+    by_thread = False  # whether one thread may join (v1 ``tasks``): children are born in it
 
     def __init__(self, parent: Path, scope: str) -> None:
         self.parent = parent
@@ -117,6 +119,12 @@ class Cgroups:
         """Move a whole process (not yet running its command) into the cgroup."""
         with open(path / "cgroup.procs", "w") as f:
             f.write(str(pid))
+
+    @staticmethod
+    def join_thread(path: Path, tid: int) -> None:
+        """Move one thread of ours (v1 ``tasks``) into the cgroup."""
+        with open(path / "tasks", "w") as f:
+            f.write(str(tid))
 
     @staticmethod
     def pids(path: Path) -> list[int]:
@@ -170,6 +178,7 @@ class CpusetV1(Cgroups):
 
     kind = "v1-cpuset"
     pins = True
+    by_thread = True
 
     def __init__(self, parent: Path, scope: str) -> None:
         super().__init__(parent, scope)

@@ -10,12 +10,16 @@ No container engine needed; this is the embedded default (design §5.2).
 - Commands run as ``req.run_as`` (the connecting peer, as wired by the daemon), else as the
   backend's ``default_user`` (a sandbox user), else as the daemon's own user. Running as
   another user drops every supplementary group.
-- Each exec is a fresh session (its own process group). The child starts as a tiny shell
-  that waits at a *gate* (a byte on its stdin) before running the command; meanwhile the
-  daemon moves it into the exec cgroup of its core set (``cgroups.py``: v1 cpuset, or v2
-  where delegated), pins it with ``sched_setaffinity`` and raises its ``oom_score_adj`` to
-  ``EXEC_OOM_SCORE_ADJ``. So the command never runs elsewhere, and no daemon thread ever
-  enters an exec's cgroup (nor needs a ``preexec_fn``).
+- Each exec is a fresh session (its own process group) in the exec cgroup of its core set
+  (``cgroups.py``: v1 cpuset, or v2 where delegated), pinned with ``sched_setaffinity``.
+  The child starts as a tiny shell that first raises its own ``oom_score_adj`` to
+  ``EXEC_OOM_SCORE_ADJ`` (before anything can fork), then runs the command. With v1 the
+  child is born in its cgroup and mask (the daemon's thread holds both for the instant of
+  the fork, on a small spawner thread pool: a v1 cgroup join can block for an RCU grace
+  period, which must not stall the event loop); with v2 or no cgroup the shell waits at a
+  *gate* (a line on its stdin) while the daemon moves it in and pins it by pid. Either way
+  the command never runs elsewhere, no ``preexec_fn`` is needed, and no daemon thread
+  stays in an exec's cgroup.
 - The exec ends when its main process exits (watched through a pidfd, not through its
   pipes: a background descendant may hold them); whatever it left is killed then — its
   process group and its cgroup, or, without a usable cgroup, its session and every process
@@ -39,6 +43,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,12 +89,18 @@ _GATE = "read -r _ || exit 125; exec </dev/null; "
 _GATE_STDIN = "read -r _ || exit 125; "
 
 
-def gated_argv(cmd: list[str] | str, stdin: bool = False) -> list[str]:
-    """The argv to spawn: a shell that waits at the gate, then runs ``cmd``."""
-    gate = _GATE_STDIN if stdin else _GATE
+def exec_argv(
+    cmd: list[str] | str, *, oom_score_adj: int, gate: bool, stdin: bool = False
+) -> list[str]:
+    """The argv to spawn: a shell that raises its own OOM score (before anything can fork,
+    so every descendant inherits it), waits at the gate if asked, then runs ``cmd`` (with
+    the rest of its stdin as input when ``stdin``)."""
+    prefix = f"echo {oom_score_adj} >/proc/self/oom_score_adj 2>/dev/null; "
+    if gate:
+        prefix += _GATE_STDIN if stdin else _GATE
     if isinstance(cmd, str):
-        return ["/bin/sh", "-c", gate + cmd]
-    return ["/bin/sh", "-c", gate + 'exec "$@"', "tangram-exec", *cmd]
+        return ["/bin/sh", "-c", prefix + cmd]
+    return ["/bin/sh", "-c", prefix + 'exec "$@"', "tangram-exec", *cmd]
 
 
 class _Child:
@@ -125,19 +137,21 @@ class _Child:
         return self.popen.returncode
 
     def release_gate(self, data: bytes | None = None) -> None:
-        """Let the command run (the child is placed and pinned), then feed it ``data``.
-
-        The input is written by a thread: a command that never reads it must not block
-        the daemon's loop (the pipe closes, the thread ends, when the command exits)."""
+        """Let the command run (the child is placed and pinned), then feed it ``data``."""
         stdin = self.popen.stdin
         assert stdin is not None
         if data:
-            threading.Thread(target=_feed, args=(stdin, b"\n" + data), daemon=True).start()
+            self.feed(b"\n" + data)
             return
         with contextlib.suppress(OSError):  # it died already (e.g. a shell syntax error)
             os.write(stdin.fileno(), b"\n")
         with contextlib.suppress(OSError):
             stdin.close()
+
+    def feed(self, data: bytes) -> None:
+        """Write ``data`` to the child's stdin and close it, from a thread: a command that
+        never reads its input must not block the loop (the thread ends when it exits)."""
+        threading.Thread(target=_feed, args=(self.popen.stdin, data), daemon=True).start()
 
     def _read(self, fd: int, buf: OutputBuffer) -> None:
         try:
@@ -262,6 +276,13 @@ class ProcessBackend:
         self._closing = False
         self._token = f"{scope}.{os.getpid()}"
         self._shells: dict[str, shell_mod.Shell] = {}
+        self._home_affinity = os.sched_getaffinity(0)
+        # v1 spawns run here: joining a cgroup blocks in the kernel for up to an RCU grace
+        # period, which must not stall the event loop (and every other client) meanwhile.
+        self._spawner = ThreadPoolExecutor(
+            max_workers=max(2, min(16, len(self._home_affinity))),
+            thread_name_prefix="tangram-spawn",
+        )
         self._exec_ids = itertools.count(1)
 
     # --- environments -----------------------------------------------------------------
@@ -333,6 +354,7 @@ class ProcessBackend:
                 for cgroup in self.cgroups.leftovers():
                     await self.cgroups.remove(cgroup)
             await self.cgroups.remove(self.cgroups.base)
+        self._spawner.shutdown(wait=False)
 
     # --- execs ------------------------------------------------------------------------
 
@@ -377,20 +399,28 @@ class ProcessBackend:
             return ExecResult("rejected", detail=f"cwd {e}")
         if not cwd.is_dir():
             return ExecResult("failed", 1, stderr=f"tangram: cwd {req.cwd}: not a directory\n")
-        argv = gated_argv(rewrite_pytest(req.cmd, len(req.cores), req.elastic), bool(req.stdin))
         cgroup: Path | None = None
         if self.cgroups is not None:
             try:
                 cgroup = self.cgroups.for_cores(req.cores)
             except OSError as e:
                 return infra_error(f"cannot create cpuset cgroup: {e}")
+        # v1: the child is born in its cgroup and mask (see _born_pinned), no gate needed.
+        # v2 / no cgroup: it is placed by pid while it waits at the gate.
+        gate = not (cgroup is not None and self.cgroups is not None and self.cgroups.by_thread)
+        argv = exec_argv(
+            rewrite_pytest(req.cmd, len(req.cores), req.elastic),
+            oom_score_adj=self.oom_score_adj,
+            gate=gate,
+            stdin=bool(req.stdin),
+        )
         marker = f"{self._token}.{next(self._exec_ids)}"
         out, err = OutputBuffer(req.max_output), OutputBuffer(req.max_output)
-        started = time.monotonic()
-        try:
-            popen = subprocess.Popen(
+
+        def spawn() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
                 argv,
-                stdin=subprocess.PIPE,
+                stdin=subprocess.PIPE if gate or req.stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=cwd,
@@ -401,36 +431,73 @@ class ProcessBackend:
                 group=None if user is None else user[1],
                 extra_groups=None if user is None else [],  # drop root's groups
             )
+
+        started = time.monotonic()
+        try:
+            if gate:
+                popen = spawn()
+            else:  # the cgroup writes may wait for an RCU grace period: not on the loop
+                popen = await asyncio.get_running_loop().run_in_executor(
+                    self._spawner, self._born_pinned, spawn, req.cores, cgroup
+                )
         except (OSError, subprocess.SubprocessError) as e:
             return infra_error(f"spawn failed: {e}")
         child = _Child(popen, asyncio.get_running_loop(), out, err)
         run = _Running(child, cgroup, marker)
         self._running.add(run)
         try:
-            problem = self._place(child.pid, req.cores, cgroup)
+            problem = self._place(child.pid, req.cores, cgroup) if gate else ""
             if problem or self._closing:
                 run.killed_for_shutdown = self._closing
                 self._kill_leftovers(run)
-                child.release_gate()
+                if gate:
+                    child.release_gate()
+                elif req.stdin:
+                    child.feed(b"")
                 await child.exited.wait()
                 child.close()
                 return infra_error(problem or SHUTDOWN_DETAIL)
-            child.release_gate(req.stdin)
+            if gate:
+                child.release_gate(req.stdin)
+            elif req.stdin:
+                child.feed(req.stdin)
             return await self._supervise(req, run, started, out, err)
         finally:
             self._running.discard(run)
             run.done.set()
 
+    def _born_pinned(
+        self,
+        spawn: Callable[[], subprocess.Popen[bytes]],
+        cores: tuple[int, ...],
+        cgroup: Path | None,
+    ) -> subprocess.Popen[bytes]:
+        """Spawn with the daemon's thread in the child's v1 cgroup and mask for the instant
+        of the fork (a child inherits both), then return the thread home.
+
+        Cheaper than moving the child afterwards (a v1 process migration waits for an RCU
+        grace period) and needs no gate. Nothing else runs on this thread meanwhile, and
+        no thread is created (the exit is watched by pidfd), so no daemon thread ever
+        stays in an exec cgroup.
+        """
+        assert self.cgroups is not None and cgroup is not None
+        tid = threading.get_native_id()
+        self.cgroups.join_thread(cgroup, tid)
+        try:
+            os.sched_setaffinity(0, cores)
+            return spawn()
+        finally:
+            self.cgroups.join_thread(self.cgroups.parent, tid)
+            os.sched_setaffinity(0, self._home_affinity)
+
     def _place(self, pid: int, cores: tuple[int, ...], cgroup: Path | None) -> str:
-        """Move the gated child into its cgroup, pin it, raise its OOM score; '' if done."""
+        """Move the gated child into its cgroup and pin it; '' if done."""
         try:
             if cgroup is not None:
                 Cgroups.place(cgroup, pid)
             os.sched_setaffinity(pid, cores)
         except OSError as e:
             return f"cannot pin the command to cores {list(cores)}: {e}"
-        with contextlib.suppress(OSError):  # best effort: the score is advice to the kernel
-            Path(f"/proc/{pid}/oom_score_adj").write_text(str(self.oom_score_adj))
         return ""
 
     def _kill_leftovers(self, run: _Running) -> None:
@@ -525,6 +592,8 @@ class ProcessBackend:
             shell = await shell_mod.open_shell(session_id, env_id, root, env, user)
         except (OSError, subprocess.SubprocessError) as e:
             raise EnvError(f"cannot start the session's shell: {e}") from e
+        with contextlib.suppress(OSError):  # what the shell forks inherits it, as an exec's
+            Path(f"/proc/{shell.popen.pid}/oom_score_adj").write_text(str(self.oom_score_adj))
         self._shells[session_id] = shell
 
     async def _session_run(self, req: ExecRequest) -> ExecResult:

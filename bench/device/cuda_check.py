@@ -1,0 +1,204 @@
+"""GPU-machine checks of the service runtime (run by bench/device/gpu_check.sh).
+
+    python bench/device/cuda_check.py torch OUT.json   # torch runtime on the first NVML GPU
+    python bench/device/cuda_check.py vllm OUT.json    # http runtime against a real vLLM
+
+Each check writes one JSON object with ``"ok"`` and what it measured; the process exits 0
+when the check passed, 1 when it ran and failed, 2 when it could not run (what is missing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tangramd.services import ServiceHost, ServiceSpec, discover  # noqa: E402
+
+EXAMPLES = ROOT / "examples" / "services"
+
+
+def gpu_used_bytes(cuda_index: int) -> int:
+    """Memory in use on the GPU (NVML), whoever holds it."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def first_gpu() -> tuple[Any, Any]:
+    inventory = discover()
+    real = [gpu for gpu in inventory.gpus if not gpu.simulated]
+    if not real:
+        raise SystemExit(_skip(f"no NVML GPU: {inventory.nvml_error}"))
+    return inventory, real[0]
+
+
+_OUT: Path | None = None
+
+
+def _skip(reason: str) -> int:
+    _write({"ok": False, "skipped": reason})
+    return 2
+
+
+def _write(result: dict[str, Any]) -> None:
+    assert _OUT is not None
+    _OUT.write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps(result, indent=1, default=str))
+
+
+async def check_torch() -> dict[str, Any]:
+    """Register the example reward model, restore onto the GPU, evict (GPU memory really
+    drops), restore (same scores), kill the worker (infra_error, then a restart)."""
+    inventory, gpu = first_gpu()
+    result: dict[str, Any] = {"gpu": gpu.to_json()}
+    with tempfile.TemporaryDirectory() as state:
+        host = ServiceHost(inventory, state)
+        try:
+            spec = ServiceSpec(
+                "reward", "torch", 0.2, entry="reward:reward_large", path=str(EXAMPLES)
+            )
+            t0 = time.perf_counter()
+            await host.register(spec)
+            result["register_s"] = time.perf_counter() - t0
+            chunk = [gpu.local]
+            payload = {"prompt": "2+2?", "responses": ["4", "5", "four"]}
+            base = gpu_used_bytes(gpu.cuda_index)
+            restored = await host.ensure_resident("reward", chunk)
+            resident = gpu_used_bytes(gpu.cuda_index)
+            first = await host.call("reward", chunk, payload, 60)
+            await host.evict("reward", chunk)
+            evicted = gpu_used_bytes(gpu.cuda_index)
+            second = await host.call("reward", chunk, payload, 60)
+            pid = next(r["pid"] for r in host.list()[0]["replicas"] if r["state"] == "resident")
+            slow = asyncio.ensure_future(
+                host.call("reward", chunk, {"prompt": "x" * 10, "response": "y"}, 60)
+            )
+            os.kill(pid, signal.SIGKILL)
+            killed = await slow
+            third = await host.call("reward", chunk, payload, 120)
+            result.update(
+                restore=restored._asdict(),
+                restore_gbps=restored.nbytes / restored.copy_s / 1e9 if restored.copy_s else None,
+                gpu_used={"before": base, "resident": resident, "evicted": evicted},
+                freed_bytes=resident - evicted,
+                first=first._asdict(),
+                after_restore=second._asdict(),
+                killed=killed._asdict(),
+                after_restart=third._asdict(),
+                services=host.list(),
+            )
+            result["ok"] = bool(
+                first.outcome == second.outcome == third.outcome == "ok"
+                and first.result == second.result == third.result
+                and killed.outcome in ("infra_error", "ok")  # ok if it finished before the kill
+                and resident - evicted >= 0.8 * restored.nbytes
+            )
+        finally:
+            await host.close()
+    return result
+
+
+def tiny_llama(directory: Path) -> None:
+    """A random-weight Llama saved locally: vLLM needs a model and nothing can be downloaded."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+
+
+async def check_vllm() -> dict[str, Any]:
+    """Start ``vllm serve --enable-sleep-mode`` through the http runtime, call, sleep (GPU
+    memory drops), wake up (same greedy tokens)."""
+    if shutil.which("vllm") is None:
+        raise SystemExit(_skip("vllm is not installed"))
+    inventory, gpu = first_gpu()
+    result: dict[str, Any] = {"gpu": gpu.to_json()}
+    with tempfile.TemporaryDirectory() as state:
+        model = Path(state) / "tiny-llama"
+        tiny_llama(model)
+        cmd = (
+            f"vllm serve {model} --port {{port}} --enable-sleep-mode --skip-tokenizer-init "
+            "--gpu-memory-utilization 0.2 --max-model-len 256 --enforce-eager"
+        )
+        mem_gb = 0.2 * gpu.mem_bytes / 1e9
+        spec = ServiceSpec("llm", "http", mem_gb, cmd=cmd, route="/v1/completions")
+        host = ServiceHost(inventory, state, http_load_timeout_s=240)
+        try:
+            await host.register(spec)
+            chunk = [gpu.local]
+            payload = {"model": str(model), "prompt": [1, 2, 3], "max_tokens": 4}
+            payload["temperature"] = 0
+            t0 = time.perf_counter()
+            await host.ensure_resident("llm", chunk)
+            result["start_s"] = time.perf_counter() - t0
+            awake = gpu_used_bytes(gpu.cuda_index)
+            first = await host.call("llm", chunk, payload, 120)
+            slept = await host.evict("llm", chunk)
+            asleep = gpu_used_bytes(gpu.cuda_index)
+            second = await host.call("llm", chunk, payload, 120)
+            result.update(
+                sleep_s=slept.seconds,
+                gpu_used={"awake": awake, "asleep": asleep},
+                first=first._asdict(),
+                after_wake=second._asdict(),
+                services=host.list(),
+                log=(Path(state) / "services" / "llm.1.log").read_text()[-4000:],
+            )
+
+            def tokens(reply: Any) -> Any:
+                return None if reply.result is None else reply.result.get("choices")
+
+            result["ok"] = bool(
+                first.outcome == second.outcome == "ok"
+                and tokens(first) is not None
+                and tokens(first) == tokens(second)
+                and asleep < awake
+            )
+        finally:
+            await host.close()
+    return result
+
+
+def main() -> int:
+    global _OUT
+    which, out = sys.argv[1], Path(sys.argv[2])
+    _OUT = out
+    try:
+        result = asyncio.run(check_torch() if which == "torch" else check_vllm())
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    except Exception as exc:  # report, do not lose the other checks' output
+        _write({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    _write(result)
+    return 0 if result.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Load on a real `tangramd up`: many short execs from many clients, and nothing left over.
+
+    python bench/load.py [--n 10000] [--clients 256] [--env-cycles 200] [--json]
+
+- ``--n`` execs of ``true`` (1 core) from ``--clients`` concurrent clients, one connection
+  each (asyncio), each client in an environment of its own (``--throwaway``: a fresh
+  environment per exec);
+- meanwhile ``--env-cycles`` environment cycles (open, exec, close) spread over the clients;
+- then the same count of bare ``subprocess.run(["true"])`` calls at the same concurrency
+  (a thread pool of ``--clients`` workers), in the same run, for the throughput ratio;
+- reports: answers (each request must get exactly one), outcomes, throughput, p50/p99 of
+  the client-observed ACT and of the daemon's ``act_s``, the daemon's RSS and open fds
+  before and after, and leftovers (live processes under the daemon, non-empty exec
+  cgroups, environment directories).
+
+Goal (issue 9): every request answered once, nothing left over, throughput >= 0.5x bare.
+A benchmark, not a test: tests/test_bench_load.py runs a small instance under ``slow``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psutil
+
+from tangram.client import AsyncClient
+from tangramd.spawn import SpawnedDaemon, spawn_daemon
+
+ENV_MEM = "16MiB"  # per environment: 256 clients' environments fit any host
+CGROUP_ROOTS = (Path("/sys/fs/cgroup/cpuset/tangram"), Path("/sys/fs/cgroup/unified/tangram"))
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50_ms": 0.0, "p99_ms": 0.0}
+    s = sorted(values)
+    return {
+        "p50_ms": round(statistics.median(s) * 1000, 3),
+        "p99_ms": round(s[min(len(s) - 1, int(0.99 * len(s)))] * 1000, 3),
+    }
+
+
+def daemon_usage(daemon: SpawnedDaemon) -> dict[str, int]:
+    proc = psutil.Process(daemon.proc.pid)
+    return {"rss_mib": proc.memory_info().rss >> 20, "fds": proc.num_fds()}
+
+
+def leftovers(daemon: SpawnedDaemon) -> dict[str, int]:
+    """Processes still under the daemon, exec cgroups with members, env directories."""
+    proc = psutil.Process(daemon.proc.pid)
+    alive = [
+        p
+        for p in proc.children(recursive=True)
+        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    ]
+    busy = 0
+    for root in CGROUP_ROOTS:
+        if root.is_dir():
+            for procs in root.glob("*/*/cgroup.procs"):
+                if procs.read_text().split():
+                    busy += 1
+    envs = Path(daemon.state_dir) / "process" / "envs"
+    return {
+        "processes": len(alive),
+        "busy_cgroups": busy,
+        "env_dirs": len(list(envs.iterdir())) if envs.is_dir() else 0,
+    }
+
+
+async def drive(
+    path: str, n: int, clients: int, env_cycles: int, *, throwaway: bool = False
+) -> dict[str, Any]:
+    """Run the load; returns counts, latencies and wall time.
+
+    Each client runs its execs in one environment of its own (a trajectory's sandbox), or
+    with ``throwaway`` in a fresh environment per exec."""
+    todo = iter(range(n))
+    cycles = iter(range(env_cycles))
+    latencies: list[float] = []
+    act: list[float] = []
+    outcomes: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    answered = 0
+    env_done = 0
+
+    async def one_client() -> None:
+        nonlocal answered, env_done
+        async with AsyncClient(path) as client:
+            home = None if throwaway else await client.env_open(mem=ENV_MEM)
+            for _ in todo:
+                started = time.perf_counter()
+                try:
+                    result = await client.exec(["true"], cpus=1, env=home)
+                except Exception as exc:  # a typed error is an answer too: count it
+                    errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                else:
+                    outcomes[result.outcome] = outcomes.get(result.outcome, 0) + 1
+                    act.append(result.act_s)
+                latencies.append(time.perf_counter() - started)
+                answered += 1
+                if next(cycles, None) is not None:
+                    env = await client.env_open(mem=ENV_MEM)
+                    result = await client.exec("echo x > f && cat f", env=env)
+                    await client.env_close(env)
+                    env_done += result.stdout == "x\n"
+            if home is not None:
+                await client.env_close(home)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one_client() for _ in range(clients)))
+    wall = time.perf_counter() - started
+    return {
+        "answered": answered,
+        "outcomes": outcomes,
+        "errors": errors,
+        "env_cycles_ok": env_done,
+        "wall_s": round(wall, 3),
+        "throughput_per_s": round(n / wall, 1),
+        "client_act": percentiles(latencies),
+        "daemon_act": percentiles(act),
+    }
+
+
+def bare(n: int, clients: int) -> dict[str, Any]:
+    """The same count of bare subprocess.run(["true"]) at the same concurrency."""
+    latencies: list[float] = []
+
+    def one(_: int) -> None:
+        started = time.perf_counter()
+        subprocess.run(["true"], check=True)
+        latencies.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        list(pool.map(one, range(n)))
+    wall = time.perf_counter() - started
+    return {
+        "wall_s": round(wall, 3),
+        "throughput_per_s": round(n / wall, 1),
+        "act": percentiles(latencies),
+    }
+
+
+def run(n: int, clients: int, env_cycles: int, throwaway: bool = False) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="tgload-", dir="/tmp") as work:
+        daemon = spawn_daemon(work, "[daemon]\nmax_connections = 4096\n")
+        try:
+            before = daemon_usage(daemon)
+            load = asyncio.run(drive(daemon.socket, n, clients, env_cycles, throwaway=throwaway))
+            time.sleep(0.5)  # let the last closes settle
+            after = daemon_usage(daemon)
+            left = leftovers(daemon)
+        finally:
+            daemon.stop()
+        baseline = bare(n, clients)
+    ratio = load["throughput_per_s"] / baseline["throughput_per_s"]
+    return {
+        "n": n,
+        "clients": clients,
+        "env_cycles": env_cycles,
+        "throwaway_envs": throwaway,
+        "cpus": len(os.sched_getaffinity(0)),
+        "tangram": load,
+        "bare_subprocess_run": baseline,
+        "throughput_ratio": round(ratio, 3),
+        "daemon_before": before,
+        "daemon_after": after,
+        "leftovers": left,
+        "goal_met": (
+            load["answered"] == n
+            and load["env_cycles_ok"] == env_cycles
+            and not any(left.values())
+            and ratio >= 0.5
+        ),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=10_000, help="execs (and bare runs)")
+    ap.add_argument("--clients", type=int, default=256, help="concurrent clients")
+    ap.add_argument("--env-cycles", type=int, default=200, help="env open/exec/close cycles")
+    ap.add_argument(
+        "--throwaway",
+        action="store_true",
+        help="a fresh environment per exec (default: one per client)",
+    )
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args()
+    report = run(args.n, args.clients, args.env_cycles, args.throwaway)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    t, b = report["tangram"], report["bare_subprocess_run"]
+    print(f"tangram: {t['throughput_per_s']}/s  ACT {t['client_act']}  answered {t['answered']}")
+    print(f"bare:    {b['throughput_per_s']}/s  ACT {b['act']}")
+    print(f"ratio {report['throughput_ratio']}  leftovers {report['leftovers']}")
+    print(f"daemon before {report['daemon_before']} after {report['daemon_after']}")
+
+
+if __name__ == "__main__":
+    main()

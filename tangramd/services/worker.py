@@ -1,0 +1,238 @@
+"""The torch service worker: one process per replica, holding one module and its host backup.
+
+    python -m tangramd.services.worker --name NAME --entry MODULE:FACTORY [--path DIR]
+        [--device cpu|cuda:N]                 # pipe mode (ServiceHost's torch runtime)
+        [--http-port PORT]                    # http mode: the vLLM/SGLang sleep/wake subset
+
+``FACTORY()`` returns a ``torch.nn.Module`` defining ``handle(self, payload: dict) -> dict``.
+The worker backs the module's tensors up in host memory once (pinned on CUDA) and then
+serves requests. Pipe mode speaks ``tangramd.services.wire`` frames on stdin/stdout (user
+code's prints go to stderr). HTTP mode serves, on 127.0.0.1 only:
+
+- ``GET /health``, ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``
+- ``POST /sleep?level=1`` and ``POST /release_memory_occupation``: evict (level 1 only: the
+  host backup is kept)
+- ``POST /wake_up`` and ``POST /resume_memory_occupation``: restore
+- ``POST <any other path>``: the JSON body is the payload of ``handle``; 200 with the result,
+  400 ``{"error"}`` when the handler rejects it, 503 while sleeping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from tangramd.services import wire
+
+
+class FactoryError(Exception):
+    """The service's factory could not be imported, failed, or returned the wrong thing."""
+
+
+class Served:
+    """The module, its flat weights and the request handlers both modes share."""
+
+    def __init__(self, name: str, entry: str, path: str | None, device: str) -> None:
+        module = build(name, entry, path)  # first: a broken factory fails before torch loads
+        import torch
+
+        from tangramd.services.weights import FlatWeights
+
+        self.name = name
+        self.torch = torch
+        self.weights = FlatWeights(module, torch.device(device))
+        self.module = module
+        self.calls = 0
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "nbytes": self.weights.nbytes,
+            "device": str(self.weights.device),
+            "resident": self.weights.resident,
+            "pid": os.getpid(),
+            "calls": self.calls,
+        }
+
+    def restore(self, device: str | None = None) -> dict[str, Any]:
+        if device is not None and device != str(self.weights.device):
+            self.weights.evict()
+            self.weights.device = self.torch.device(device)
+        moved = self.weights.restore()
+        return {"bytes": moved.nbytes, "seconds": moved.seconds}
+
+    def evict(self) -> dict[str, Any]:
+        moved = self.weights.evict()
+        return {"bytes": moved.nbytes, "seconds": moved.seconds}
+
+    def call(self, payload: Any) -> tuple[bool, Any, float]:
+        """``(ok, result or error message, exec seconds)``; a rejection is not a crash."""
+        start = time.perf_counter()
+        self.calls += 1
+        try:
+            if not isinstance(payload, dict):
+                raise TypeError(f"payload must be a map, got {type(payload).__name__}")
+            with self.torch.inference_mode():
+                result = self.module.handle(payload)
+            if not isinstance(result, dict):
+                raise TypeError(f"handle() returned {type(result).__name__}, not a dict")
+            wire.encode({"result": result})  # msgpack-able, or the caller could not get it
+        except Exception as exc:
+            return False, f"{type(exc).__name__}: {exc}", time.perf_counter() - start
+        return True, result, time.perf_counter() - start
+
+
+def build(name: str, entry: str, path: str | None) -> Any:
+    """Import ``MODULE:FACTORY`` (``path`` first on ``sys.path``) and build the module."""
+    if path:
+        sys.path.insert(0, path)
+    module_name, _, factory_name = entry.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+        module = factory()
+    except Exception as exc:
+        raise FactoryError(
+            f"service {name!r}: factory {entry} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise FactoryError(
+            f"service {name!r}: factory {entry} returned {type(module).__name__}, "
+            "not a torch.nn.Module"
+        )
+    if not callable(getattr(module, "handle", None)):
+        raise FactoryError(f"service {name!r}: the module from {entry} has no handle() method")
+    return module.eval()
+
+
+# --------------------------------------------------------------------------- pipe mode
+
+
+def serve_pipe(args: argparse.Namespace) -> int:
+    out = os.fdopen(os.dup(1), "wb")  # replies; fd 1 becomes stderr so prints cannot corrupt
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    inp = sys.stdin.buffer
+    try:
+        served = Served(args.name, args.entry, args.path, args.device)
+    except Exception as exc:
+        message = str(exc) if isinstance(exc, FactoryError) else _describe(args.name, exc)
+        wire.write_frame(out, {"ok": False, "kind": "error", "error": message})
+        return 1
+    wire.write_frame(out, {"ok": True, **served.info()})
+    while (msg := wire.read_frame(inp)) is not None:
+        wire.write_frame(out, _answer(served, msg))
+    return 0
+
+
+def _answer(served: Served, msg: dict[str, Any]) -> dict[str, Any]:
+    op = msg.get("op")
+    try:
+        if op == "call":
+            if not served.weights.resident:
+                return {"ok": False, "kind": "error", "error": "not resident: restore first"}
+            ok, value, seconds = served.call(msg.get("payload"))
+            if ok:
+                return {"ok": True, "result": value, "exec_s": seconds}
+            return {"ok": False, "kind": "failed", "error": value, "exec_s": seconds}
+        if op == "restore":
+            return {"ok": True, **served.restore(msg.get("device"))}
+        if op == "evict":
+            return {"ok": True, **served.evict()}
+        if op == "info":
+            return {"ok": True, **served.info()}
+        return {"ok": False, "kind": "error", "error": f"unknown op {op!r}"}
+    except Exception as exc:  # an OOM on restore, a torch error: the host reports infra
+        return {"ok": False, "kind": "error", "error": _describe(served.name, exc)}
+
+
+def _describe(name: str, exc: BaseException) -> str:
+    last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    return f"service {name!r}: {last}"
+
+
+# --------------------------------------------------------------------------- http mode
+
+
+def serve_http(args: argparse.Namespace) -> int:
+    import torch
+
+    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    served = Served(args.name, args.entry, args.path, device)
+    served.restore()  # a model server starts awake, as vLLM does
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            route = urlsplit(self.path).path
+            if route == "/health":
+                self._reply(200, {})
+            elif route == "/is_sleeping":
+                self._reply(200, {"is_sleeping": not served.weights.resident})
+            else:
+                self._reply(404, {"error": f"no route {route}"})
+
+        def do_POST(self) -> None:
+            parts = urlsplit(self.path)
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if parts.path in ("/sleep", "/release_memory_occupation"):
+                level = parse_qs(parts.query).get("level", ["1"])[0]
+                if level != "1":
+                    self._reply(400, {"error": f"sleep level {level} not supported (only 1)"})
+                else:
+                    self._reply(200, served.evict())
+            elif parts.path in ("/wake_up", "/resume_memory_occupation"):
+                self._reply(200, served.restore())
+            elif not served.weights.resident:
+                self._reply(503, {"error": "the model is sleeping"})
+            else:
+                try:
+                    payload = json.loads(body or b"{}")
+                except ValueError as exc:
+                    self._reply(400, {"error": f"body is not JSON: {exc}"})
+                    return
+                ok, value, _ = served.call(payload)
+                self._reply(200, value) if ok else self._reply(400, {"error": value})
+
+        def _reply(self, status: int, data: Any) -> None:
+            body = json.dumps(data).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # one line per request would drown the node's log
+
+    server = HTTPServer(("127.0.0.1", args.http_port), Handler)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tangramd.services.worker")
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--entry", required=True)
+    parser.add_argument("--path")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--http-port", type=int)
+    args = parser.parse_args(argv)
+    if args.http_port is not None:
+        return serve_http(args)
+    args.device = args.device or "cpu"
+    return serve_pipe(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
