@@ -16,9 +16,12 @@ from pathlib import Path
 
 def verl_module(name: str) -> types.ModuleType:
     """Import ``verl.<...>`` with its parent packages' ``__init__`` files skipped."""
-    spec = importlib.util.find_spec("verl")  # locates verl without executing it
-    assert spec is not None and spec.submodule_search_locations, "verl is not installed"
-    root = Path(next(iter(spec.submodule_search_locations)))
+    if "verl" in sys.modules:  # registered by an earlier call (a bare package, no spec)
+        root = Path(next(iter(sys.modules["verl"].__path__)))
+    else:
+        spec = importlib.util.find_spec("verl")  # locates verl without executing it
+        assert spec is not None and spec.submodule_search_locations, "verl is not installed"
+        root = Path(next(iter(spec.submodule_search_locations)))
     parts = name.split(".")
     for depth in range(1, len(parts)):
         parent = ".".join(parts[:depth])
