@@ -146,7 +146,10 @@ def http(listen: str, socket_path: str | None, api_key_file: str | None, cpus: i
 
         from tangramd.gateway.app import build_app
     except ImportError as exc:
-        click.echo(f"tangramd http: needs the http extra (pip install 'arl-tangram[http]'): {exc}")
+        click.echo(
+            f"tangramd http: needs the http extra (pip install 'arl-tangram[http]'): {exc}",
+            err=True,
+        )
         sys.exit(2)
     from tangram.protocol import default_socket_path
 

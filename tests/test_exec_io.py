@@ -114,6 +114,11 @@ def test_transfers_are_confined(c, env):
         c.put(env, "t2", _tar({}, links={"l": "/etc"}), tar=True)
     with pytest.raises(BadRequest):
         c.put(env, "out", _tar({"evil": b"x"}), tar=True)
+    with pytest.raises(BadRequest):
+        c.put(env, "t3", b"not a tar stream", tar=True)
+    c.put(env, "dir/f", b"x")
+    with pytest.raises(BadRequest, match="directory"):
+        c.put(env, "dir", b"x")  # a file over a directory
 
 
 def test_transfer_size_cap(c, env):
