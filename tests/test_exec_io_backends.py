@@ -12,8 +12,9 @@ from pathlib import Path
 
 import docker
 import pytest
-from backend_conformance import ex, new_env, run
+from backend_conformance import BOTH_CORES, allowed_list, cpulist, ex, new_env, req, run
 
+from tangramd.backends.base import EnvError
 from tangramd.backends.docker import DockerBackend
 from tangramd.backends.process import ProcessBackend
 
@@ -85,3 +86,31 @@ def test_stdin_cwd_and_transfers(backend):
         run(backend.get(env, "missing", max_bytes=100))
     with pytest.raises(ValueError, match="more than"):
         run(backend.get(env, "d/f.txt", max_bytes=2))
+
+
+def test_sessions_keep_state_and_survive_timeouts(backend):
+    """A session's shell keeps cd and variables; a timeout interrupts, the shell stays;
+    each run is pinned to its own cores. (Docker: through the agent only.)"""
+    env = new_env(backend)
+
+    async def scenario() -> None:  # one loop: a session's shell is watched by the daemon's
+        def go(cmd, **kw):
+            return backend.exec(req(env, cmd, session="s1", **kw))
+
+        if isinstance(backend, DockerBackend) and not backend.use_agent:
+            with pytest.raises(EnvError, match="agent"):
+                await backend.open_session(env, "s1")
+            return
+        await backend.open_session(env, "s1")
+        assert (await go("mkdir -p w && cd w && X=5")).outcome == "ok"
+        r = await go("pwd; echo $X; grep Cpus_allowed_list /proc/self/status", cores=BOTH_CORES)
+        lines = r.stdout.splitlines()
+        assert lines[0].endswith("/w") and lines[1] == "5", r
+        assert allowed_list(r) == cpulist(BOTH_CORES)
+        r = await go("echo before; sleep 30", timeout_s=0.5)
+        assert (r.outcome, r.stdout) == ("timeout", "before\n"), r
+        assert (await go("echo $X; cat", stdin=b"piped")).stdout == "5\npiped"
+        await backend.close_session("s1")
+        assert (await go("true")).outcome == "infra_error"
+
+    run(scenario())

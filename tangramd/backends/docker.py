@@ -23,6 +23,13 @@
 - One tangramd owns the containers carrying its label key on a dockerd: `reconcile()`
   adopts running ones labelled with our own owner id and removes all others.
 
+- Files go in and out through the engine's archive API (``put_archive`` / ``get_archive``,
+  tar streams), paths relative to the working directory; an exec's input goes to the agent
+  (or, with ``docker exec``, through a file it reads first).
+- Shell sessions live in the agent (persistent interactive bash, ``agent.py``); the daemon
+  writes each run's script (``shell.py``), and the container's cpuset pinning before the
+  run re-pins the shell with it. Without the agent there are no sessions.
+
 All SDK calls run in a dedicated thread pool; the agent is spoken to with asyncio directly.
 """
 
@@ -36,6 +43,7 @@ import hashlib
 import json
 import os
 import posixpath
+import secrets
 import shutil
 import tempfile
 import time
@@ -51,6 +59,7 @@ import requests.exceptions
 
 from tangramd.backends import agent as agent_mod
 from tangramd.backends import files
+from tangramd.backends import shell as shell_mod
 from tangramd.backends.base import (
     EXEC_OOM_SCORE_ADJ,
     SHUTDOWN_DETAIL,
@@ -176,6 +185,7 @@ class DockerBackend:
         self.agent_start_timeout_s = agent_start_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="tangram-docker")
         self._envs: dict[str, _Env] = {}
+        self._sessions: dict[str, str] = {}  # session id -> env id (the agent holds the shell)
         self._inflight: set[asyncio.Future[Any]] = set()
         self._closing = False
         self._first_core = min(os.sched_getaffinity(0))
@@ -311,6 +321,8 @@ class DockerBackend:
         raise EnvError(f"agent did not start within {self.agent_start_timeout_s} s")
 
     async def close_env(self, env_id: str) -> None:
+        for session_id in [s for s, e in self._sessions.items() if e == env_id]:
+            del self._sessions[session_id]  # its shell goes with the container
         env = self._envs.pop(env_id, None)
         if env is None:
             return
@@ -416,6 +428,8 @@ class DockerBackend:
             return await self._failed(env, f"cannot pin cores: {e.explanation or e}")
         except _ENGINE_ERRORS as e:
             return infra_error(f"docker engine unreachable: {e}")
+        if req.session is not None:
+            return await self._session_exec(env, req)
         cmd = rewrite_pytest(req.cmd, len(req.cores), req.elastic)
         env_vars = {**req.env_vars, "TANGRAM_CPUS": str(len(req.cores)), "TANGRAM_CORES": cores}
         if env.use_agent:
@@ -661,13 +675,81 @@ class DockerBackend:
     async def open_session(
         self, env_id: str, session_id: str, run_as: tuple[int, int] | None = None
     ) -> None:
-        raise EnvError("shell sessions are served by the process backend only (for now)")
+        """Start a persistent shell in the container, hosted by its agent (``agent.py``)."""
+        env = self._live(env_id)
+        if not env.use_agent:
+            raise EnvError("shell sessions need the in-container agent (an image with python3)")
+        await self._session_call(env, {"op": "session_open", "id": session_id}, 10.0)
+        self._sessions[session_id] = env_id
+        token = secrets.token_hex(8)
+        hello = ExecRequest(env_id, "true", (self._first_core,))
+        reply = await self._session_call(
+            env,
+            {
+                "op": "session_run", "id": session_id, "token": token, "cores": [],
+                "script": shell_mod.script(hello, token, setup=shell_mod.SETUP),
+                "timeout_s": shell_mod.OPEN_TIMEOUT_S, "max_output": 4096,
+            },
+            shell_mod.OPEN_TIMEOUT_S + REPLY_MARGIN_S,
+        )  # fmt: skip
+        if reply.get("exit_code") != 0:
+            await self.close_session(session_id)
+            raise EnvError(f"the session's shell did not start: {reply.get('stderr', '')}")
+
+    async def _session_exec(self, env: _Env, req: ExecRequest) -> ExecResult:
+        """One run in a session: the container is already pinned to ``req.cores``."""
+        if self._sessions.get(req.session or "") != env.env_id:
+            return infra_error(f"no such session {req.session} in {env.env_id}")
+        token = secrets.token_hex(8)
+        frame = {
+            "op": "session_run", "id": req.session, "token": token,
+            "script": shell_mod.script(req, token), "cores": list(req.cores),
+            "timeout_s": req.timeout_s, "max_output": req.max_output,
+        }  # fmt: skip
+        wait = None if req.timeout_s is None else req.timeout_s + REPLY_MARGIN_S
+        try:
+            reply = await _agent_call(env.agent_dir / AGENT_SOCK, frame, wait)
+        except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+            state = await self._settled_state(env.container_id)
+            if state not in ("running", "unknown"):
+                return await self._lost(env, f"container is {state}")
+            return infra_error(f"agent connection failed: {type(e).__name__}: {e}")
+        if not reply.get("ok"):
+            return infra_error(f"session {req.session}: {reply.get('error')}")
+        code = int(reply["exit_code"])
+        timed_out = bool(reply["timed_out"])
+        detail = f"killed after {req.timeout_s} s" if timed_out else ""
+        if reply.get("ended"):
+            detail = "; ".join(filter(None, (detail, f"session {req.session}: its shell exited")))
+        outcome = outcome_for(code, timed_out)
+        if reply.get("ended") and outcome == "ok":
+            outcome = "failed"  # the shell itself exited: the session is over
+        return ExecResult(
+            outcome, code, reply["stdout"], reply["stderr"], float(reply["exec_s"]),
+            bool(reply["truncated"]), detail,
+        )  # fmt: skip
+
+    async def _session_call(self, env: _Env, frame: dict[str, Any], wait: float) -> dict[str, Any]:
+        try:
+            reply = await _agent_call(env.agent_dir / AGENT_SOCK, frame, wait)
+        except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+            raise EnvError(f"agent connection failed: {type(e).__name__}: {e}") from e
+        if not reply.get("ok"):
+            raise EnvError(f"agent: {reply.get('error')}")
+        return reply
 
     async def interrupt_session(self, session_id: str) -> bool:
-        return False
+        env = self._envs.get(self._sessions.get(session_id, ""))
+        if env is None or not env.alive:
+            return False
+        reply = await self._session_call(env, {"op": "session_interrupt", "id": session_id}, 5.0)
+        return bool(reply.get("interrupted"))
 
     async def close_session(self, session_id: str) -> None:
-        return None
+        env = self._envs.get(self._sessions.pop(session_id, ""))
+        if env is not None and env.alive:
+            with contextlib.suppress(EnvError):
+                await self._session_call(env, {"op": "session_close", "id": session_id}, 5.0)
 
     async def _kill_marked(self, env: _Env, sig: str, marker: str) -> None:
         with contextlib.suppress(docker.errors.APIError, *_ENGINE_ERRORS):

@@ -141,7 +141,7 @@ async def open_shell(
     result = await run(
         shell,
         ExecRequest(env_id, "true", (min(os.sched_getaffinity(0)),), timeout_s=OPEN_TIMEOUT_S),
-        setup="set +H; PS1=; PS2=; PS0=; PS4=; unset PROMPT_COMMAND\n",
+        setup=SETUP,
     )
     if result.outcome != "ok":
         close(shell)
@@ -163,8 +163,13 @@ def _on_readable(loop: asyncio.AbstractEventLoop, fd: int, stream: _Stream) -> N
         stream.close()
 
 
-def _script(req: ExecRequest, token: str, setup: str = "") -> bytes:
-    """The lines that run ``req.cmd`` in the shell and then print the markers."""
+# Quiet prompts, no history expansion: the first lines every session's shell gets.
+SETUP = "set +H; PS1=; PS2=; PS0=; PS4=; unset PROMPT_COMMAND\n"
+
+
+def script(req: ExecRequest, token: str, setup: str = "") -> str:
+    """The lines that run ``req.cmd`` in the shell and then print the markers (also what
+    the Docker backend's in-container agent feeds its sessions)."""
     cmd = req.cmd if isinstance(req.cmd, str) else " ".join(_quote(a) for a in req.cmd)
     delim = f"TANGRAM_EOF_{token}"
     pinned = f"export TANGRAM_CPUS={len(req.cores)} TANGRAM_CORES={','.join(map(str, req.cores))}"
@@ -182,7 +187,7 @@ def _script(req: ExecRequest, token: str, setup: str = "") -> bytes:
         f"__tangram_rc=$?; printf '\\n%s%d%s\\n' {token}: $__tangram_rc :{token}; "
         f"printf '\\n%s%d%s\\n' {token}: $__tangram_rc :{token} >&2\n"
     )
-    return lines.encode()
+    return lines
 
 
 def _quote(text: str) -> str:
@@ -242,7 +247,7 @@ async def run(shell: Shell, req: ExecRequest, setup: str = "") -> ExecResult:
     shell.older = frozenset(proc.pid for proc in _descendants(shell))
     started = time.monotonic()
     try:
-        payload = _script(req, token, setup)
+        payload = script(req, token, setup).encode()
         await asyncio.get_running_loop().run_in_executor(None, _write, stdin, payload)
     except OSError as e:
         shell.older = None
