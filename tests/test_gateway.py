@@ -170,3 +170,16 @@ def test_api_key_is_required_when_configured(stack, tmp_path):
         assert httpx.get(f"{gw.url}/metrics").status_code == 401
         r = httpx.post(f"{gw.url}/run_code", json=body, headers={"X-API-Key": "s3cret-key"})
         assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "1\n"
+
+
+def test_daemon_unreachable_is_a_sandbox_error_not_a_crash(tmp_path):
+    """Without a daemon behind it the gateway answers SandboxError, /metrics says down."""
+    with spawn_gateway(str(tmp_path / "no-daemon.sock"), tmp_path) as gw:
+        r = httpx.post(f"{gw.url}/run_code", json={"code": "print(1)", "language": "python"})
+        assert r.status_code == 200
+        body = r.json()
+        assert body["status"] == "SandboxError" and "cannot connect" in body["message"]
+        assert "tangram_daemon_up 0.0" in httpx.get(f"{gw.url}/metrics").text
+        assert httpx.get(f"{gw.url}/health").status_code == 503
+        assert gw.proc.poll() is None
+    assert "Traceback" not in gw.log(), gw.log()
