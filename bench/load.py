@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil
 
 from tangram.client import AsyncClient
-from tangramd.spawn import SpawnedDaemon, spawn_daemon
+from tangram.testing import SpawnedDaemon, spawn_daemon
 
 ENV_MEM = "16MiB"  # per environment: 256 clients' environments fit any host
 CGROUP_ROOTS = (Path("/sys/fs/cgroup/cpuset/tangram"), Path("/sys/fs/cgroup/unified/tangram"))

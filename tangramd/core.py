@@ -68,6 +68,7 @@ class CoreConfig:
     default_deadline_s: float = 30.0
     max_output: int = 1 << 20
     default_image: str | None = None
+    exec_as_peer: bool = False  # commands run as the connecting client (cpu.exec_user="peer")
     max_transfer: int = 8 << 20  # bytes one env.get may return (env.put: the op table's cap)
 
 
@@ -103,6 +104,7 @@ class Core:
                 mem=self.cfg.default_env_mem,
                 image=self.cfg.default_image,
                 idle_ttl_s=self.cfg.env_idle_ttl_s,
+                owned_by_peer=self.cfg.exec_as_peer,
             ),
         )
         self.history = history or HistoryEstimator(default_s=1.0)
@@ -190,11 +192,11 @@ class Core:
                     cpus = [dops[0], dops[-1]]
         if isinstance(cpus, tuple):
             cpus = list(cpus)
-        session = self._session_for(spec.session, spec.env) if spec.session else None
+        session = self._session_for(spec.session, spec.env, e.peer) if spec.session else None
         if session is not None:
-            env = self._ready_env(session.env)
+            env = self._ready_env(session.env, e.peer)
         elif spec.env is not None:
-            env = self.envs.open_env(spec.env)
+            env = self.envs.open_env(spec.env, e.peer)
             if env is None:
                 raise NotFound(f"environment {spec.env!r} not found")
         else:
@@ -208,6 +210,7 @@ class Core:
                 throwaway=True,
                 token=None,
                 conn=e.conn,
+                owner=e.peer,
             )
         max_cores = max(p.capacity for p in self.cpu.nodes)
         aid = ActionId(self._new_id("a"))
@@ -237,6 +240,7 @@ class Core:
             submitted_at=now,
             history=self.stories.open(aid),
             spec=spec,
+            run_as=e.peer if self.cfg.exec_as_peer else None,
         )
         self.actions[aid] = rec
         if session is not None:
@@ -390,6 +394,7 @@ class Core:
                 cores=tuple(rec.units),
                 spec=rec.spec,
                 max_output=self.cfg.max_output,
+                run_as=rec.run_as,
                 cause=self.stimulus,
             )
         )
@@ -427,10 +432,11 @@ class Core:
             throwaway=False,
             token=e.token,
             conn=e.conn,
+            owner=e.peer,
         )
 
     def _close(self, e: ev.CloseEnv, now: float, out: list[ev.Command]) -> None:
-        env = self.envs.open_env(e.env_id)
+        env = self.envs.open_env(e.env_id, e.peer)
         if env is None:
             raise NotFound(f"environment {e.env_id!r} not found")
         env.close_token = e.token
@@ -482,8 +488,8 @@ class Core:
         out.append(ev.PersistEnvs(envs=self.envs.records(), cause=self.stimulus))
 
     # ------------------------------------------------------------------ environment I/O
-    def _ready_env(self, env_id: str) -> EnvRec:
-        env = self.envs.open_env(env_id)
+    def _ready_env(self, env_id: str, peer: tuple[int, int] | None = None) -> EnvRec:
+        env = self.envs.open_env(env_id, peer)
         if env is None:
             raise NotFound(f"environment {env_id!r} not found")
         if env.state != "ready":
@@ -491,7 +497,7 @@ class Core:
         return env
 
     def _put_file(self, e: ev.PutFile, now: float, out: list[ev.Command]) -> None:
-        env = self._ready_env(e.env_id)
+        env = self._ready_env(e.env_id, e.peer)
         env.last_used = now
         out.append(
             ev.RunTransfer(
@@ -508,7 +514,7 @@ class Core:
         )
 
     def _get_file(self, e: ev.GetFile, now: float, out: list[ev.Command]) -> None:
-        env = self._ready_env(e.env_id)
+        env = self._ready_env(e.env_id, e.peer)
         env.last_used = now
         out.append(
             ev.RunTransfer(
@@ -530,10 +536,21 @@ class Core:
             out.append(self._reply(e.token, result=e.result, error=e.error))
 
     # ------------------------------------------------------------------ shell sessions
-    def _session_for(self, session_id: str, env_id: str | None) -> SessionRec:
+    def _session_of(self, session_id: str, peer: tuple[int, int] | None) -> SessionRec:
+        """An open session whose environment ``peer`` may use (else, as if none)."""
         session = self.sessions.get(session_id)
-        if session is None or session.state != "open":
+        if (
+            session is None
+            or session.state != "open"
+            or self.envs.open_env(session.env, peer) is None
+        ):
             raise NotFound(f"session {session_id!r} not found (or not open)")
+        return session
+
+    def _session_for(
+        self, session_id: str, env_id: str | None, peer: tuple[int, int] | None
+    ) -> SessionRec:
+        session = self._session_of(session_id, peer)
         if env_id is not None and env_id != session.env:
             raise BadRequest(f"session {session_id} belongs to environment {session.env}")
         if session.busy is not None:
@@ -548,13 +565,18 @@ class Core:
     def _open_session(self, e: ev.OpenSession, now: float, out: list[ev.Command]) -> None:
         if self.shutting_down:
             raise ShuttingDown("daemon is shutting down")
-        env = self._ready_env(e.env_id)
+        env = self._ready_env(e.env_id, e.peer)
         env.last_used = now
         sid = self._new_id("s")
         session = SessionRec(id=sid, env=env.id, node=env.node, open_token=e.token)
         session.history.append((now, "new", "opening", "session.open"))
         self.sessions[sid] = session
-        out.append(ev.StartShell(session_id=sid, env_id=env.id, node=env.node, cause=self.stimulus))
+        run_as = e.peer if self.cfg.exec_as_peer else None
+        out.append(
+            ev.StartShell(
+                session_id=sid, env_id=env.id, node=env.node, run_as=run_as, cause=self.stimulus
+            )
+        )
 
     def _session_opened(self, e: ev.SessionOpened, now: float, out: list[ev.Command]) -> None:
         session = self.sessions.get(e.session_id)
@@ -578,9 +600,7 @@ class Core:
             out.append(self._reply(token, result={"id": session.id, "env": session.env}))
 
     def _interrupt_session(self, e: ev.InterruptSession, now: float, out: list[ev.Command]) -> None:
-        session = self.sessions.get(e.session_id)
-        if session is None or session.state != "open":
-            raise NotFound(f"session {e.session_id!r} not found (or not open)")
+        session = self._session_of(e.session_id, e.peer)
         busy = session.busy is not None
         if busy:
             out.append(
@@ -591,7 +611,11 @@ class Core:
 
     def _close_session(self, e: ev.CloseSession, now: float, out: list[ev.Command]) -> None:
         session = self.sessions.get(e.session_id)
-        if session is None or session.state in ("closing", "closed"):
+        if (
+            session is None
+            or session.state in ("closing", "closed")
+            or self.envs.open_env(session.env, e.peer) is None
+        ):
             raise NotFound(f"session {e.session_id!r} not found")
         transition(session, "closing", SESSION_EDGES, now, "session.close")
         session.close_token = e.token
@@ -899,8 +923,13 @@ class Core:
     def total_cores(self) -> int:
         return sum(p.capacity for p in self.cpu.nodes)
 
-    def env_ids(self, *, throwaway_only: bool = False) -> list[str]:
-        return [env.id for env in self.envs if env.throwaway or not throwaway_only]
+    def env_ids(self, *, throwaway_only: bool = False, persistent_only: bool = False) -> list[str]:
+        return [
+            env.id
+            for env in self.envs
+            if not (throwaway_only and not env.throwaway)
+            and not (persistent_only and env.throwaway)
+        ]
 
     # ------------------------------------------------------------------ invariants
     def validate(self) -> None:

@@ -100,6 +100,7 @@ class ActionRec:
     submitted_at: float
     history: StoryLog
     spec: ExecSpec | None = None  # exec actions: the request as submitted
+    run_as: tuple[int, int] | None = None  # exec actions: the user the command runs as
     state: str = "new"
     pool_id: str = ""
     units: tuple[int, ...] = ()

@@ -52,6 +52,7 @@ class EnvDefaults:
     mem: int = 1 << 30
     image: str | None = None
     idle_ttl_s: float = 1800.0
+    owned_by_peer: bool = False  # files belong to the client that opened it (exec as peer)
 
 
 class EnvBook:
@@ -68,10 +69,15 @@ class EnvBook:
     def get(self, env_id: str) -> EnvRec | None:
         return self._envs.get(EnvId(env_id))
 
-    def open_env(self, env_id: str) -> EnvRec | None:
-        """The environment if it exists and is not being closed."""
+    def open_env(self, env_id: str, peer: tuple[int, int] | None = None) -> EnvRec | None:
+        """The environment if it exists, is not being closed, and ``peer`` may use it: its
+        owner, root, or anyone when either side is unknown."""
         env = self._envs.get(EnvId(env_id))
-        return None if env is None or env.state in ("closing", "closed") else env
+        if env is None or env.state in ("closing", "closed"):
+            return None
+        if peer is not None and env.owner is not None and peer[0] not in (0, env.owner[0]):
+            return None  # another user's environment: as if it did not exist
+        return env
 
     def __iter__(self) -> Iterator[EnvRec]:
         return iter(list(self._envs.values()))
@@ -271,7 +277,10 @@ class EnvBook:
 
     # ------------------------------------------------------------------ helpers
     def _create(self, env: EnvRec, cause: int) -> ev.CreateEnv:
-        return ev.CreateEnv(env_id=env.id, node=env.node, image=env.image, mem=env.mem, cause=cause)
+        owner = env.owner if self.defaults.owned_by_peer else None
+        return ev.CreateEnv(
+            env_id=env.id, node=env.node, image=env.image, mem=env.mem, owner=owner, cause=cause
+        )
 
     def _place_waiting(self, now: float, out: list[ev.Command], cause: int) -> None:
         """Memory was freed: place waiting environments in FIFO order."""

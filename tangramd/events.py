@@ -28,6 +28,7 @@ class SubmitExec(Event):
     spec: ExecSpec
     token: int | None = None
     conn: int | None = None
+    peer: tuple[int, int] | None = None  # (uid, gid) of the client (SO_PEERCRED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +38,14 @@ class OpenEnv(Event):
     mem: int | None = None
     trajectory: str | None = None
     conn: int | None = None
+    peer: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class CloseEnv(Event):
     token: int | None = None
     env_id: str = ""
+    peer: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,7 @@ class PutFile(Event):
     path: str = ""
     data: bytes = b""
     tar: bool = False
+    peer: tuple[int, int] | None = None  # (uid, gid) of the client
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,7 @@ class GetFile(Event):
     token: int | None = None
     env_id: str = ""
     path: str = ""
+    peer: tuple[int, int] | None = None  # (uid, gid) of the client
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +144,7 @@ class OpenSession(Event):
 
     token: int | None = None
     env_id: str = ""
+    peer: tuple[int, int] | None = None  # (uid, gid) of the client
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,12 +157,14 @@ class SessionOpened(Event):
 class InterruptSession(Event):
     token: int | None = None
     session_id: str = ""
+    peer: tuple[int, int] | None = None  # (uid, gid) of the client
 
 
 @dataclass(frozen=True, slots=True)
 class CloseSession(Event):
     token: int | None = None
     session_id: str = ""
+    peer: tuple[int, int] | None = None  # (uid, gid) of the client
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +208,7 @@ class CreateEnv(Command):
     node: str
     image: str | None
     mem: int
+    owner: tuple[int, int] | None = None  # the user its files belong to (None: backend's)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,6 +225,7 @@ class RunExec(Command):
     cores: tuple[int, ...]
     spec: ExecSpec
     max_output: int
+    run_as: tuple[int, int] | None = None  # (uid, gid), None: the backend's sandbox user
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -252,6 +262,7 @@ class StartShell(Command):
     session_id: str
     env_id: str
     node: str
+    run_as: tuple[int, int] | None = None  # the shell's (uid, gid); None: the backend's default
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -53,11 +53,12 @@ class Executor:
         socket_path: str,
         *,
         state_dir: str,
-        max_frame: int = 16 << 20,
-        idle_timeout_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
         handlers: OpHandlers,
+        **server_options: Any,
     ) -> None:
+        """``server_options`` go to the ``UnixServer`` (frame and connection limits, the
+        peer allowlist)."""
         self.core = core
         self.backend = backend
         self.socket_path = socket_path
@@ -67,9 +68,8 @@ class Executor:
         self.server = UnixServer(
             socket_path,
             lambda op, args, conn: handlers.handle(self, op, args, conn),
-            max_frame=max_frame,
-            idle_timeout_s=idle_timeout_s,
             sync_handler=lambda op, args, conn: handlers.handle_sync(self, op, args, conn),
+            **server_options,
         )
         self._tokens = itertools.count(1)
         self._futures: dict[int, asyncio.Future[Any]] = {}
@@ -82,9 +82,17 @@ class Executor:
 
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> None:
-        actions = await self.backend.reconcile()
+        """Re-adopt the persistent environments an earlier run left (the backend removes
+        the rest and kills what was still running), load profiles, start serving."""
+        records = self._read_env_records()
+        keep = {str(r["id"]): _owner(r.get("owner")) for r in records}
+        actions = await self.backend.reconcile(keep)
         for what in actions:
             log.info("reconciled", detail=what)
+        kept = tuple(r for r in records if self.backend.env_exists(str(r["id"])))
+        if records:
+            log.info("envs_readopted", envs=[r["id"] for r in kept], lost=len(records) - len(kept))
+        self.feed(ev.EnvsRecovered(envs=kept))
         self.feed(ev.ProfilesLoaded(profiles=self._read_profiles()))
         await self.server.start()
         log.info(
@@ -103,7 +111,7 @@ class Executor:
         ``RemoveEnv`` comes back as ``EnvRemoved``.
         """
         self.feed(ev.Shutdown())
-        await self.backend.shutdown()
+        await self.backend.shutdown(keep=self.core.env_ids(persistent_only=True))
         deadline = self.clock() + STOP_GRACE_S
         while (self._tasks or self.core.env_ids(throwaway_only=True)) and self.clock() < deadline:
             await asyncio.sleep(0.01)
@@ -239,7 +247,7 @@ class Executor:
     async def _create_env(self, cmd: ev.CreateEnv) -> None:
         error = None
         try:
-            await self.backend.create_env(cmd.env_id, cmd.image, cmd.mem)
+            await self.backend.create_env(cmd.env_id, cmd.image, cmd.mem, owner=cmd.owner)
             log.info("env_created", env=cmd.env_id, node=cmd.node, image=cmd.image, cause=cmd.cause)
         except Exception as exc:  # backend failure of any kind is an infra error
             error = f"{type(exc).__name__}: {exc}"
@@ -260,6 +268,7 @@ class Executor:
             cores=cmd.cores,
             max_output=cmd.max_output,
             action_id=cmd.action_id,
+            run_as=cmd.run_as,
         )
         try:
             res = await self.backend.exec(req)
@@ -309,7 +318,7 @@ class Executor:
     async def _start_shell(self, cmd: ev.StartShell) -> None:
         error = None
         try:
-            await self.backend.open_session(cmd.env_id, cmd.session_id)
+            await self.backend.open_session(cmd.env_id, cmd.session_id, run_as=cmd.run_as)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         log.info("session_opened", session=cmd.session_id, env=cmd.env_id, error=error)
@@ -375,3 +384,9 @@ class Executor:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
+
+
+def _owner(value: Any) -> tuple[int, int] | None:
+    if isinstance(value, list | tuple) and len(value) == 2:
+        return (int(value[0]), int(value[1]))
+    return None

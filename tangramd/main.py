@@ -12,7 +12,7 @@ import click
 import structlog
 
 from tangram.model import TangramError
-from tangramd.config import ConfigError, load_config, resolve_user
+from tangramd.config import ConfigError, load_config
 from tangramd.lifecycle import StateDirBusy, install_stop_handlers, lock_state_dir, sd_notify
 from tangramd.logs import configure_logging
 from tangramd.transport import check_socket_free
@@ -83,27 +83,10 @@ def up(
         lock.close()
 
 
-def apply_limits(runtime: Any, config: Any) -> None:
-    """Give the transport and backend the hardening keys of the config.
-
-    ``build_runtime`` does not pass these yet; until it does, they are set here on the
-    objects it built (``UnixServer`` and ``ProcessBackend`` take them as arguments too).
-    """
-    server, daemon = runtime.server, config.daemon
-    server.frame_timeout_s = daemon.frame_timeout_s
-    server.max_connections = daemon.max_connections
-    server.max_buffered_bytes = daemon.max_buffered_bytes
-    server.allowed_uids = frozenset(daemon.allowed_uids)
-    server.allowed_gids = frozenset(daemon.allowed_gids)
-    if config.cpu.exec_user != "peer" and hasattr(runtime.backend, "default_user"):
-        runtime.backend.default_user = resolve_user(config.cpu.exec_user)
-
-
 async def _serve(config: Any) -> None:
     from tangramd.runtime import build_runtime
 
     runtime = build_runtime(config)
-    apply_limits(runtime, config)
     stop = asyncio.Event()
     uninstall = install_stop_handlers(asyncio.get_running_loop(), stop)
     try:

@@ -111,12 +111,13 @@ async def _env_open(ex: Executor, args: Args, conn: ConnInfo) -> Any:
             mem=args.get("mem"),
             trajectory=args.get("trajectory"),
             conn=None,  # a persistent environment outlives the connection that opened it
+            peer=conn.peer,
         )
     )
 
 
 async def _env_close(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return await ex.request(lambda tok: ev.CloseEnv(token=tok, env_id=args["id"]))
+    return await ex.request(lambda tok: ev.CloseEnv(token=tok, env_id=args["id"], peer=conn.peer))
 
 
 async def _env_put(ex: Executor, args: Args, conn: ConnInfo) -> Any:
@@ -127,29 +128,40 @@ async def _env_put(ex: Executor, args: Args, conn: ConnInfo) -> Any:
             path=args["path"],
             data=args["data"],
             tar=bool(args.get("tar")),
+            peer=conn.peer,
         )
     )
 
 
 async def _env_get(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return await ex.request(lambda tok: ev.GetFile(token=tok, env_id=args["id"], path=args["path"]))
+    return await ex.request(
+        lambda tok: ev.GetFile(token=tok, env_id=args["id"], path=args["path"], peer=conn.peer)
+    )
 
 
 async def _session_open(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return await ex.request(lambda tok: ev.OpenSession(token=tok, env_id=args["env"]))
+    return await ex.request(
+        lambda tok: ev.OpenSession(token=tok, env_id=args["env"], peer=conn.peer)
+    )
 
 
 async def _session_interrupt(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return await ex.request(lambda tok: ev.InterruptSession(token=tok, session_id=args["id"]))
+    return await ex.request(
+        lambda tok: ev.InterruptSession(token=tok, session_id=args["id"], peer=conn.peer)
+    )
 
 
 async def _session_close(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return await ex.request(lambda tok: ev.CloseSession(token=tok, session_id=args["id"]))
+    return await ex.request(
+        lambda tok: ev.CloseSession(token=tok, session_id=args["id"], peer=conn.peer)
+    )
 
 
 async def _exec(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     spec = ExecSpec.from_wire(args)
-    return await ex.request(lambda tok: ev.SubmitExec(spec=spec, token=tok, conn=conn.id))
+    return await ex.request(
+        lambda tok: ev.SubmitExec(spec=spec, token=tok, conn=conn.id, peer=conn.peer)
+    )
 
 
 async def _lease_acquire(ex: Executor, args: Args, conn: ConnInfo) -> Any:

@@ -17,6 +17,7 @@ from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster, CpuNodePool
 from tangramd import ops
 from tangramd.backends.base import Backend
+from tangramd.config import resolve_user
 from tangramd.core import Core, CoreConfig
 from tangramd.executor import Executor
 
@@ -56,6 +57,7 @@ def build_runtime(config: Any) -> Executor:
         default_deadline_s=min((a.deadline_s for a in config.apis), default=30.0),
         max_output=config.cpu.max_output_bytes,
         default_image=config.cpu.docker_image if config.cpu.backend == "docker" else None,
+        exec_as_peer=config.cpu.exec_user == "peer",
     )
     core = Core(cluster, apis, core_cfg)
     if config.gpu.simulated_count or config.services:
@@ -76,13 +78,22 @@ def build_runtime(config: Any) -> Executor:
     else:
         from tangramd.backends.process import ProcessBackend
 
-        backend = ProcessBackend(os.path.join(state_dir, "process"))
+        sandbox_user = None
+        if config.cpu.exec_user != "peer":
+            sandbox_user = resolve_user(config.cpu.exec_user)
+        backend = ProcessBackend(os.path.join(state_dir, "process"), default_user=sandbox_user)
+    daemon = config.daemon
     return Executor(
         core,
         backend,
-        config.daemon.socket,
+        daemon.socket,
         state_dir=state_dir,
-        max_frame=config.daemon.max_frame_bytes,
-        idle_timeout_s=config.daemon.idle_timeout_s,
         handlers=ops,
+        max_frame=daemon.max_frame_bytes,
+        idle_timeout_s=daemon.idle_timeout_s,
+        frame_timeout_s=daemon.frame_timeout_s,
+        max_connections=daemon.max_connections,
+        max_buffered_bytes=daemon.max_buffered_bytes,
+        allowed_uids=daemon.allowed_uids,
+        allowed_gids=daemon.allowed_gids,
     )

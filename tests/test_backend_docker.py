@@ -186,11 +186,15 @@ def test_memory_limit_is_applied(client, agent_backend):
 
 
 def test_reconcile_removes_other_owners_and_adopts_our_own(client, state_dir):
-    """Leftovers of another owner are removed; our own running ones are adopted and work."""
+    """Leftovers of another owner are removed; our own running ones that the daemon kept
+    records of are adopted and work, our own without a record are removed."""
     crashed = make_backend(client, state_dir, owner_id="crashed")
     run(crashed.create_env("left", None, None))
+    run(crashed.create_env("unrecorded", None, None))
     restarted_same = make_backend(client, state_dir, owner_id="crashed")
-    done = run(restarted_same.reconcile())
+    done = run(restarted_same.reconcile({"left": None}))
+    assert any("removed unrecorded" in line for line in done)
+    assert not restarted_same.env_exists("unrecorded")
     assert any("adopted left" in line for line in done)
     assert restarted_same.env_exists("left")
     assert ex(restarted_same, "left", ["echo", "adopted"]).stdout == "adopted\n"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import docker
 import pytest
 from daemon_fixture import running_daemon
@@ -69,27 +71,40 @@ def test_container_removed_behind_our_back_is_infra_error_then_fresh(daemon):
         assert st["pools"]["cpu:local"]["free"] == 2
 
 
-def test_shutdown_removes_containers(tmp_path):
-    """SIGTERM removes every container the daemon created."""
+def test_shutdown_keeps_persistent_containers_for_the_next_daemon(tmp_path):
+    """SIGTERM keeps a persistent environment's container (it belongs to its trajectory);
+    the next daemon re-adopts it, and env.close removes it."""
     with running_daemon(tmp_path, "--cpu-backend", "docker") as d:
         with d.client() as c:
             env = c.env_open(image=IMAGE)
+            assert c.exec("echo kept > f", env=env).outcome == "ok"
         assert len(ours(env)) == 1
         assert d.stop() == 0
-    assert ours(env) == []
+    assert len(ours(env)) == 1
+    with running_daemon(tmp_path, "--cpu-backend", "docker") as d2, d2.client() as c:
+        assert c.exec("cat f", env=env).stdout == "kept\n"
+        c.env_close(env)
+        assert ours(env) == []
 
 
-def test_containers_of_a_killed_daemon_are_reconciled(tmp_path):
-    """After SIGKILL the next daemon on the same state dir removes the orphaned containers."""
+def test_containers_of_a_killed_daemon_are_readopted_or_reconciled(tmp_path):
+    """After SIGKILL the next daemon on the same state dir re-adopts the containers of the
+    environments it has records of, with their files, and removes truly orphaned ones."""
     import signal
 
     with running_daemon(tmp_path, "--cpu-backend", "docker") as d:
         with d.client() as c:
             env = c.env_open(image=IMAGE)
-        assert len(ours(env)) == 1
+            orphan = c.env_open(image=IMAGE)
+            assert c.exec("echo state > f", env=env).outcome == "ok"
         d.stop(signal.SIGKILL)
-        assert len(ours(env)) == 1  # left behind by the dead daemon
+        assert len(ours(env)) == 1 and len(ours(orphan)) == 1  # left behind by the dead daemon
+    records = tmp_path / "state" / "envs.json"
+    kept = [r for r in json.loads(records.read_text()) if r["id"] != orphan]
+    records.write_text(json.dumps(kept))  # the orphan's record is lost: nobody owns it now
     with running_daemon(tmp_path, "--cpu-backend", "docker") as d2:
         with d2.client() as c:
-            assert c.status()["environments"] == 0
-        assert ours(env) == []
+            assert [e["id"] for e in c.env_list()] == [env]
+            assert c.exec("cat f", env=env).stdout == "state\n"
+        assert ours(orphan) == []
+        assert len(ours(env)) == 1

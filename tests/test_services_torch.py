@@ -135,6 +135,8 @@ def test_register_makes_backup_and_refuses_bad_factories(
     assert "RuntimeError: no weights here" in str(info.value)
     with pytest.raises(ServiceLoadError, match=r"'missing'.*ModuleNotFoundError"):
         run(loop, host.register(spec("missing", "no_such_module:make", models)))
+    with pytest.raises(ValueError, match="already registered"):
+        run(loop, host.register(spec("a", "tiny_models:big", models)))
     services = by_name(host)
     assert sorted(services) == ["a", "b"]
     assert services["b"]["module_bytes"] >= 32 << 20
@@ -273,7 +275,8 @@ def test_killed_worker_is_infra_error_then_restarted(
     setup: tuple[ServiceHost, list[Any]], loop: asyncio.AbstractEventLoop, reference: Any
 ) -> None:
     """SIGKILL during a call: that call is 'infra_error', other services are untouched, and
-    the next call restarts the replica with correct results."""
+    the next call restarts the replica with correct results; an idle replica's death is
+    noticed at once, without a call."""
     host, _ = setup
     pid = by_name(host)["b"]["replicas"][0]["pid"]
     other = by_name(host)["a"]["replicas"][0]
@@ -292,6 +295,20 @@ def test_killed_worker_is_infra_error_then_restarted(
     assert again.outcome == "ok" and again.result["pid"] != pid
     assert again.result["y"] == pytest.approx(reference.big().handle({"x": 5})["y"], rel=1e-5)
     assert by_name(host)["b"]["replicas"][0]["state"] == "resident"
+
+    async def kill_idle() -> str:
+        os.kill(again.result["pid"], signal.SIGKILL)
+        for _ in range(200):  # noticed without any call: the replica's pidfd fires
+            if by_name(host)["b"]["replicas"][0]["state"] == "failed":
+                break
+            await asyncio.sleep(0.01)
+        return str(by_name(host)["b"]["replicas"][0]["state"])
+
+    assert run(loop, kill_idle()) == "failed"
+    run(loop, host.evict("b", [1]))  # the pool moves on: the dead replica leaves its GPU
+    assert by_name(host)["b"]["replicas"][0]["gpus"] == []
+    assert run(loop, host.call("b", [1], {"x": 5}, timeout=30)).result["y"] == again.result["y"]
+    assert len(by_name(host)["b"]["replicas"]) == 1  # the slot was reused, not leaked
 
 
 def test_remove_rejects_running_and_queued_calls(

@@ -26,6 +26,20 @@ sys.path.insert(0, str(ROOT))
 from tangramd.services import ServiceHost, ServiceSpec, discover  # noqa: E402
 
 EXAMPLES = ROOT / "examples" / "services"
+RAMP = """
+import torch
+
+class Ramp(torch.nn.Module):  # 100 MB of float32, used when transformers is not installed
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.0, 1.0, 25_000_000))
+
+    def handle(self, payload):
+        return {"y": float((self.weight * float(payload["x"])).sum().detach().cpu())}
+
+def make():
+    return Ramp()
+"""
 
 
 def gpu_used_bytes(cuda_index: int) -> int:
@@ -70,14 +84,22 @@ async def check_torch() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as state:
         host = ServiceHost(inventory, state)
         try:
-            spec = ServiceSpec(
-                "reward", "torch", 0.2, entry="reward:reward_large", path=str(EXAMPLES)
-            )
+            try:
+                import transformers  # noqa: F401  # the example model needs it
+
+                spec = ServiceSpec(
+                    "reward", "torch", 0.2, entry="reward:reward_large", path=str(EXAMPLES)
+                )
+                payload = {"prompt": "2+2?", "responses": ["4", "5", "four"]}
+            except ImportError:
+                (Path(state) / "ramp.py").write_text(RAMP)
+                spec = ServiceSpec("reward", "torch", 0.2, entry="ramp:make", path=state)
+                payload = {"x": 3.0}
+            result["module"] = spec.entry
             t0 = time.perf_counter()
             await host.register(spec)
             result["register_s"] = time.perf_counter() - t0
             chunk = [gpu.local]
-            payload = {"prompt": "2+2?", "responses": ["4", "5", "four"]}
             base = gpu_used_bytes(gpu.cuda_index)
             restored = await host.ensure_resident("reward", chunk)
             resident = gpu_used_bytes(gpu.cuda_index)
@@ -86,9 +108,7 @@ async def check_torch() -> dict[str, Any]:
             evicted = gpu_used_bytes(gpu.cuda_index)
             second = await host.call("reward", chunk, payload, 60)
             pid = next(r["pid"] for r in host.list()[0]["replicas"] if r["state"] == "resident")
-            slow = asyncio.ensure_future(
-                host.call("reward", chunk, {"prompt": "x" * 10, "response": "y"}, 60)
-            )
+            slow = asyncio.ensure_future(host.call("reward", chunk, payload, 60))
             os.kill(pid, signal.SIGKILL)
             killed = await slow
             third = await host.call("reward", chunk, payload, 120)
@@ -153,7 +173,8 @@ async def check_vllm() -> dict[str, Any]:
             await host.register(spec)
             chunk = [gpu.local]
             payload = {"model": str(model), "prompt": [1, 2, 3], "max_tokens": 4}
-            payload["temperature"] = 0
+            # greedy; logprobs and token ids make the answers comparable without a tokenizer
+            payload.update(temperature=0, logprobs=1, return_token_ids=True)
             t0 = time.perf_counter()
             await host.ensure_resident("llm", chunk)
             result["start_s"] = time.perf_counter() - t0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -168,12 +169,16 @@ class Backend(Protocol):
         """Remove an environment and everything in it; unknown ids are ignored."""
         ...
 
-    async def reconcile(self) -> list[str]:
-        """Adopt or remove what a previous run left behind; returns what was done."""
+    async def reconcile(
+        self, keep: Mapping[str, tuple[int, int] | None] | None = None
+    ) -> list[str]:
+        """Adopt what a previous run left of the environments in ``keep`` (id -> owner),
+        remove everything else of ours; returns what was done."""
         ...
 
-    async def shutdown(self) -> None:
-        """End in-flight execs with `infra_error` ("daemon shutting down"), remove our envs."""
+    async def shutdown(self, keep: Collection[str] = ()) -> None:
+        """End in-flight execs with `infra_error` ("daemon shutting down"); remove our
+        environments except those in ``keep`` (persistent ones, for the next daemon)."""
         ...
 
     def env_exists(self, env_id: str) -> bool:

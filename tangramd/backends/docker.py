@@ -48,6 +48,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,7 +172,12 @@ class DockerBackend:
         self._client = client
         self.default_image = default_image
         self.label = label
-        self.owner_id = owner_id or f"tangramd-{uuid.uuid4().hex[:12]}"
+        # One owner id per state dir, so the next daemon on it recognises (and re-adopts) the
+        # containers of its persistent environments; without a state dir, one per backend.
+        stable = hashlib.sha1(str(Path(state_dir or ".").resolve()).encode()).hexdigest()[:12]
+        self.owner_id = owner_id or (
+            f"tangramd-{stable}" if state_dir is not None else f"tangramd-{uuid.uuid4().hex[:12]}"
+        )
         self.instance_id = uuid.uuid4().hex[:12]
         self.state_dir = Path(state_dir or Path(tempfile.gettempdir()) / "tangramd-docker")
         self.agents_dir = self.state_dir / "agents"
@@ -357,8 +363,12 @@ class DockerBackend:
                 return state
             await asyncio.sleep(0.1)
 
-    async def reconcile(self) -> list[str]:
-        """Adopt our own running leftovers; remove every other container with our label."""
+    async def reconcile(
+        self, keep: Mapping[str, tuple[int, int] | None] | None = None
+    ) -> list[str]:
+        """Adopt our own running containers of the environments in ``keep``; remove every
+        other container with our label."""
+        keep = keep or {}
         done: list[str] = []
         try:
             leftovers = await self._call(
@@ -374,7 +384,7 @@ class DockerBackend:
             if (
                 labels.get(self.label) == self.owner_id
                 and info.get("State") == "running"
-                and env_id
+                and env_id in keep
                 and env_id not in self._envs
             ):
                 env = _Env(env_id, cid, self._agent_dir(env_id), use_agent=False)
@@ -393,9 +403,10 @@ class DockerBackend:
                 shutil.rmtree(path, ignore_errors=True)
         return done
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, keep: Collection[str] = ()) -> None:
+        """End in-flight execs (infra_error), remove every container not in ``keep``."""
         self._closing = True
-        envs = list(self._envs)
+        envs = [e for e in self._envs if e not in keep]
         await asyncio.gather(*(self.close_env(e) for e in envs), return_exceptions=True)
         if self._inflight:
             await asyncio.wait(list(self._inflight), timeout=10)

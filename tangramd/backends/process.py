@@ -43,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -325,21 +325,42 @@ class ProcessBackend:
         path = self.env_dir(env_id)
         await asyncio.to_thread(shutil.rmtree, path, True)
 
-    async def reconcile(self) -> list[str]:
-        """Remove env directories and exec cgroups that a previous run left behind."""
+    async def reconcile(
+        self, keep: Mapping[str, tuple[int, int] | None] | None = None
+    ) -> list[str]:
+        """Adopt the env directories in ``keep`` (env id -> owner) that a previous run left;
+        remove every other env directory, and kill and remove leftover exec cgroups (what
+        ran in them belonged to actions of a daemon that died)."""
+        keep = keep or {}
         done: list[str] = []
         for path in sorted(self.envs_dir.iterdir()):
-            if path.name not in self._envs:
-                await asyncio.to_thread(shutil.rmtree, path, True)
-                done.append(f"removed env dir {path}")
+            if path.name in self._envs:
+                continue
+            if path.name in keep and path.is_dir() and not path.is_symlink():
+                self._envs[path.name] = None
+                self._owners[path.name] = keep[path.name] or self.default_user
+                done.append(f"adopted env dir {path}")
+                continue
+            await asyncio.to_thread(shutil.rmtree, path, True)
+            done.append(f"removed env dir {path}")
         if self.cgroups is not None:
             busy = {r.cgroup for r in self._running}
             for cgroup in self.cgroups.leftovers():
-                if cgroup not in busy and await self.cgroups.remove(cgroup):
+                if cgroup in busy:
+                    continue
+                left = self.cgroups.pids(cgroup)
+                if left:
+                    self.cgroups.kill_all(cgroup)
+                    done.append(
+                        f"killed {len(left)} process(es) of actions that were running when "
+                        f"the previous daemon died ({cgroup.name})"
+                    )
+                if await self.cgroups.remove(cgroup):
                     done.append(f"removed cgroup {cgroup}")
         return done
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, keep: Collection[str] = ()) -> None:
+        """End in-flight execs (infra_error), remove every environment not in ``keep``."""
         self._closing = True
         for run in list(self._running):
             run.killed_for_shutdown = True
@@ -348,7 +369,8 @@ class ProcessBackend:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(run.done.wait(), 5)
         for env_id in list(self._envs):
-            await self.close_env(env_id)
+            if env_id not in keep:
+                await self.close_env(env_id)
         if self.cgroups is not None:
             with contextlib.suppress(OSError):
                 for cgroup in self.cgroups.leftovers():

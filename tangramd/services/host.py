@@ -6,8 +6,9 @@ executor then calls ``apply(name, gpus, plan.evicted)`` and ``call(...)`` here. 
 checks every decision against its own memory accounting and refuses one that would
 oversubscribe a GPU (``Oversubscribed``) instead of silently running it.
 
-Replicas: a torch replica is a worker process (not bound to GPUs; restored onto the chunk
-it is given); an http replica is a model server bound to one chunk. A replica is named by
+Replicas: a torch replica is a process forked from the service's fork server (not bound to
+GPUs; restored onto the chunk it is given; all replicas share the one host backup); an http
+replica is a model server bound to one chunk. A replica is named by
 the chunk it is resident on, so the interface speaks ``(name, gpus)``, as the pool does.
 GPU ids are node-local (``0..n-1``, the inventory's order); ``GpuCluster`` ids map to them
 with ``GpuCluster.locate``.
@@ -38,7 +39,7 @@ from tangramd.services.runtime_base import (
     ServiceLoadError,
 )
 from tangramd.services.spec import Registry, ServiceSpec
-from tangramd.services.torch_runtime import TorchReplica
+from tangramd.services.torch_runtime import ForkServer, TorchReplica
 
 STATES = ("loading", "resident", "backed_up", "failed")
 
@@ -108,6 +109,7 @@ class Hosted:
     evictions: int = 0
     loads: int = 0
     module_bytes: int | None = None
+    server: ForkServer | None = None  # torch: makes the backup once, forks the replicas
     load_error: str | None = None
     removed: bool = False
     serial: int = 0
@@ -152,9 +154,10 @@ class ServiceHost:
         return errors
 
     async def register(self, spec: ServiceSpec, *, persist: bool = True) -> dict[str, Any]:
-        """Add a service and make its host backup (torch: start one worker, which builds the
-        module); ``ServiceLoadError`` naming the service when the factory fails (a new
-        registration is then not kept). Re-registering the same spec is a no-op."""
+        """Add a service and make its host backup (torch: the fork server runs the factory,
+        and one replica is forked, backed up); ``ServiceLoadError`` naming the service when
+        the factory fails (a new registration is then not kept). Re-registering the same
+        spec is a no-op; a different spec under a known name is a ``ValueError``."""
         known = self._services.get(spec.name)
         if known is not None:
             if known.spec != spec:
@@ -163,11 +166,14 @@ class ServiceHost:
         hosted = Hosted(spec)
         self._services[spec.name] = hosted
         if spec.runtime == "torch":
+            log = self.state_dir / "services" / f"{spec.name}.log"
+            hosted.server = ForkServer(spec, log, load_timeout_s=self.load_timeout_s)
             slot = Slot(self._new_replica(hosted))
             hosted.slots.append(slot)
             try:
                 await self._load(hosted, slot)
             except ServiceLoadError as exc:
+                await hosted.server.close()
                 if persist:  # a bad new registration leaves nothing behind
                     del self._services[spec.name]
                     raise
@@ -186,6 +192,8 @@ class ServiceHost:
         self.registry.remove(name)
         chunks = [slot.gpus for slot in hosted.slots if slot.state == "resident" and slot.gpus]
         await asyncio.gather(*(slot.replica.close() for slot in hosted.slots))
+        if hosted.server is not None:
+            await hosted.server.close()
         return chunks
 
     def specs(self) -> list[ServiceSpec]:
@@ -216,6 +224,8 @@ class ServiceHost:
         if hosted is None or slot is None:
             return Moved(0, 0.0)
         async with slot.lock:
+            if slot.state == "failed" and hosted.spec.runtime == "torch" and slot.gpus == chunk:
+                slot.gpus = ()  # a crashed replica the pool now evicts: nothing to drop
             if slot.state != "resident" or slot.gpus != chunk:
                 return Moved(0, 0.0)
             try:
@@ -309,6 +319,8 @@ class ServiceHost:
     async def close(self) -> None:
         slots = [slot for hosted in self._services.values() for slot in hosted.slots]
         await asyncio.gather(*(slot.replica.close() for slot in slots))
+        servers = [h.server for h in self._services.values() if h.server is not None]
+        await asyncio.gather(*(server.close() for server in servers))
         for task in list(self._watchers):
             task.cancel()
 
@@ -427,21 +439,24 @@ class ServiceHost:
         hosted.serial += 1
         log = self.state_dir / "services" / f"{hosted.spec.name}.{hosted.serial}.log"
         if hosted.spec.runtime == "torch":
-            return TorchReplica(hosted.spec, log, load_timeout_s=self.load_timeout_s)
+            return TorchReplica(
+                hosted.spec, log, server=hosted.server, load_timeout_s=self.load_timeout_s
+            )
         return HttpReplica(hosted.spec, log, load_timeout_s=self.http_load_timeout_s)
 
     def _watch(self, slot: Slot) -> None:
         """Mark the slot failed as soon as its process exits, even while idle."""
-        proc = getattr(slot.replica, "proc", None)
-        if proc is None:
-            return
         replica = slot.replica
+        proc = getattr(replica, "proc", None)
+        exited = getattr(replica, "wait_exit", None)
+        if exited is None and proc is None:
+            return
 
         async def wait() -> None:
-            await proc.wait()
+            await (exited() if exited is not None else proc.wait())  # type: ignore[union-attr]
             if slot.replica is replica and slot.state != "failed":
                 slot.state = "failed"
-                slot.error = f"process exited with status {proc.returncode}"
+                slot.error = "process exited"
 
         task = asyncio.get_running_loop().create_task(wait())
         self._watchers.add(task)

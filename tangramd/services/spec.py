@@ -12,7 +12,7 @@ import os
 import re
 import shlex
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -198,7 +198,3 @@ def write_json_atomic(path: Path, data: object) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def specs_by_name(specs: Iterable[ServiceSpec]) -> dict[str, ServiceSpec]:
-    return {spec.name: spec for spec in specs}

@@ -1,9 +1,15 @@
-"""The torch runtime: a replica is a ``tangramd.services.worker`` process on a pipe.
+"""The torch runtime: a fork server per service, and one replica process per instance.
 
-The worker is not bound to GPUs: every GPU is visible to it (NVML order, via
-``CUDA_DEVICE_ORDER=PCI_BUS_ID``) and each restore names the device, so one worker with its
-host backup can be restored onto whatever chunk the pool picks. A multi-GPU chunk restores
-the module onto the chunk's first GPU; the module may use the others itself.
+``ForkServer`` starts ``tangramd.services.worker --fd N`` once per service: it runs the
+factory and makes the host backup (shared memory) once. Each ``TorchReplica`` is a fork of
+it, talking to the host over its own socket, so a second replica or a restart after a crash
+costs a fork instead of a model build, and all replicas share one backup. If the factory
+initialises CUDA (forking would be unsafe) each replica is a freshly spawned worker instead.
+
+Replicas are not bound to GPUs: every GPU is visible (NVML order, via
+``CUDA_DEVICE_ORDER=PCI_BUS_ID``) and each restore names the device, so one replica can be
+restored onto whatever chunk the pool picks. A multi-GPU chunk restores the module onto the
+chunk's first GPU; the module may use the others itself.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -38,8 +45,41 @@ def device_of(gpus: tuple[Gpu, ...]) -> str:
     return "cpu" if first is None or first.cuda_index is None else f"cuda:{first.cuda_index}"
 
 
-class TorchReplica:
-    """Host side of one worker process: framed requests, one at a time, crash detection."""
+def _worker_env(spec: ServiceSpec, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(spec.env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # cuda:i is NVML GPU i
+    env.update(extra)
+    return env
+
+
+def _worker_argv(python: str, spec: ServiceSpec) -> list[str]:
+    argv = [python, "-m", "tangramd.services.worker", "--name", spec.name]
+    argv += ["--entry", str(spec.entry)]
+    return argv + (["--path", spec.path] if spec.path else [])
+
+
+def _load_failed(spec: ServiceSpec, why: object, log: Path) -> ServiceLoadError:
+    tail = log_tail(log)
+    return ServiceLoadError(
+        f"service {spec.name!r}: worker did not start ({why})"
+        + (f"; its log ends:\n{tail}" if tail else "")
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ForkServer:
+    """Host side of one service's fork server (the holder of the host backup)."""
 
     def __init__(
         self,
@@ -54,12 +94,128 @@ class TorchReplica:
         self.python = python
         self.load_timeout_s = load_timeout_s
         self.proc: asyncio.subprocess.Process | None = None
-        self._nbytes: int | None = None
+        self.sock: socket.socket | None = None
+        self.nbytes: int | None = None
+        self.forkable = False
         self._lock = asyncio.Lock()
 
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
+
+    async def start(self) -> None:
+        """Run the factory and make the backup; ``ServiceLoadError`` naming the service."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [*_worker_argv(self.python, self.spec), "--fd", str(theirs.fileno())]
+        # Fork safety: one torch thread (GNU OpenMP's pool does not survive fork), and
+        # torch.cuda.is_available() answered by NVML, not by cuInit (CUDA does not survive
+        # fork either).
+        env = _worker_env(
+            self.spec,
+            OMP_NUM_THREADS="1",
+            MKL_NUM_THREADS="1",
+            PYTORCH_NVML_BASED_CUDA_CHECK="1",
+        )
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,  # a ^C to the daemon must not reach the workers
+            )
+        theirs.close()
+        self.sock = ours
+        try:
+            hello = await asyncio.wait_for(self._receive(), self.load_timeout_s)
+        except (ReplicaCrashed, TimeoutError) as exc:
+            await self.close()
+            raise _load_failed(self.spec, str(exc) or "timed out", self.log_path) from None
+        if not hello.get("ok"):
+            await self.close()
+            raise ServiceLoadError(str(hello.get("error")))
+        self.nbytes = int(hello["nbytes"])
+        self.forkable = bool(hello.get("forkable"))
+
+    async def fork(self, threads: int) -> tuple[int, socket.socket]:
+        """A new replica process and the host's end of its socket."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        async with self._lock:
+            if not self.alive or self.sock is None:
+                raise ReplicaCrashed(f"service {self.spec.name!r}: fork server is not running")
+            try:
+                request = wire.pack({"op": "fork", "threads": threads})
+                socket.send_fds(self.sock, [request], [theirs.fileno()])
+                reply = await asyncio.wait_for(self._receive(), 30.0)
+            except (OSError, TimeoutError) as exc:
+                ours.close()
+                raise ReplicaCrashed(f"service {self.spec.name!r}: fork failed: {exc}") from None
+            finally:
+                theirs.close()
+        if not reply.get("ok"):
+            ours.close()
+            raise ReplicaCrashed(f"service {self.spec.name!r}: {reply.get('error')}")
+        return int(reply["pid"]), ours
+
+    async def close(self) -> None:
+        proc, self.proc = self.proc, None
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()  # the server exits at end of stream; its replicas live on
+        if proc is not None and proc.returncode is None:
+            try:
+                await asyncio.wait_for(proc.wait(), 1.0)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+
+    async def _receive(self) -> dict[str, Any]:
+        assert self.sock is not None
+        loop = asyncio.get_running_loop()
+        sock = self.sock
+        sock.setblocking(False)
+        data = await loop.sock_recv(sock, 1 << 16)
+        if not data:
+            raise ReplicaCrashed(f"service {self.spec.name!r}: fork server exited")
+        return wire.unpack(data)
+
+
+class TorchReplica:
+    """Host side of one replica process: framed requests, one at a time, crash detection."""
+
+    def __init__(
+        self,
+        spec: ServiceSpec,
+        log_path: Path,
+        *,
+        server: ForkServer | None = None,
+        python: str = sys.executable,
+        load_timeout_s: float = 300.0,
+    ) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self.server = server
+        self.python = python
+        self.load_timeout_s = load_timeout_s
+        self.proc: asyncio.subprocess.Process | None = None  # spawned replicas only
+        self._pid: int | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._exited = asyncio.Event()
+        self._nbytes: int | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def alive(self) -> bool:
+        if self._pid is None or self._exited.is_set():
+            return False
+        if self.proc is not None:
+            return self.proc.returncode is None
+        return _pid_alive(self._pid)
 
     @property
     def nbytes(self) -> int | None:
@@ -67,18 +223,40 @@ class TorchReplica:
 
     @property
     def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
+        return self._pid
+
+    async def wait_exit(self) -> None:
+        """Return when the process has exited (used to notice crashes of idle replicas)."""
+        await self._exited.wait()
 
     async def start(self, gpus: tuple[Gpu, ...] = ()) -> None:
-        """Spawn the worker, which builds the module and backs it up; wait for its hello."""
-        argv = [self.python, "-m", "tangramd.services.worker", "--name", self.spec.name]
-        argv += ["--entry", str(self.spec.entry), "--device", device_of(gpus)]
-        if self.spec.path:
-            argv += ["--path", self.spec.path]
-        env = dict(os.environ)
-        env.update(self.spec.env)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # cuda:i is NVML GPU i
+        """Fork the replica from the service's fork server (restarting that server if it
+        died), or spawn a worker that builds the module itself; wait for its hello."""
+        server = self.server
+        if server is not None and not server.alive:
+            await server.start()
+        if server is not None and server.forkable:
+            try:
+                pid, sock = await server.fork(threads=os.cpu_count() or 1)
+            except ReplicaCrashed as exc:
+                raise ServiceLoadError(str(exc)) from None
+            self._pid = pid
+            self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+            self._watch_pid(pid)
+        else:
+            await self._spawn(gpus)
+        try:
+            hello = await asyncio.wait_for(self._read(), self.load_timeout_s)
+        except (ReplicaCrashed, TimeoutError) as exc:
+            await self.close()
+            raise _load_failed(self.spec, str(exc) or "timed out", self.log_path) from None
+        if not hello.get("ok"):
+            await self.close()
+            raise ServiceLoadError(str(hello.get("error")))
+        self._nbytes = int(hello["nbytes"])
+
+    async def _spawn(self, gpus: tuple[Gpu, ...]) -> None:
+        argv = [*_worker_argv(self.python, self.spec), "--device", device_of(gpus)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = await asyncio.create_subprocess_exec(
@@ -86,23 +264,33 @@ class TorchReplica:
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
-                env=env,
-                start_new_session=True,  # a ^C to the daemon must not reach the workers
-                limit=wire.MAX_FRAME + 4,
+                env=_worker_env(self.spec),
+                start_new_session=True,
             )
+        self._pid = self.proc.pid
+        self._reader, self._writer = self.proc.stdout, self.proc.stdin
+        proc = self.proc
+
+        async def reap() -> None:
+            await proc.wait()
+            self._exited.set()
+
+        self._reaper = asyncio.get_running_loop().create_task(reap())
+
+    def _watch_pid(self, pid: int) -> None:
+        """A forked replica is not our child: a pidfd tells us when it exits."""
         try:
-            hello = await asyncio.wait_for(self._read(), self.load_timeout_s)
-        except (ReplicaCrashed, TimeoutError) as exc:
-            await self.close()
-            tail = log_tail(self.log_path)
-            raise ServiceLoadError(
-                f"service {self.spec.name!r}: worker did not start ({exc})"
-                + (f"; its log ends:\n{tail}" if tail else "")
-            ) from None
-        if not hello.get("ok"):
-            await self.close()
-            raise ServiceLoadError(str(hello.get("error")))
-        self._nbytes = int(hello["nbytes"])
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return  # no pidfd (old kernel): a crash is noticed on the next request
+        loop = asyncio.get_running_loop()
+
+        def exited() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            self._exited.set()
+
+        loop.add_reader(fd, exited)
 
     async def restore(self, gpus: tuple[Gpu, ...]) -> Moved:
         reply = await self._request({"op": "restore", "device": device_of(gpus)})
@@ -113,42 +301,51 @@ class TorchReplica:
         return Moved(int(reply["bytes"]), float(reply["seconds"]))
 
     async def call(self, payload: dict[str, Any], timeout: float) -> Reply:
-        """One call; on timeout the worker is killed (a handler cannot be interrupted)."""
+        """One call; on timeout the replica is killed (a handler cannot be interrupted)."""
         start = time.perf_counter()
         try:
             reply = await asyncio.wait_for(
                 self._request({"op": "call", "payload": payload}, failed_ok=True), timeout
             )
         except TimeoutError:
-            await self.close()
+            await self.close(grace_s=0.0)
             raise
         exec_s = float(reply.get("exec_s", time.perf_counter() - start))
         if reply.get("ok"):
             return Reply(True, reply["result"], None, exec_s)
         return Reply(False, None, str(reply.get("error")), exec_s)
 
-    async def close(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
+    async def close(self, grace_s: float = 0.5) -> None:
+        """End of stream first (an idle replica exits at once), then SIGKILL."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+        pid = self._pid
+        if pid is None:
             return
-        if proc.returncode is None:
-            if proc.stdin is not None:
-                proc.stdin.close()
-            try:
-                await asyncio.wait_for(proc.wait(), 0.5)  # an idle worker exits at EOF
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):  # exited meanwhile
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
+        deadline = time.monotonic() + grace_s
+        while self.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if self.proc is not None:
+            await self.proc.wait()
+        else:
+            for _ in range(100):  # the kernel reaps a fork server's child at once
+                if not _pid_alive(pid):
+                    break
+                await asyncio.sleep(0.01)
+        self._exited.set()
 
     async def _request(self, msg: dict[str, Any], *, failed_ok: bool = False) -> dict[str, Any]:
         async with self._lock:
-            proc = self.proc
-            if proc is None or proc.returncode is not None or proc.stdin is None:
+            writer = self._writer
+            if writer is None or not self.alive:
                 raise ReplicaCrashed(self._gone())
             try:
-                proc.stdin.write(wire.encode(msg))
-                await proc.stdin.drain()
+                writer.write(wire.encode(msg))
+                await writer.drain()
                 reply = await self._read()
             except (ConnectionError, ReplicaCrashed):
                 raise ReplicaCrashed(self._gone()) from None
@@ -157,9 +354,10 @@ class TorchReplica:
         raise ReplicaCrashed(f"service {self.spec.name!r}: worker error: {reply.get('error')}")
 
     async def _read(self) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdout is not None
+        if self._reader is None:
+            raise ReplicaCrashed(self._gone())
         try:
-            return await wire.read_frame_async(self.proc.stdout)
+            return await wire.read_frame_async(self._reader)
         except wire.WireError as exc:
             raise ReplicaCrashed(str(exc)) from None
 

@@ -45,15 +45,28 @@ class FlatWeights:
     """Backup once, then ``evict()`` / ``restore()`` the module's tensors on ``device``."""
 
     def __init__(
-        self, module: torch.nn.Module, device: torch.device, *, pin: bool | None = None
+        self,
+        module: torch.nn.Module,
+        device: torch.device,
+        *,
+        pin: bool | None = None,
+        shared: bool = False,
     ) -> None:
         self.module = module
         self.device = device  # where the next restore goes (a worker may be moved)
         self.slots = _layout(module)
         self.nbytes = _end(self.slots)
         # Pinned host memory makes the H2D copy a single DMA at full PCIe/NVLink speed.
-        pin = torch.cuda.is_available() if pin is None else pin
+        # A shared backup (the fork server's) lives in shared memory instead: the forked
+        # replicas map the same pages and pin them with ``pin_backup`` after they fork.
+        if shared:
+            pin = False  # and no CUDA call at all: the fork server must stay fork-safe
+        elif pin is None:
+            pin = torch.cuda.is_available()
         self.backup = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        if shared:
+            self.backup.share_memory_()  # type: ignore[no-untyped-call]  # torch stub
+        self.pinned = pin
         for slot in self.slots:
             tensor = getattr(slot.module, slot.attr)
             _view(self.backup, slot).copy_(tensor.detach())
@@ -61,10 +74,21 @@ class FlatWeights:
         self.resident = True  # the factory's tensors: drop them, the backup holds the bytes
         self.evict()
 
+    def pin_backup(self) -> bool:
+        """Page-lock the (shared) backup for DMA; False when CUDA refuses (copies still work,
+        through a staging buffer, at lower bandwidth)."""
+        if not self.pinned and self.nbytes and torch.cuda.is_available():
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch stub
+            code = cudart.cudaHostRegister(self.backup.data_ptr(), self.nbytes, 0)
+            self.pinned = int(code) == 0
+        return self.pinned
+
     def restore(self) -> Moved:
         """Allocate the device buffer, copy the backup into it, point the module at it."""
         if self.resident:
             return Moved(0, 0.0)
+        if self.device.type == "cuda":
+            self.pin_backup()
         start = time.perf_counter()
         working = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         working.copy_(self.backup, non_blocking=self.device.type == "cuda")
@@ -139,21 +163,3 @@ def _assign(slot: Slot, tensor: torch.Tensor) -> None:
         slot.module._parameters[slot.attr].data = tensor  # type: ignore[union-attr]
     else:
         slot.module._buffers[slot.attr] = tensor
-
-
-def bare_copy(nbytes: int, device: torch.device, *, repeats: int = 3) -> Moved:
-    """Best of ``repeats`` plain ``torch`` copies of ``nbytes`` host bytes to a fresh device
-    buffer (pinned source on CUDA): the yardstick for ``FlatWeights.restore``."""
-    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst.copy_(src, non_blocking=device.type == "cuda")
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-        del dst
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return Moved(nbytes, best)

@@ -27,6 +27,19 @@ def encode(msg: dict[str, Any]) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
+def pack(msg: dict[str, Any]) -> bytes:
+    """One message without a length prefix (SOCK_SEQPACKET keeps message boundaries)."""
+    body: bytes = msgpack.packb(msg, use_bin_type=True)
+    return body
+
+
+def unpack(body: bytes) -> dict[str, Any]:
+    try:
+        return _decode(body)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise WireError(f"bad message: {exc}") from None
+
+
 def _decode(body: bytes) -> dict[str, Any]:
     msg = msgpack.unpackb(body, raw=False, strict_map_key=False)
     if not isinstance(msg, dict):

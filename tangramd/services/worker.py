@@ -1,13 +1,17 @@
 """The torch service worker: one process per replica, holding one module and its host backup.
 
     python -m tangramd.services.worker --name NAME --entry MODULE:FACTORY [--path DIR]
-        [--device cpu|cuda:N]                 # pipe mode (ServiceHost's torch runtime)
+        [--fd N]                              # fork server: backup once, fork replicas
+        [--device cpu|cuda:N]                 # pipe mode: one replica on stdin/stdout
         [--http-port PORT]                    # http mode: the vLLM/SGLang sleep/wake subset
 
 ``FACTORY()`` returns a ``torch.nn.Module`` defining ``handle(self, payload: dict) -> dict``.
 The worker backs the module's tensors up in host memory once (pinned on CUDA) and then
-serves requests. Pipe mode speaks ``tangramd.services.wire`` frames on stdin/stdout (user
-code's prints go to stderr). HTTP mode serves, on 127.0.0.1 only:
+serves requests. ``ServiceHost`` runs one fork server per torch service, which makes the
+backup once (in shared memory) and forks a replica per request, so a second replica or a
+restart costs a fork, not a model build. Replicas (and pipe mode) speak
+``tangramd.services.wire`` frames (user code's prints go to stderr). HTTP mode serves, on
+127.0.0.1 only:
 
 - ``GET /health``, ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``
 - ``POST /sleep?level=1`` and ``POST /release_memory_occupation``: evict (level 1 only: the
@@ -40,7 +44,9 @@ class FactoryError(Exception):
 class Served:
     """The module, its flat weights and the request handlers both modes share."""
 
-    def __init__(self, name: str, entry: str, path: str | None, device: str) -> None:
+    def __init__(
+        self, name: str, entry: str, path: str | None, device: str, *, shared: bool = False
+    ) -> None:
         module = build(name, entry, path)  # first: a broken factory fails before torch loads
         import torch
 
@@ -48,7 +54,7 @@ class Served:
 
         self.name = name
         self.torch = torch
-        self.weights = FlatWeights(module, torch.device(device))
+        self.weights = FlatWeights(module, torch.device(device), shared=shared)
         self.module = module
         self.calls = 0
 
@@ -120,17 +126,84 @@ def serve_pipe(args: argparse.Namespace) -> int:
     out = os.fdopen(os.dup(1), "wb")  # replies; fd 1 becomes stderr so prints cannot corrupt
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    inp = sys.stdin.buffer
     try:
         served = Served(args.name, args.entry, args.path, args.device)
     except Exception as exc:
-        message = str(exc) if isinstance(exc, FactoryError) else _describe(args.name, exc)
-        wire.write_frame(out, {"ok": False, "kind": "error", "error": message})
+        wire.write_frame(out, {"ok": False, "kind": "error", "error": _load_error(args, exc)})
         return 1
     wire.write_frame(out, {"ok": True, **served.info()})
+    return _serve(served, sys.stdin.buffer, out)
+
+
+def _serve(served: Served, inp: Any, out: Any) -> int:
     while (msg := wire.read_frame(inp)) is not None:
         wire.write_frame(out, _answer(served, msg))
     return 0
+
+
+def _load_error(args: argparse.Namespace, exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, FactoryError) else _describe(args.name, exc)
+
+
+# --------------------------------------------------------------------------- fork server
+
+
+def serve_zygote(args: argparse.Namespace) -> int:
+    """Build the module and its backup once, then fork one replica per ``fork`` request.
+
+    The control channel (``--fd``) is a SOCK_SEQPACKET socket: one message per datagram,
+    and a ``fork`` request carries the replica's own stream socket as an SCM_RIGHTS fd.
+    The zygote never initialises CUDA and runs torch on one thread (``OMP_NUM_THREADS=1``
+    from the host), so forking it is safe; the replicas set their thread count after the
+    fork. If the factory itself initialises CUDA, the hello says ``forkable: false`` and
+    the host starts a fresh worker per replica instead.
+    """
+    import signal
+    import socket
+
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    ctl = socket.socket(fileno=args.fd)
+    try:
+        served = Served(args.name, args.entry, args.path, "cpu", shared=True)
+    except Exception as exc:
+        ctl.send(wire.pack({"ok": False, "kind": "error", "error": _load_error(args, exc)}))
+        return 1
+    forkable = not served.torch.cuda.is_initialized()
+    ctl.send(wire.pack({"ok": True, "forkable": forkable, **served.info()}))
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # replicas are reaped by the kernel
+    while True:
+        data, fds, _, _ = socket.recv_fds(ctl, 1 << 16, 1)
+        if not data:
+            return 0
+        msg = wire.unpack(data)
+        if msg.get("op") != "fork" or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            ctl.send(wire.pack({"ok": False, "kind": "error", "error": "expected fork + fd"}))
+            continue
+        pid = os.fork()
+        if pid == 0:
+            ctl.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os._exit(_replica(served, fds[0], int(msg.get("threads") or 1)))
+        os.close(fds[0])
+        ctl.send(wire.pack({"ok": True, "pid": pid}))
+
+
+def _replica(served: Served, fd: int, threads: int) -> int:
+    """A forked replica: serve the host over its own socket (shares the zygote's backup)."""
+    import socket
+
+    try:
+        served.torch.set_num_threads(threads)
+        sock = socket.socket(fileno=fd)
+        inp, out = sock.makefile("rb"), sock.makefile("wb")
+        wire.write_frame(out, {"ok": True, **served.info()})
+        return _serve(served, inp, out)
+    except BaseException:
+        traceback.print_exc()
+        return 1
 
 
 def _answer(served: Served, msg: dict[str, Any]) -> dict[str, Any]:
@@ -227,9 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--path")
     parser.add_argument("--device", default=None)
     parser.add_argument("--http-port", type=int)
+    parser.add_argument("--fd", type=int, help="fork-server mode: the control socket")
     args = parser.parse_args(argv)
     if args.http_port is not None:
         return serve_http(args)
+    if args.fd is not None:
+        return serve_zygote(args)
     args.device = args.device or "cpu"
     return serve_pipe(args)
 

@@ -1,0 +1,135 @@
+"""Environments belong to trajectories, not to the daemon process: a restarted `tangramd up`
+(SIGKILL or SIGTERM) re-adopts them from its state dir; what was running is ended."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from daemon_fixture import running_daemon
+
+from tangram import Client
+from tangram.protocol.errors import ConnectionFailed, NotFound
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_persistent_environment_survives_a_restart(tmp_path, sig) -> None:
+    """Files, trajectory and id of a persistent environment survive the daemon's death;
+    throwaway environments do not; new ids never collide with adopted ones."""
+    with running_daemon(tmp_path) as d:
+        with d.client() as c:
+            env = c.env_open(trajectory="traj-7")
+            assert c.exec("echo state > f", env=env).outcome == "ok"
+        d.stop(sig)
+    with running_daemon(tmp_path) as d2, d2.client() as c:
+        (row,) = c.env_list()
+        assert (row["id"], row["trajectory"], row["state"]) == (env, "traj-7", "ready")
+        r = c.exec("cat f", env=env)
+        assert (r.outcome, r.stdout) == ("ok", "state\n")
+        assert c.env_open() != env
+        c.env_close(env)
+        with pytest.raises(NotFound):
+            c.exec("true", env=env)
+    assert "envs_readopted" in d2.log()
+
+
+def test_command_running_at_the_crash_is_ended_not_left_running(tmp_path) -> None:
+    """A command that was running when the daemon was SIGKILLed is killed by the next
+    daemon (its cgroup is reconciled); its client saw the connection fail, not a result."""
+    box: dict[str, object] = {}
+    with running_daemon(tmp_path) as d:
+        with d.client() as c:
+            env = c.env_open()
+
+        def long_exec() -> None:
+            try:
+                with d.client() as c2:
+                    box["result"] = c2.exec("echo $$ > pid; exec sleep 60", env=env)
+            except ConnectionFailed as exc:
+                box["error"] = exc
+
+        t = threading.Thread(target=long_exec)
+        t.start()
+        pid_file = Path(d.state_dir, "process", "envs", env, "pid")
+        deadline = time.monotonic() + 10
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.02)
+        pid = int(pid_file.read_text())
+        d.stop(signal.SIGKILL)
+        t.join(10)
+        assert isinstance(box.get("error"), ConnectionFailed)  # never a silent success
+        os.kill(pid, 0)  # still running: the dead daemon could not end it
+    with running_daemon(tmp_path) as d2:
+        deadline = time.monotonic() + 5
+        while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z":
+            assert time.monotonic() < deadline, "the orphaned command was left running"
+            time.sleep(0.02)
+        assert "actions that were running when the previous daemon died" in d2.log()
+        with d2.client() as c:
+            assert c.exec("cat pid", env=env).stdout.strip() == str(pid)
+
+
+def test_another_users_environment_does_not_exist_for_them() -> None:
+    """An exec or close on an environment owned by another uid is not_found (root excepted)."""
+    from hostile_user import local_user
+
+    from tangram.testing import spawn_daemon
+
+    with local_user() as user, tempfile.TemporaryDirectory(prefix="tgo-", dir="/tmp") as tmp:
+        os.chmod(tmp, 0o755)
+        d = spawn_daemon(tmp, "")
+        try:
+            with d.client() as c:
+                env = c.env_open()  # owned by root
+            os.chown(d.socket, 0, user.gid)  # the operator lets the user's group connect
+            assert _calls_as(d.socket, user.uid, user.gid, env) == ["not_found", "not_found"]
+            with d.client() as c:  # root still can
+                assert c.exec("true", env=env).outcome == "ok"
+        finally:
+            d.stop()
+
+
+def _calls_as(path: str, uid: int, gid: int, env: str) -> list[str]:
+    """exec and env.close on ``env`` from a forked child running as uid/gid."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to the user, try both calls, report, exit
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            answers = []
+            with Client(path) as c:
+                for call in (lambda: c.exec("true", env=env), lambda: c.env_close(env)):
+                    try:
+                        call()
+                        answers.append("served")
+                    except NotFound:
+                        answers.append("not_found")
+            os.write(write_fd, " ".join(answers).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    data = b""
+    while chunk := os.read(read_fd, 65536):
+        data += chunk
+    os.close(read_fd)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return data.decode().split()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
