@@ -83,14 +83,16 @@ def test_concurrent_requests_overlap_on_free_cores(stack):
     results = sfc.run_concurrent(sfc.run_code, args=[[req], [req]], concurrency=2)
     wall = time.monotonic() - started
     assert all(r.run_result.stdout == "done\n" for r in results)
-    assert wall < 1.9, f"two 1 s runs on two cores took {wall:.2f} s"
+    serial = sum(r.run_result.execution_time for r in results)  # one after the other
+    assert wall < serial, f"two runs of {serial:.2f} s in all took {wall:.2f} s: no overlap"
 
     async def both() -> list:
         return await asyncio.gather(*(sfc.run_code_async(req) for _ in range(2)))
 
     started = time.monotonic()
-    assert [r.status for r in asyncio.run(both())] == [sfc.RunStatus.Success] * 2
-    assert time.monotonic() - started < 1.9
+    results = asyncio.run(both())
+    assert [r.status for r in results] == [sfc.RunStatus.Success] * 2
+    assert time.monotonic() - started < sum(r.run_result.execution_time for r in results)
 
 
 def test_verl_reward_functions_score_through_the_gateway(stack):

@@ -140,17 +140,17 @@ def test_execute_files_and_upload(runtime, tmp_path):
 
 
 def test_concurrent_calls_to_one_runtime_run_concurrently(runtime):
-    """Two execute calls on one runtime overlap on the two free cores."""
+    """Two execute calls on one runtime overlap on the two free cores (serial: >= 3 s)."""
 
     async def scenario() -> float:
         started = time.monotonic()
         results = await asyncio.gather(
-            *(runtime.execute(Command(command="sleep 1", shell=True)) for _ in range(2))
+            *(runtime.execute(Command(command="sleep 1.5", shell=True)) for _ in range(2))
         )
         assert all(r.exit_code == 0 for r in results)
         return time.monotonic() - started
 
-    assert asyncio.run(scenario()) < 1.9
+    assert asyncio.run(scenario()) < 2.9
 
 
 def test_bad_requests_are_4xx_and_the_runtime_stays_up(runtime, stack):
