@@ -14,7 +14,10 @@ output is for people (aligned tables). Errors are one line on stderr, never a tr
 
 from __future__ import annotations
 
+import io
+import os
 import sys
+import tarfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
@@ -360,8 +363,22 @@ def _refused_result(exc: TangramError) -> dict[str, Any]:
 )
 @click.option("--task", metavar="NAME", help="Task name (key of the duration history).")
 @click.option(
-    "--setenv", "setenv", multiple=True, metavar="KEY=VALUE", help="Environment variable."
+    "--setenv",
+    "--env-var",
+    "setenv",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Environment variable.",
 )
+@click.option("--cwd", metavar="DIR", help="Working directory inside the environment.")
+@click.option(
+    "--stdin",
+    "stdin_file",
+    type=click.File("rb"),
+    metavar="FILE",
+    help="Feed FILE to the command's stdin ('-': this process's stdin).",
+)
+@click.option("--session", metavar="ID", help="Run in this open shell session.")
 @click.option("--shell", is_flag=True, help="Run CMD… joined by spaces through /bin/sh.")
 @json_option
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
@@ -377,6 +394,9 @@ def exec_(
     elastic: bool | None,
     task: str | None,
     setenv: tuple[str, ...],
+    cwd: str | None,
+    stdin_file: Any,
+    session: str | None,
     shell: bool,
     as_json: bool,
     cmd: tuple[str, ...],
@@ -401,6 +421,9 @@ def exec_(
             elastic=elastic,
             task=task,
             env_vars=env_vars,
+            stdin=stdin_file.read() if stdin_file is not None else None,
+            cwd=cwd,
+            session=session,
         )
     except ConnectionFailed as exc:
         message = unreachable_message(ctl.path, exc)
@@ -469,6 +492,105 @@ def env_list(ctl: Ctl, as_json: bool) -> None:
     rows = ctl.client.env_list()
     preferred = ("id", "image", "node", "mem", "trajectory", "state", "idle_s", "actions")
     emit(as_json, {"envs": rows}, lambda: table(rows, preferred=preferred))
+
+
+@env.command("put")
+@click.argument("env_id", metavar="ID")
+@click.argument("src", type=click.Path(exists=True))
+@click.argument("dest")
+@json_option
+@pass_ctl
+def env_put(ctl: Ctl, env_id: str, src: str, dest: str, as_json: bool) -> None:
+    """Copy the local file or directory SRC to DEST inside environment ID."""
+    if os.path.isdir(src):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as archive:
+            for name in sorted(os.listdir(src)):
+                archive.add(os.path.join(src, name), arcname=name)
+        sent = ctl.client.put(env_id, dest, buf.getvalue(), tar=True)
+    else:
+        with open(src, "rb") as f:
+            sent = ctl.client.put(env_id, dest, f.read())
+    if as_json:
+        click.echo(to_json({"id": env_id, "path": dest, "bytes": sent}))
+
+
+@env.command("get")
+@click.argument("env_id", metavar="ID")
+@click.argument("path")
+@click.option(
+    "-o",
+    "--output",
+    metavar="DEST",
+    help="Write the file to DEST (a directory is extracted into DEST); default: stdout.",
+)
+@pass_ctl
+def env_get(ctl: Ctl, env_id: str, path: str, output: str | None) -> None:
+    """Copy PATH out of environment ID (a directory comes as a tar stream on stdout)."""
+    data, is_tar = ctl.client.get(env_id, path)
+    if output is None:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    elif is_tar:
+        os.makedirs(output, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+            archive.extractall(output, filter="data")
+    else:
+        with open(output, "wb") as f:
+            f.write(data)
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+@cli.group()
+def session() -> None:
+    """Persistent shell sessions: `session open ENV`, then `exec --session ID -- CMD`."""
+
+
+@session.command("open")
+@click.argument("env_id", metavar="ENV")
+@json_option
+@pass_ctl
+def session_open(ctl: Ctl, env_id: str, as_json: bool) -> None:
+    """Start a shell in environment ENV and print the session id."""
+    sid = ctl.client.session_open(env_id)
+    click.echo(to_json({"id": sid, "env": env_id}) if as_json else sid)
+
+
+@session.command("run", context_settings={"ignore_unknown_options": True})
+@click.argument("session_id", metavar="ID")
+@click.option("--cpus", default="1", metavar="N|MIN-MAX", help="Cores for this command.")
+@click.option("--timeout", "timeout_s", type=float, metavar="SECONDS", help="Wall-clock limit.")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@pass_ctl
+def session_run(
+    ctl: Ctl, session_id: str, cpus: str, timeout_s: float | None, cmd: tuple[str, ...]
+) -> None:
+    """Run CMD… (joined by spaces) in the session's shell; exit with its status."""
+    result = ctl.client.exec(
+        " ".join(cmd), session=session_id, cpus=parse_cpus(cpus), timeout_s=timeout_s
+    )
+    click.echo(result.stdout, nl=False)
+    click.echo(result.stderr, nl=False, err=True)
+    sys.exit(exit_code_for(result))
+
+
+@session.command("interrupt")
+@click.argument("session_id", metavar="ID")
+@pass_ctl
+def session_interrupt(ctl: Ctl, session_id: str) -> None:
+    """Interrupt the command running in the session."""
+    ctl.client.session_interrupt(session_id)
+
+
+@session.command("close")
+@click.argument("session_id", metavar="ID")
+@pass_ctl
+def session_close(ctl: Ctl, session_id: str) -> None:
+    """End the session's shell."""
+    ctl.client.session_close(session_id)
 
 
 # --------------------------------------------------------------------------- apis

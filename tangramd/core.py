@@ -38,15 +38,24 @@ from tangram.model import (
 )
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster, CpuNodePool
-from tangram.protocol.errors import EnvLost, InfraError, NotFound, QuotaExceeded, ShuttingDown
+from tangram.protocol.errors import (
+    BadRequest,
+    EnvLost,
+    InfraError,
+    NotFound,
+    QuotaExceeded,
+    ShuttingDown,
+)
 from tangram.protocol.results import ExecResult
 from tangram.sched import SchedConfig, Snapshot, schedule
 from tangramd import events as ev
 from tangramd.entities import (
     ACTION_EDGES,
     LEASE_EDGES,
+    SESSION_EDGES,
     ActionRec,
     EnvRec,
+    SessionRec,
     Stories,
     note,
     transition,
@@ -68,6 +77,7 @@ class CoreConfig:
     default_image: str | None = None
     exec_as_peer: bool = False  # commands run as the connecting client (cpu.exec_user="peer")
     record_envs: bool = True  # emit PersistEnvs (tangramd up; a coordinator keeps its registry)
+    max_transfer: int = 8 << 20  # bytes one env.get may return (env.put: the op table's cap)
 
 
 @dataclass
@@ -124,6 +134,7 @@ class Core:
         self.shutting_down = False
         self.passes = 0
         self.finished: deque[tuple[str, float, float]] = deque(maxlen=4096)  # kind, queue, exec
+        self.sessions: dict[str, SessionRec] = {}
 
     # ------------------------------------------------------------------ entry point
     def handle(self, event: ev.Event, now: float) -> list[ev.Command]:
@@ -189,7 +200,10 @@ class Core:
                     cpus = [dops[0], dops[-1]]
         if isinstance(cpus, tuple):
             cpus = list(cpus)
-        if spec.env is not None:
+        session = self._session_for(spec.session, spec.env, e.peer) if spec.session else None
+        if session is not None:
+            env = self._ready_env(session.env, e.peer)
+        elif spec.env is not None:
             env = self.envs.open_env(spec.env, e.peer)
             if env is None:
                 raise NotFound(f"environment {spec.env!r} not found")
@@ -246,6 +260,8 @@ class Core:
             run_as=e.peer if self.cfg.exec_as_peer else None,
         )
         self.actions[aid] = rec
+        if session is not None:
+            session.busy = aid  # one command at a time per shell
         note(
             rec, now, "submitted", f"cpus={cpus} env={env.id} cmd={_short(spec.cmd)}", self.stimulus
         )
@@ -283,6 +299,8 @@ class Core:
         if env is not None and rec.action.id in env.pending:
             env.pending.remove(rec.action.id)
         self.queue.pop(rec.action.id, None)
+        if rec.spec is not None and rec.spec.session is not None:
+            self._session_idle(rec.spec.session, rec.action.id)
         if rec.units:
             self.pools[rec.pool_id].release(rec.action.id)
             self._dirty = True
@@ -472,6 +490,7 @@ class Core:
         gone = self.envs.removed(e.env_id, now, out, self.stimulus)
         if gone is None:
             return
+        self._forget_sessions(gone.env.id, now, out)
         if not gone.env.throwaway and not self.shutting_down:
             self._persist_envs(out)
         if gone.env.close_token is not None:
@@ -485,6 +504,164 @@ class Core:
     def _persist_envs(self, out: list[ev.Command]) -> None:
         if self.cfg.record_envs:
             out.append(ev.PersistEnvs(envs=self.envs.records(), cause=self.stimulus))
+
+    # ------------------------------------------------------------------ environment I/O
+    def _ready_env(self, env_id: str, peer: tuple[int, int] | None = None) -> EnvRec:
+        env = self.envs.open_env(env_id, peer)
+        if env is None:
+            raise NotFound(f"environment {env_id!r} not found")
+        if env.state != "ready":
+            raise InfraError(f"environment {env_id} is {env.state}, not ready")
+        return env
+
+    def _put_file(self, e: ev.PutFile, now: float, out: list[ev.Command]) -> None:
+        env = self._ready_env(e.env_id, e.peer)
+        env.last_used = now
+        out.append(
+            ev.RunTransfer(
+                token=e.token,
+                env_id=env.id,
+                node=env.node,
+                direction="put",
+                path=e.path,
+                data=e.data,
+                tar=e.tar,
+                max_bytes=self.cfg.max_transfer,
+                cause=self.stimulus,
+            )
+        )
+
+    def _get_file(self, e: ev.GetFile, now: float, out: list[ev.Command]) -> None:
+        env = self._ready_env(e.env_id, e.peer)
+        env.last_used = now
+        out.append(
+            ev.RunTransfer(
+                token=e.token,
+                env_id=env.id,
+                node=env.node,
+                direction="get",
+                path=e.path,
+                max_bytes=self.cfg.max_transfer,
+                cause=self.stimulus,
+            )
+        )
+
+    def _transfer_done(self, e: ev.TransferDone, now: float, out: list[ev.Command]) -> None:
+        env = self.envs.get(e.env_id)
+        if env is not None:
+            env.last_used = now
+        if e.token is not None:
+            out.append(self._reply(e.token, result=e.result, error=e.error))
+
+    # ------------------------------------------------------------------ shell sessions
+    def _session_of(self, session_id: str, peer: tuple[int, int] | None) -> SessionRec:
+        """An open session whose environment ``peer`` may use (else, as if none)."""
+        session = self.sessions.get(session_id)
+        if (
+            session is None
+            or session.state != "open"
+            or self.envs.open_env(session.env, peer) is None
+        ):
+            raise NotFound(f"session {session_id!r} not found (or not open)")
+        return session
+
+    def _session_for(
+        self, session_id: str, env_id: str | None, peer: tuple[int, int] | None
+    ) -> SessionRec:
+        session = self._session_of(session_id, peer)
+        if env_id is not None and env_id != session.env:
+            raise BadRequest(f"session {session_id} belongs to environment {session.env}")
+        if session.busy is not None:
+            raise BadRequest(f"session {session_id} is busy with {session.busy}")
+        return session
+
+    def _session_idle(self, session_id: str, action_id: ActionId) -> None:
+        session = self.sessions.get(session_id)
+        if session is not None and session.busy == action_id:
+            session.busy = None
+
+    def _open_session(self, e: ev.OpenSession, now: float, out: list[ev.Command]) -> None:
+        if self.shutting_down:
+            raise ShuttingDown("daemon is shutting down")
+        env = self._ready_env(e.env_id, e.peer)
+        env.last_used = now
+        sid = self._new_id("s")
+        session = SessionRec(id=sid, env=env.id, node=env.node, open_token=e.token)
+        session.history.append((now, "new", "opening", "session.open"))
+        self.sessions[sid] = session
+        run_as = e.peer if self.cfg.exec_as_peer else None
+        out.append(
+            ev.StartShell(
+                session_id=sid, env_id=env.id, node=env.node, run_as=run_as, cause=self.stimulus
+            )
+        )
+
+    def _session_opened(self, e: ev.SessionOpened, now: float, out: list[ev.Command]) -> None:
+        session = self.sessions.get(e.session_id)
+        if session is None:
+            return
+        token, session.open_token = session.open_token, None
+        if e.error is not None:
+            if session.state == "opening":
+                transition(session, "closed", SESSION_EDGES, now, e.error)
+            del self.sessions[session.id]
+            if token is not None:
+                out.append(self._reply(token, error=("infra_error", e.error)))
+            return
+        if session.state != "opening":  # closed while starting: end the shell (again)
+            out.append(ev.EndShell(session_id=session.id, node=session.node, cause=self.stimulus))
+            if token is not None:
+                out.append(self._reply(token, error=("not_found", "session closed meanwhile")))
+            return
+        transition(session, "open", SESSION_EDGES, now, "shell started")
+        if token is not None:
+            out.append(self._reply(token, result={"id": session.id, "env": session.env}))
+
+    def _interrupt_session(self, e: ev.InterruptSession, now: float, out: list[ev.Command]) -> None:
+        session = self._session_of(e.session_id, e.peer)
+        busy = session.busy is not None
+        if busy:
+            out.append(
+                ev.InterruptShell(session_id=session.id, node=session.node, cause=self.stimulus)
+            )
+        if e.token is not None:
+            out.append(self._reply(e.token, result={"interrupted": busy}))
+
+    def _close_session(self, e: ev.CloseSession, now: float, out: list[ev.Command]) -> None:
+        session = self.sessions.get(e.session_id)
+        if (
+            session is None
+            or session.state in ("closing", "closed")
+            or self.envs.open_env(session.env, e.peer) is None
+        ):
+            raise NotFound(f"session {e.session_id!r} not found")
+        transition(session, "closing", SESSION_EDGES, now, "session.close")
+        session.close_token = e.token
+        out.append(ev.EndShell(session_id=session.id, node=session.node, cause=self.stimulus))
+
+    def _session_closed(self, e: ev.SessionClosed, now: float, out: list[ev.Command]) -> None:
+        session = self.sessions.pop(e.session_id, None)
+        if session is None:
+            return
+        if session.state == "closing":
+            transition(session, "closed", SESSION_EDGES, now, "shell ended")
+        if session.close_token is not None:
+            out.append(self._reply(session.close_token, result={"closed": True}))
+
+    def _forget_sessions(self, env_id: str, now: float, out: list[ev.Command]) -> None:
+        """The environment was removed: its shells went with it."""
+        for session in [s for s in self.sessions.values() if s.env == env_id]:
+            del self.sessions[session.id]
+            transition(session, "closed", SESSION_EDGES, now, "environment removed")
+            for token in (session.open_token, session.close_token):
+                if token is not None:
+                    out.append(self._reply(token, error=("not_found", "environment removed")))
+
+    def session_rows(self) -> list[dict[str, Any]]:
+        return [
+            {"id": s.id, "env": s.env, "state": s.state, "busy": s.busy}
+            for s in self.sessions.values()
+        ]
 
     # ------------------------------------------------------------------ leases
     def _acquire(self, e: ev.AcquireLease, now: float, out: list[ev.Command]) -> None:
@@ -986,6 +1163,14 @@ _HANDLERS: dict[type, Callable[[Core, Any, float, list[ev.Command]], None]] = {
     ev.SaveProfile: Core._save_profile,
     ev.ProfilesLoaded: Core._profiles_loaded,
     ev.EnvsRecovered: Core._envs_recovered,
+    ev.PutFile: Core._put_file,
+    ev.GetFile: Core._get_file,
+    ev.TransferDone: Core._transfer_done,
+    ev.OpenSession: Core._open_session,
+    ev.SessionOpened: Core._session_opened,
+    ev.InterruptSession: Core._interrupt_session,
+    ev.CloseSession: Core._close_session,
+    ev.SessionClosed: Core._session_closed,
     ev.ConnClosed: Core._conn_closed,
     ev.NodeJoined: Core._node_joined,
     ev.NodeLost: Core._node_lost,

@@ -48,6 +48,16 @@ LEASE_EDGES: dict[tuple[str, str], str] = {
 }
 
 
+SESSION_EDGES: dict[tuple[str, str], str] = {
+    ("opening", "open"): "the backend started the session's shell",
+    ("opening", "closed"): "the shell could not be started, or its environment went away",
+    ("open", "closing"): "session.close, or its environment is being closed",
+    ("opening", "closing"): "session.close before the shell was up",
+    ("closing", "closed"): "the backend ended the shell",
+    ("open", "closed"): "its environment was removed",
+}
+
+
 class IllegalTransition(RuntimeError):
     pass
 
@@ -123,6 +133,20 @@ class EnvRec:
     awaiting_node: bool = False  # restored by a restarted coordinator, node not back yet
     active: int = 0  # actions submitted and not done
     pending: list[ActionId] = field(default_factory=list)
+    history: deque[tuple[float, str, str, str]] = field(default_factory=lambda: deque(maxlen=16))
+
+
+@dataclass
+class SessionRec:
+    """A persistent shell in an environment; ``busy`` is the action running in it."""
+
+    id: str
+    env: EnvId
+    node: str
+    state: str = "opening"
+    open_token: int | None = None
+    close_token: int | None = None
+    busy: ActionId | None = None
     history: deque[tuple[float, str, str, str]] = field(default_factory=lambda: deque(maxlen=16))
 
 

@@ -107,6 +107,72 @@ class EnvsRecovered(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class PutFile(Event):
+    """``env.put``: write ``data`` (a file, or with ``tar`` a tar stream) at ``path``."""
+
+    token: int | None = None
+    env_id: str = ""
+    path: str = ""
+    data: bytes = b""
+    tar: bool = False
+    peer: tuple[int, int] | None = None  # (uid, gid) of the client
+
+
+@dataclass(frozen=True, slots=True)
+class GetFile(Event):
+    """``env.get``: read the file, or the directory as a tar stream, at ``path``."""
+
+    token: int | None = None
+    env_id: str = ""
+    path: str = ""
+    peer: tuple[int, int] | None = None  # (uid, gid) of the client
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDone(Event):
+    """The backend finished a ``RunTransfer``: the op's result map, or an error."""
+
+    token: int | None = None
+    env_id: str = ""
+    result: Mapping[str, Any] | None = None
+    error: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSession(Event):
+    """``session.open``: a persistent shell in an open environment."""
+
+    token: int | None = None
+    env_id: str = ""
+    peer: tuple[int, int] | None = None  # (uid, gid) of the client
+
+
+@dataclass(frozen=True, slots=True)
+class SessionOpened(Event):
+    session_id: str = ""
+    error: str | None = None  # None: the shell is running
+
+
+@dataclass(frozen=True, slots=True)
+class InterruptSession(Event):
+    token: int | None = None
+    session_id: str = ""
+    peer: tuple[int, int] | None = None  # (uid, gid) of the client
+
+
+@dataclass(frozen=True, slots=True)
+class CloseSession(Event):
+    token: int | None = None
+    session_id: str = ""
+    peer: tuple[int, int] | None = None  # (uid, gid) of the client
+
+
+@dataclass(frozen=True, slots=True)
+class SessionClosed(Event):
+    session_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class ConnClosed(Event):
     conn: int = 0
 
@@ -213,3 +279,37 @@ class PersistEnvs(Command):
     daemon process: a restarted daemon re-adopts them)."""
 
     envs: tuple[Mapping[str, Any], ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunTransfer(Command):
+    """Put or get a file in an environment (``direction`` "put" or "get")."""
+
+    token: int | None
+    env_id: str
+    node: str
+    direction: str
+    path: str
+    data: bytes = b""
+    tar: bool = False
+    max_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartShell(Command):
+    session_id: str
+    env_id: str
+    node: str
+    run_as: tuple[int, int] | None = None  # the shell's (uid, gid); None: the backend's default
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InterruptShell(Command):
+    session_id: str
+    node: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EndShell(Command):
+    session_id: str
+    node: str

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import json
 import os
+import tarfile
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -22,7 +23,8 @@ import structlog
 from tangram.protocol.errors import InfraError, UnknownOp, error_from_wire
 from tangram.protocol.results import ExecResult
 from tangramd import events as ev
-from tangramd.backends.base import Backend, ExecRequest
+from tangramd.backends.base import Backend, ExecRequest, PathEscape
+from tangramd.backends.files import TooLarge
 from tangramd.core import Core
 from tangramd.transport import ConnInfo, UnixServer
 
@@ -235,6 +237,14 @@ class Executor:
             self._spawn(self._create_env(cmd))
         elif isinstance(cmd, ev.RemoveEnv):
             self._spawn(self._remove_env(cmd))
+        elif isinstance(cmd, ev.RunTransfer):
+            self._spawn(self._run_transfer(cmd))
+        elif isinstance(cmd, ev.StartShell):
+            self._spawn(self._start_shell(cmd))
+        elif isinstance(cmd, ev.InterruptShell):
+            self._spawn(self._interrupt_shell(cmd))
+        elif isinstance(cmd, ev.EndShell):
+            self._spawn(self._end_shell(cmd))
         elif isinstance(cmd, ev.PersistProfiles):
             self._write_json(self._profiles_path(), dict(cmd.profiles))
         elif isinstance(cmd, ev.PersistEnvs):
@@ -296,6 +306,42 @@ class Executor:
         )
         self.feed(ev.ExecFinished(action_id=cmd.action_id, result=res, env_lost=lost))
 
+    async def _run_transfer(self, cmd: ev.RunTransfer) -> None:
+        result, error = await run_transfer(
+            self.backend, cmd.env_id, cmd.direction, cmd.path, cmd.data, cmd.tar, cmd.max_bytes
+        )
+        log.info(
+            "env_transfer",
+            env=cmd.env_id,
+            direction=cmd.direction,
+            path=cmd.path,
+            error=error[1] if error else None,
+            cause=cmd.cause,
+        )
+        self.feed(ev.TransferDone(token=cmd.token, env_id=cmd.env_id, result=result, error=error))
+
+    async def _start_shell(self, cmd: ev.StartShell) -> None:
+        error = None
+        try:
+            await self.backend.open_session(cmd.env_id, cmd.session_id, run_as=cmd.run_as)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        log.info("session_opened", session=cmd.session_id, env=cmd.env_id, error=error)
+        self.feed(ev.SessionOpened(session_id=cmd.session_id, error=error))
+
+    async def _interrupt_shell(self, cmd: ev.InterruptShell) -> None:
+        try:
+            await self.backend.interrupt_session(cmd.session_id)
+        except Exception as exc:
+            log.warning("session_interrupt_failed", session=cmd.session_id, error=str(exc))
+
+    async def _end_shell(self, cmd: ev.EndShell) -> None:
+        try:
+            await self.backend.close_session(cmd.session_id)
+        except Exception as exc:
+            log.warning("session_close_failed", session=cmd.session_id, error=str(exc))
+        self.feed(ev.SessionClosed(session_id=cmd.session_id))
+
     # ------------------------------------------------------------------ profiles file
     def _profiles_path(self) -> Path:
         return self.state_dir / "profiles.json"
@@ -349,3 +395,29 @@ def _owner(value: Any) -> tuple[int, int] | None:
     if isinstance(value, list | tuple) and len(value) == 2:
         return (int(value[0]), int(value[1]))
     return None
+
+
+async def run_transfer(
+    backend: Backend,
+    env_id: str,
+    direction: str,
+    path: str,
+    data: bytes,
+    tar: bool,
+    max_bytes: int,
+) -> tuple[dict[str, Any] | None, tuple[str, str] | None]:
+    """Put or get a file on ``backend``: the op's result map, or a wire error (a bad path or
+    size is ``bad_request``, a missing file ``not_found``, anything else ``infra_error``).
+    Shared by ``tangramd up`` and a cluster node."""
+    try:
+        if direction == "put":
+            size = await backend.put(env_id, path, data, tar=tar)
+            return {"path": path, "bytes": size}, None
+        got, is_tar = await backend.get(env_id, path, max_bytes=max_bytes)
+        return {"path": path, "data": got, "tar": is_tar}, None
+    except (PathEscape, TooLarge, IsADirectoryError, NotADirectoryError, tarfile.TarError) as e:
+        return None, ("bad_request", f"{path}: {e}")
+    except FileNotFoundError as e:
+        return None, ("not_found", f"{path}: {e.strerror or e}")
+    except Exception as exc:  # any other backend failure is an infrastructure error
+        return None, ("infra_error", f"{type(exc).__name__}: {exc}")

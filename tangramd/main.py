@@ -105,6 +105,62 @@ async def _serve(config: Any) -> None:
 
 
 @cli.command()
+@click.option(
+    "--listen",
+    default="127.0.0.1:8080",
+    show_default=True,
+    metavar="HOST:PORT",
+    help="Address to serve HTTP on (loopback unless you say otherwise).",
+)
+@click.option("--socket", "socket_path", default=None, help="Socket of the running tangramd up.")
+@click.option(
+    "--api-key-file",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="File holding the key every request must send as X-API-Key.",
+)
+@click.option(
+    "--cpus", type=click.IntRange(min=1), default=1, show_default=True, help="Cores per /run_code."
+)
+def http(listen: str, socket_path: str | None, api_key_file: str | None, cpus: int) -> None:
+    """Serve SandboxFusion /run_code, SWE-ReX /swerex/ENV and /metrics over HTTP."""
+    try:
+        import uvicorn
+
+        from tangramd.gateway.app import build_app
+    except ImportError as exc:
+        click.echo(
+            f"tangramd http: needs the http extra (pip install 'arl-tangram[http]'): {exc}",
+            err=True,
+        )
+        sys.exit(2)
+    from tangram.protocol import default_socket_path
+
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not port_text.isdigit() or not host:
+        click.echo(f"tangramd http: --listen {listen!r}: want HOST:PORT", err=True)
+        sys.exit(2)
+    key = None
+    if api_key_file is not None:
+        with open(api_key_file, encoding="utf-8") as f:
+            key = f.read().strip()
+        if not key:
+            click.echo(f"tangramd http: {api_key_file} is empty", err=True)
+            sys.exit(2)
+    elif host not in ("127.0.0.1", "localhost", "::1"):
+        click.echo(f"tangramd http: serving {host} without --api-key-file", err=True)
+    app = build_app(socket_path or default_socket_path(), api_key=key, cpus=cpus)
+    uvicorn.run(
+        app,
+        host=host.strip("[]"),
+        port=int(port_text),
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+
+
+@cli.command()
 @click.option("--coordinator", "coordinator_addr", required=True, metavar="HOST:PORT")
 @click.option("--token", default=None, help="Join token (`tangramctl cluster join`).")
 @click.option("--ca-sha256", default=None, help="Pinned hash of the coordinator's CA.")

@@ -62,6 +62,8 @@ def _status(ex: Executor, args: Args, conn: ConnInfo) -> Any:
         "backend": ex.backend.name,
         "socket": ex.socket_path,
         "nodes": len(ex.core.cpu.nodes),
+        # connected clients: the transport keeps its connections in a private set
+        "clients": len(ex.server._connections),
     }
 
 
@@ -130,6 +132,43 @@ async def _env_close(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return await ex.request(lambda tok: ev.CloseEnv(token=tok, env_id=args["id"], peer=conn.peer))
 
 
+async def _env_put(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(
+        lambda tok: ev.PutFile(
+            token=tok,
+            env_id=args["id"],
+            path=args["path"],
+            data=args["data"],
+            tar=bool(args.get("tar")),
+            peer=conn.peer,
+        )
+    )
+
+
+async def _env_get(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(
+        lambda tok: ev.GetFile(token=tok, env_id=args["id"], path=args["path"], peer=conn.peer)
+    )
+
+
+async def _session_open(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(
+        lambda tok: ev.OpenSession(token=tok, env_id=args["env"], peer=conn.peer)
+    )
+
+
+async def _session_interrupt(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(
+        lambda tok: ev.InterruptSession(token=tok, session_id=args["id"], peer=conn.peer)
+    )
+
+
+async def _session_close(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(
+        lambda tok: ev.CloseSession(token=tok, session_id=args["id"], peer=conn.peer)
+    )
+
+
 async def _exec(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     spec = ExecSpec.from_wire(args)
     return await ex.request(
@@ -174,6 +213,11 @@ ASYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Awaitable[Any]]] = {
     "env.open": _env_open,
     "env.close": _env_close,
     "exec": _exec,
+    "env.put": _env_put,
+    "env.get": _env_get,
+    "session.open": _session_open,
+    "session.interrupt": _session_interrupt,
+    "session.close": _session_close,
     "lease.acquire": _lease_acquire,
     "lease.release": _lease_release,
 }

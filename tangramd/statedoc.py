@@ -24,6 +24,7 @@ TITLES: dict[str, str] = {
     "ACTION_EDGES": "Action",
     "ENV_EDGES": "Environment",
     "LEASE_EDGES": "Lease",
+    "SESSION_EDGES": "Shell session",
 }
 
 HEADER = """\

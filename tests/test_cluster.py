@@ -116,11 +116,21 @@ def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, Daemon
             "speedup": {"1": 1.0},
             "elastic": False,
         }
+        session = c.request("session.open", {"env": env})
         answers: dict[str, Any] = {
             "exec": result,
             "lease.acquire": lease,
             "profile.save": c.request("profile.save", profile),
+            "session.open": session,
         }
+        # files and shell sessions are carried out on the node that holds the environment
+        answers["env.put"] = c.request("env.put", {"id": env, "path": "f", "data": b"x"})
+        answers["env.get"] = c.request("env.get", {"id": env, "path": "f"})
+        assert answers["env.get"]["data"] == b"x"
+        ran = c.request("exec", {"cmd": "cd /tmp; X=1", "session": session["id"]})
+        assert ran["outcome"] == "ok"
+        answers["session.interrupt"] = c.request("session.interrupt", {"id": session["id"]})
+        answers["session.close"] = c.request("session.close", {"id": session["id"]})
         args = {
             "story": {"action_id": result["action_id"]},
             "env.close": {"id": env},

@@ -33,6 +33,7 @@ def test_every_documented_result_is_what_the_daemon_sends(tmp_path) -> None:
         env = c.env_open()
         result = c.request("exec", {"cmd": "true", "env": env})
         lease = c.request("lease.acquire", {"api": "search"})
+        session = c.request("session.open", {"env": env})
         args: dict[str, dict[str, Any]] = {
             "story": {"action_id": result["action_id"]},
             "env.close": {"id": env},
@@ -41,7 +42,12 @@ def test_every_documented_result_is_what_the_daemon_sends(tmp_path) -> None:
             "node.drain": {"name": "local"},
             "node.undrain": {"name": "local"},
         }
-        answers = {"exec": result, "lease.acquire": lease}
+        answers = {"exec": result, "lease.acquire": lease, "session.open": session}
+        # the environment's own ops before env.close
+        answers["env.put"] = c.request("env.put", {"id": env, "path": "f", "data": b"x"})
+        answers["env.get"] = c.request("env.get", {"id": env, "path": "f"})
+        answers["session.interrupt"] = c.request("session.interrupt", {"id": session["id"]})
+        answers["session.close"] = c.request("session.close", {"id": session["id"]})
         answers["profile.save"] = c.request("profile.save", PROFILE)  # before profile.get
         for op in [o for o in OPS if o not in answers and o not in COORDINATOR_ONLY]:
             answers[op] = c.request(op, args.get(op, {}))

@@ -64,6 +64,13 @@ def _none(result: Any) -> None:
     return None
 
 
+def _file(result: Any) -> tuple[bytes, bool]:
+    data = result.get("data") if isinstance(result, Mapping) else None
+    if not isinstance(data, bytes):
+        raise MalformedResponse("env.get result must contain bytes 'data'")
+    return data, bool(result.get("tar"))
+
+
 class Ops:
     """The op methods shared by both clients (see the module doc)."""
 
@@ -134,15 +141,47 @@ class Ops:
         t1_s: float | None = None,
         eff: Mapping[int | str, float] | None = None,
         env_vars: Mapping[str, str] | None = None,
+        stdin: bytes | str | None = None,
+        cwd: str | None = None,
+        session: str | None = None,
     ) -> ExecResult:
-        """Run one command as an exec action; failures of the command are in the result."""
+        """Run one command as an exec action; failures of the command are in the result.
+
+        ``stdin`` (str is sent as UTF-8) is the command's standard input; ``cwd`` a
+        directory inside the environment; ``session`` an open shell session to run in.
+        """
         spec = ExecSpec(
             cmd=cmd if isinstance(cmd, str) else list(cmd), env=env, image=image,
             cpus=_cpus(cpus), mem=_size(mem), timeout_s=timeout_s, profile=profile,
             elastic=elastic, trajectory=trajectory, task=task, t1_s=t1_s, eff=_dop_keys(eff),
             env_vars=None if env_vars is None else dict(env_vars),
+            stdin=stdin.encode() if isinstance(stdin, str) else stdin, cwd=cwd, session=session,
         )  # fmt: skip
         return self._op("exec", spec.to_wire(), ExecResult.from_wire)
+
+    def put(self, env: str, path: str, data: bytes | str, *, tar: bool = False) -> int:
+        """Write ``data`` (str as UTF-8) at ``path`` in the environment; with ``tar``,
+        extract the tar stream ``data`` into the directory ``path``. Returns the bytes sent."""
+        payload = data.encode() if isinstance(data, str) else data
+        args = {"id": env, "path": path, "data": payload, "tar": tar or None}
+        return self._op("env.put", _drop_none(args), _field("bytes", int))
+
+    def get(self, env: str, path: str) -> tuple[bytes, bool]:
+        """Read ``path`` from the environment: ``(bytes, False)`` for a file, ``(tar
+        stream of its contents, True)`` for a directory."""
+        return self._op("env.get", {"id": env, "path": path}, _file)
+
+    def session_open(self, env: str) -> str:
+        """Start a persistent shell in the environment; return the session id."""
+        return self._op("session.open", {"env": env}, _field("id", str))
+
+    def session_interrupt(self, id: str) -> bool:
+        """Interrupt the session's running command; whether one was running."""
+        return self._op("session.interrupt", {"id": id}, _field("interrupted", bool))
+
+    def session_close(self, id: str) -> None:
+        """End the session's shell."""
+        return self._op("session.close", {"id": id}, _none)
 
     def acquire_lease(
         self,

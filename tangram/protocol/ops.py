@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tangram.protocol.errors import BadRequest, UnknownOp
-from tangram.protocol.results import EXEC_RESULT_FIELDS, OUTCOMES
+from tangram.protocol.results import EXEC_RESULT_FIELDS, OUTCOMES, check_env_path
 
 PROTOCOL_VERSION: Final = "1"
 
@@ -68,6 +68,23 @@ class Bool(ArgType):
     def check(self, name: str, value: object) -> None:
         if not isinstance(value, bool):
             raise self._fail(name, value)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Bytes(ArgType):
+    """Raw bytes (msgpack bin), at most ``max_len`` of them if given."""
+
+    max_len: int | None = None
+
+    @property
+    def doc(self) -> str:  # type: ignore[override]  # computed, not a class constant
+        return "bytes" if self.max_len is None else f"bytes (at most {self.max_len})"
+
+    def check(self, name: str, value: object) -> None:
+        if not isinstance(value, bytes):
+            raise self._fail(name, value)
+        if self.max_len is not None and len(value) > self.max_len:
+            raise self._fail(name, value, f"got {len(value)} bytes")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -287,6 +304,13 @@ def _check_lease_acquire(args: Mapping[str, Any]) -> None:
         raise BadRequest(f"deadline_s: only allowed with policy 'deadline', not {policy!r}")
 
 
+MAX_TRANSFER: Final = 8 << 20  # bytes one env.put may carry (one frame holds it)
+
+
+def _check_env_path(args: Mapping[str, Any]) -> None:
+    check_env_path(args["path"], "path")
+
+
 _EXEC_ARGS: Final = (
     Arg(
         "cmd",
@@ -306,6 +330,9 @@ _EXEC_ARGS: Final = (
     Arg("t1_s", POSITIVE_S, doc="inline elasticity: duration on one core"),
     Arg("eff", _dop_map(FRACTION), doc="inline elasticity: efficiency per dop"),
     Arg("env_vars", MapOf(Str(allow_empty=True)), doc="environment variables of the command"),
+    Arg("stdin", Bytes(), doc="standard input of the command (else empty)"),
+    Arg("cwd", Str(), doc="working directory inside the environment (no '..')"),
+    Arg("session", ID, doc="run in this open shell session (its env; see session.open)"),
 )
 
 _STATUS_FIELDS: Final = (
@@ -321,6 +348,7 @@ _STATUS_FIELDS: Final = (
     "backend: str",
     "socket: str",
     "nodes: int",
+    "clients: int",
 )
 
 OPS: Final[dict[str, Op]] = {
@@ -383,6 +411,51 @@ OPS: Final[dict[str, Op]] = {
             errors=("not_found", "infra_error"),
         ),
         Op("env.list", "open environments", result=("envs: [map]",)),
+        Op(
+            "env.put",
+            "write a file into an environment (with tar: extract a tar stream into a directory)",
+            (
+                Arg("id", ID, True),
+                Arg("path", Str(), True, doc="inside the environment (relative to its cwd)"),
+                Arg("data", Bytes(MAX_TRANSFER), True, doc="the file's bytes, or a tar stream"),
+                Arg("tar", Bool(), doc="data is a tar stream to extract at path (a directory)"),
+            ),
+            result=("path: str", "bytes: int"),
+            errors=("not_found", "bad_request", "infra_error"),
+            check=_check_env_path,
+        ),
+        Op(
+            "env.get",
+            "read a file from an environment (a directory comes as a tar stream of its contents)",
+            (
+                Arg("id", ID, True),
+                Arg("path", Str(), True, doc="inside the environment (relative to its cwd)"),
+            ),
+            result=("path: str", "data: bytes", "tar: bool"),
+            errors=("not_found", "bad_request", "infra_error"),
+            check=_check_env_path,
+        ),
+        Op(
+            "session.open",
+            "start a persistent shell in an open environment; exec with session runs in it",
+            (Arg("env", ID, True, doc="the environment"),),
+            result=("id: str", "env: str"),
+            errors=("not_found", "infra_error"),
+        ),
+        Op(
+            "session.interrupt",
+            "interrupt the command running in a session (the shell stays)",
+            (Arg("id", ID, True),),
+            result=("interrupted: bool",),
+            errors=("not_found",),
+        ),
+        Op(
+            "session.close",
+            "end a session's shell",
+            (Arg("id", ID, True),),
+            result=("closed: bool",),
+            errors=("not_found",),
+        ),
         Op(
             "exec",
             "run one command as an exec action; the outcome ("

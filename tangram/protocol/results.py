@@ -48,8 +48,13 @@ class ExecSpec:
     t1_s: float | None = None
     eff: Mapping[str, float] | None = None  # efficiency per DoP (str keys)
     env_vars: Mapping[str, str] | None = None
+    stdin: bytes | None = None  # fed to the command's standard input
+    cwd: str | None = None  # working directory, relative to the environment's own
+    session: str | None = None  # run in this open shell session (see ``session.open``)
 
     def __post_init__(self) -> None:
+        if self.cwd is not None:
+            check_env_path(self.cwd, "cwd")
         if isinstance(self.cmd, tuple):
             object.__setattr__(self, "cmd", list(self.cmd))
         if isinstance(self.cpus, list):
@@ -84,6 +89,20 @@ class ExecSpec:
     def rewrite_allowed(self) -> bool:
         """Whether a backend may widen the command to its cores (``pytest -n K``)."""
         return self.elastic is not False
+
+
+def check_env_path(path: str, what: str = "path") -> str:
+    """``path`` if it names a place inside an environment: no ``..`` part, no NUL.
+
+    Relative paths are taken from the environment's working directory. Backends still
+    resolve symlinks and refuse a path that leaves the environment; this check refuses
+    the obvious escapes before anything is scheduled.
+    """
+    if not path or "\0" in path:
+        raise BadRequest(f"{what}: expected a path inside the environment, got {path!r}")
+    if ".." in path.split("/"):
+        raise BadRequest(f"{what}: {path!r} may not contain '..'")
+    return path
 
 
 def _text(value: object, key: str) -> str:

@@ -9,10 +9,22 @@ that many bytes of UTF-8 JSON (never pickle).
 
     {"op": "ping"}                                  -> {"ok": true, "pid": ..., "python": ...}
     {"op": "exec", "cmd": [..] | "sh string", "env": {..}, "cores": [0, 1],
-     "timeout_s": 1.5 | null, "max_output": 1048576, "exec_id": "..", "cwd": null}
+     "timeout_s": 1.5 | null, "max_output": 1048576, "exec_id": "..", "cwd": null,
+     "stdin_b64": null | "<base64 of the command's input>"}
         -> {"ok": true, "exit_code": 0, "stdout": "..", "stderr": "..",
             "timed_out": false, "truncated": false, "exec_s": 0.01}
+    {"op": "session_open", "id": ".."}              -> {"ok": true}
+    {"op": "session_run", "id": "..", "script": "..", "token": "..", "cores": [0],
+     "timeout_s": 1.5 | null, "max_output": 1048576}
+        -> the exec reply (exit_code null and "ended": true if the shell itself ended)
+    {"op": "session_interrupt", "id": ".."}         -> {"ok": true, "interrupted": bool}
+    {"op": "session_close", "id": ".."}             -> {"ok": true}
     any failure of the agent itself                 -> {"ok": false, "error": "..."}
+
+Sessions are persistent interactive bash shells (the daemon's ``shell.py`` writes the
+script of each run: the command, then a line printing ``\n<token>:<status>:<token>\n`` on
+stdout and stderr). A run ends when both markers arrived; a timeout sends SIGINT to the
+shell and to what the run started (SIGKILL to those 0.5 s later), so the shell survives.
 
 Each exec runs in its own session (process group), pinned to `cores` with sched_setaffinity
 (the container's cpuset, updated by the daemon just before, restricts it too). The exec ends
@@ -24,16 +36,20 @@ third-party imports.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
+import re
 import selectors
+import shutil
 import signal
 import socket
 import socketserver
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 MAX_FRAME = 64 << 20
@@ -130,11 +146,12 @@ def run_command(req: dict) -> dict:
     if cores:
         # Pin this handler thread: the child forked from it inherits the mask.
         os.sched_setaffinity(0, [int(c) for c in cores])
+    data = base64.b64decode(req["stdin_b64"]) if req.get("stdin_b64") else b""
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
             argv,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if data else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=req.get("cwd") or None,
@@ -145,6 +162,8 @@ def run_command(req: dict) -> dict:
         code = 127 if isinstance(e, FileNotFoundError) else 126
         msg = f"tangram: cannot run {argv[0]}: {e.strerror}\n"
         return _result(code, "", msg, False, False, time.monotonic() - started)
+    if data:  # a thread: the command may never read its input
+        threading.Thread(target=_feed, args=(proc.stdin, data), daemon=True).start()
     deadline = None if timeout_s is None else started + float(timeout_s)
     streams = {proc.stdout: out, proc.stderr: err}
     sel = selectors.DefaultSelector()
@@ -190,6 +209,13 @@ def run_command(req: dict) -> dict:
     return _result(code, out.text(), err.text(), timed_out, truncated, exec_s)
 
 
+def _feed(stream, data: bytes) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        stream.write(data)
+    with contextlib.suppress(OSError, ValueError):
+        stream.close()
+
+
 def _result(code, stdout, stderr, timed_out, truncated, exec_s) -> dict:
     return {
         "ok": True,
@@ -200,6 +226,214 @@ def _result(code, stdout, stderr, timed_out, truncated, exec_s) -> dict:
         "truncated": truncated,
         "exec_s": exec_s,
     }
+
+
+# --- persistent shell sessions ------------------------------------------------------------
+
+MARKER_WAIT_S = 2.0
+_SESSIONS = {}  # id -> _Session
+_SESSIONS_LOCK = threading.Lock()
+
+
+def _children_map() -> dict:
+    kids = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        kids.setdefault(ppid, []).append(int(name))
+    return kids
+
+
+def _descendants(pid: int) -> list:
+    kids, out, todo = _children_map(), [], [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+class _SessionStream:
+    """One pipe of a shell: bytes up to the run's marker go to the run's capped buffer."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+        self.buffer = None
+        self.marker = None
+        self.status = None
+        self.done = False
+
+    def start(self, buffer: _Capped, marker) -> None:
+        self.pending, self.buffer, self.marker, self.status, self.done = (
+            b"",
+            buffer,
+            marker,
+            None,
+            False,
+        )
+
+    def feed(self, data: bytes) -> None:
+        if self.buffer is None:
+            return  # a background job's output between runs
+        self.pending += data
+        match = self.marker.search(self.pending)
+        if match is not None:
+            self.buffer.feed(self.pending[: match.start()])
+            self.status = int(match.group(1))
+            self.pending, self.buffer, self.done = b"", None, True
+            return
+        if len(self.pending) > 96:
+            self.buffer.feed(self.pending[:-96])
+            self.pending = self.pending[-96:]
+
+    def eof(self) -> None:
+        if self.buffer is not None:
+            self.buffer.feed(self.pending)
+        self.pending, self.buffer, self.done = b"", None, True
+
+
+class _Session:
+    def __init__(self, session_id: str) -> None:
+        bash = shutil.which("bash") or "/bin/bash"
+        self.proc = subprocess.Popen(
+            [bash, "--noprofile", "--norc", "--noediting", "-i"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=dict(os.environ, **{MARKER_VAR: "session-" + session_id}),
+            start_new_session=True,
+        )
+        self.cond = threading.Condition()
+        self.streams = (_SessionStream(), _SessionStream())
+        self.run_lock = threading.Lock()
+        self.older = None  # pids the shell had before the current run
+        self.ended = False
+        for pipe, stream in (
+            (self.proc.stdout, self.streams[0]),
+            (self.proc.stderr, self.streams[1]),
+        ):
+            threading.Thread(target=self._pump, args=(pipe, stream), daemon=True).start()
+
+    def _pump(self, pipe, stream: _SessionStream) -> None:
+        while True:
+            try:
+                chunk = os.read(pipe.fileno(), 1 << 16)
+            except OSError:
+                chunk = b""
+            with self.cond:
+                if chunk:
+                    stream.feed(chunk)
+                else:
+                    stream.eof()
+                    self.ended = True
+                self.cond.notify_all()
+            if not chunk:
+                return
+
+    def _wait(self, seconds) -> bool:
+        deadline = None if seconds is None else time.monotonic() + seconds
+        with self.cond:
+            while not all(s.done for s in self.streams):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.cond.wait(left)
+        return True
+
+    def interrupt(self, sig: int = signal.SIGINT) -> int:
+        older = self.older
+        if older is None:
+            return 0
+        hit = 0
+        if sig == signal.SIGINT:
+            with contextlib.suppress(OSError):
+                os.kill(self.proc.pid, sig)
+        for pid in _descendants(self.proc.pid):
+            if pid not in older:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
+                    hit += 1
+        return hit
+
+    def run(self, req: dict) -> dict:
+        with self.run_lock:
+            if self.ended or self.proc.poll() is not None:
+                return {"ok": False, "error": "the session's shell has ended"}
+            cores = [int(c) for c in req.get("cores") or []]
+            if cores:  # re-pin the shell and every job it left to this run's cores
+                for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(pid, cores)
+            token = str(req["token"]).encode()
+            marker = re.compile(b"\n" + token + b":(-?[0-9]+):" + token + b"\n")
+            out, err = _Capped(int(req["max_output"])), _Capped(int(req["max_output"]))
+            with self.cond:
+                self.streams[0].start(out, marker)
+                self.streams[1].start(err, marker)
+            self.older = set(_descendants(self.proc.pid))
+            started = time.monotonic()
+            try:
+                self.proc.stdin.write(str(req["script"]).encode())
+                self.proc.stdin.flush()
+            except OSError as e:
+                self.older = None
+                return {"ok": False, "error": f"cannot write to the shell: {e}"}
+            timeout_s = req.get("timeout_s")
+            timed_out = not self._wait(None if timeout_s is None else float(timeout_s))
+            if timed_out:
+                self.interrupt(signal.SIGINT)
+                if not self._wait(SIGTERM_GRACE_S):
+                    self.interrupt(signal.SIGKILL)
+                    if not self._wait(MARKER_WAIT_S):
+                        self.close()
+                        self._wait(MARKER_WAIT_S)
+            exec_s = time.monotonic() - started
+            self.older = None
+            status = self.streams[0].status
+            ended = status is None
+            if ended:
+                returncode = self.proc.wait()
+                status = 128 - returncode if returncode < 0 else returncode
+            truncated = bool(out.dropped or err.dropped)
+            reply = _result(status, out.text(), err.text(), timed_out, truncated, exec_s)
+            reply["ended"] = ended
+            return reply
+
+    def close(self) -> None:
+        procs = _descendants(self.proc.pid)
+        _killpg(self.proc.pid, signal.SIGKILL)
+        for pid in procs:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+
+
+def session_op(op: str, req: dict) -> dict:
+    sid = str(req["id"])
+    if op == "session_open":
+        session = _Session(sid)
+        with _SESSIONS_LOCK:
+            _SESSIONS[sid] = session
+        return {"ok": True}
+    with _SESSIONS_LOCK:
+        session = _SESSIONS.pop(sid, None) if op == "session_close" else _SESSIONS.get(sid)
+    if session is None:
+        return {"ok": False, "error": f"no such session {sid}"}
+    if op == "session_run":
+        return session.run(req)
+    if op == "session_interrupt":
+        return {"ok": True, "interrupted": session.interrupt() > 0}
+    session.close()
+    return {"ok": True}
 
 
 # --- server -------------------------------------------------------------------------------
@@ -216,6 +450,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 reply = {"ok": True, "pid": os.getpid(), "python": sys.version.split()[0]}
             elif op == "exec":
                 reply = run_command(req)
+            elif op in ("session_open", "session_run", "session_interrupt", "session_close"):
+                reply = session_op(op, req)
             else:
                 reply = {"ok": False, "error": f"unknown op {op!r}"}
         except EOFError:

@@ -19,6 +19,7 @@ import re
 import shlex
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from tangram.protocol.results import ExecResult, ExecSpec, Outcome
@@ -36,6 +37,25 @@ _ENV_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 class EnvError(RuntimeError):
     """An environment could not be created (bad image, engine down, bad id)."""
+
+
+class PathEscape(ValueError):
+    """A path given for an environment leaves it (``..``, or a symlink pointing out)."""
+
+
+def confine(root: Path, path: str) -> Path:
+    """``path`` inside the directory ``root``, symlinks resolved; raise PathEscape if the
+    result is not ``root`` or below it. Relative paths start at ``root``; an absolute one
+    must already lie inside it. The last part need not exist yet."""
+    if "\0" in path or ".." in path.split("/"):
+        raise PathEscape(f"{path!r}: '..' and NUL are not allowed")
+    base = root.resolve()
+    target = Path(path)
+    candidate = target if target.is_absolute() else base / target
+    resolved = candidate.resolve()  # follows every symlink that exists
+    if resolved != base and base not in resolved.parents:
+        raise PathEscape(f"{path!r} leaves the environment")
+    return resolved
 
 
 def check_env_id(env_id: str) -> str:
@@ -60,6 +80,9 @@ class ExecRequest:
     # (uid, gid) the command runs as: the connecting peer's, or the configured sandbox
     # user's; None = the backend's default (its sandbox user, else the daemon's own user).
     run_as: tuple[int, int] | None = None
+    stdin: bytes | None = None  # the command's standard input (None: empty)
+    cwd: str | None = None  # inside the environment (confined by the backend)
+    session: str | None = None  # run in this open shell session instead of a fresh process
 
     @classmethod
     def for_action(
@@ -83,6 +106,9 @@ class ExecRequest:
             max_output=max_output,
             action_id=action_id,
             run_as=run_as,
+            stdin=spec.stdin,
+            cwd=spec.cwd,
+            session=spec.session,
         )
 
     def __post_init__(self) -> None:
@@ -157,6 +183,32 @@ class Backend(Protocol):
 
     def env_exists(self, env_id: str) -> bool:
         """Whether the environment is known and, as far as the backend last saw, alive."""
+        ...
+
+    async def put(self, env_id: str, path: str, data: bytes, *, tar: bool = False) -> int:
+        """Write a file, or extract a tar stream into a directory, inside the environment.
+
+        Raises `PathEscape` for a path that leaves it, `EnvError` for an unknown one."""
+        ...
+
+    async def get(self, env_id: str, path: str, *, max_bytes: int) -> tuple[bytes, bool]:
+        """``(bytes, False)`` for a file, ``(tar stream, True)`` for a directory.
+
+        Raises `FileNotFoundError`, `PathEscape` or ``files.TooLarge``."""
+        ...
+
+    async def open_session(
+        self, env_id: str, session_id: str, run_as: tuple[int, int] | None = None
+    ) -> None:
+        """Start a persistent shell in the environment; execs naming it run there."""
+        ...
+
+    async def interrupt_session(self, session_id: str) -> bool:
+        """Interrupt the session's running command; whether there was one."""
+        ...
+
+    async def close_session(self, session_id: str) -> None:
+        """End the session's shell; unknown ids are ignored."""
         ...
 
 

@@ -23,17 +23,27 @@
 - One tangramd owns the containers carrying its label key on a dockerd: `reconcile()`
   adopts running ones labelled with our own owner id and removes all others.
 
+- Files go in and out through the engine's archive API (``put_archive`` / ``get_archive``,
+  tar streams), paths relative to the working directory; an exec's input goes to the agent
+  (or, with ``docker exec``, through a file it reads first).
+- Shell sessions live in the agent (persistent interactive bash, ``agent.py``); the daemon
+  writes each run's script (``shell.py``), and the container's cpuset pinning before the
+  run re-pins the shell with it. Without the agent there are no sessions.
+
 All SDK calls run in a dedicated thread pool; the agent is spoken to with asyncio directly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import hashlib
 import json
 import os
+import posixpath
+import secrets
 import shutil
 import tempfile
 import time
@@ -49,6 +59,8 @@ import docker.errors
 import requests.exceptions
 
 from tangramd.backends import agent as agent_mod
+from tangramd.backends import files
+from tangramd.backends import shell as shell_mod
 from tangramd.backends.base import (
     EXEC_OOM_SCORE_ADJ,
     SHUTDOWN_DETAIL,
@@ -179,6 +191,7 @@ class DockerBackend:
         self.agent_start_timeout_s = agent_start_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="tangram-docker")
         self._envs: dict[str, _Env] = {}
+        self._sessions: dict[str, str] = {}  # session id -> env id (the agent holds the shell)
         self._inflight: set[asyncio.Future[Any]] = set()
         self._closing = False
         self._first_core = min(os.sched_getaffinity(0))
@@ -314,6 +327,8 @@ class DockerBackend:
         raise EnvError(f"agent did not start within {self.agent_start_timeout_s} s")
 
     async def close_env(self, env_id: str) -> None:
+        for session_id in [s for s, e in self._sessions.items() if e == env_id]:
+            del self._sessions[session_id]  # its shell goes with the container
         env = self._envs.pop(env_id, None)
         if env is None:
             return
@@ -424,6 +439,8 @@ class DockerBackend:
             return await self._failed(env, f"cannot pin cores: {e.explanation or e}")
         except _ENGINE_ERRORS as e:
             return infra_error(f"docker engine unreachable: {e}")
+        if req.session is not None:
+            return await self._session_exec(env, req)
         cmd = rewrite_pytest(req.cmd, len(req.cores), req.elastic)
         env_vars = {**req.env_vars, "TANGRAM_CPUS": str(len(req.cores)), "TANGRAM_CORES": cores}
         if env.use_agent:
@@ -480,6 +497,8 @@ class DockerBackend:
             "timeout_s": req.timeout_s,
             "max_output": req.max_output,
             "exec_id": f"{req.action_id or 'exec'}-{uuid.uuid4().hex[:8]}",
+            "cwd": container_cwd(req.cwd),
+            "stdin_b64": base64.b64encode(req.stdin).decode() if req.stdin else None,
         }
         wait = None if req.timeout_s is None else req.timeout_s + REPLY_MARGIN_S
         sock = env.agent_dir / AGENT_SOCK
@@ -515,21 +534,26 @@ class DockerBackend:
     ) -> ExecResult:
         """Run through `docker exec`; the marker lets a second exec kill strays on timeout."""
         marker = f"{agent_mod.MARKER_VAR}={req.action_id or 'exec'}-{uuid.uuid4().hex[:8]}"
-        # Through sh so that a missing program is exit 127 as in the other paths.
+        # Through sh so that a missing program is exit 127 as in the other paths. Input
+        # goes in as a file first (docker exec's attach protocol is not worth it here).
+        stdin_file = f"/tmp/.tangram-stdin-{uuid.uuid4().hex[:12]}" if req.stdin else ""
+        redirect = f"exec <{stdin_file}; rm -f {stdin_file}; " if stdin_file else ""
         argv = (
-            ["/bin/sh", "-c", cmd]
+            ["/bin/sh", "-c", redirect + cmd]
             if isinstance(cmd, str)
-            else ["/bin/sh", "-c", 'exec "$@"', "sh", *cmd]
+            else ["/bin/sh", "-c", redirect + 'exec "$@"', "sh", *cmd]
         )
         api = self.client.api
         try:
+            if stdin_file:
+                await self.put_bytes(env, stdin_file, req.stdin or b"")
             exec_id = (
                 await self._call(
                     api.exec_create,
                     env.container_id,
                     argv,
                     environment=[f"{k}={v}" for k, v in env_vars.items()] + [marker],
-                    workdir=WORKDIR,
+                    workdir=container_cwd(req.cwd),
                 )
             )["Id"]
         except docker.errors.NotFound:
@@ -594,6 +618,150 @@ class DockerBackend:
             f"killed after {req.timeout_s} s" if timed_out else "",
         )
 
+    # --- file transfer ----------------------------------------------------------------------
+
+    def _live(self, env_id: str) -> _Env:
+        env = self._envs.get(env_id)
+        if env is None or not env.alive:
+            raise EnvError(f"no such environment {env_id}")
+        return env
+
+    async def put_bytes(self, env: _Env, path: str, data: bytes) -> None:
+        """Write one file in the container through the engine's archive API."""
+        parent, name = posixpath.split(path)
+        await self._call(
+            self.client.api.put_archive, env.container_id, parent, files.single_file_tar(name, data)
+        )
+
+    async def put(self, env_id: str, path: str, data: bytes, *, tar: bool = False) -> int:
+        """Write a file (or extract a tar stream into a directory) inside the container.
+
+        Paths are relative to the working directory; the container is the confinement."""
+        env = self._live(env_id)
+        target = container_cwd(path)
+        mkdir = posixpath.dirname(target) if not tar else target
+        result = await self._call(
+            env_container(self.client, env).exec_run, ["mkdir", "-p", "--", mkdir]
+        )
+        if result.exit_code != 0:
+            raise EnvError(f"cannot create {mkdir}: {result.output.decode(errors='replace')}")
+        if tar:
+            await self._call(self.client.api.put_archive, env.container_id, target, data)
+        else:
+            await self.put_bytes(env, target, data)
+        return len(data)
+
+    async def get(self, env_id: str, path: str, *, max_bytes: int) -> tuple[bytes, bool]:
+        """A file's bytes, or a directory as a tar stream of its contents."""
+        env = self._live(env_id)
+        try:
+            stream, stat = await self._call(
+                self.client.api.get_archive, env.container_id, container_cwd(path)
+            )
+        except docker.errors.NotFound as e:
+            raise FileNotFoundError(f"{path}: no such file or directory") from e
+        if int(stat.get("size", 0)) > max_bytes:
+            raise files.TooLarge(f"{path}: more than {max_bytes} bytes")
+
+        def collect() -> bytes:
+            chunks, total = [], 0
+            for chunk in stream:
+                total += len(chunk)
+                if total > 2 * max_bytes + (1 << 20):  # tar headers and padding included
+                    raise files.TooLarge(f"{path}: more than {max_bytes} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        data = await self._call(collect)
+        single = files.only_file(data)
+        if single is not None:
+            return single
+        tree = files.strip_top_dir(data)
+        if len(tree) > max_bytes:
+            raise files.TooLarge(f"{path}: more than {max_bytes} bytes as a tar stream")
+        return tree, True
+
+    # --- shell sessions ---------------------------------------------------------------------
+
+    async def open_session(
+        self, env_id: str, session_id: str, run_as: tuple[int, int] | None = None
+    ) -> None:
+        """Start a persistent shell in the container, hosted by its agent (``agent.py``)."""
+        env = self._live(env_id)
+        if not env.use_agent:
+            raise EnvError("shell sessions need the in-container agent (an image with python3)")
+        await self._session_call(env, {"op": "session_open", "id": session_id}, 10.0)
+        self._sessions[session_id] = env_id
+        token = secrets.token_hex(8)
+        hello = ExecRequest(env_id, "true", (self._first_core,))
+        reply = await self._session_call(
+            env,
+            {
+                "op": "session_run", "id": session_id, "token": token, "cores": [],
+                "script": shell_mod.script(hello, token, setup=shell_mod.SETUP),
+                "timeout_s": shell_mod.OPEN_TIMEOUT_S, "max_output": 4096,
+            },
+            shell_mod.OPEN_TIMEOUT_S + REPLY_MARGIN_S,
+        )  # fmt: skip
+        if reply.get("exit_code") != 0:
+            await self.close_session(session_id)
+            raise EnvError(f"the session's shell did not start: {reply.get('stderr', '')}")
+
+    async def _session_exec(self, env: _Env, req: ExecRequest) -> ExecResult:
+        """One run in a session: the container is already pinned to ``req.cores``."""
+        if self._sessions.get(req.session or "") != env.env_id:
+            return infra_error(f"no such session {req.session} in {env.env_id}")
+        token = secrets.token_hex(8)
+        frame = {
+            "op": "session_run", "id": req.session, "token": token,
+            "script": shell_mod.script(req, token), "cores": list(req.cores),
+            "timeout_s": req.timeout_s, "max_output": req.max_output,
+        }  # fmt: skip
+        wait = None if req.timeout_s is None else req.timeout_s + REPLY_MARGIN_S
+        try:
+            reply = await _agent_call(env.agent_dir / AGENT_SOCK, frame, wait)
+        except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+            state = await self._settled_state(env.container_id)
+            if state not in ("running", "unknown"):
+                return await self._lost(env, f"container is {state}")
+            return infra_error(f"agent connection failed: {type(e).__name__}: {e}")
+        if not reply.get("ok"):
+            return infra_error(f"session {req.session}: {reply.get('error')}")
+        code = int(reply["exit_code"])
+        timed_out = bool(reply["timed_out"])
+        detail = f"killed after {req.timeout_s} s" if timed_out else ""
+        if reply.get("ended"):
+            detail = "; ".join(filter(None, (detail, f"session {req.session}: its shell exited")))
+        outcome = outcome_for(code, timed_out)
+        if reply.get("ended") and outcome == "ok":
+            outcome = "failed"  # the shell itself exited: the session is over
+        return ExecResult(
+            outcome, code, reply["stdout"], reply["stderr"], float(reply["exec_s"]),
+            bool(reply["truncated"]), detail,
+        )  # fmt: skip
+
+    async def _session_call(self, env: _Env, frame: dict[str, Any], wait: float) -> dict[str, Any]:
+        try:
+            reply = await _agent_call(env.agent_dir / AGENT_SOCK, frame, wait)
+        except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+            raise EnvError(f"agent connection failed: {type(e).__name__}: {e}") from e
+        if not reply.get("ok"):
+            raise EnvError(f"agent: {reply.get('error')}")
+        return reply
+
+    async def interrupt_session(self, session_id: str) -> bool:
+        env = self._envs.get(self._sessions.get(session_id, ""))
+        if env is None or not env.alive:
+            return False
+        reply = await self._session_call(env, {"op": "session_interrupt", "id": session_id}, 5.0)
+        return bool(reply.get("interrupted"))
+
+    async def close_session(self, session_id: str) -> None:
+        env = self._envs.get(self._sessions.pop(session_id, ""))
+        if env is not None and env.alive:
+            with contextlib.suppress(EnvError):
+                await self._session_call(env, {"op": "session_close", "id": session_id}, 5.0)
+
     async def _kill_marked(self, env: _Env, sig: str, marker: str) -> None:
         with contextlib.suppress(docker.errors.APIError, *_ENGINE_ERRORS):
             await self._call(
@@ -618,6 +786,11 @@ class DockerBackend:
         await self._remove_container(env.container_id)
         shutil.rmtree(env.agent_dir, ignore_errors=True)
         return infra_error(why)
+
+
+def container_cwd(cwd: str | None) -> str:
+    """An exec's working directory in the container: relative to ``WORKDIR``."""
+    return posixpath.join(WORKDIR, cwd) if cwd else WORKDIR
 
 
 def env_container(client: docker.DockerClient, env: _Env) -> Any:

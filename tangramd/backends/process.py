@@ -47,10 +47,13 @@ from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from tangramd.backends import cgroups as cg
+from tangramd.backends import files
+from tangramd.backends import shell as shell_mod
 from tangramd.backends.base import (
     EXEC_OOM_SCORE_ADJ,
     SHUTDOWN_DETAIL,
@@ -59,7 +62,9 @@ from tangramd.backends.base import (
     ExecRequest,
     ExecResult,
     OutputBuffer,
+    PathEscape,
     check_env_id,
+    confine,
     exit_code_from_returncode,
     infra_error,
     outcome_for,
@@ -79,14 +84,20 @@ _ENV_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "TERM")
 # The gate: wait for the daemon's go (one line on stdin), then run with stdin at /dev/null.
 # Exit 125 if the daemon closed the gate without a go (it could not place the child).
 _GATE = "read -r _ || exit 125; exec </dev/null; "
+# With stdin: the bytes after the go line are the command's input (``read`` takes one
+# byte at a time from a pipe, so it never eats into them).
+_GATE_STDIN = "read -r _ || exit 125; "
 
 
-def exec_argv(cmd: list[str] | str, *, oom_score_adj: int, gate: bool) -> list[str]:
+def exec_argv(
+    cmd: list[str] | str, *, oom_score_adj: int, gate: bool, stdin: bool = False
+) -> list[str]:
     """The argv to spawn: a shell that raises its own OOM score (before anything can fork,
-    so every descendant inherits it), waits at the gate if asked, then runs ``cmd``."""
+    so every descendant inherits it), waits at the gate if asked, then runs ``cmd`` (with
+    the rest of its stdin as input when ``stdin``)."""
     prefix = f"echo {oom_score_adj} >/proc/self/oom_score_adj 2>/dev/null; "
     if gate:
-        prefix += _GATE
+        prefix += _GATE_STDIN if stdin else _GATE
     if isinstance(cmd, str):
         return ["/bin/sh", "-c", prefix + cmd]
     return ["/bin/sh", "-c", prefix + 'exec "$@"', "tangram-exec", *cmd]
@@ -125,14 +136,22 @@ class _Child:
     def returncode(self) -> int | None:
         return self.popen.returncode
 
-    def release_gate(self) -> None:
-        """Let the command run (the child is placed and pinned)."""
+    def release_gate(self, data: bytes | None = None) -> None:
+        """Let the command run (the child is placed and pinned), then feed it ``data``."""
         stdin = self.popen.stdin
         assert stdin is not None
+        if data:
+            self.feed(b"\n" + data)
+            return
         with contextlib.suppress(OSError):  # it died already (e.g. a shell syntax error)
             os.write(stdin.fileno(), b"\n")
         with contextlib.suppress(OSError):
             stdin.close()
+
+    def feed(self, data: bytes) -> None:
+        """Write ``data`` to the child's stdin and close it, from a thread: a command that
+        never reads its input must not block the loop (the thread ends when it exits)."""
+        threading.Thread(target=_feed, args=(self.popen.stdin, data), daemon=True).start()
 
     def _read(self, fd: int, buf: OutputBuffer) -> None:
         try:
@@ -174,6 +193,14 @@ class _Child:
         """Stop reading (a descendant that escaped every sweep may hold the pipes)."""
         for fd in list(self._open):
             self._close_pipe(fd)
+
+
+def _feed(stream: Any, data: bytes) -> None:
+    """Write ``data`` to a child's stdin and close it (the child may stop reading)."""
+    with contextlib.suppress(OSError, ValueError):
+        stream.write(data)
+    with contextlib.suppress(OSError, ValueError):
+        stream.close()
 
 
 @dataclass(slots=True, eq=False)
@@ -248,6 +275,7 @@ class ProcessBackend:
         self._running: set[_Running] = set()
         self._closing = False
         self._token = f"{scope}.{os.getpid()}"
+        self._shells: dict[str, shell_mod.Shell] = {}
         self._home_affinity = os.sched_getaffinity(0)
         # v1 spawns run here: joining a cgroup blocks in the kernel for up to an RCU grace
         # period, which must not stall the event loop (and every other client) meanwhile.
@@ -291,6 +319,7 @@ class ProcessBackend:
         self._owners[env_id] = owner
 
     async def close_env(self, env_id: str) -> None:
+        self._end_sessions(env_id)
         self._envs.pop(env_id, None)
         self._owners.pop(env_id, None)
         path = self.env_dir(env_id)
@@ -380,10 +409,18 @@ class ProcessBackend:
             return infra_error(SHUTDOWN_DETAIL)
         if not self.env_exists(req.env_id):
             return infra_error(f"no such environment {req.env_id}")
+        if req.session is not None:
+            return await self._session_run(req)
         user = self._user_for(req)
         if isinstance(user, str):
             return infra_error(user)
-        cwd = self.env_dir(req.env_id)
+        home = self.env_dir(req.env_id)
+        try:
+            cwd = confine(home, req.cwd) if req.cwd else home
+        except PathEscape as e:
+            return ExecResult("rejected", detail=f"cwd {e}")
+        if not cwd.is_dir():
+            return ExecResult("failed", 1, stderr=f"tangram: cwd {req.cwd}: not a directory\n")
         cgroup: Path | None = None
         if self.cgroups is not None:
             try:
@@ -397,6 +434,7 @@ class ProcessBackend:
             rewrite_pytest(req.cmd, len(req.cores), req.elastic),
             oom_score_adj=self.oom_score_adj,
             gate=gate,
+            stdin=bool(req.stdin),
         )
         marker = f"{self._token}.{next(self._exec_ids)}"
         out, err = OutputBuffer(req.max_output), OutputBuffer(req.max_output)
@@ -404,11 +442,11 @@ class ProcessBackend:
         def spawn() -> subprocess.Popen[bytes]:
             return subprocess.Popen(
                 argv,
-                stdin=subprocess.PIPE if gate else subprocess.DEVNULL,
+                stdin=subprocess.PIPE if gate or req.stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=cwd,
-                env=self._child_env(req, cwd, marker),
+                env=self._child_env(req, home, marker),
                 start_new_session=True,
                 umask=EXEC_UMASK,
                 user=None if user is None else user[0],
@@ -436,11 +474,15 @@ class ProcessBackend:
                 self._kill_leftovers(run)
                 if gate:
                     child.release_gate()
+                elif req.stdin:
+                    child.feed(b"")
                 await child.exited.wait()
                 child.close()
                 return infra_error(problem or SHUTDOWN_DETAIL)
             if gate:
-                child.release_gate()
+                child.release_gate(req.stdin)
+            elif req.stdin:
+                child.feed(req.stdin)
             return await self._supervise(req, run, started, out, err)
         finally:
             self._running.discard(run)
@@ -533,3 +575,69 @@ class ProcessBackend:
             out.truncated or err.truncated,
             detail or (f"killed after {req.timeout_s} s" if timed_out else ""),
         )
+
+    # --- file transfer ----------------------------------------------------------------
+
+    def _env_root(self, env_id: str) -> Path:
+        if not self.env_exists(env_id):
+            raise EnvError(f"no such environment {env_id}")
+        return self.env_dir(env_id)
+
+    async def put(self, env_id: str, path: str, data: bytes, *, tar: bool = False) -> int:
+        """Write a file (or extract a tar stream into a directory) inside the environment."""
+        root = self._env_root(env_id)
+        owner = self._owners.get(env_id) if self._is_root else None
+        return await asyncio.to_thread(files.put_local, root, path, data, tar=tar, owner=owner)
+
+    async def get(self, env_id: str, path: str, *, max_bytes: int) -> tuple[bytes, bool]:
+        """A file's bytes, or a directory as a tar stream: ``(data, is_tar)``."""
+        root = self._env_root(env_id)
+        return await asyncio.to_thread(files.get_local, root, path, max_bytes=max_bytes)
+
+    # --- shell sessions ---------------------------------------------------------------
+
+    async def open_session(
+        self, env_id: str, session_id: str, run_as: tuple[int, int] | None = None
+    ) -> None:
+        """Start a persistent shell in the environment (``shell.py``)."""
+        if self._closing:
+            raise EnvError(SHUTDOWN_DETAIL)
+        root = self._env_root(env_id)
+        user = self._user_for(ExecRequest(env_id, "true", (0,), run_as=run_as))
+        if isinstance(user, str):
+            raise EnvError(user)
+        env = self._child_env(ExecRequest(env_id, "true", (0,)), root, f"{self._token}.s")
+        for key in ("TANGRAM_CPUS", "TANGRAM_CORES"):
+            env.pop(key, None)
+        env[MARKER_VAR] = f"{self._token}.session.{session_id}"
+        try:
+            shell = await shell_mod.open_shell(session_id, env_id, root, env, user)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise EnvError(f"cannot start the session's shell: {e}") from e
+        with contextlib.suppress(OSError):  # what the shell forks inherits it, as an exec's
+            Path(f"/proc/{shell.popen.pid}/oom_score_adj").write_text(str(self.oom_score_adj))
+        self._shells[session_id] = shell
+
+    async def _session_run(self, req: ExecRequest) -> ExecResult:
+        shell = self._shells.get(req.session or "")
+        if shell is None or shell.env_id != req.env_id:
+            return infra_error(f"no such session {req.session} in {req.env_id}")
+        async with shell.lock:
+            return await shell_mod.run(shell, req)
+
+    async def interrupt_session(self, session_id: str) -> bool:
+        """Interrupt what the session runs now (SIGINT to what the run started)."""
+        shell = self._shells.get(session_id)
+        return shell is not None and shell_mod.interrupt(shell) > 0
+
+    async def close_session(self, session_id: str) -> None:
+        """End the session's shell and everything it started; unknown ids are ignored."""
+        shell = self._shells.pop(session_id, None)
+        if shell is not None:
+            shell_mod.close(shell)
+
+    def _end_sessions(self, env_id: str) -> None:
+        for session_id, shell in list(self._shells.items()):
+            if shell.env_id == env_id:
+                del self._shells[session_id]
+                shell_mod.close(shell)

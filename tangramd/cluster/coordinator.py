@@ -85,6 +85,8 @@ class CoordinatorExecutor(Executor):
         self._link_server: asyncio.base_events.Server | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._remote_ids = itertools.count(REMOTE_CONN_BASE)
+        self._transfers: dict[str, ev.RunTransfer] = {}  # sent to a node, not answered yet
+        self._transfer_ids = itertools.count(1)
         self.port = listen[1]
 
     # ------------------------------------------------------------------ life cycle
@@ -192,7 +194,13 @@ class CoordinatorExecutor(Executor):
 
     # ------------------------------------------------------------------ commands to nodes
     async def _create_env(self, cmd: ev.CreateEnv) -> None:
-        msg = {"t": "create_env", "env_id": cmd.env_id, "image": cmd.image, "mem": cmd.mem}
+        msg = {
+            "t": "create_env",
+            "env_id": cmd.env_id,
+            "image": cmd.image,
+            "mem": cmd.mem,
+            "owner": list(cmd.owner) if cmd.owner else None,
+        }
         if not self._send(cmd.node, msg):
             self.feed(ev.EnvCreated(env_id=cmd.env_id, error=f"node {cmd.node} is not connected"))
 
@@ -209,10 +217,46 @@ class CoordinatorExecutor(Executor):
             "cores": list(cmd.cores),
             "spec": cmd.spec.to_wire(),
             "max_output": cmd.max_output,
+            "run_as": list(cmd.run_as) if cmd.run_as else None,
         }
         if not self._send(cmd.node, msg):
             detail = f"node {cmd.node} is not connected"
             self.feed(ev.ExecFinished(cmd.action_id, ExecResult("infra_error", detail=detail)))
+
+    async def _run_transfer(self, cmd: ev.RunTransfer) -> None:
+        self._transfers[key := f"t{next(self._transfer_ids)}"] = cmd
+        msg = {
+            "t": "transfer",
+            "tid": key,
+            "env_id": cmd.env_id,
+            "direction": cmd.direction,
+            "path": cmd.path,
+            "data": cmd.data,
+            "tar": cmd.tar,
+            "max_bytes": cmd.max_bytes,
+        }
+        if not self._send(cmd.node, msg):
+            self._transfers.pop(key, None)
+            error = ("infra_error", f"node {cmd.node} is not connected")
+            self.feed(ev.TransferDone(token=cmd.token, env_id=cmd.env_id, error=error))
+
+    async def _start_shell(self, cmd: ev.StartShell) -> None:
+        msg = {
+            "t": "open_session",
+            "session_id": cmd.session_id,
+            "env_id": cmd.env_id,
+            "run_as": list(cmd.run_as) if cmd.run_as else None,
+        }
+        if not self._send(cmd.node, msg):
+            error = f"node {cmd.node} is not connected"
+            self.feed(ev.SessionOpened(session_id=cmd.session_id, error=error))
+
+    async def _interrupt_shell(self, cmd: ev.InterruptShell) -> None:
+        self._send(cmd.node, {"t": "interrupt_session", "session_id": cmd.session_id})
+
+    async def _end_shell(self, cmd: ev.EndShell) -> None:
+        if not self._send(cmd.node, {"t": "close_session", "session_id": cmd.session_id}):
+            self.feed(ev.SessionClosed(session_id=cmd.session_id))
 
     def _send(self, node: str, msg: dict[str, Any]) -> bool:
         link = self.registry.link_of(node)
@@ -317,6 +361,31 @@ class CoordinatorExecutor(Executor):
                     conn._fire()
             elif kind in ("exec_done", "env_created", "env_removed"):
                 self._outcome(rec, kind, msg)
+                link.send({"t": "ack", "key": str(msg["key"])})
+            elif kind == "transfer_done":
+                cmd = self._transfers.pop(str(msg["tid"]), None)
+                if cmd is not None:
+                    error = msg.get("error")
+                    self.feed(
+                        ev.TransferDone(
+                            token=cmd.token,
+                            env_id=cmd.env_id,
+                            result=msg.get("result"),
+                            error=(str(error[0]), str(error[1])) if error else None,
+                        )
+                    )
+                link.send({"t": "ack", "key": str(msg["key"])})
+            elif kind == "session_opened":
+                error = msg.get("error")
+                session_id = str(msg["session_id"])
+                self.feed(
+                    ev.SessionOpened(
+                        session_id=session_id, error=None if error is None else str(error)
+                    )
+                )
+                link.send({"t": "ack", "key": str(msg["key"])})
+            elif kind == "session_closed":
+                self.feed(ev.SessionClosed(session_id=str(msg["session_id"])))
                 link.send({"t": "ack", "key": str(msg["key"])})
             elif kind == "bye":
                 self._lose(rec, "node stopped")

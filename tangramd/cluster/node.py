@@ -39,6 +39,7 @@ from tangram.version import __version__
 from tangramd.backends.base import Backend, ExecRequest
 from tangramd.cluster.link import Link, LinkClosed
 from tangramd.cluster.pki import CertInvalid, PinMismatch, client_context, verify_server
+from tangramd.executor import run_transfer
 from tangramd.transport import ConnInfo, UnixServer
 
 log = structlog.get_logger("tangramd")
@@ -286,6 +287,14 @@ class NodeAgent:
                 self._spawn(self._create_env(msg))
             elif kind == "remove_env":
                 self._spawn(self._remove_env(str(msg["env_id"])))
+            elif kind == "transfer":
+                self._spawn(self._transfer(msg))
+            elif kind == "open_session":
+                self._spawn(self._open_session(msg))
+            elif kind == "interrupt_session":
+                self._spawn(self._interrupt_session(str(msg["session_id"])))
+            elif kind == "close_session":
+                self._spawn(self._close_session(str(msg["session_id"])))
             else:
                 log.warning("coordinator_message_unknown", kind=str(kind)[:40])
         except (KeyError, TypeError, ValueError) as exc:
@@ -309,6 +318,7 @@ class NodeAgent:
                 env_id,
                 image if isinstance(image, str) else None,
                 mem if isinstance(mem, int) else None,
+                owner=_pair(msg.get("owner")),
             )
             self._envs.add(env_id)
             log.info("env_created", node=self.name, env=env_id)
@@ -328,6 +338,52 @@ class NodeAgent:
         except Exception as exc:
             log.warning("env_remove_failed", node=self.name, env=env_id, error=str(exc))
 
+    async def _transfer(self, msg: dict[str, Any]) -> None:
+        tid = str(msg["tid"])
+        data = msg.get("data") or b""
+        result, error = await run_transfer(
+            self.backend,
+            str(msg["env_id"]),
+            str(msg["direction"]),
+            str(msg["path"]),
+            data if isinstance(data, bytes) else b"",
+            bool(msg.get("tar")),
+            int(msg["max_bytes"]),
+        )
+        self._report(
+            f"t:{tid}",
+            {"t": "transfer_done", "tid": tid, "result": result, "error": error and list(error)},
+        )
+
+    async def _open_session(self, msg: dict[str, Any]) -> None:
+        session_id = str(msg["session_id"])
+        error = None
+        try:
+            await self.backend.open_session(
+                str(msg["env_id"]), session_id, run_as=_pair(msg.get("run_as"))
+            )
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        log.info("session_opened", node=self.name, session=session_id, error=error)
+        self._report(
+            f"so:{session_id}", {"t": "session_opened", "session_id": session_id, "error": error}
+        )
+
+    async def _interrupt_session(self, session_id: str) -> None:
+        try:
+            await self.backend.interrupt_session(session_id)
+        except Exception as exc:
+            log.warning(
+                "session_interrupt_failed", node=self.name, session=session_id, error=str(exc)
+            )
+
+    async def _close_session(self, session_id: str) -> None:
+        try:
+            await self.backend.close_session(session_id)
+        except Exception as exc:
+            log.warning("session_close_failed", node=self.name, session=session_id, error=str(exc))
+        self._report(f"sc:{session_id}", {"t": "session_closed", "session_id": session_id})
+
     async def _run_exec(self, msg: dict[str, Any]) -> None:
         action_id = str(msg["action_id"])
         env_id = str(msg.get("env_id"))
@@ -338,6 +394,7 @@ class NodeAgent:
                 cores=tuple(int(c) for c in msg["cores"]),
                 max_output=int(msg["max_output"]),
                 action_id=action_id,
+                run_as=_pair(msg.get("run_as")),
             )
             res = await self.backend.exec(req)
         except Exception as exc:
@@ -423,3 +480,10 @@ def _positive(value: Any, default: float) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
         return float(value)
     return default
+
+
+def _pair(value: Any) -> tuple[int, int] | None:
+    """A (uid, gid) pair from the wire, None when absent or malformed."""
+    if isinstance(value, list | tuple) and len(value) == 2:
+        return (int(value[0]), int(value[1]))
+    return None

@@ -1,0 +1,5 @@
+"""Adapters that plug tangram into RL frameworks in-process.
+
+Each adapter lives in its own module and imports its framework there, so ``import
+tangram`` never needs one: ``tangram.integrations.verl`` needs verl.
+"""

@@ -1,0 +1,121 @@
+"""The gateway's FastAPI application: routes, API key, metrics, the daemon connection.
+
+``build_app(socket, api_key=...)`` returns the app ``tangramd http`` serves with uvicorn.
+It talks to the daemon through one :class:`~tangram.client.AsyncClient` (requests are
+pipelined over its connection), so every call is an action the daemon schedules.
+
+- ``POST /run_code``: SandboxFusion (``sandbox_fusion.py``);
+- ``POST /envs``, ``/swerex/{env}/…``: SWE-ReX's remote runtime (``swerex.py``);
+- ``GET /metrics``: Prometheus text format (``metrics.py``);
+- ``GET /health``: liveness of the gateway and the daemon behind it.
+
+With an API key every request must carry it in ``X-API-Key`` (compared in constant time),
+else it is answered 401 before anything else happens. Errors never take the process down:
+a malformed body is a 422 with FastAPI's JSON detail, an unexpected exception on a SWE-ReX
+route is SWE-ReX's 511 transfer, a refusal of the daemon elsewhere a 4xx/502 with a JSON
+body (anything else is a bug: a 500, logged with its traceback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from tangram.client import AsyncClient, ExecResult
+from tangram.model import TangramError
+from tangramd.gateway import sandbox_fusion as sf
+from tangramd.gateway import swerex
+from tangramd.gateway.metrics import Metrics
+
+log = structlog.get_logger("tangramd.gateway")
+
+API_KEY_HEADER = "X-API-Key"
+SCRAPE_TIMEOUT_S = 2.0
+
+
+def build_app(socket: str, *, api_key: str | None = None, cpus: int = 1) -> FastAPI:
+    """The gateway for the daemon at ``socket`` (``cpus``: cores per ``/run_code``)."""
+    client = AsyncClient(socket)
+    metrics = Metrics()
+
+    def observe(kind: str, result: ExecResult) -> None:
+        metrics.observe(kind, result)
+
+    runtimes = swerex.Runtimes(client, observe)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.close()
+
+    app = FastAPI(title="ARL-Tangram gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    key = api_key.encode() if api_key else None
+
+    @app.middleware("http")
+    async def authenticate_and_count(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if key is not None:
+            given = request.headers.get(API_KEY_HEADER, "").encode()
+            if not hmac.compare_digest(given, key):
+                metrics.requests.labels("unauthorized", "401").inc()
+                return JSONResponse({"detail": "missing or wrong X-API-Key"}, status_code=401)
+        metrics.in_flight.inc()
+        try:
+            response = await call_next(request)
+        finally:
+            metrics.in_flight.dec()
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics.requests.labels(path, str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(swerex.RemoteError)
+    async def remote_error(request: Request, exc: swerex.RemoteError) -> JSONResponse:
+        return swerex.exception_response(exc)
+
+    @app.exception_handler(TangramError)
+    async def daemon_refused(request: Request, exc: TangramError) -> JSONResponse:
+        # /envs and the like: the daemon's refusal, as JSON (the SWE-ReX routes guard theirs)
+        status = 404 if exc.code == "not_found" else 400 if exc.code == "bad_request" else 502
+        return JSONResponse({"detail": f"{exc.code}: {exc.message}"}, status_code=status)
+
+    @app.post("/run_code", response_model=sf.RunCodeResponse)
+    async def run_code(request: sf.RunCodeRequest) -> sf.RunCodeResponse:
+        response, results = await sf.run_code(client, request, cpus=cpus)
+        for result in results:
+            metrics.observe(f"run_code/{request.language}", result)
+        if response.status == sf.RunStatus.SandboxError and not results:
+            metrics.actions.labels(f"run_code/{request.language}", "sandbox_error").inc()
+        return response
+
+    @app.get("/metrics")
+    async def scrape() -> Response:
+        ops: Any = client
+        try:
+            status, queue = await asyncio.wait_for(
+                asyncio.gather(ops.status(), ops.queue()), SCRAPE_TIMEOUT_S
+            )
+        except (TangramError, asyncio.TimeoutError):
+            status = queue = None
+        metrics.daemon(status, queue)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/health")
+    async def health() -> Any:
+        ops: Any = client
+        try:
+            pong = await asyncio.wait_for(ops.ping(), SCRAPE_TIMEOUT_S)
+        except (TangramError, asyncio.TimeoutError) as exc:
+            return JSONResponse({"ok": False, "detail": str(exc)}, status_code=503)
+        return {"ok": True, "daemon": pong}
+
+    app.include_router(swerex.router(runtimes))
+    return app

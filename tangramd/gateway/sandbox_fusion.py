@@ -1,0 +1,262 @@
+"""SandboxFusion's ``POST /run_code``, served by tangram actions.
+
+The request and response models re-declare SandboxFusion's server models
+(``sandbox/server/sandbox_api.py`` and ``sandbox/runners/types.py``) field for field, so
+its clients (the ``sandbox-fusion`` package, verl's ``sandbox_fusion`` reward functions)
+talk to us unchanged. The status rules are its ``parse_run_status``:
+
+- a command that ran and exited non-zero is ``Failed`` (HTTP 200, not an error);
+- a timeout is ``Failed`` with ``run_result.status == "TimeLimitExceeded"``;
+- a failure of the sandbox itself (daemon unreachable, environment lost, refused) is
+  ``SandboxError`` with the reason in ``message`` and ``run_result.stderr``;
+- a malformed request is HTTP 422 with FastAPI's JSON error body.
+
+Unlike SandboxFusion we never send ``null`` for ``stdout``, ``stderr``, ``execution_time``
+or ``message``. Each request runs in its own throwaway environment: code without extra
+files is one exec action in a throwaway environment (the source travels in an environment
+variable the command unsets before running it); with ``files``, ``fetch_files``, a compile
+step or large sources the gateway opens an environment, puts the files, runs the compile
+and run actions, fetches the files and closes it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from tangram.client import AsyncClient, ExecResult
+from tangram.model import TangramError
+
+Language = Literal[
+    "python", "cpp", "nodejs", "go", "go_test", "java", "php", "csharp", "bash", "typescript",
+    "sql", "rust", "cuda", "lua", "R", "perl", "D_ut", "ruby", "scala", "julia", "pytest",
+    "junit", "kotlin_script", "jest", "verilog", "python_gpu", "lean", "swift", "racket",
+]  # fmt: skip
+
+SOURCE_VAR = "TANGRAM_SOURCE"
+INLINE_SOURCE_MAX = 64 << 10  # larger sources go in as a file (an env var holds < 128 KiB)
+
+
+class RunCodeRequest(BaseModel):
+    compile_timeout: float = Field(10, description="compile timeout for compiled languages")
+    run_timeout: float = Field(10, description="code run timeout")
+    memory_limit_MB: int = Field(-1, description="maximum memory allowed in megabytes")
+    code: str = Field(..., description="the code to run")
+    stdin: str | None = Field(None, description="optional string to pass into stdin")
+    language: Language = Field(..., description="the language or execution mode to run the code")
+    files: dict[str, str | None] = Field({}, description="file path -> base64 content")
+    fetch_files: list[str] = Field([], description="file paths to fetch after execution")
+
+
+class RunStatus(str, Enum):
+    Success = "Success"
+    Failed = "Failed"
+    SandboxError = "SandboxError"
+
+
+class CommandRunStatus(str, Enum):
+    Finished = "Finished"
+    Error = "Error"
+    TimeLimitExceeded = "TimeLimitExceeded"
+
+
+class CommandRunResult(BaseModel):
+    status: CommandRunStatus
+    execution_time: float | None = None
+    return_code: int | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+
+
+class RunCodeResponse(BaseModel):
+    status: RunStatus
+    message: str
+    compile_result: CommandRunResult | None = None
+    run_result: CommandRunResult | None = None
+    executor_pod_name: str | None = None
+    files: dict[str, str] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """How one language runs: the source file, an optional compile step, the run step."""
+
+    source: str
+    run: str
+    compile: str | None = None
+
+
+RECIPES: dict[str, Recipe] = {
+    "python": Recipe("main.py", "python3 main.py"),
+    "pytest": Recipe("test_main.py", "python3 -m pytest -q -p no:cacheprovider test_main.py"),
+    "bash": Recipe("main.sh", "/bin/bash main.sh"),
+    "cpp": Recipe("main.cpp", "./test", "g++ -std=c++17 main.cpp -o test"),
+    "nodejs": Recipe("main.js", "node main.js"),
+}
+
+
+def command_result(result: ExecResult) -> CommandRunResult:
+    """One exec action's result as SandboxFusion reports a command."""
+    if result.outcome in ("ok", "failed"):
+        return CommandRunResult(
+            status=CommandRunStatus.Finished,
+            execution_time=result.exec_s,
+            return_code=result.exit_code,
+            stdout=result.stdout,
+            stderr=result.stderr,
+        )
+    if result.outcome == "timeout":
+        return CommandRunResult(
+            status=CommandRunStatus.TimeLimitExceeded,
+            execution_time=result.exec_s,
+            stdout=result.stdout,
+            stderr=result.stderr,
+        )
+    why = result.detail or result.outcome
+    return CommandRunResult(
+        status=CommandRunStatus.Error,
+        execution_time=result.exec_s,
+        stdout=result.stdout,
+        stderr=f"{result.stderr}{why}" if result.stderr else why,
+    )
+
+
+def run_status(compile_result: CommandRunResult | None, run: CommandRunResult | None) -> RunStatus:
+    """SandboxFusion's ``parse_run_status``: Error wins, then timeouts and non-zero exits."""
+    results = [r for r in (compile_result, run) if r is not None]
+    if any(r.status == CommandRunStatus.Error for r in results):
+        return RunStatus.SandboxError
+    if any(r.status == CommandRunStatus.TimeLimitExceeded for r in results):
+        return RunStatus.Failed
+    if any(r.return_code not in (None, 0) for r in results):
+        return RunStatus.Failed
+    return RunStatus.Success
+
+
+def _positive(seconds: float) -> float:
+    return max(float(seconds), 0.001)  # SandboxFusion's wait_for(0) times out at once
+
+
+def _mem(request: RunCodeRequest) -> int | None:
+    return request.memory_limit_MB << 20 if request.memory_limit_MB > 0 else None
+
+
+def sandbox_error(message: str) -> RunCodeResponse:
+    return RunCodeResponse(
+        status=RunStatus.SandboxError,
+        message=message,
+        run_result=CommandRunResult(
+            status=CommandRunStatus.Error, execution_time=0.0, stdout="", stderr=message
+        ),
+    )
+
+
+def _respond(
+    compile_res: ExecResult | None, run_res: ExecResult | None, files: dict[str, str]
+) -> RunCodeResponse:
+    compile_result = command_result(compile_res) if compile_res is not None else None
+    run_result = command_result(run_res) if run_res is not None else None
+    status = run_status(compile_result, run_result)
+    message = ""
+    if status == RunStatus.SandboxError:
+        failed = next(
+            r for r in (compile_result, run_result) if r and r.status == CommandRunStatus.Error
+        )
+        message = failed.stderr or ""
+    return RunCodeResponse(
+        status=status,
+        message=message,
+        compile_result=compile_result,
+        run_result=run_result,
+        files=files,
+    )
+
+
+async def run_code(
+    client: AsyncClient, request: RunCodeRequest, *, cpus: int = 1
+) -> tuple[RunCodeResponse, list[ExecResult]]:
+    """Run one ``/run_code`` request; return the response and the exec results behind it."""
+    recipe = RECIPES.get(request.language)
+    if recipe is None:
+        served = ", ".join(sorted(RECIPES))
+        return sandbox_error(f"language {request.language!r} is not served here ({served})"), []
+    stdin = request.stdin.encode() if request.stdin else None
+    ops: Any = client  # the shared op methods return coroutines on an AsyncClient
+    inline = (
+        not request.files
+        and not request.fetch_files
+        and recipe.compile is None
+        and len(request.code) <= INLINE_SOURCE_MAX
+        and "\0" not in request.code
+    )
+    try:
+        if inline:
+            script = f'printf %s "${SOURCE_VAR}" > {recipe.source} && unset {SOURCE_VAR} && '
+            result: ExecResult = await ops.exec(
+                ["/bin/sh", "-c", script + f"exec {recipe.run}"],
+                env_vars={SOURCE_VAR: request.code},
+                stdin=stdin,
+                timeout_s=_positive(request.run_timeout),
+                mem=_mem(request),
+                cpus=cpus,
+                task=f"run_code/{request.language}",
+            )
+            return _respond(None, result, {}), [result]
+        return await _run_in_env(ops, request, recipe, stdin, cpus)
+    except TangramError as exc:
+        return sandbox_error(f"{exc.code}: {exc.message}"), []
+
+
+async def _run_in_env(
+    ops: Any, request: RunCodeRequest, recipe: Recipe, stdin: bytes | None, cpus: int
+) -> tuple[RunCodeResponse, list[ExecResult]]:
+    env_id: str = await ops.env_open(mem=_mem(request))
+    results: list[ExecResult] = []
+    try:
+        for path, content in request.files.items():
+            if content is None:
+                continue
+            try:
+                data = base64.b64decode(content, validate=True)
+            except (binascii.Error, ValueError):
+                return sandbox_error(f"files[{path!r}]: not valid base64"), results
+            await ops.put(env_id, path, data)
+        await ops.put(env_id, recipe.source, request.code.encode())
+        task = f"run_code/{request.language}"
+        compile_res = None
+        if recipe.compile is not None:
+            compile_res = await ops.exec(
+                recipe.compile,
+                env=env_id,
+                timeout_s=_positive(request.compile_timeout),
+                cpus=cpus,
+                task=f"{task}/compile",
+            )
+            results.append(compile_res)
+            if not compile_res.ok:
+                return _respond(compile_res, None, {}), results
+        run_res = await ops.exec(
+            recipe.run,
+            env=env_id,
+            stdin=stdin,
+            timeout_s=_positive(request.run_timeout),
+            cpus=cpus,
+            task=task,
+        )
+        results.append(run_res)
+        files: dict[str, str] = {}
+        for path in request.fetch_files:
+            with contextlib.suppress(TangramError):  # SandboxFusion skips what is not a file
+                data, is_tar = await ops.get(env_id, path)
+                if not is_tar:
+                    files[path] = base64.b64encode(data).decode()
+        return _respond(compile_res, run_res, files), results
+    finally:
+        with contextlib.suppress(TangramError):
+            await ops.env_close(env_id)

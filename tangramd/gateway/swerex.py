@@ -1,0 +1,430 @@
+"""SWE-ReX's remote runtime API at ``/swerex/{env_id}``, on a tangram environment.
+
+SWE-agent style agents drive a sandbox through ``swerex.runtime.remote.RemoteRuntime``;
+pointed at ``http://HOST:PORT/swerex/ENV`` it talks to an environment opened through the
+client, ``tangramctl env open`` or ``POST /envs``. The models re-declare SWE-ReX's
+(``swerex/runtime/abstract.py``) and errors travel as its server sends them: HTTP 511 with
+``{"swerexception": {"message", "class_path", "traceback", "extra_info"}}``, so its client
+re-raises ``CommandTimeoutError``, ``SessionDoesNotExistError``,
+``BashIncorrectSyntaxError``, ``NonZeroExitCodeError``, ``FileNotFoundError``, …
+
+Each command is one exec action (it waits for its core, runs pinned to it, releases it):
+``execute`` in the environment, ``run_in_session`` in a tangram shell session (named
+sessions map to session ids per environment). Differences from SWE-ReX's own server:
+``execute``'s ``env`` adds variables rather than replacing the environment, a string
+command always runs through ``/bin/sh -c``, and interactive commands (``expect``) are not
+served. Paths are the environment's: relative to its working directory; the process
+backend refuses paths outside the environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import tarfile
+import traceback
+import zipfile
+from collections.abc import Awaitable
+from typing import Any, Literal
+
+from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from tangram.client import AsyncClient, ExecResult
+from tangram.model import TangramError
+from tangram.protocol.errors import BadRequest, NotFound
+
+EXC = "swerex.exceptions."
+SYNTAX_CHECK_TIMEOUT_S = 5.0
+
+# --------------------------------------------------------------------------- models
+
+
+class IsAliveResponse(BaseModel):
+    is_alive: bool
+    message: str = ""
+
+
+class CreateBashSessionRequest(BaseModel):
+    startup_source: list[str] = []
+    session: str = "default"
+    session_type: Literal["bash"] = "bash"
+    startup_timeout: float = 1.0
+
+
+class BashAction(BaseModel):
+    command: str
+    session: str = "default"
+    timeout: float | None = None
+    is_interactive_command: bool = False
+    is_interactive_quit: bool = False
+    check: Literal["silent", "raise", "ignore"] = "raise"
+    error_msg: str = ""
+    expect: list[str] = []
+    action_type: Literal["bash"] = "bash"
+
+
+class BashInterruptAction(BaseModel):
+    session: str = "default"
+    timeout: float = 0.2
+    n_retry: int = 3
+    expect: list[str] = []
+    action_type: Literal["bash_interrupt"] = "bash_interrupt"
+
+
+class CloseBashSessionRequest(BaseModel):
+    session: str = "default"
+    session_type: Literal["bash"] = "bash"
+
+
+class Command(BaseModel):
+    command: str | list[str]
+    timeout: float | None = None
+    shell: bool = False
+    check: bool = False
+    error_msg: str = ""
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+    merge_output_streams: bool = False
+
+
+class ReadFileRequest(BaseModel):
+    path: str
+    encoding: str | None = None
+    errors: str | None = None
+
+
+class WriteFileRequest(BaseModel):
+    content: str
+    path: str
+
+
+class OpenEnvRequest(BaseModel):
+    image: str | None = None
+    mem: int | None = None
+    trajectory: str | None = None
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class RemoteError(Exception):
+    """An exception SWE-ReX's client re-raises by class path (HTTP 511)."""
+
+    def __init__(self, class_path: str, message: str, extra_info: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.class_path = class_path
+        self.message = message
+        self.extra_info = extra_info or {}
+
+
+def exception_response(exc: RemoteError) -> JSONResponse:
+    body = {
+        "message": exc.message,
+        "class_path": exc.class_path,
+        "traceback": "".join(traceback.format_exception_only(type(exc), exc)),
+        "extra_info": exc.extra_info,
+    }
+    return JSONResponse(status_code=511, content={"swerexception": body})
+
+
+def _from_tangram(exc: TangramError, path: str = "") -> RemoteError:
+    where = f"{path}: " if path else ""
+    if isinstance(exc, NotFound):
+        return RemoteError("builtins.FileNotFoundError", f"{where}{exc.message}")
+    if isinstance(exc, BadRequest):
+        return RemoteError("builtins.ValueError", f"{where}{exc.message}")
+    return RemoteError(EXC + "SwerexException", f"{exc.code}: {exc.message}")
+
+
+# --------------------------------------------------------------------------- runtime
+
+
+class Runtimes:
+    """Named bash sessions per environment: ``(env, name) -> tangram session id``."""
+
+    def __init__(self, client: AsyncClient, observe: Any) -> None:
+        self.client: Any = client  # the shared op methods return coroutines here
+        self.observe = observe  # (kind, ExecResult) -> None: the gateway's metrics
+        self.sessions: dict[tuple[str, str], str] = {}
+
+    async def exec(self, kind: str, cmd: Any, **kw: Any) -> ExecResult:
+        result: ExecResult = await self.client.exec(cmd, task=f"swerex/{kind}", **kw)
+        self.observe(f"swerex/{kind}", result)
+        return result
+
+    def session(self, env: str, name: str) -> str:
+        sid = self.sessions.get((env, name))
+        if sid is None:
+            raise RemoteError(EXC + "SessionDoesNotExistError", f"session {name!r} does not exist")
+        return sid
+
+    async def create_session(self, env: str, req: CreateBashSessionRequest) -> dict[str, Any]:
+        if (env, req.session) in self.sessions:
+            raise RemoteError(EXC + "SessionExistsError", f"session {req.session} already exists")
+        sid = await self.client.session_open(env)
+        self.sessions[(env, req.session)] = sid
+        output = ""
+        for path in req.startup_source:
+            result = await self.exec("create_session", f"source {_quote(path)}", session=sid)
+            output += result.stdout + result.stderr
+        return {"output": output, "session_type": "bash"}
+
+    async def run_in_session(self, env: str, action: BashAction | BashInterruptAction) -> Any:
+        sid = self.session(env, action.session)
+        if isinstance(action, BashInterruptAction):
+            await self.client.session_interrupt(sid)
+            return _observation("", 0)
+        if action.is_interactive_command or action.is_interactive_quit or action.expect:
+            raise RemoteError("builtins.NotImplementedError", "interactive commands not served")
+        await _check_syntax(action.command)
+        # A group keeps the shell's state (cd, variables) and merges stderr as a terminal would.
+        result = await self.exec(
+            "run_in_session", "{\n" + action.command + "\n} 2>&1", session=sid,
+            timeout_s=action.timeout,
+        )  # fmt: skip
+        if result.outcome == "timeout":
+            raise RemoteError(
+                EXC + "CommandTimeoutError",
+                f"timeout after {action.timeout} seconds while running command {action.command!r}",
+            )
+        if result.outcome not in ("ok", "failed"):
+            raise RemoteError(EXC + "SwerexException", result.detail or result.outcome)
+        output = (result.stdout + result.stderr).strip()
+        if action.check == "ignore":
+            return _observation(output, None)
+        if action.check == "raise" and result.exit_code != 0:
+            msg = (
+                f"Command {action.command!r} failed with exit code {result.exit_code}. "
+                f"Here is the output:\n{output!r}"
+            )
+            raise RemoteError(
+                EXC + "NonZeroExitCodeError",
+                f"{action.error_msg}: {msg}" if action.error_msg else msg,
+            )
+        return _observation(output, result.exit_code)
+
+    async def close_session(self, env: str, req: CloseBashSessionRequest) -> dict[str, Any]:
+        sid = self.session(env, req.session)
+        del self.sessions[(env, req.session)]
+        with contextlib.suppress(NotFound):  # the environment (and its shells) went away
+            await self.client.session_close(sid)
+        return {"session_type": "bash"}
+
+    async def execute(self, env: str, command: Command) -> dict[str, Any]:
+        cmd: Any = command.command
+        if command.merge_output_streams:
+            cmd = (
+                "exec 2>&1; " + cmd
+                if isinstance(cmd, str)
+                else ["/bin/sh", "-c", 'exec 2>&1; exec "$@"', "sh", *cmd]
+            )
+        result = await self.exec(
+            "execute", cmd, env=env, timeout_s=command.timeout, env_vars=command.env,
+            cwd=command.cwd,
+        )  # fmt: skip
+        if result.outcome == "timeout":
+            raise RemoteError(
+                EXC + "CommandTimeoutError",
+                f"Timeout ({command.timeout}s) exceeded while running command",
+            )
+        if result.outcome == "rejected":
+            raise RemoteError("builtins.ValueError", result.detail)
+        if result.outcome == "infra_error":
+            raise RemoteError(EXC + "SwerexException", result.detail)
+        if command.check and result.exit_code != 0:
+            msg = (
+                f"Command {command.command!r} failed with exit code {result.exit_code}. "
+                f"Stdout:\n{result.stdout!r}\nStderr:\n{result.stderr!r}"
+            )
+            raise RemoteError(
+                EXC + "NonZeroExitCodeError",
+                f"{command.error_msg}: {msg}" if command.error_msg else msg,
+            )
+        return {"stdout": result.stdout, "stderr": result.stderr, "exit_code": result.exit_code}
+
+    async def read_file(self, env: str, req: ReadFileRequest) -> dict[str, Any]:
+        try:
+            data, is_tar = await self.client.get(env, req.path)
+        except TangramError as exc:
+            raise _from_tangram(exc, req.path) from None
+        if is_tar:
+            raise RemoteError("builtins.IsADirectoryError", f"{req.path}: is a directory")
+        try:
+            content = data.decode(req.encoding or "utf-8", req.errors or "strict")
+        except (UnicodeDecodeError, LookupError) as exc:
+            raise RemoteError("builtins.ValueError", f"{req.path}: {exc}") from None
+        return {"content": content}
+
+    async def write_file(self, env: str, req: WriteFileRequest) -> dict[str, Any]:
+        try:
+            await self.client.put(env, req.path, req.content.encode())
+        except TangramError as exc:
+            raise _from_tangram(exc, req.path) from None
+        return {}
+
+    async def upload(self, env: str, data: bytes, target: str, unzip: bool) -> dict[str, Any]:
+        try:
+            if unzip:
+                await self.client.put(env, target, zip_to_tar(data), tar=True)
+            else:
+                await self.client.put(env, target, data)
+        except TangramError as exc:
+            raise _from_tangram(exc, target) from None
+        return {}
+
+    async def close(self, env: str) -> dict[str, Any]:
+        for (owner, name), sid in list(self.sessions.items()):
+            if owner == env:
+                del self.sessions[(owner, name)]
+                with contextlib.suppress(NotFound):
+                    await self.client.session_close(sid)
+        return {}
+
+
+def _observation(output: str, exit_code: int | None) -> dict[str, Any]:
+    return {
+        "output": output,
+        "exit_code": exit_code,
+        "failure_reason": "",
+        "expect_string": "",
+        "session_type": "bash",
+    }
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
+async def _check_syntax(command: str) -> None:
+    """``bash -n``, as SWE-ReX checks a command before it reaches the shell (parse only)."""
+    proc = await asyncio.create_subprocess_exec(
+        "bash", "-n",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(
+            proc.communicate(command.encode() + b"\n"), SYNTAX_CHECK_TIMEOUT_S
+        )
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return  # cannot tell: let the shell report it
+    if proc.returncode == 0:
+        return
+    stdout, stderr = out.decode(errors="backslashreplace"), err.decode(errors="backslashreplace")
+    raise RemoteError(
+        EXC + "BashIncorrectSyntaxError",
+        f"Error (exit code {proc.returncode}) while checking bash command \n{command!r}\n"
+        f"---- Stderr ----\n{stderr}\n---- Stdout ----\n{stdout}",
+        {"bash_stdout": stdout, "bash_stderr": stderr},
+    )
+
+
+def zip_to_tar(data: bytes) -> bytes:
+    """A zip archive's files and directories as a tar stream (what env.put extracts)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as zf, tarfile.open(fileobj=out, mode="w") as tf:
+        for info in zf.infolist():
+            member = tarfile.TarInfo(info.filename.rstrip("/"))
+            if info.is_dir():
+                member.type, member.mode = tarfile.DIRTYPE, 0o755
+                tf.addfile(member)
+                continue
+            content = zf.read(info)
+            member.size, member.mode = len(content), 0o644
+            tf.addfile(member, io.BytesIO(content))
+    return out.getvalue()
+
+
+# --------------------------------------------------------------------------- routes
+
+
+async def guard(call: Awaitable[Any]) -> Any:
+    """Any failure of a runtime call as SWE-ReX's server reports it (511 + class path)."""
+    try:
+        return await call
+    except RemoteError:
+        raise
+    except TangramError as exc:
+        raise _from_tangram(exc) from None
+    except Exception as exc:  # e.g. a bad zip upload: SWE-ReX transfers every exception
+        class_path = f"{type(exc).__module__}.{type(exc).__name__}"
+        raise RemoteError(class_path, str(exc)) from None
+
+
+def router(runtimes: Runtimes) -> APIRouter:
+    """The ``/swerex/{env}`` routes and ``POST /envs``."""
+    api = APIRouter()
+
+    @api.post("/envs")
+    async def open_env(request: Request, body: OpenEnvRequest | None = None) -> Any:
+        body = body or OpenEnvRequest()
+        env_id = await runtimes.client.env_open(
+            image=body.image, mem=body.mem, trajectory=body.trajectory
+        )
+        base = str(request.base_url).rstrip("/")
+        return {"id": env_id, "swerex_url": f"{base}/swerex/{env_id}"}
+
+    @api.delete("/envs/{env}")
+    async def close_env(env: str) -> Any:
+        await runtimes.close(env)
+        await runtimes.client.env_close(env)
+        return {"id": env, "closed": True}
+
+    @api.get("/swerex/{env}/is_alive")
+    async def is_alive(env: str) -> Any:
+        # Answered at once (the client waits 0.15 s): one read of the daemon's env list.
+        try:
+            envs = await asyncio.wait_for(runtimes.client.env_list(), 0.1)
+        except (TangramError, asyncio.TimeoutError) as exc:
+            return {"is_alive": False, "message": f"tangramd: {exc}"}
+        if any(row.get("id") == env and row.get("state") == "ready" for row in envs):
+            return {"is_alive": True, "message": ""}
+        return {"is_alive": False, "message": f"environment {env} is not open"}
+
+    @api.post("/swerex/{env}/create_session")
+    async def create_session(env: str, req: CreateBashSessionRequest) -> Any:
+        return await guard(runtimes.create_session(env, req))
+
+    @api.post("/swerex/{env}/run_in_session")
+    async def run_in_session(env: str, action: BashAction | BashInterruptAction) -> Any:
+        return await guard(runtimes.run_in_session(env, action))
+
+    @api.post("/swerex/{env}/close_session")
+    async def close_session(env: str, req: CloseBashSessionRequest) -> Any:
+        return await guard(runtimes.close_session(env, req))
+
+    @api.post("/swerex/{env}/execute")
+    async def execute(env: str, command: Command) -> Any:
+        return await guard(runtimes.execute(env, command))
+
+    @api.post("/swerex/{env}/read_file")
+    async def read_file(env: str, req: ReadFileRequest) -> Any:
+        return await guard(runtimes.read_file(env, req))
+
+    @api.post("/swerex/{env}/write_file")
+    async def write_file(env: str, req: WriteFileRequest) -> Any:
+        return await guard(runtimes.write_file(env, req))
+
+    @api.post("/swerex/{env}/upload")
+    async def upload(
+        env: str,
+        file: UploadFile = File(...),  # noqa: B008  # FastAPI's declaration style
+        target_path: str = Form(...),
+        unzip: bool = Form(False),
+    ) -> Any:
+        try:
+            data = await file.read()
+        finally:
+            await file.close()
+        return await guard(runtimes.upload(env, data, target_path, unzip))
+
+    @api.post("/swerex/{env}/close")
+    async def close(env: str) -> Any:
+        return await guard(runtimes.close(env))
+
+    return api

@@ -1,0 +1,171 @@
+"""`tangramd http` as a SWE-ReX remote runtime: swerex's own RemoteRuntime against it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from gateway_fixture import running_stack
+from swerex.exceptions import (
+    BashIncorrectSyntaxError,
+    CommandTimeoutError,
+    NonZeroExitCodeError,
+    SessionDoesNotExistError,
+    SessionExistsError,
+)
+from swerex.runtime.abstract import (
+    BashAction,
+    BashInterruptAction,
+    CloseBashSessionRequest,
+    Command,
+    CreateBashSessionRequest,
+    ReadFileRequest,
+    UploadRequest,
+    WriteFileRequest,
+)
+from swerex.runtime.remote import RemoteRuntime
+
+KEY = "swe-key"
+AUTH = {"X-API-Key": KEY}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """Served with an API key: RemoteRuntime sends its auth_token as X-API-Key."""
+    tmp = tmp_path_factory.mktemp("swerex")
+    (tmp / "key").write_text(KEY)
+    with running_stack(tmp, "--api-key-file", str(tmp / "key")) as s:
+        yield s
+
+
+@pytest.fixture
+def runtime(stack):
+    """A RemoteRuntime on a fresh environment opened with POST /envs."""
+    opened = httpx.post(f"{stack.url}/envs", json={}, headers=AUTH).json()
+    assert opened["swerex_url"] == f"{stack.url}/swerex/{opened['id']}"
+    yield RemoteRuntime(host=opened["swerex_url"], timeout=30, auth_token=KEY)
+    closed = httpx.delete(f"{stack.url}/envs/{opened['id']}", headers=AUTH).json()
+    assert closed["closed"] is True
+
+
+def test_is_alive_answers_within_the_clients_budget(runtime, stack):
+    """is_alive is answered at once (RemoteRuntime gives it 0.15 s); unknown envs are not."""
+
+    async def check() -> None:
+        started = time.monotonic()
+        assert (await runtime.is_alive(timeout=0.15)).is_alive
+        assert time.monotonic() - started < 0.15
+        other = RemoteRuntime(host=f"{stack.url}/swerex/e999", timeout=5, auth_token=KEY)
+        assert not (await other.is_alive()).is_alive
+
+    asyncio.run(check())
+
+
+def test_session_state_persists_and_survives_timeout_and_interrupt(runtime):
+    """cd and exports persist across run_in_session; a timeout raises and the shell lives."""
+
+    async def scenario() -> None:
+        await runtime.create_session(CreateBashSessionRequest(session="main"))
+        with pytest.raises(SessionExistsError):
+            await runtime.create_session(CreateBashSessionRequest(session="main"))
+        await runtime.run_in_session(BashAction(command="mkdir -p w && cd w", session="main"))
+        await runtime.run_in_session(BashAction(command="export X=7", session="main"))
+        obs = await runtime.run_in_session(
+            BashAction(command="pwd; echo x=$X; echo err >&2", session="main")
+        )
+        assert obs.exit_code == 0
+        assert obs.output.endswith("/w\nx=7\nerr"), obs.output
+        with pytest.raises(CommandTimeoutError):
+            await runtime.run_in_session(
+                BashAction(command="sleep 30", session="main", timeout=0.5)
+            )
+        await runtime.run_in_session(BashInterruptAction(session="main"))
+        obs = await runtime.run_in_session(BashAction(command="echo still $X", session="main"))
+        assert obs.output == "still 7"
+        with pytest.raises(NonZeroExitCodeError):
+            await runtime.run_in_session(BashAction(command="false", session="main"))
+        obs = await runtime.run_in_session(
+            BashAction(command="exit_code_is() { return 3; }; exit_code_is", session="main",
+                       check="silent")
+        )  # fmt: skip
+        assert obs.exit_code == 3
+        with pytest.raises(BashIncorrectSyntaxError):
+            await runtime.run_in_session(BashAction(command="if then fi (", session="main"))
+        with pytest.raises(SessionDoesNotExistError):
+            await runtime.run_in_session(BashAction(command="true", session="nope"))
+        await runtime.close_session(CloseBashSessionRequest(session="main"))
+        with pytest.raises(SessionDoesNotExistError):
+            await runtime.close_session(CloseBashSessionRequest(session="main"))
+
+    asyncio.run(scenario())
+
+
+def test_execute_files_and_upload(runtime, tmp_path):
+    """execute, write_file/read_file, upload of a file and of a (zipped) directory."""
+
+    async def scenario() -> None:
+        r = await runtime.execute(Command(command="echo $GREET; pwd", shell=True,
+                                          env={"GREET": "hello"}))  # fmt: skip
+        assert r.exit_code == 0 and r.stdout.startswith("hello\n")
+        r = await runtime.execute(Command(command=["sh", "-c", "echo out; echo err >&2; exit 4"]))
+        assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 4)
+        with pytest.raises(NonZeroExitCodeError):
+            await runtime.execute(Command(command="exit 1", shell=True, check=True))
+        with pytest.raises(CommandTimeoutError):
+            await runtime.execute(Command(command="sleep 30", shell=True, timeout=0.5))
+        merged = await runtime.execute(
+            Command(command="echo a; echo b >&2", shell=True, merge_output_streams=True)
+        )
+        assert merged.stdout == "a\nb\n"
+        await runtime.write_file(WriteFileRequest(path="notes/a.txt", content="über\n"))
+        assert (await runtime.read_file(ReadFileRequest(path="notes/a.txt"))).content == "über\n"
+        with pytest.raises(FileNotFoundError):
+            await runtime.read_file(ReadFileRequest(path="notes/none.txt"))
+        with pytest.raises(ValueError):
+            await runtime.read_file(ReadFileRequest(path="/etc/passwd"))
+        (tmp_path / "one.txt").write_text("one")
+        tree = tmp_path / "tree"
+        (tree / "sub").mkdir(parents=True)
+        (tree / "sub" / "two.txt").write_text("two")
+        await runtime.upload(UploadRequest(source_path=str(tmp_path / "one.txt"),
+                                           target_path="up/one.txt"))  # fmt: skip
+        await runtime.upload(UploadRequest(source_path=str(tree), target_path="up/tree"))
+        r = await runtime.execute(Command(command="cat up/one.txt up/tree/sub/two.txt", shell=True))
+        assert r.stdout == "onetwo"
+        await runtime.close()
+
+    asyncio.run(scenario())
+
+
+def test_concurrent_calls_to_one_runtime_run_concurrently(runtime):
+    """Two execute calls on one runtime overlap on the two free cores (serial: >= 3 s)."""
+
+    async def scenario() -> float:
+        started = time.monotonic()
+        results = await asyncio.gather(
+            *(runtime.execute(Command(command="sleep 1.5", shell=True)) for _ in range(2))
+        )
+        assert all(r.exit_code == 0 for r in results)
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < 2.9
+
+
+def test_bad_requests_are_4xx_and_the_runtime_stays_up(runtime, stack):
+    """Malformed SWE-ReX bodies are 422; unknown environments answer as SWE-ReX errors."""
+    base = runtime._config.host
+    assert httpx.post(f"{base}/execute", content=b"{", headers=AUTH).status_code == 422
+    for route, body in (
+        ("run_in_session", [1]),
+        ("create_session", {"session": 5}),
+        ("write_file", {"path": "x"}),
+        ("upload", {"target_path": "x"}),
+    ):
+        r = httpx.post(f"{base}/{route}", json=body, headers=AUTH)
+        assert r.status_code == 422, (route, r.text)
+    assert httpx.post(f"{base}/execute", json={"command": "true"}).status_code == 401
+    r = httpx.post(f"{stack.url}/swerex/e999/execute", json={"command": "true"}, headers=AUTH)
+    assert r.status_code == 511 and "swerexception" in r.json()
+    assert asyncio.run(runtime.execute(Command(command="true", shell=True))).exit_code == 0
