@@ -1,7 +1,7 @@
 """Fig. 9: the elastic scheduler vs every fixed DoP over batch sizes (AI coding), two seeds.
 
 Usage: python bench/paper/fig9.py [--batches 256,1024,1280,2048] [--seeds 0,1]
-                                  [--mixed 64,128] [--rules] [--jobs 2]
+                                  [--mixed 64,128] [--fixed 1,2,4,8,16] [--rules] [--jobs 2]
 
 ``tangram`` is the default ``priced`` rule, ``tangram-eft`` the previous default
 (``wait-eft``); ``--rules`` also runs ``tangram-wait`` and ``tangram-paper``. fixed-dop:K runs
@@ -20,7 +20,7 @@ from typing import Any
 
 from common import IMG, ROOT, load_cluster, paper_cluster, ratio, run, save
 
-FIXED = tuple(f"fixed-dop:{k}" for k in (1, 2, 4, 8, 16))
+FIXED = tuple(f"fixed-dop:{k}" for k in (1, 2, 4, 8, 16))  # narrowed by --fixed
 MAIN = ("tangram", "tangram-eft")
 RULES = ("tangram-wait", "tangram-paper")
 
@@ -76,7 +76,10 @@ def main() -> None:
     ap.add_argument("--mixed", default="", help="batch sizes of the mixed workloads")
     ap.add_argument("--rules", action="store_true", help="also tangram-wait and tangram-paper")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes")
+    ap.add_argument("--fixed", default="1,2,4,8,16", help="the fixed DoPs K to run")
     args = ap.parse_args()
+    global FIXED
+    FIXED = tuple(f"fixed-dop:{k}" for k in args.fixed.split(","))
     started = time.perf_counter()
     policies = (*MAIN, *(RULES if args.rules else ()), *FIXED, "k8s")
     seeds = [int(s) for s in args.seeds.split(",")]

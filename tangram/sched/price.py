@@ -89,6 +89,9 @@ def band(amounts: tuple[int, ...], k: int) -> tuple[int, ...]:
     return tuple(u for u in amounts if 2 * u >= k and u <= k) or (k,)
 
 
+SAMPLE = 64  # queued elastic actions whose mean duration stands for all of them
+
+
 def price_bands(
     queue: Sequence[Action],
     capacity: int,
@@ -98,26 +101,44 @@ def price_bands(
 ) -> dict[ActionId, tuple[int, ...]]:
     """The band of amounts each elastic action of ``queue`` may start at in this pass."""
     load = load or NO_LOAD
-    elastic = [a for a in queue if a.elastic]
+    elastic = [(a, amounts_of(a)) for a in queue if a.elastic]
     if not elastic:
         return {}
     units = max(1.0, capacity - short_reserve(load))
     rate, running, queued = load.elastic_per_s, load.elastic_running, len(elastic)
-    memo: dict[int, float] = {}
+    # N(k) / C on a grid of powers of two; the mean duration at k is taken over the first
+    # SAMPLE queued actions (FCFS: the ones about to start), each at its largest amount <= k
+    sample = elastic[:SAMPLE]
+    top = max(amounts[-1] for _, amounts in sample)
+    grid: list[tuple[int, float]] = []
+    g = 1
+    while True:
+        mean_t = sum(dur(a, _at_most(amounts, g)) for a, amounts in sample) / len(sample)
+        grid.append((g, (queued + max(running, rate * mean_t)) / units))
+        if g >= top:
+            break
+        g *= 2
 
     def sharing(k: int) -> float:
-        """N(k) / C: the queued actions plus the ones in service (Little: rate x mean
-        duration at k of the queued actions; at least the ones running now), per unit."""
-        s = memo.get(k)
-        if s is None:
-            mean_t = sum(dur(a, min(k, amounts_of(a)[-1])) for a in elastic) / queued
-            s = memo[k] = (queued + max(running, rate * mean_t)) / units
-        return s
+        share = grid[0][1]
+        for g, s in grid:
+            if g > k:
+                break
+            share = s
+        return share
 
     out: dict[ActionId, tuple[int, ...]] = {}
-    for a in elastic:
-        amounts = amounts_of(a)
-        if len(amounts) <= 1:
-            continue
-        out[a.id] = band(amounts, priced_dop(amounts, partial(dur, a), sharing))
+    for a, amounts in elastic:
+        if len(amounts) > 1:
+            out[a.id] = band(amounts, priced_dop(amounts, partial(dur, a), sharing))
     return out
+
+
+def _at_most(amounts: tuple[int, ...], k: int) -> int:
+    """The largest of ``amounts`` (ascending) not above ``k``, else the smallest."""
+    pick = amounts[0]
+    for u in amounts:
+        if u > k:
+            break
+        pick = u
+    return pick
