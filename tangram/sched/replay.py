@@ -77,6 +77,12 @@ class Durations:
         # extra_cost depends only on (kind, service, amount) within one pass (SchedPool doc)
         self._extra: dict[tuple[str, str | None, int], float] = {}
 
+    def narrow(self, bands: Mapping[ActionId, tuple[int, ...]]) -> None:
+        """Restrict elastic actions to ``bands`` (before any duration at the minimum is read)."""
+        assert not self.at_min
+        self.bands = bands
+        self.low = {aid: b[0] for aid, b in bands.items()}
+
     def choices(self, action: Action) -> tuple[int, ...]:
         band = self.bands.get(action.id)
         return band if band is not None else elastic_amounts(action, self.max_single)

@@ -315,11 +315,14 @@ def _schedule_pool(
     dur = Durations(pool, snap.estimate)
     if priced:
         max_single = dur.max_single
-        bands = price_bands(
-            queue, pool.capacity, load, lambda a: elastic_amounts(a, max_single), dur
+        dur.narrow(
+            price_bands(queue, pool.capacity, load, lambda a: elastic_amounts(a, max_single), dur)
         )
-        dur = Durations(pool, snap.estimate, bands)
-    running = [(max(f - now, 0.0), u) for f, u in snap.running.get(pool.pool_id, ())]
+    running_at = snap.running.get(pool.pool_id, ())
+
+    def running() -> list[tuple[float, int]]:  # expected finishes from now, built on demand
+        return [(max(f - now, 0.0), u) for f, u in running_at]
+
     if priced and cfg.order == "fcfs":
         cands, rest = _candidates_easy(op.start(), queue, dur, running, now - cfg.starvation_s)
     else:
@@ -329,7 +332,7 @@ def _schedule_pool(
     fixed: list[Action] = []
     elastic: list[Action] = []
     for a in cands:
-        # priced: every elastic action goes through the DP, so the room limit applies to it
+        # priced: every elastic action goes through the DP and eviction, even a one-amount band
         if a.elastic and (priced or len(dur.choices(a)) > 1):
             elastic.append(a)
         else:
@@ -351,7 +354,7 @@ def _schedule_pool(
     window = rest[: cfg.replay_limit]
     fixed_heap = [(dur(a, a.min_units), a.min_units) for a in fixed]
     fixed_total = sum(d for d, _ in fixed_heap)
-    base_heap = running + fixed_heap
+    base_heap = running() + fixed_heap
     replay = Replay(op, dur, cfg)
 
     base_heap.sort()  # a sorted list is a valid heap: copied, never re-heapified
@@ -434,7 +437,7 @@ def _candidates_easy(
     free: int,
     queue: Sequence[Action],
     dur: Durations,
-    running: Sequence[tuple[float, int]],
+    running: Callable[[], list[tuple[float, int]]],
     starved: float,
 ) -> tuple[list[Action], list[Action]]:
     """FCFS prefix on plain unit counts where short calls pass waiting elastic actions.
@@ -467,7 +470,7 @@ def _candidates_easy(
             rest.append(a)
             elastic_waits = elastic_waits or a.elastic
             if shadow < 0.0 and (not a.elastic or a.submitted_at <= starved):
-                shadow, extra = _reservation(need, free, [*running, *held])
+                shadow, extra = _reservation(need, free, [*running(), *held])
             continue
         if shadow >= 0.0 and dur.minimum(a) > shadow:
             if need > extra:
