@@ -1,7 +1,7 @@
 """Latency of one full scheduling pass (candidates + greedy eviction + DP + objective).
 
 Usage: python bench/sched.py [--json] [--repeat N] [--order fcfs|backfill]
-       [--rule wait-eft|wait|paper] [--gc-freeze]
+       [--rule priced|wait-eft|wait|paper] [--gc-freeze]
 
 Each case builds a realistic mix over CPU node pools holding ``units`` free cores in total
 (nodes of up to 256 cores, two NUMA nodes each), a 2-node GPU pool and one API endpoint:
@@ -96,7 +96,7 @@ def build(queued: int, units: int, seed: int = 0):
     )
 
 
-def run(repeat: int, order: str, rule: str = "wait-eft", gc_freeze: bool = False) -> dict:
+def run(repeat: int, order: str, rule: str = "priced", gc_freeze: bool = False) -> dict:
     cfg = SchedConfig(order=order, rule=rule)  # type: ignore[arg-type]
     out = []
     for queued, units in CASES:
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--repeat", type=int, default=200)
     ap.add_argument("--order", default="fcfs", choices=["fcfs", "backfill"])
-    ap.add_argument("--rule", default="wait-eft", choices=["wait-eft", "wait", "paper"])
+    ap.add_argument("--rule", default="priced", choices=["priced", "wait-eft", "wait", "paper"])
     ap.add_argument(
         "--gc-freeze",
         action="store_true",

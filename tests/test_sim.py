@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from tangram.sim import (
+    WORKLOADS,
     Engine,
     generate,
     load_trace,
@@ -30,6 +31,7 @@ TRACES = Path(__file__).parent / "data" / "traces"
 SMALL = ROOT / "config" / "cluster-small.toml"
 POLICIES = (
     "tangram",
+    "tangram-eft",
     "tangram-backfill",
     "baseline",
     "k8s",
@@ -174,7 +176,7 @@ def test_same_seed_gives_identical_json() -> None:
     assert run(3) != run(4)
 
 
-@pytest.mark.parametrize("workload", ["ai-coding", "deepsearch", "mopd", "mopd+search"])
+@pytest.mark.parametrize("workload", WORKLOADS)
 def test_every_action_completes_once_within_capacity(workload: str) -> None:
     """Under every policy each trace action completes exactly once and pools stay valid."""
     c = load_cluster(SMALL)

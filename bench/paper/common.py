@@ -5,9 +5,10 @@ prints a markdown table with the paper's number next to ours, writes its raw met
 ``bench/paper/out/<name>.json`` and its plot to ``docs/img/<name>.png``, and reports its
 wall time. Seeds are fixed, so reruns give identical numbers.
 
-Every script that runs ``tangram`` (our "wait-eft" replay rule, the scheduler's default) also
-runs ``tangram-wait`` (the simpler "wait" rule) and ``tangram-paper`` (the paper's Alg. 1-2 as
-read) on the same trace in the same run, so the effect of the rule is attributable.
+``tangram`` is the scheduler's default rule (``priced``: each elastic action's DoP priced by
+the node's load, short calls passing waiting test runs); ``tangram-eft`` (``wait-eft``, the
+previous default), ``tangram-wait`` and ``tangram-paper`` (the paper's Alg. 1-2 as read) are
+the other selectable rules, run on the same trace where a script compares rules.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Usage: python bench/paper/fig6_7.py [--batch N]
 Runs ai-coding, deepsearch, mopd and mopd+search at batch N (default 1024) on the paper
-testbed under ``tangram`` (our "wait-eft" replay rule, FCFS order), ``tangram-wait`` (the
+testbed under ``tangram`` (the default rule: "wait-eft" when the tables in docs/results.md
+were made, "priced" now, see fig9.py), ``tangram-wait`` (the
 "wait" rule, FCFS), ``tangram-paper`` (the paper's replay rule, FCFS), ``tangram-backfill``
 (wait-eft rule, our backfill order) and ``baseline`` (k8s + static-services + api-retry), with
 the ACT breakdown into queueing, restore and execution per action tag.

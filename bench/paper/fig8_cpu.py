@@ -1,7 +1,8 @@
 """Fig. 8 (CPU): average ACT of AI coding as the RL batch grows, tangram vs Kubernetes pods.
 
 Usage: python bench/paper/fig8_cpu.py [--batches 256,512,1024,2048]
-Policies ``tangram`` (our "wait-eft" replay rule), ``tangram-wait`` (the "wait" rule),
+Policies ``tangram`` (the default rule: "wait-eft" when the tables in docs/results.md were
+made, "priced" now, see fig9.py), ``tangram-wait`` (the "wait" rule),
 ``tangram-paper`` (the paper's rule) and ``k8s`` (the GPU/API parts are tangram in all; AI
 coding uses only CPUs). Paper: tangram's avg ACT is 3.1× to 27.7× lower.
 """

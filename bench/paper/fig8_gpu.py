@@ -2,8 +2,9 @@
 
 Usage: python bench/paper/fig8_gpu.py [--gpus 4,8,12,16,24,32,40] [--batches 256,512,1024,2048]
 (a) MOPD+Search, 10 services, batch 1024: ``static-services`` (10 × 4 GPUs = 40 GPUs) vs
-    ``tangram`` (our "wait-eft" rule), ``tangram-wait`` (the "wait" rule) and ``tangram-paper``
-    (the paper's rule) on 4..40 GPUs; ACT is over the GPU actions (teacher + judge calls).
+    ``tangram`` (the default rule; "priced" and "wait-eft" replay GPU pools alike),
+    ``tangram-wait`` (the "wait" rule) and ``tangram-paper`` (the paper's rule) on 4..40 GPUs;
+    ACT is over the GPU actions (teacher + judge calls).
     Paper: the same ACT with 29% of the GPUs (71.2% saved).
 (b) MOPD over batch sizes on 40 GPUs, the three tangram rules vs static-services. Paper: 18.1×
     faster at batch 2048 than the static SGLang deployment.

@@ -1,91 +1,144 @@
-"""Fig. 9: the elastic scheduler vs fixed DoP 4/8/16 over batch sizes (AI coding).
+"""Fig. 9: the elastic scheduler vs every fixed DoP over batch sizes (AI coding), two seeds.
 
-Usage: python bench/paper/fig9.py [--batches 256,512,1024,1280,2048]
-``tangram`` is our "wait-eft" replay rule, ``tangram-wait`` the "wait" rule, ``tangram-paper``
-the paper's, ``tangram-backfill`` the wait-eft rule with our backfill order; fixed-dop:K runs
-every elastic action on exactly K units. Paper: tangram is 3.0× faster than DoP=16 at batch
-1280 (avg ACT). A second table lists, per rule, the test runs (``reward``) and tool calls.
+Usage: python bench/paper/fig9.py [--batches 256,1024,1280,2048] [--seeds 0,1]
+                                  [--mixed 64,128] [--fixed 1,2,4,8,16] [--rules] [--jobs 2]
+
+``tangram`` is the default ``priced`` rule, ``tangram-eft`` the previous default
+(``wait-eft``); ``--rules`` also runs ``tangram-wait`` and ``tangram-paper``. fixed-dop:K runs
+every elastic action on exactly K units, K in {1, 2, 4, 8, 16}; "best fixed" is the K with the
+lowest avg ACT on that very trace, picked in hindsight. ``--mixed`` adds the mixed workloads
+(``coding+search``, ``mixed``) on ``config/cluster-mixed.toml`` (4 × 64 cores) at those
+batch sizes. Paper: tangram is 3.0× faster than DoP=16 at batch 1280 (avg ACT).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
-from common import IMG, low_units, paper_cluster, ratio, run, save, summaries, tag_act
+from common import IMG, ROOT, load_cluster, paper_cluster, ratio, run, save
 
-TANGRAMS = ("tangram", "tangram-wait", "tangram-paper")
-POLICIES = (
-    *TANGRAMS,
-    "tangram-backfill",
-    "fixed-dop:4",
-    "fixed-dop:8",
-    "fixed-dop:16",
-)
+FIXED = tuple(f"fixed-dop:{k}" for k in (1, 2, 4, 8, 16))  # narrowed by --fixed
+MAIN = ("tangram", "tangram-eft")
+RULES = ("tangram-wait", "tangram-paper")
+
+
+def _one(args: tuple[str, str, int, int, tuple[str, ...]]) -> tuple[tuple[str, int, int], dict]:
+    cluster_name, workload, batch, seed, policies = args
+    cluster = (
+        paper_cluster()
+        if cluster_name == "paper"
+        else load_cluster(ROOT / "config" / f"cluster-{cluster_name}.toml")
+    )
+    res = run(cluster, workload, batch, policies, seed=seed)
+    return (workload, batch, seed), {p: r.summary for p, r in res.items()}
+
+
+def best_fixed(res: dict[str, Any]) -> str:
+    return min(FIXED, key=lambda p: res[p]["avg_act_s"])
+
+
+def verdict(res: dict[str, Any], k8s: bool) -> str:
+    t, b = res["tangram"], res[best_fixed(res)]
+    ok = t["avg_act_s"] <= b["avg_act_s"] and t["p99_act_s"] <= b["p99_act_s"]
+    out = "yes" if ok else "**no**"
+    if k8s:
+        out += f", {ratio(res['k8s']['avg_act_s'], t['avg_act_s'])} vs k8s"
+    return out
+
+
+def table(rows: list[tuple[tuple[str, int, int], dict]], title: str) -> None:
+    print(f"\n{title}\n")
+    print(
+        "| workload | batch | seed | tangram (priced) avg / p99 | tangram-eft (old default) "
+        "avg / p99 | best fixed DoP (K) avg / p99 | k8s avg / p99 | priced ≤ best fixed "
+        "(avg and p99) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for (wl, b, seed), res in rows:
+        k = best_fixed(res)
+        print(
+            f"| {wl} | {b} | {seed} | {_cell(res, 'tangram')} | {_cell(res, 'tangram-eft')} | "
+            f"{_cell(res, k)} ({k.split(':')[1]}) | {_cell(res, 'k8s')} | {verdict(res, True)} |"
+        )
+
+
+def _cell(res: dict[str, Any], p: str) -> str:
+    return f"{res[p]['avg_act_s']:.3f} / {res[p]['p99_act_s']:.1f}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", default="256,512,1024,1280,2048")
+    ap.add_argument("--batches", default="256,1024,1280,2048")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--mixed", default="", help="batch sizes of the mixed workloads")
+    ap.add_argument("--rules", action="store_true", help="also tangram-wait and tangram-paper")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes")
+    ap.add_argument("--fixed", default="1,2,4,8,16", help="the fixed DoPs K to run")
     args = ap.parse_args()
+    global FIXED
+    FIXED = tuple(f"fixed-dop:{k}" for k in args.fixed.split(","))
     started = time.perf_counter()
-    cluster = paper_cluster()
-    doc: dict[str, object] = {}
-    rows = []
-    for b in (int(x) for x in args.batches.split(",")):
-        res = run(cluster, "ai-coding", b, POLICIES)
-        doc[str(b)] = summaries(res)
-        rows.append((b, res))
-    print(
-        "| batch | "
-        + " | ".join(f"{p} ACT / step (s)" for p in POLICIES)
-        + " | DoP16 / (tangram, wait, paper rule): ACT, step | paper |"
-    )
-    print("|---" * (len(POLICIES) + 3) + "|")
-    for b, res in rows:
-        cells = [
-            f"{res[p].summary['avg_act_s']:.2f} / {res[p].summary['step_s']:.0f}" for p in POLICIES
+    policies = (*MAIN, *(RULES if args.rules else ()), *FIXED, "k8s")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    work = [
+        ("paper", "ai-coding", int(b), seed, policies)
+        for seed in seeds
+        for b in args.batches.split(",")
+    ]
+    if args.mixed:
+        work += [
+            ("mixed", wl, int(b), seed, policies)
+            for wl in ("coding+search", "mixed")
+            for seed in seeds
+            for b in args.mixed.split(",")
         ]
-        d16 = res["fixed-dop:16"].summary
-        gains = [
-            f"{ratio(d16['avg_act_s'], res[p].summary['avg_act_s'])}, "
-            f"{ratio(d16['step_s'], res[p].summary['step_s'])}"
-            for p in TANGRAMS
-        ]
-        paper = "3.0× ACT" if b == 1280 else ""
-        print(f"| {b} | " + " | ".join(cells) + " | " + " / ".join(gains) + f" | {paper} |")
-    print(
-        "\n| batch | rule | step (s) | avg ACT (s) | tool ACT (s) | test-run avg ACT (s) | "
-        "test-run p99 ACT (s) | test-run avg cores | test runs < 4 cores (on 1) |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for b, res in rows:
-        for p in TANGRAMS:
-            s, rw = res[p].summary, res[p].summary["by_tag"]["reward"]
-            print(
-                f"| {b} | {p} | {s['step_s']:.0f} | {s['avg_act_s']:.3f} | "
-                f"{tag_act(res[p], ['tool']):.3f} | {rw['avg_act_s']:.1f} | "
-                f"{rw['p99_act_s']:.0f} | {rw['avg_units']:.1f} | {low_units(res[p])} |"
-            )
-    _plot(rows)
+    # longest first, so that the workers finish together
+    work.sort(key=lambda w: -w[2] * (2 if w[1] == "ai-coding" else 1))
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        done = dict(pool.map(_one, work))
+    key = lambda k: (k[0] != "ai-coding", k[0], k[2], k[1])  # noqa: E731
+    rows = sorted(done.items(), key=lambda kv: key(kv[0]))
+    coding = [r for r in rows if r[0][0] == "ai-coding"]
+    table(coding, "AI coding, config/cluster-paper.toml (15 × 256 cores); avg / p99 ACT (s)")
+    mixed = [r for r in rows if r[0][0] != "ai-coding"]
+    if mixed:
+        table(mixed, "Mixed workloads, config/cluster-mixed.toml (4 × 64 cores); avg / p99 ACT (s)")
+    print("\nAll fixed DoPs, avg ACT (s):\n")
+    print("| workload | batch | seed | " + " | ".join(FIXED) + " |")
+    print("|---|---|---|" + "---|" * len(FIXED))
+    for (wl, b, seed), res in rows:
+        cells = " | ".join(f"{res[p]['avg_act_s']:.3f}" for p in FIXED)
+        print(f"| {wl} | {b} | {seed} | {cells} |")
+    print("\nWall time per simulated run (s, noisy: shared machine):\n")
+    print("| workload | batch | seed | " + " | ".join(policies) + " |")
+    print("|---|---|---|" + "---|" * len(policies))
+    for (wl, b, seed), res in rows:
+        cells = " | ".join(f"{res[p]['wall_s_not_deterministic']:.1f}" for p in policies)
+        print(f"| {wl} | {b} | {seed} | {cells} |")
+    _plot([r for r in coding if r[0][2] == seeds[0]], policies)
+    doc = {f"{wl}/{b}/seed{seed}": res for (wl, b, seed), res in rows}
     save("fig9", doc, started)
 
 
-def _plot(rows: list) -> None:  # type: ignore[type-arg]
+def _plot(rows: list[tuple[tuple[str, int, int], dict]], policies: tuple[str, ...]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    xs = [b for b, _ in rows]
-    for p in POLICIES:
-        style = "--" if p == "tangram-backfill" else "-"  # equal to tangram so far: dashed
-        ax.plot(xs, [r[p].summary["avg_act_s"] for _, r in rows], marker="o", ls=style, label=p)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    xs = [b for (_, b, _), _ in rows]
+    for p in policies:
+        style = "-" if p.startswith("tangram") else "--"
+        ax.plot(xs, [r[p]["avg_act_s"] for _, r in rows], marker="o", ls=style, label=p)
     ax.set_xlabel("RL batch size")
     ax.set_ylabel("avg ACT (s)")
-    ax.set_title("AI coding: elastic vs fixed DoP")
-    ax.legend(fontsize=8)
+    ax.set_yscale("log")
+    ax.set_title("AI coding: priced elastic DoP vs fixed DoP (seed 0)")
+    ax.legend(fontsize=7, ncol=2)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(IMG / "fig9.png", dpi=110)

@@ -1,6 +1,7 @@
 """The elastic scheduler: candidates, greedy eviction, objective, dp_arrange, operators."""
 
 from tangram.sched.dp import Arrangement, DPTable, InfeasibleArrangement, dp_arrange
+from tangram.sched.load import LoadMeter, PoolLoad
 from tangram.sched.operators import BaseOperator, ChunkOperator, Operator, chunk_level
 from tangram.sched.pool import SchedPool
 from tangram.sched.schedule import (
@@ -25,8 +26,10 @@ __all__ = [
     "Decision",
     "Infeasible",
     "InfeasibleArrangement",
+    "LoadMeter",
     "Operator",
     "Placement",
+    "PoolLoad",
     "SchedConfig",
     "SchedPool",
     "Snapshot",

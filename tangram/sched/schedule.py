@@ -11,17 +11,24 @@ argument), no randomness: the same snapshot gives the same decision.
 
 Algorithm, per pool (one CPU pool per node, one GPU pool, one pool per API endpoint)
 ----------------------------------------------------------------------------------
-1. Candidates: the longest FCFS prefix of the pool's queue whose *minimum* key amounts fit
+0. Prices (rule ``priced``, the default, on plain unit-count pools = CPU nodes): each queued
+   elastic action's allowed set is narrowed to the band ``[k*/2, k*]`` around its DoP priced
+   by the pool's load (``tangram.sched.price``; the load comes from ``Snapshot.load``).
+   Everything below then works on the banded sets.
+1. Candidates: the longest FCFS prefix of the pool's queue whose *lowest* key amounts fit
    the pool's free units jointly and topology-aware (through the pool's DP operator).
    ``order="backfill"`` (our improvement, selectable) lets later actions that fit start past
    a blocked one unless the blocked one has waited ``starvation_s`` (then strict FCFS
-   resumes, so no action is overtaken forever).
+   resumes, so no action is overtaken forever). Under ``priced`` with FCFS order, short
+   non-elastic actions backfill EASY-style: past the first blocked action only when they
+   do not delay its reservation.
 2. Non-elastic candidates are placed at their minimum; elastic ones share the rest.
 3. Greedy eviction over one DP table (row ``t`` = optimal split among the first ``t``
    elastic candidates): start with all, evict the last while the objective drops.
-4. Objective (Alg. 2): exact ACTs of the placed candidates + an FCFS replay of the waiting
-   queue against the completion heap, each waiting action at its minimum as soon as it fits;
-   the first ``depth - 1`` replayed actions try each allowed amount instead.
+4. Objective (Alg. 2, ``tangram.sched.replay``): exact ACTs of the placed candidates + an
+   FCFS replay of the waiting queue against the completion heap; the first ``depth - 1``
+   replayed elastic actions try each amount, later ones start at their lowest amount
+   ("paper", "wait") or at their earliest-finishing one ("wait-eft", "priced").
 5. Cache awareness: a service action's duration includes the pool's restore cost where the
    service is not resident (``SchedPool.extra_cost``).
 
@@ -32,14 +39,14 @@ FCFS order, so it cannot be starved by other trajectories' actions.
 Complexity
 ----------
 Per pool with ``q`` queued actions, ``n`` elastic candidates, ``R`` free units, allowed-set
-size ``|s|``: candidates ``O(q)``, DP ``O(n·R·|s|)`` vectorised, each objective evaluation
+size ``|s|``: prices ``O(q)``, candidates ``O(q)`` (EASY: ``O(q + r log r)`` for ``r``
+running actions), DP ``O(n·R·|s|)`` vectorised, each objective evaluation
 ``O(W log W + |s|·W)`` with the replay window ``W = min(q, replay_limit)``, and the eviction
 loop evaluates the objective until it stops improving (usually 1–3 times).
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,14 +54,16 @@ from typing import Any, Literal, Protocol
 
 from tangram.model import Action, ActionId, Shortfall, TrajectoryId
 from tangram.sched.dp import DPTable
+from tangram.sched.load import PoolLoad
 from tangram.sched.operators import BaseOperator, Operator
 from tangram.sched.pool import SchedPool
+from tangram.sched.price import NO_LOAD, price_bands
+from tangram.sched.replay import Durations, Replay, elastic_amounts
 
 Order = Literal["fcfs", "backfill"]
 ORDERS: tuple[str, ...] = ("fcfs", "backfill")
-Rule = Literal["paper", "wait", "wait-eft"]
-RULES: tuple[str, ...] = ("paper", "wait", "wait-eft")
-_NEVER = 1e9  # replay penalty (seconds) for an action that cannot start at all
+Rule = Literal["paper", "wait", "wait-eft", "priced"]
+RULES: tuple[str, ...] = ("paper", "wait", "wait-eft", "priced")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +78,15 @@ class SchedConfig:
     # "wait" (ours): the branch may also wait for more units (each amount starts when that
     # many are free), and eviction may go down to zero candidates, so an elastic action
     # can prefer 4 cores in 1 s over 1 core now.
-    # "wait-eft" (ours, default): "wait", and on plain unit-count pools (CPU nodes)
+    # "wait-eft" (ours): "wait", and on plain unit-count pools (CPU nodes)
     # every later replayed elastic action (past the depth branch) starts at the amount with
     # the earliest expected finish given the completion heap, instead of at its minimum as
     # soon as that fits, so the replay does not price the queue behind a deferred action
     # as stragglers on 1 unit. Other pools replay as under "wait".
-    rule: Rule = "wait-eft"
+    # "priced" (ours, default): "wait-eft", and on plain unit-count pools each elastic
+    # action may only take amounts in [k*/2, k*], k* its DoP priced by the pool's load
+    # (tangram.sched.price), and elastic actions leave a reserve for short calls.
+    rule: Rule = "priced"
 
     def __post_init__(self) -> None:
         if self.depth < 1:
@@ -113,6 +125,8 @@ class Snapshot:
     running: Mapping[str, Sequence[tuple[float, int]]] = field(default_factory=dict)
     estimate: Callable[[str], float] = lambda klass: 1.0
     env_mem: Callable[[Action], int] = lambda action: 0  # memory to reserve on first action
+    # recent offered load per pool (LoadMeter), read by the "priced" rule; none: no forecast
+    load: Mapping[str, PoolLoad] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,72 +306,34 @@ class _PoolResult:
     evicted: int
 
 
-class _Durations:
-    """Per-pass cache of durations (history estimate + pool extra cost)."""
-
-    __slots__ = ("_cache", "_estimate", "_extra", "_pool", "at_min")
-
-    def __init__(self, pool: SchedPool, estimate: Callable[[str], float]) -> None:
-        self._pool = pool
-        self._estimate = estimate
-        self._cache: dict[tuple[ActionId, int], float] = {}
-        self.at_min: dict[ActionId, float] = {}  # duration at the minimum, by action id
-        # extra_cost depends only on (kind, service, amount) within one pass (SchedPool doc)
-        self._extra: dict[tuple[str, str | None, int], float] = {}
-
-    def table(self, action: Action, amounts: tuple[int, ...]) -> dict[int, float]:
-        """Durations at each of ``amounts`` (the DP's choices for one candidate)."""
-        prof = action.profiled
-        out: dict[int, float] = {}
-        for u in amounts:
-            base = prof.get(u)
-            if base is None:
-                out[u] = self(action, u)
-                continue
-            extra_key = (action.kind, action.service, u)
-            extra = self._extra.get(extra_key)
-            if extra is None:
-                extra = self._extra[extra_key] = self._pool.extra_cost(action, u)
-            out[u] = base + extra
-        return out
-
-    def minimum(self, action: Action) -> float:
-        d = self.at_min.get(action.id)
-        if d is None:
-            d = self.at_min[action.id] = self(action, action.min_units)
-        return d
-
-    def __call__(self, action: Action, amount: int) -> float:
-        key = (action.id, amount)
-        dur = self._cache.get(key)
-        if dur is None:
-            base = action.duration(amount, self._estimate(action.klass))
-            extra_key = (action.kind, action.service, amount)
-            extra = self._extra.get(extra_key)
-            if extra is None:
-                extra = self._extra[extra_key] = self._pool.extra_cost(action, amount)
-            dur = base + extra
-            self._cache[key] = dur
-        return dur
-
-
-def _elastic_amounts(action: Action, max_single: int) -> tuple[int, ...]:
-    return tuple(a for a in action.allowed if a <= max_single)
-
-
 def _schedule_pool(
     pool: SchedPool, queue: Sequence[Action], snap: Snapshot, now: float, cfg: SchedConfig
 ) -> _PoolResult:
     op = pool.operator()
-    dur = _Durations(pool, snap.estimate)
-    cands, rest = _candidates(op, queue, now, cfg)
+    priced = cfg.rule == "priced" and isinstance(op, BaseOperator)
+    load = snap.load.get(pool.pool_id, NO_LOAD)
+    dur = Durations(pool, snap.estimate)
+    if priced:
+        max_single = dur.max_single
+        dur.narrow(
+            price_bands(queue, pool.capacity, load, lambda a: elastic_amounts(a, max_single), dur)
+        )
+    running_at = snap.running.get(pool.pool_id, ())
+
+    def running() -> list[tuple[float, int]]:  # expected finishes from now, built on demand
+        return [(max(f - now, 0.0), u) for f, u in running_at]
+
+    if priced and cfg.order == "fcfs":
+        cands, rest = _candidates_easy(op.start(), queue, dur, running, now - cfg.starvation_s)
+    else:
+        cands, rest = _candidates(op, queue, now, cfg, dur.low)
     if not cands:
         return _PoolResult([], [], 0.0, 0)
-    max_single = pool.max_single()
     fixed: list[Action] = []
     elastic: list[Action] = []
     for a in cands:
-        if a.elastic and len(_elastic_amounts(a, max_single)) > 1:
+        # priced: every elastic action goes through the DP and eviction, even a one-amount band
+        if a.elastic and (priced or len(dur.choices(a)) > 1):
             elastic.append(a)
         else:
             fixed.append(a)
@@ -366,7 +342,7 @@ def _schedule_pool(
         nxt = op.take(state, a.min_units)
         assert nxt is not None  # the candidate prefix fit at minimum
         state = nxt
-    choices = [dur.table(a, _elastic_amounts(a, max_single)) for a in elastic]
+    choices = [dur.table(a, dur.choices(a)) for a in elastic]
     table = DPTable(choices, op, start=state)
     n = len(elastic)
     while n > 0 and not table.feasible(n):  # chunk order effects: drop trailing candidates
@@ -376,11 +352,10 @@ def _schedule_pool(
     # The replay window is a fixed set for every t (evicted candidates + the first
     # ``replay_limit`` non-candidates), so objective values of different t compare.
     window = rest[: cfg.replay_limit]
-    running = [(max(f - now, 0.0), u) for f, u in snap.running.get(pool.pool_id, ())]
     fixed_heap = [(dur(a, a.min_units), a.min_units) for a in fixed]
     fixed_total = sum(d for d, _ in fixed_heap)
-    base_heap = running + fixed_heap
-    replay = _Replay(op, dur, cfg, max_single)
+    base_heap = running() + fixed_heap
+    replay = Replay(op, dur, cfg)
 
     base_heap.sort()  # a sorted list is a valid heap: copied, never re-heapified
     rank = {a.id: k for k, a in enumerate(elastic)}
@@ -427,9 +402,14 @@ def _schedule_pool(
 
 
 def _candidates(
-    op: Operator[Any], queue: Sequence[Action], now: float, cfg: SchedConfig
+    op: Operator[Any],
+    queue: Sequence[Action],
+    now: float,
+    cfg: SchedConfig,
+    low: Mapping[ActionId, int],
 ) -> tuple[list[Action], list[Action]]:
-    """FCFS prefix whose minimums fit jointly (or backfill up to the starvation bound)."""
+    """FCFS prefix whose lowest amounts (``low``, else the minimum) fit jointly (or
+    backfill up to the starvation bound)."""
     state = op.start()
     free = op.units(state)
     cands: list[Action] = []
@@ -440,7 +420,7 @@ def _candidates(
         if free == 0:
             rest.extend(queue[i:])
             break
-        nxt = take(state, a.min_units)
+        nxt = take(state, low.get(a.id, a.min_units))
         if nxt is None:
             rest.append(a)
             if fcfs or now - a.submitted_at >= cfg.starvation_s:
@@ -453,243 +433,64 @@ def _candidates(
     return cands, rest
 
 
-def _eft_amount(
-    opts: list[tuple[int, float]],
+def _candidates_easy(
     free: int,
-    order: list[tuple[float, int]],
-    head: int,
-    clock: float,
-) -> tuple[int, float]:
-    """(amount, duration) of ``opts`` (ascending amounts) with the earliest finish, given
-    ``free`` units now and expected finishes ``order[head:]`` (ascending)."""
-    best, pick = _NEVER, opts[0]
-    if free >= opts[-1][0]:  # all start now: the shortest duration wins
-        for opt in opts:
-            if opt[1] < best:
-                best, pick = opt[1], opt
-        return pick
-    s, clk, j, n = free, clock, head, len(order)
-    for opt in opts:
-        amount = opt[0]
-        while s < amount and j < n:
-            finish, units = order[j]
-            j += 1
-            if finish > clk:
-                clk = finish
-            s += units
-        if s < amount:
-            break
-        fin = clk + opt[1]
-        if fin < best:
-            best, pick = fin, opt
-    return pick
+    queue: Sequence[Action],
+    dur: Durations,
+    running: Callable[[], list[tuple[float, int]]],
+    starved: float,
+) -> tuple[list[Action], list[Action]]:
+    """FCFS prefix on plain unit counts where short calls pass waiting elastic actions.
 
-
-def _spread(values: tuple[int, ...], k: int) -> tuple[int, ...]:
-    """At most k values spread over a sorted tuple, always keeping both ends."""
-    if len(values) <= k:
-        return values
-    step = (len(values) - 1) / (k - 1)
-    return tuple(sorted({values[round(i * step)] for i in range(k)}))
-
-
-class _Replay:
-    """Alg. 2: estimated sum of ACTs (relative to now) of a waiting list replayed FCFS.
-
-    Each waiting action starts at its minimum as soon as it fits, popping expected finishes
-    from the completion heap. The first ``depth - 1`` replayed elastic actions try each
-    allowed amount (at most ``max_branch`` of them, spread over the set); each option is
-    judged on a bounded look-ahead of ``branch_window`` actions, then the best one is
-    replayed to the end. The base operator (plain unit counts) has an inlined fast path.
+    Elastic actions start in FCFS order among themselves: once one does not fit (at the
+    lowest amount of its band), later ones wait. Non-elastic actions (short calls) that fit
+    start past it: a waiting elastic action's band and the replay already price its wait,
+    and a short call held behind it would wait for minutes. Once it has waited since
+    ``starved`` or earlier (the starvation bound), or when the blocked action is itself
+    non-elastic, it gets an EASY reservation instead: the time ``shadow`` (from now) when
+    enough units will be free by the expected finishes, and the ``extra`` units free beyond
+    its need then; a later short call may start only if it is expected to end by ``shadow``
+    or takes only ``extra`` units, so it cannot delay that reservation.
     """
+    cands: list[Action] = []
+    rest: list[Action] = []
+    low = dur.low
+    held: list[tuple[float, int]] = []  # (expected duration, units) of this pass's starts
+    shadow, extra = -1.0, 0
+    elastic_waits = False
+    for i, a in enumerate(queue):
+        if free == 0:
+            rest.extend(queue[i:])
+            break
+        need = low.get(a.id, a.min_units)
+        if a.elastic and (elastic_waits or shadow >= 0.0):
+            rest.append(a)
+            continue
+        if need > free:
+            rest.append(a)
+            elastic_waits = elastic_waits or a.elastic
+            if shadow < 0.0 and (not a.elastic or a.submitted_at <= starved):
+                shadow, extra = _reservation(need, free, [*running(), *held])
+            continue
+        if shadow >= 0.0 and dur.minimum(a) > shadow:
+            if need > extra:
+                rest.append(a)
+                continue
+            extra -= need
+        free -= need
+        held.append((dur.minimum(a), need))
+        cands.append(a)
+    return cands, rest
 
-    branch_window = 16
 
-    def __init__(self, op: Operator[Any], dur: _Durations, cfg: SchedConfig, max_single: int):
-        self.op = op
-        self.dur = dur
-        self.cfg = cfg
-        self.max_single = max_single
-        self.fast = isinstance(op, BaseOperator)
-        # EFT replay on plain unit counts only (CPU nodes): on GPU chunk pools it was
-        # measured worse than "wait" (MOPD+Search teacher ACT +7%, DeepSearch judge +18%)
-        self.eft = cfg.rule == "wait-eft" and self.fast
-        self._options: dict[ActionId, list[tuple[int, float]]] = {}
-
-    def run(self, waiting: Sequence[Action], state: Any, heap: list[tuple[float, int]]) -> float:
-        return self._run(waiting, 0, len(waiting), state, heap, 0.0, self.cfg.depth)
-
-    def _run(
-        self,
-        waiting: Sequence[Action],
-        i: int,
-        end: int,
-        state: Any,
-        heap: list[tuple[float, int]],
-        clock: float,
-        depth: int,
-    ) -> float:
-        if depth <= 1:  # no branching left: the specialised replays
-            if self.eft:
-                return self._eft(waiting, i, end, state, heap, clock)
-            if self.fast:
-                return self._plain_fast(waiting, i, end, state, heap, clock)
-        total = 0.0
-        dur = self.dur
-        while i < end:
-            w = waiting[i]
-            state, clock, ok = self._wait_for(state, heap, clock, w.min_units)
-            if not ok:
-                return total + _NEVER * (end - i)
-            if depth > 1 and w.elastic:
-                return total + self._branch(waiting, i, end, state, heap, clock, depth)
-            d = dur.minimum(w)
-            total += clock + d
-            heapq.heappush(heap, (clock + d, w.min_units))
-            state = self.op.take(state, w.min_units)
-            i += 1
-        return total
-
-    def _plain_fast(
-        self,
-        waiting: Sequence[Action],
-        i: int,
-        end: int,
-        free: int,
-        heap: list[tuple[float, int]],
-        clock: float,
-    ) -> float:
-        total = 0.0
-        at_min = self.dur.at_min
-        minimum = self.dur.minimum
-        pop, push = heapq.heappop, heapq.heappush
-        while i < end:
-            w = waiting[i]
-            need = w.min_units
-            while free < need:
-                if not heap:
-                    return total + _NEVER * (end - i)
-                finish, units = pop(heap)
-                if finish > clock:
-                    clock = finish
-                free += units
-            d = at_min.get(w.id)
-            if d is None:
-                d = minimum(w)
-            total += clock + d
-            push(heap, (clock + d, need))
-            free -= need
-            i += 1
-        return total
-
-    def _eft(
-        self,
-        waiting: Sequence[Action],
-        i: int,
-        end: int,
-        free: int,
-        heap: list[tuple[float, int]],
-        clock: float,
-    ) -> float:
-        """FCFS replay where each elastic action takes its earliest-finishing amount.
-
-        An amount ``u`` can start once ``u`` units are free (taking expected finishes in
-        order); among the (spread) allowed amounts the one with the smallest start + duration
-        wins, ties to the smaller amount. Non-elastic actions start at their minimum. Runs on
-        plain unit counts only (``free`` is the number of free units). The completion heap is
-        kept as a sorted list with a moving head, so each elastic action's look-up scans it
-        in order without re-sorting.
-        """
-        total = 0.0
-        at_min, minimum = self.dur.at_min, self.dur.minimum
-        order = sorted(heap)
-        head, size, insort = 0, len(order), bisect.insort
-        for k in range(i, end):
-            w = waiting[k]
-            u = w.min_units
-            d = -1.0
-            if w.elastic:
-                opts = self._option_durs(w)
-                if len(opts) > 1:
-                    u, d = _eft_amount(opts, free, order, head, clock)
-            while free < u:
-                if head == size:
-                    return total + _NEVER * (end - k)
-                finish, units = order[head]
-                head += 1
-                if finish > clock:
-                    clock = finish
-                free += units
-            if d < 0.0:
-                d = at_min.get(w.id) or minimum(w)
-            total += clock + d
-            insort(order, (clock + d, u), lo=head)  # finishes never precede the clock
-            size += 1
-            free -= u
-        return total
-
-    def _option_durs(self, w: Action) -> list[tuple[int, float]]:
-        """(amount, duration) for the spread of w's allowed amounts, cached per pass."""
-        opts = self._options.get(w.id)
-        if opts is None:
-            amounts = _spread(_elastic_amounts(w, self.max_single), self.cfg.max_branch)
-            opts = self._options[w.id] = [(u, self.dur(w, u)) for u in amounts]
-        return opts
-
-    def _wait_for(
-        self, state: Any, heap: list[tuple[float, int]], clock: float, need: int
-    ) -> tuple[Any, float, bool]:
-        if self.fast:  # plain unit counts
-            while state < need:
-                if not heap:
-                    return state, clock, False
-                finish, units = heapq.heappop(heap)
-                if finish > clock:
-                    clock = finish
-                state += units
-            return state, clock, True
-        take, give = self.op.take, self.op.give
-        while take(state, need) is None:
-            if not heap:
-                return state, clock, False
-            finish, units = heapq.heappop(heap)
-            if finish > clock:
-                clock = finish
-            state = give(state, units)
-        return state, clock, True
-
-    def _branch(
-        self,
-        waiting: Sequence[Action],
-        i: int,
-        end: int,
-        state: Any,
-        heap: list[tuple[float, int]],
-        clock: float,
-        depth: int,
-    ) -> float:
-        w = waiting[i]
-        take = self.op.take
-        amounts = _spread(_elastic_amounts(w, self.max_single), self.cfg.max_branch)
-        if self.cfg.rule == "paper":
-            options = [u for u in amounts if take(state, u) is not None]
-        else:
-            options = list(amounts)
-        look = min(end, i + 1 + self.branch_window)
-
-        def cost(u: int, stop: int) -> float:
-            h = list(heap)
-            s, clk, ok = self._wait_for(state, h, clock, u)  # "wait": start when u are free
-            if not ok:
-                return _NEVER
-            d = self.dur(w, u)
-            heapq.heappush(h, (clk + d, u))
-            rest = self._run(waiting, i + 1, stop, take(s, u), h, clk, depth - 1)
-            return clk + d + rest
-
-        if len(options) == 1:
-            return cost(options[0], end)
-        costs = {u: cost(u, look) for u in options}
-        best_u = min(options, key=costs.__getitem__)
-        # the look-ahead already covered the whole window when it is short: reuse it
-        return cost(best_u, end) if look < end else costs[best_u]
+def _reservation(need: int, free: int, busy: list[tuple[float, int]]) -> tuple[float, int]:
+    """(when ``need`` units will be free, how many more than ``need`` are free then)."""
+    at = 0.0
+    for finish, units in sorted(busy):
+        if free >= need:
+            break
+        free += units
+        at = finish
+    if free < need:
+        return 1e9, 0  # never by the expected finishes: nothing can delay it
+    return at, free - need

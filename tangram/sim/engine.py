@@ -32,7 +32,7 @@ from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuNodePool
 from tangram.pools.gpu import GpuCluster, GpuNodePool
 from tangram.pools.gpu import ServiceSpec as GpuServiceSpec
-from tangram.sched import SchedConfig, Snapshot, schedule
+from tangram.sched import LoadMeter, SchedConfig, Snapshot, schedule
 from tangram.sim.baselines import ApiRetry, K8sPods, SimError, StaticServices
 from tangram.sim.cluster import GB, ClusterSpec
 from tangram.sim.metrics import ActionRecord, SimResult, summarize
@@ -119,6 +119,7 @@ class Engine:
         self.affinity: dict[Any, str] = {}
         self.env_bytes: dict[str, int] = {}
         self.dirty: set[str] = set()
+        self.meter = LoadMeter()  # recent offered load per CPU node, for the "priced" rule
         self._wakes: set[tuple[str, float]] = set()
         # baselines (set up in _build_steps once the trace is known)
         self.k8s = K8sPods(self, list(self.cpu.values()), self.env_bytes, (POD_READY, POD_BIND))
@@ -256,6 +257,7 @@ class Engine:
             else:
                 self.queues[pid][action.id] = run
                 self.dirty.add(pid)
+                self.meter.submitted(pid, now, action.elastic)
         elif ta.kind == "service":
             if self.static is not None:
                 self.static.submit(run, now)
@@ -288,6 +290,7 @@ class Engine:
             self.history.observe(action.klass, run.exec)
         pid = run.pool_id
         if pid:  # placed by the scheduler: give the units back
+            self.meter.finished(pid, action.id)
             self.pools[pid].release(action.id)
             del self.running[pid][action.id]
             self.dirty.add(pid)
@@ -357,6 +360,7 @@ class Engine:
             running=running,
             estimate=self.history.estimate,
             env_mem=self._env_mem,
+            load={pid: self.meter.load(pid, now) for pid in pools if pid in self.cpu},
         )
         decision = schedule(snap, now, self.sched)
         for p in decision.placements:
@@ -369,6 +373,7 @@ class Engine:
                     continue  # memory not free after all: the action keeps waiting
                 self.affinity[tid] = p.pool_id
                 del self.unassigned[action.id]
+                self.meter.submitted(p.pool_id, run.submit, action.elastic)
             else:
                 del self.queues[p.pool_id][action.id]
             pool = self.pools[p.pool_id]
@@ -381,6 +386,10 @@ class Engine:
                 plan = self.gpu.restore_for(action.id, action.service or "", self._tick)
                 restore = plan.seconds
             self.running[p.pool_id][action.id] = (now + p.expected_s, p.amount)
+            if p.pool_id in self.cpu:
+                self.meter.started(
+                    p.pool_id, action.id, now, action.elastic, p.amount, p.expected_s
+                )
             self.start_run(run, now, len(p.units), restore, pool.resource)
         for inf in decision.infeasible:
             failed = self.unassigned.pop(inf.action_id, None)

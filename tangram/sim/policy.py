@@ -12,9 +12,12 @@ GpuPolicy = Literal["tangram", "static"]
 ApiPolicy = Literal["tangram", "retry"]
 
 POLICY_HELP = (
-    "tangram, tangram-wait, tangram-paper, tangram-backfill, baseline, k8s, static-services, "
-    "api-retry, fixed-dop:K (suffixes +backfill and +wait or +paper combine with any of them)"
+    "tangram, tangram-eft, tangram-wait, tangram-paper, tangram-backfill, baseline, k8s, "
+    "static-services, api-retry, fixed-dop:K (suffixes +backfill and one of +eft, +wait, "
+    "+paper combine with any of them)"
 )
+Rule = Literal["paper", "wait", "wait-eft", "priced"]
+_RULE_OF = {"paper": "paper", "wait": "wait", "eft": "wait-eft"}
 
 
 class PolicyError(TangramError):
@@ -35,8 +38,8 @@ class Policy:
     api: ApiPolicy = "tangram"
     order: Literal["fcfs", "backfill"] = "fcfs"
     fixed_dop: int | None = None
-    # the scheduler's replay rule (SchedConfig.rule): ours by default
-    rule: Literal["paper", "wait", "wait-eft"] = "wait-eft"
+    # the scheduler's rule (SchedConfig.rule): ours by default
+    rule: Rule = "priced"
 
     @property
     def uses_scheduler(self) -> bool:
@@ -46,13 +49,14 @@ class Policy:
 def parse_policy(name: str) -> Policy:
     """``tangram``, ``baseline``, ``k8s``, ``static-services``, ``api-retry``, ``fixed-dop:K``.
 
-    The scheduler runs our ``wait-eft`` rule; ``tangram-wait`` (or a ``+wait`` suffix) runs
-    the simpler ``wait`` rule and ``tangram-paper`` (or ``+paper``) the paper's, so gains are
-    attributable; ``tangram-backfill`` (or ``+backfill``) uses our backfill queue order.
+    The scheduler runs our default ``priced`` rule; ``tangram-eft`` (or ``+eft``) runs the
+    ``wait-eft`` rule, ``tangram-wait`` (``+wait``) the ``wait`` rule and ``tangram-paper``
+    (``+paper``) the paper's, so gains are attributable; ``tangram-backfill`` (or
+    ``+backfill``) uses our backfill queue order.
     """
     base, order, rules = name, "fcfs", set[str]()
     while True:
-        for suffix in ("+backfill", "+paper", "+wait"):
+        for suffix in ("+backfill", "+paper", "+wait", "+eft"):
             if base.endswith(suffix):
                 base = base[: -len(suffix)]
                 if suffix == "+backfill":
@@ -62,7 +66,12 @@ def parse_policy(name: str) -> Policy:
                 break
         else:
             break
-    alias = {"tangram-backfill": "backfill", "tangram-paper": "paper", "tangram-wait": "wait"}
+    alias = {
+        "tangram-backfill": "backfill",
+        "tangram-paper": "paper",
+        "tangram-wait": "wait",
+        "tangram-eft": "eft",
+    }
     if base in alias:
         if alias[base] == "backfill":
             order = "backfill"
@@ -70,10 +79,10 @@ def parse_policy(name: str) -> Policy:
             rules.add(alias[base])
         base = "tangram"
     if len(rules) > 1:
-        raise PolicyError(f"policy {name!r}: the paper and wait rules exclude each other")
-    rule: Literal["paper", "wait", "wait-eft"] = "wait-eft"
+        raise PolicyError(f"policy {name!r}: the rules {sorted(rules)} exclude each other")
+    rule: Rule = "priced"
     if rules:
-        rule = "paper" if rules.pop() == "paper" else "wait"
+        rule = _RULE_OF[rules.pop()]  # type: ignore[assignment]  # a Rule by construction
     policy = _by_name(name, base, order)  # type: ignore[arg-type]  # "fcfs" or "backfill"
     return replace(policy, rule=rule)
 

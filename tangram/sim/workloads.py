@@ -28,7 +28,9 @@ MOPD (multi-teacher on-policy distillation, paper §2.2, §6 "MOPD")
   - turns ~ U{1..4}, generation median 15 s, sigma 0.7 (long reasoning, assumed); at the end
     one teacher log-prob call, GPUs {1, 2, 4, 8} (amounts whose shard fits a GPU),
     ``t1`` median 3 s, sigma 0.5, E = 1, .9, .75, .55 (assumed prefill scaling).
-``mopd+search`` is both tasks in one run (``--batch`` trajectories each), sharing the GPUs.
+``mopd+search`` is both tasks in one run (``--batch`` trajectories each), sharing the GPUs;
+``coding+search`` (AI coding and DeepSearch) and ``mixed`` (AI coding, DeepSearch and MOPD)
+likewise: CPU test runs and tool calls next to search calls, judge and teacher calls.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any
 from tangram.sim.cluster import ClusterSpec
 from tangram.sim.trace import Trajectory, parse_trajectory
 
-WORKLOADS = ("ai-coding", "deepsearch", "mopd", "mopd+search")
+WORKLOADS = ("ai-coding", "deepsearch", "mopd", "mopd+search", "coding+search", "mixed")
 PROFILE_CPU = (1, 2, 4, 8, 16, 32)
 GPU_SET = (1, 2, 4, 8)
 GPU_EFF = {"1": 1.0, "2": 0.9, "4": 0.75, "8": 0.55}
@@ -182,13 +184,15 @@ GENERATORS: dict[str, list[Callable[[random.Random, int, int, ClusterSpec], dict
     "deepsearch": [deepsearch],
     "mopd": [mopd],
     "mopd+search": [mopd, deepsearch],
+    "coding+search": [ai_coding, deepsearch],
+    "mixed": [ai_coding, deepsearch, mopd],
 }
 
 
 def generate(
     name: str, cluster: ClusterSpec, batch: int, seed: int = 0, steps: int = 1
 ) -> list[Trajectory]:
-    """``batch`` trajectories per RL step (per task for ``mopd+search``), ``steps`` steps."""
+    """``batch`` trajectories per RL step (per task for combined workloads), ``steps`` steps."""
     if name not in GENERATORS:
         raise WorkloadError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
     if batch < 1 or steps < 1:

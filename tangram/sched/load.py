@@ -1,0 +1,99 @@
+"""Recent offered load per pool: what the ``priced`` rule reads to price a unit (design §4).
+
+Contract
+--------
+``LoadMeter`` is fed by the driver (daemon or simulator) as actions are submitted, start and
+finish, with ``now`` passed in; ``load(pool_id, now)`` returns a frozen ``PoolLoad`` that the
+driver puts into the ``Snapshot``. Pure: no clock, no I/O; every method is ``O(1)``
+amortised (events leave the window in arrival order).
+
+What it measures, per pool, over the last ``window_s`` seconds:
+
+- ``elastic_per_s``: elastic actions submitted per second (the arrival forecast: the next
+  ``window_s`` seconds are assumed to look like the last);
+- ``short_units``: offered load of non-elastic actions in units (expected unit-seconds of
+  the ones started, per second), i.e. how many units short calls keep busy on average;
+- ``elastic_running`` / ``elastic_units``: elastic actions holding units now, and how many.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLoad:
+    elastic_per_s: float = 0.0
+    short_units: float = 0.0
+    elastic_running: int = 0
+    elastic_units: int = 0
+
+
+@dataclass(slots=True)
+class _Book:
+    arrivals: deque[float] = field(default_factory=deque)
+    short: deque[tuple[float, float]] = field(default_factory=deque)  # (start, unit-seconds)
+    short_sum: float = 0.0
+    running: dict[str, int] = field(default_factory=dict)  # elastic action id -> units
+    running_units: int = 0
+
+
+class LoadMeter:
+    """Sliding-window arrival and load counters per pool (see module doc)."""
+
+    __slots__ = ("_books", "window_s")
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self._books: dict[str, _Book] = {}
+
+    def _book(self, pool_id: str) -> _Book:
+        book = self._books.get(pool_id)
+        if book is None:
+            book = self._books[pool_id] = _Book()
+        return book
+
+    def submitted(self, pool_id: str, now: float, elastic: bool) -> None:
+        """An action entered the pool's queue (only elastic ones are counted)."""
+        if elastic:
+            self._book(pool_id).arrivals.append(now)
+
+    def started(
+        self, pool_id: str, action_id: str, now: float, elastic: bool, units: int, expected_s: float
+    ) -> None:
+        book = self._book(pool_id)
+        if elastic:
+            book.running[action_id] = units
+            book.running_units += units
+        else:
+            work = units * expected_s
+            book.short.append((now, work))
+            book.short_sum += work
+
+    def finished(self, pool_id: str, action_id: str) -> None:
+        book = self._books.get(pool_id)
+        if book is not None:
+            units = book.running.pop(action_id, 0)
+            book.running_units -= units
+
+    def load(self, pool_id: str, now: float) -> PoolLoad:
+        book = self._books.get(pool_id)
+        if book is None:
+            return PoolLoad()
+        since = now - self.window_s
+        arrivals, short = book.arrivals, book.short
+        while arrivals and arrivals[0] <= since:
+            arrivals.popleft()
+        while short and short[0][0] <= since:
+            book.short_sum -= short.popleft()[1]
+        if not short:
+            book.short_sum = 0.0  # no drift from float subtraction
+        return PoolLoad(
+            len(arrivals) / self.window_s,
+            max(book.short_sum, 0.0) / self.window_s,
+            len(book.running),
+            book.running_units,
+        )

@@ -1,0 +1,144 @@
+"""The ``priced`` rule: how many units an elastic action should take, given the pool's load.
+
+Why
+---
+Splitting every free unit among the actions present (Alg. 1) is optimal only if nothing else
+arrives: on a node that looks idle the first test runs take 32 cores and the ones arriving a
+few seconds later queue behind them. A fixed DoP keeps units free for later arrivals, and
+beats the elastic scheduler under load. This module prices a unit by the load instead.
+
+Model
+-----
+``N`` elastic actions share ``C`` units, each at amount ``k`` with duration ``t(k)``: ``C / k``
+of them run at a time. If ``N k <= C`` every one starts at once and its ACT is ``t(k)``; if
+not, they go through in about ``N k / C`` waves and the mean ACT is about
+``t(k) · (1 + N k / C) / 2``. So an action's expected ACT at ``k`` is
+
+    cost(k) = t(k) · max(1, (1 + k · N / C) / 2)
+
+and its *priced DoP* ``k*`` is the amount that minimises it: the fair share ``C / N`` (or
+more) while the pool is not contended, shrinking as ``1 / sqrt(N)`` under load (for Amdahl
+speed-ups ``E(k) = 1 / (1 + f (k - 1))`` the minimum is at ``k = sqrt((1 - f) C / (f N))``):
+taking more units shortens an action's own run but delays the ``N k / C`` actions behind it.
+
+- ``N`` counts the elastic actions queued on the pool plus the ones in service: by Little's
+  law the recent arrival rate (``LoadMeter``: elastic submissions per second over the last
+  window, assumed to go on) times their mean duration at ``k``, and at least the ones running
+  now. So a node that looks idle while test runs keep arriving is priced as busy.
+- ``C`` is the pool's capacity less the units short non-elastic calls keep busy: their
+  offered load ``a`` plus ``sqrt(a)`` (square-root staffing), so that elastic actions are
+  sized for the units they will really have.
+- The action may start at any allowed amount in ``[k*/2, k*]``: within a factor of two the
+  cost is near its minimum, and an action started far below its priced DoP is a straggler
+  that holds its units for minutes. Below the band it waits (the replay judges how long).
+
+Short calls are not held behind a waiting elastic action either: the scheduler backfills
+them EASY-style (``schedule._candidates_easy``) when they do not delay it.
+
+Pure: no I/O, no clock. ``O(q · |probe|)`` per pool and pass for ``q`` queued elastic actions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from functools import partial
+
+from tangram.model import Action, ActionId
+from tangram.sched.load import PoolLoad
+
+NO_LOAD = PoolLoad()
+RESERVE_BETA = 1.0
+ROOM = 1.0
+BAND_LO = 0.5  # short-call reserve a + beta * sqrt(a) (square-root staffing)
+
+
+def short_reserve(load: PoolLoad) -> int:
+    """Units kept for short calls: offered load plus its square root (0 when there are none)."""
+    a = load.short_units
+    return math.ceil(a + math.sqrt(a)) if a > 0 else 0
+
+
+def probe(amounts: tuple[int, ...]) -> tuple[int, ...]:
+    """The amounts the price is evaluated at: both ends and every power of two between."""
+    lo, hi = amounts[0], amounts[-1]
+    out = {lo, hi}
+    k = 1
+    while k < hi:
+        if k > lo and k in amounts:
+            out.add(k)
+        k *= 2
+    return tuple(sorted(out))
+
+
+def priced_dop(
+    amounts: tuple[int, ...], dur: Callable[[int], float], sharing: Callable[[int], float]
+) -> int:
+    """``k*``: the amount of ``amounts`` with the least ``t(k) · max(1, (1 + k · N(k) / C) / 2)``
+    where ``sharing(k) = N(k) / C`` (module doc)."""
+    best, pick = math.inf, amounts[-1]
+    for k in probe(amounts):
+        cost = dur(k) * max(1.0, (1.0 + k * sharing(k)) / 2.0)
+        if cost < best:
+            best, pick = cost, k
+    return pick
+
+
+def band(amounts: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """The allowed amounts in ``[k/2, k]``."""
+    return tuple(u for u in amounts if 2 * u >= k and u <= k) or (k,)
+
+
+SAMPLE = 64  # queued elastic actions whose mean duration stands for all of them
+
+
+def price_bands(
+    queue: Sequence[Action],
+    capacity: int,
+    load: PoolLoad | None,
+    amounts_of: Callable[[Action], tuple[int, ...]],
+    dur: Callable[[Action, int], float],
+) -> dict[ActionId, tuple[int, ...]]:
+    """The band of amounts each elastic action of ``queue`` may start at in this pass."""
+    load = load or NO_LOAD
+    elastic = [(a, amounts_of(a)) for a in queue if a.elastic]
+    if not elastic:
+        return {}
+    units = max(1.0, capacity - short_reserve(load))
+    rate, running, queued = load.elastic_per_s, load.elastic_running, len(elastic)
+    # N(k) / C on a grid of powers of two; the mean duration at k is taken over the first
+    # SAMPLE queued actions (FCFS: the ones about to start), each at its largest amount <= k
+    sample = elastic[:SAMPLE]
+    top = max(amounts[-1] for _, amounts in sample)
+    grid: list[tuple[int, float]] = []
+    g = 1
+    while True:
+        mean_t = sum(dur(a, _at_most(amounts, g)) for a, amounts in sample) / len(sample)
+        grid.append((g, (queued + max(running, rate * mean_t)) / units))
+        if g >= top:
+            break
+        g *= 2
+
+    def sharing(k: int) -> float:
+        share = grid[0][1]
+        for g, s in grid:
+            if g > k:
+                break
+            share = s
+        return share
+
+    out: dict[ActionId, tuple[int, ...]] = {}
+    for a, amounts in elastic:
+        if len(amounts) > 1:
+            out[a.id] = band(amounts, priced_dop(amounts, partial(dur, a), sharing))
+    return out
+
+
+def _at_most(amounts: tuple[int, ...], k: int) -> int:
+    """The largest of ``amounts`` (ascending) not above ``k``, else the smallest."""
+    pick = amounts[0]
+    for u in amounts:
+        if u > k:
+            break
+        pick = u
+    return pick

@@ -1,0 +1,372 @@
+"""Alg. 2's objective: an FCFS replay of a pool's waiting queue against its completion heap.
+
+Contract
+--------
+``Replay(op, dur, cfg, max_single).run(waiting, state, heap)`` returns the estimated sum of
+the ACTs (seconds from now) of ``waiting`` (FCFS order) when each action starts as soon as
+the units it is replayed at are free, popping expected finishes from ``heap`` (a list of
+``(finish, units)``; sorted on entry). Reads the actions, writes nothing but ``heap``.
+
+Which amount a replayed elastic action gets depends on the rule (``SchedConfig.rule``):
+
+- every rule: the first ``depth - 1`` elastic actions branch over at most ``max_branch``
+  amounts spread over their set, each option judged on a look-ahead of ``branch_window``;
+  "paper" tries only the amounts that fit at once, the others may wait for more units;
+- "paper" / "wait": later actions start at their lowest amount as soon as it fits;
+- "wait-eft" / "priced" on plain unit counts (CPU nodes): later elastic actions start at the
+  amount (of the spread) with the earliest expected finish; on other pools as "wait".
+
+``Durations.choices`` gives the amounts an action may take in this pass: its allowed set,
+or the band the ``priced`` rule narrowed it to. The loop exists once, generically
+(``_run`` with ``fast=False``); ``_plain`` and ``_eft`` are the same loop specialised to
+plain unit counts, kept because they are 2-3× faster, and tested to give exactly the
+generic loop's result.
+
+Complexity: ``O(W log W)`` per replay of ``W`` actions, plus ``O(|s| · W)`` for EFT.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from tangram.model import Action, ActionId
+from tangram.sched.operators import BaseOperator, Operator
+from tangram.sched.pool import SchedPool
+
+if TYPE_CHECKING:
+    from tangram.sched.schedule import SchedConfig
+
+NEVER = 1e9  # replay penalty (seconds) for an action that cannot start at all
+
+
+def elastic_amounts(action: Action, max_single: int) -> tuple[int, ...]:
+    return tuple(a for a in action.allowed if a <= max_single)
+
+
+def spread(values: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """At most k values spread over a sorted tuple, always keeping both ends."""
+    if len(values) <= k:
+        return values
+    step = (len(values) - 1) / (k - 1)
+    return tuple(sorted({values[round(i * step)] for i in range(k)}))
+
+
+class Durations:
+    """Per-pass, per-pool cache of durations (history estimate + pool extra cost) and of the
+    amounts each action may take in this pass (``bands`` narrows elastic actions' sets)."""
+
+    __slots__ = ("_cache", "_estimate", "_extra", "_pool", "at_min", "bands", "low", "max_single")
+
+    def __init__(
+        self,
+        pool: SchedPool,
+        estimate: Callable[[str], float],
+        bands: Mapping[ActionId, tuple[int, ...]] | None = None,
+    ) -> None:
+        self._pool = pool
+        self._estimate = estimate
+        self.max_single = pool.max_single()
+        self._cache: dict[tuple[ActionId, int], float] = {}
+        self.bands = bands or {}
+        # lowest amount per action where it is not its minimum (banded elastic actions)
+        self.low: dict[ActionId, int] = {aid: b[0] for aid, b in self.bands.items()}
+        self.at_min: dict[ActionId, float] = {}  # duration at the lowest amount, by action id
+        # extra_cost depends only on (kind, service, amount) within one pass (SchedPool doc)
+        self._extra: dict[tuple[str, str | None, int], float] = {}
+
+    def narrow(self, bands: Mapping[ActionId, tuple[int, ...]]) -> None:
+        """Restrict elastic actions to ``bands`` (before any duration at the minimum is read)."""
+        assert not self.at_min
+        self.bands = bands
+        self.low = {aid: b[0] for aid, b in bands.items()}
+
+    def choices(self, action: Action) -> tuple[int, ...]:
+        band = self.bands.get(action.id)
+        return band if band is not None else elastic_amounts(action, self.max_single)
+
+    def lowest(self, action: Action) -> int:
+        return self.low.get(action.id, action.min_units)
+
+    def table(self, action: Action, amounts: tuple[int, ...]) -> dict[int, float]:
+        """Durations at each of ``amounts`` (the DP's choices for one candidate)."""
+        prof = action.profiled
+        out: dict[int, float] = {}
+        for u in amounts:
+            base = prof.get(u)
+            if base is None:
+                out[u] = self(action, u)
+                continue
+            extra_key = (action.kind, action.service, u)
+            extra = self._extra.get(extra_key)
+            if extra is None:
+                extra = self._extra[extra_key] = self._pool.extra_cost(action, u)
+            out[u] = base + extra
+        return out
+
+    def minimum(self, action: Action) -> float:
+        """Duration at the lowest amount the action may take in this pass."""
+        d = self.at_min.get(action.id)
+        if d is None:
+            d = self.at_min[action.id] = self(action, self.lowest(action))
+        return d
+
+    def __call__(self, action: Action, amount: int) -> float:
+        key = (action.id, amount)
+        dur = self._cache.get(key)
+        if dur is None:
+            base = action.duration(amount, self._estimate(action.klass))
+            extra_key = (action.kind, action.service, amount)
+            extra = self._extra.get(extra_key)
+            if extra is None:
+                extra = self._extra[extra_key] = self._pool.extra_cost(action, amount)
+            dur = base + extra
+            self._cache[key] = dur
+        return dur
+
+
+def eft_amount(
+    opts: list[tuple[int, float]],
+    free: int,
+    order: list[tuple[float, int]],
+    head: int,
+    clock: float,
+) -> tuple[int, float]:
+    """(amount, duration) of ``opts`` (ascending amounts) with the earliest finish, given
+    ``free`` units now and expected finishes ``order[head:]`` (ascending)."""
+    best, pick = NEVER, opts[0]
+    if free >= opts[-1][0]:  # all start now: the shortest duration wins
+        for opt in opts:
+            if opt[1] < best:
+                best, pick = opt[1], opt
+        return pick
+    s, clk, j, n = free, clock, head, len(order)
+    for opt in opts:
+        amount = opt[0]
+        while s < amount and j < n:
+            finish, units = order[j]
+            j += 1
+            if finish > clk:
+                clk = finish
+            s += units
+        if s < amount:
+            break
+        fin = clk + opt[1]
+        if fin < best:
+            best, pick = fin, opt
+    return pick
+
+
+class Replay:
+    """Alg. 2: estimated sum of ACTs (relative to now) of a waiting list replayed FCFS.
+
+    See the module doc. ``fast=False`` forces the generic loop (the reference the
+    specialised loops are tested against).
+    """
+
+    branch_window = 16
+
+    def __init__(
+        self, op: Operator[Any], dur: Durations, cfg: SchedConfig, *, fast: bool = True
+    ) -> None:
+        self.op = op
+        self.dur = dur
+        self.cfg = cfg
+        self.plain = isinstance(op, BaseOperator)
+        self.fast = fast and self.plain
+        # EFT replay on plain unit counts only (CPU nodes): on GPU chunk pools it was
+        # measured worse than "wait" (MOPD+Search teacher ACT +7%, DeepSearch judge +18%)
+        self.eft = cfg.rule in ("wait-eft", "priced") and self.plain
+        self._options: dict[ActionId, list[tuple[int, float]]] = {}
+
+    def run(self, waiting: Sequence[Action], state: Any, heap: list[tuple[float, int]]) -> float:
+        return self._run(waiting, 0, len(waiting), state, heap, 0.0, self.cfg.depth)
+
+    def _run(
+        self,
+        waiting: Sequence[Action],
+        i: int,
+        end: int,
+        state: Any,
+        heap: list[tuple[float, int]],
+        clock: float,
+        depth: int,
+    ) -> float:
+        if depth <= 1 and self.fast:  # no branching left: the specialised replays
+            if self.eft:
+                return self._eft(waiting, i, end, state, heap, clock)
+            return self._plain(waiting, i, end, state, heap, clock)
+        total = 0.0
+        dur = self.dur
+        take = self.op.take
+        while i < end:
+            w = waiting[i]
+            if depth > 1 and w.elastic:
+                state, clock, ok = self._wait_for(state, heap, clock, dur.lowest(w))
+                if not ok:
+                    return total + NEVER * (end - i)
+                return total + self._branch(waiting, i, end, state, heap, clock, depth)
+            if self.eft and w.elastic:
+                u, d = self._eft_pick(w, state, heap, clock)
+            else:
+                u, d = dur.lowest(w), dur.minimum(w)
+            state, clock, ok = self._wait_for(state, heap, clock, u)
+            if not ok:
+                return total + NEVER * (end - i)
+            total += clock + d
+            heapq.heappush(heap, (clock + d, u))
+            state = take(state, u)
+            i += 1
+        return total
+
+    def _eft_pick(
+        self, w: Action, free: int, heap: list[tuple[float, int]], clock: float
+    ) -> tuple[int, float]:
+        opts = self._option_durs(w)
+        if len(opts) == 1:
+            return opts[0]
+        return eft_amount(opts, free, sorted(heap), 0, clock)
+
+    def _plain(
+        self,
+        waiting: Sequence[Action],
+        i: int,
+        end: int,
+        free: int,
+        heap: list[tuple[float, int]],
+        clock: float,
+    ) -> float:
+        """``_run`` at depth 1 on plain unit counts, lowest amounts (rules paper / wait)."""
+        total = 0.0
+        at_min, minimum, low = self.dur.at_min, self.dur.minimum, self.dur.low
+        pop, push = heapq.heappop, heapq.heappush
+        while i < end:
+            w = waiting[i]
+            need = low.get(w.id, w.min_units)
+            while free < need:
+                if not heap:
+                    return total + NEVER * (end - i)
+                finish, units = pop(heap)
+                if finish > clock:
+                    clock = finish
+                free += units
+            d = at_min.get(w.id)
+            if d is None:
+                d = minimum(w)
+            total += clock + d
+            push(heap, (clock + d, need))
+            free -= need
+            i += 1
+        return total
+
+    def _eft(
+        self,
+        waiting: Sequence[Action],
+        i: int,
+        end: int,
+        free: int,
+        heap: list[tuple[float, int]],
+        clock: float,
+    ) -> float:
+        """``_run`` at depth 1 on plain unit counts with EFT amounts.
+
+        The completion heap is kept as a sorted list with a moving head, so each elastic
+        action's look-up scans it in order without re-sorting; ties in the heap order are
+        harmless (equal finishes pop in any order with the same clock and unit sum).
+        """
+        total = 0.0
+        at_min, minimum, low = self.dur.at_min, self.dur.minimum, self.dur.low
+        order = sorted(heap)
+        head, size, insort = 0, len(order), bisect.insort
+        for k in range(i, end):
+            w = waiting[k]
+            if w.elastic:
+                opts = self._option_durs(w)
+                if len(opts) > 1:
+                    u, d = eft_amount(opts, free, order, head, clock)
+                else:
+                    u, d = opts[0]
+            else:
+                u = low.get(w.id, w.min_units)
+                d = at_min.get(w.id) or minimum(w)
+            while free < u:
+                if head == size:
+                    return total + NEVER * (end - k)
+                finish, units = order[head]
+                head += 1
+                if finish > clock:
+                    clock = finish
+                free += units
+            total += clock + d
+            insort(order, (clock + d, u), lo=head)  # finishes never precede the clock
+            size += 1
+            free -= u
+        return total
+
+    def _option_durs(self, w: Action) -> list[tuple[int, float]]:
+        """(amount, duration) for the spread of w's amounts in this pass, cached per pass."""
+        opts = self._options.get(w.id)
+        if opts is None:
+            amounts = spread(self.dur.choices(w), self.cfg.max_branch)
+            opts = self._options[w.id] = [(u, self.dur(w, u)) for u in amounts]
+        return opts
+
+    def _wait_for(
+        self, state: Any, heap: list[tuple[float, int]], clock: float, need: int
+    ) -> tuple[Any, float, bool]:
+        if self.plain:  # plain unit counts
+            while state < need:
+                if not heap:
+                    return state, clock, False
+                finish, units = heapq.heappop(heap)
+                if finish > clock:
+                    clock = finish
+                state += units
+            return state, clock, True
+        take, give = self.op.take, self.op.give
+        while take(state, need) is None:
+            if not heap:
+                return state, clock, False
+            finish, units = heapq.heappop(heap)
+            if finish > clock:
+                clock = finish
+            state = give(state, units)
+        return state, clock, True
+
+    def _branch(
+        self,
+        waiting: Sequence[Action],
+        i: int,
+        end: int,
+        state: Any,
+        heap: list[tuple[float, int]],
+        clock: float,
+        depth: int,
+    ) -> float:
+        w = waiting[i]
+        take = self.op.take
+        amounts = spread(self.dur.choices(w), self.cfg.max_branch)
+        if self.cfg.rule == "paper":
+            options = [u for u in amounts if take(state, u) is not None]
+        else:
+            options = list(amounts)
+        look = min(end, i + 1 + self.branch_window)
+
+        def cost(u: int, stop: int) -> float:
+            h = list(heap)
+            s, clk, ok = self._wait_for(state, h, clock, u)  # "wait": start when u are free
+            if not ok:
+                return NEVER
+            d = self.dur(w, u)
+            heapq.heappush(h, (clk + d, u))
+            rest = self._run(waiting, i + 1, stop, take(s, u), h, clk, depth - 1)
+            return clk + d + rest
+
+        if len(options) == 1:
+            return cost(options[0], end)
+        costs = {u: cost(u, look) for u in options}
+        best_u = min(options, key=costs.__getitem__)
+        # the look-ahead already covered the whole window when it is short: reuse it
+        return cost(best_u, end) if look < end else costs[best_u]

@@ -1,0 +1,178 @@
+"""The "priced" rule: DoP priced by load, short-call reserve, EASY backfill, load meter."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tangram.model import ActionId, TrajectoryId, make_action
+from tangram.pools.cpu import CpuNodePool
+from tangram.sched import LoadMeter, PoolLoad, SchedConfig, Snapshot, schedule
+from tangram.sched.price import band, priced_dop, probe, short_reserve
+
+GIB = 1 << 30
+PROFILE = (1, 2, 4, 8, 16, 32)
+
+
+def amdahl(f: float) -> dict[int, float]:
+    return {m: 1.0 / (1.0 + f * (m - 1)) for m in PROFILE}
+
+
+def suite_run(i: int, t1: float = 300.0, f: float = 0.09, seq: int | None = None):
+    return make_action(
+        f"e{i}",
+        "exec",
+        f"t{i}",
+        {"cpu": [1, 32]},
+        seq=i if seq is None else seq,
+        t1_s=t1,
+        eff=amdahl(f),
+    )
+
+
+def tool(i: int, dur: float = 1.0):
+    return make_action(f"s{i}", "exec", f"t{i}", {"cpu": 1}, seq=i, dur_s=dur)
+
+
+def node(cores: int = 64) -> CpuNodePool:
+    return CpuNodePool("n0", [list(range(cores))], 64 * GIB)
+
+
+def snap(pool: CpuNodePool, actions, running=(), load: PoolLoad | None = None) -> Snapshot:
+    return Snapshot(
+        waiting=list(actions),
+        pools={pool.pool_id: pool},
+        affinity={TrajectoryId(a.trajectory): pool.pool_id for a in actions},
+        running={pool.pool_id: list(running)},
+        load={pool.pool_id: load} if load else {},
+    )
+
+
+def amdahl_dur(t1: float, f: float):
+    return lambda k: t1 * (1.0 + f * (k - 1)) / k
+
+
+def sharing(n: float, units: float = 64.0):
+    return lambda k: n / units
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "expected"),
+    [
+        ("alone", 1, 32),  # nothing competes: the widest amount
+        ("two share 64", 2, 32),  # fair share 32 each
+        ("eight share 64", 8, 8),  # fair share 8 each
+        ("forty share 64", 40, 4),  # contended: sqrt(0.91 * 64 / (0.09 * 40)) = 4.0
+    ],
+)
+def test_priced_dop_table(name: str, n: int, expected: int) -> None:
+    """The priced DoP is the fair share while uncontended and shrinks with N under load."""
+    assert priced_dop(PROFILE, amdahl_dur(300.0, 0.09), sharing(n)) == expected, name
+
+
+def test_priced_dop_follows_square_root_law_under_load() -> None:
+    """Under load the priced DoP tracks k* = sqrt((1 - f) C / (f N)) within the probe set."""
+    f, units = 0.09, 256.0
+    for n in (40, 160, 640):
+        k = priced_dop(PROFILE, amdahl_dur(300.0, f), sharing(n, units))
+        exact = math.sqrt((1 - f) * units / (f * n))
+        assert k / 2 <= exact <= k * 2, (n, k, exact)
+
+
+def test_band_and_probe() -> None:
+    """The band is the allowed amounts in [k/2, k]; the probe keeps ends and powers of two."""
+    amounts = tuple(range(1, 33))
+    assert band(amounts, 8) == (4, 5, 6, 7, 8)
+    assert band((1, 3, 9), 2) == (1,)
+    assert band((3, 9), 2) == (2,)  # never empty: the priced amount itself
+    assert probe(amounts) == (1, 2, 4, 8, 16, 32)
+    assert probe((3, 5, 6, 12)) == (3, 12)
+
+
+def test_short_reserve() -> None:
+    """Short calls keep their offered load plus its square root (square-root staffing)."""
+    assert short_reserve(PoolLoad()) == 0
+    assert short_reserve(PoolLoad(short_units=16.0)) == 20
+    assert short_reserve(PoolLoad(short_units=2.0)) == 4
+
+
+def test_lone_test_run_on_idle_node_takes_the_node() -> None:
+    """With nothing else present or forecast, the test run gets the upper half of its set."""
+    pool = node(64)
+    d = schedule(snap(pool, [suite_run(0)]), 0.0)
+    durations = {u: suite_run(0).duration(u, 0.0) for u in range(16, 33)}
+    assert [p.amount for p in d.placements] == [min(durations, key=durations.__getitem__)]
+    wait_eft = schedule(snap(pool, [suite_run(0)]), 0.0, SchedConfig(rule="wait-eft"))
+    assert 16 <= wait_eft.placements[0].amount <= 32
+
+
+def test_forecast_narrows_the_dop_on_an_idle_node() -> None:
+    """An idle node with test runs arriving fast gives the first one less than all."""
+    pool = node(64)
+    quiet = schedule(snap(pool, [suite_run(0)]), 0.0)
+    busy = schedule(snap(pool, [suite_run(0)], load=PoolLoad(elastic_per_s=0.5)), 0.0)
+    assert busy.placements[0].amount < quiet.placements[0].amount
+    assert SchedConfig().rule == "priced"
+
+
+def test_short_call_backfills_past_blocked_action() -> None:
+    """A 1 s call passes an 8-core action waiting 5 s for cores; a 10 s one would delay it."""
+    pool = node(8)
+    for core in range(6):
+        pool.allocate(ActionId(f"busy{core}"), (core,))
+    running = [(5.0, 6)]
+    head = make_action("h", "exec", "th", {"cpu": 8}, seq=0, dur_s=50.0)
+    short, long_ = tool(1, 1.0), tool(2, 10.0)
+    d = schedule(snap(pool, [head, short], running), 0.0)
+    assert [p.action_id for p in d.placements] == ["s1"]
+    d = schedule(snap(pool, [head, long_], running), 0.0)
+    assert d.placements == ()
+    # the other rules keep strict FCFS behind the blocked head
+    strict = schedule(snap(pool, [head, short], running), 0.0, SchedConfig(rule="wait-eft"))
+    assert strict.placements == ()
+
+
+def test_short_calls_pass_waiting_test_run_until_it_starves() -> None:
+    """Short calls pass a test run waiting for its band; after the starvation bound they
+    may only if they do not delay its reservation."""
+    pool = node(8)
+    for core in range(6):
+        pool.allocate(ActionId(f"busy{core}"), (core,))
+    running = [(5.0, 6)]
+    head, long_ = suite_run(0), tool(1, 10.0)  # alone on 8 cores: band [4, 8], 2 free
+    fresh = schedule(snap(pool, [head, long_], running), 0.0)
+    assert [p.action_id for p in fresh.placements] == ["s1"]
+    starved = schedule(snap(pool, [head, long_], running), 100.0)
+    # reservation at 5 s for 4 of the 8 cores: 4 extra, so even the 10 s call fits
+    assert [p.action_id for p in starved.placements] == ["s1"]
+    three = make_action("s3", "exec", "t3", {"cpu": 2}, seq=3, dur_s=10.0)
+    four = make_action("s4", "exec", "t4", {"cpu": 2}, seq=4, dur_s=10.0)
+    late = schedule(snap(pool, [head, three, four], [(5.0, 6)]), 100.0)
+    assert [p.action_id for p in late.placements] == ["s3"]  # 2 + 2 > 2 free
+
+
+def test_elastic_action_does_not_backfill() -> None:
+    """Behind a blocked action, a later test run waits its turn even if it would fit."""
+    pool = node(64)
+    for core in range(40):
+        pool.allocate(ActionId(f"busy{core}"), (core,))
+    head = make_action("h", "exec", "th", {"cpu": 32}, seq=0, dur_s=50.0)
+    d = schedule(snap(pool, [head, suite_run(1, seq=1)], [(5.0, 40)]), 0.0)
+    assert d.placements == ()
+
+
+def test_load_meter_window() -> None:
+    """Arrivals and short-call load count over the last window only; running is current."""
+    meter = LoadMeter(window_s=10.0)
+    meter.submitted("p", 0.0, elastic=True)
+    meter.submitted("p", 5.0, elastic=True)
+    meter.submitted("p", 5.0, elastic=False)  # not an elastic arrival
+    meter.started("p", "s", 5.0, elastic=False, units=2, expected_s=10.0)
+    meter.started("p", "e", 6.0, elastic=True, units=8, expected_s=60.0)
+    load = meter.load("p", 9.0)
+    assert load == PoolLoad(elastic_per_s=0.2, short_units=2.0, elastic_running=1, elastic_units=8)
+    meter.finished("p", "e")
+    assert meter.load("p", 12.0) == PoolLoad(elastic_per_s=0.1, short_units=2.0)
+    assert meter.load("p", 16.0) == PoolLoad()
+    assert meter.load("other", 0.0) == PoolLoad()
