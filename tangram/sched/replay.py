@@ -30,14 +30,26 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tangram.model import Action, ActionId
 from tangram.sched.operators import BaseOperator, Operator
 from tangram.sched.pool import SchedPool
 
-if TYPE_CHECKING:
-    from tangram.sched.schedule import SchedConfig
+
+class ReplayConfig(Protocol):
+    """What the replay reads of the scheduler's config (``SchedConfig`` satisfies it; the
+    replay does not import the module that runs it)."""
+
+    @property
+    def rule(self) -> str: ...
+
+    @property
+    def depth(self) -> int: ...
+
+    @property
+    def max_branch(self) -> int: ...
+
 
 NEVER = 1e9  # replay penalty (seconds) for an action that cannot start at all
 
@@ -169,7 +181,7 @@ class Replay:
     branch_window = 16
 
     def __init__(
-        self, op: Operator[Any], dur: Durations, cfg: SchedConfig, *, fast: bool = True
+        self, op: Operator[Any], dur: Durations, cfg: ReplayConfig, *, fast: bool = True
     ) -> None:
         self.op = op
         self.dur = dur
