@@ -14,6 +14,7 @@ output is for people (aligned tables). Errors are one line on stderr, never a tr
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
@@ -147,6 +148,30 @@ def status(ctl: Ctl, as_json: bool) -> None:
     """Daemon summary: role, uptime, capacity, usage, counts."""
     result = ctl.client.status()
     emit(as_json, result, lambda: kv(result))
+
+
+@cli.command()
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.05),
+    default=1.0,
+    show_default=True,
+    help="Seconds between frames.",
+)
+@click.option(
+    "--iterations",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after N frames (default: until q or Ctrl-C).",
+)
+@json_option
+@pass_ctl
+def top(ctl: Ctl, interval: float, iterations: int | None, as_json: bool) -> None:
+    """Live view of pools, queues, running actions and recent ACT per kind (q quits)."""
+    from tangramctl.top import run_top
+
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the view, not an error
+        run_top(ctl.client, interval, iterations, as_json)
 
 
 @cli.command()

@@ -118,3 +118,66 @@ def test_unreachable_daemon_is_a_clear_error(tmp_path):
     r = CliRunner().invoke(cli, ["--socket", str(tmp_path / "none.sock"), "status"])
     assert r.exit_code == 2
     assert "none.sock" in r.output and "Traceback" not in r.output
+
+
+def test_top_shows_pools_recent_act_and_running_actions(sock):
+    """`top` frames show the CPU pool, recent ACT per kind and the running actions; --json
+    prints one {status, queue} object per frame."""
+    import threading
+    import time
+
+    from tangram import Client
+
+    with Client(sock) as c:
+        assert c.exec("true").outcome == "ok"
+    done = threading.Event()
+
+    def busy() -> None:
+        with Client(sock) as c2:
+            c2.exec("sleep 2")
+        done.set()
+
+    t = threading.Thread(target=busy)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        with Client(sock) as c:
+            while not c.queue()["running"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        r = ctl(sock, "top", "--iterations", "2", "--interval", "0.1")
+        assert r.exit_code == 0, r.output
+        assert r.output.count("recent ACT per kind") == 2
+        assert "cpu:local" in r.output and "exec" in r.output and "running (1):" in r.output
+        j = ctl(sock, "top", "--iterations", "2", "--interval", "0.1", "--json")
+        frames = [json.loads(line) for line in j.output.splitlines()]
+        assert len(frames) == 2 and frames[0]["status"]["pools"]["cpu:local"]["capacity"] == 2
+    finally:
+        t.join(10)
+    assert done.is_set()
+
+
+def test_top_quits_on_q_in_a_terminal(sock):
+    """On a terminal, `top` redraws until `q` is typed, then exits 0 and restores the tty."""
+    import os
+    import pty
+    import subprocess
+    import time
+
+    main, child = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tangramctl.main", "--socket", sock, "top", "--interval", "0.2"],
+        stdin=child,
+        stdout=child,
+        stderr=child,
+        env={**os.environ, "TERM": "xterm"},
+    )
+    os.close(child)
+    seen = b""
+    deadline = time.monotonic() + 20
+    while b"(q quits)" not in seen:
+        assert time.monotonic() < deadline, seen[-500:]
+        seen += os.read(main, 4096)
+    os.write(main, b"q")
+    assert proc.wait(10) == 0
+    os.close(main)
