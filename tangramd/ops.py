@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from tangram.protocol.errors import UnknownOp
 from tangram.protocol.ops import validate_args
-from tangram.protocol.results import ExecSpec
+from tangram.protocol.results import CallSpec, ExecSpec
 from tangram.version import __version__
 from tangramd import events as ev
 from tangramd.transport import NOT_SYNC, ConnInfo
@@ -98,6 +98,15 @@ def _profile_save(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return ex.answer_now(lambda tok: ev.SaveProfile(name=args["name"], profile=profile, token=tok))
 
 
+def _service_list(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    if ex.services is None:
+        return {"services": []}
+    waiting = ex.core.service_waiting()
+    return {
+        "services": [{**row, "waiting": waiting.get(row["name"], 0)} for row in ex.services.list()]
+    }
+
+
 # -------------------------------------------------------------------------- requests
 
 
@@ -142,6 +151,20 @@ async def _lease_release(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return await ex.request(lambda tok: ev.ReleaseLease(token=tok, lease_id=args["lease_id"]))
 
 
+async def _service_register(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    spec = {key: value for key, value in args.items() if value is not None}
+    return await ex.request(lambda tok: ev.RegisterService(args=spec, token=tok))
+
+
+async def _service_remove(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(lambda tok: ev.RemoveService(name=args["name"], token=tok))
+
+
+async def _call(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    spec = CallSpec(args["name"], args["payload"], args.get("timeout_s"))
+    return await ex.request(lambda tok: ev.SubmitCall(spec=spec, token=tok, conn=conn.id))
+
+
 SYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Any]] = {
     "ping": _ping,
     "status": _status,
@@ -153,6 +176,7 @@ SYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Any]] = {
     "profile.save": _profile_save,
     "profile.get": _profile_get,
     "profile.list": _profile_list,
+    "service.list": _service_list,
 }
 
 ASYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Awaitable[Any]]] = {
@@ -161,4 +185,7 @@ ASYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Awaitable[Any]]] = {
     "exec": _exec,
     "lease.acquire": _lease_acquire,
     "lease.release": _lease_release,
+    "service.register": _service_register,
+    "service.remove": _service_remove,
+    "call": _call,
 }

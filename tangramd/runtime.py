@@ -8,6 +8,7 @@ execution backend, and wires them to the socket server through the executor.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -15,11 +16,13 @@ import structlog
 from tangram.model import TangramError
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster, CpuNodePool
+from tangram.pools.gpu import ALLOWED_GPU_COUNTS, GpuCluster
 from tangramd import ops
 from tangramd.backends.base import Backend
 from tangramd.config import resolve_user
 from tangramd.core import Core, CoreConfig
 from tangramd.executor import Executor
+from tangramd.services import Inventory, ServiceHost, SimulatedGpus, discover
 
 log = structlog.get_logger("tangramd")
 
@@ -59,13 +62,31 @@ def build_runtime(config: Any) -> Executor:
         default_image=config.cpu.docker_image if config.cpu.backend == "docker" else None,
         exec_as_peer=config.cpu.exec_user == "peer",
     )
-    core = Core(cluster, apis, core_cfg)
-    if config.gpu.simulated_count or config.services:
-        log.warning(
-            "gpu_manager_not_available",
-            detail="[gpu]/[[service]] are configured but tangramd up has no GPU manager yet",
-        )
     state_dir = config.daemon.state_dir
+    inventory = gpu_inventory(config.gpu)
+    gpu, host = None, None
+    if len(inventory):
+        gpu = GpuCluster([inventory.node_pool(NODE_ID)], {})
+        host = ServiceHost(
+            inventory,
+            state_dir,
+            load_timeout_s=config.gpu.load_timeout_s,
+            http_load_timeout_s=config.gpu.http_load_timeout_s,
+            restore_timeout_s=config.gpu.restore_timeout_s,
+        )
+    log.info(
+        "gpus_discovered",
+        gpus=len(inventory),
+        simulated=sum(1 for g in inventory.gpus if g.simulated),
+        nvml=inventory.nvml_error or "ok",
+    )
+    if config.services:
+        log.warning(
+            "config_services_ignored",
+            detail="[[service]] describes the simulator's cluster; register services with "
+            "`tangramctl service register`",
+        )
+    core = Core(cluster, apis, replace(core_cfg, call_timeout_s=config.gpu.call_timeout_s), gpu=gpu)
     backend: Backend
     if config.cpu.backend == "docker":
         from tangramd.backends.docker import DockerBackend
@@ -89,6 +110,7 @@ def build_runtime(config: Any) -> Executor:
         daemon.socket,
         state_dir=state_dir,
         handlers=ops,
+        services=host,
         max_frame=daemon.max_frame_bytes,
         idle_timeout_s=daemon.idle_timeout_s,
         frame_timeout_s=daemon.frame_timeout_s,
@@ -97,3 +119,16 @@ def build_runtime(config: Any) -> Executor:
         allowed_uids=daemon.allowed_uids,
         allowed_gids=daemon.allowed_gids,
     )
+
+
+def gpu_inventory(gpu: Any) -> Inventory:
+    """The node's GPUs from ``[gpu]``: NVML ones (``nvml = true``), then the simulated ones,
+    cut to the largest count the buddy pool takes (1, 2, 4, 8)."""
+    sim = gpu.simulated
+    simulated = SimulatedGpus(sim.count, sim.mem_gb, sim.h2d_gbps) if sim is not None else None
+    inventory = discover(simulated, use_nvml=gpu.nvml)
+    usable = max((n for n in ALLOWED_GPU_COUNTS if n <= len(inventory)), default=0)
+    if usable < len(inventory):
+        log.warning("gpus_unused", found=len(inventory), used=usable, detail="not 1, 2, 4 or 8")
+        inventory = Inventory(inventory.gpus[:usable], inventory.nvml_error, ())
+    return inventory

@@ -41,7 +41,14 @@ from tangram.protocol.ops import (
     validate_args,
 )
 from tangram.protocol.paths import SOCKET_ENV, SYSTEM_SOCKET, default_socket_path
-from tangram.protocol.results import OUTCOMES, ExecResult, ExecSpec, Outcome
+from tangram.protocol.results import (
+    OUTCOMES,
+    CallResult,
+    CallSpec,
+    ExecResult,
+    ExecSpec,
+    Outcome,
+)
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
@@ -55,6 +62,8 @@ __all__ = [
     "SYSTEM_SOCKET",
     "Arg",
     "BadRequest",
+    "CallResult",
+    "CallSpec",
     "ConnectionFailed",
     "ExecResult",
     "ExecSpec",
