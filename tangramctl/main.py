@@ -570,8 +570,8 @@ def service_list(ctl: Ctl, as_json: bool) -> None:
 def service_remove(ctl: Ctl, name: str, as_json: bool) -> None:
     """Remove a service; its queued calls end rejected."""
     result = ctl.client.service_remove(name)
-    if as_json:
-        click.echo(to_json(result))
+    rejected = result.get("rejected", 0)
+    emit(as_json, result, lambda: f"removed {name} ({rejected} queued call(s) rejected)")
 
 
 def call_exit_code(result: CallResult) -> int:

@@ -307,9 +307,9 @@ class Executor:
         registered (state ``failed``) and is retried on its next call."""
         try:
             errors = await host.start()
-        except ValueError as exc:  # an unreadable registry file: start without services
-            log.error("services_unreadable", error=str(exc))
-            return
+        except Exception as exc:  # an unreadable registry, a worker that cannot start
+            log.error("services_not_reloaded", error=f"{type(exc).__name__}: {exc}")
+            errors = {}
         for name, error in errors.items():
             log.warning("service_load_failed", service=name, error=error)
         specs = tuple(host.specs())

@@ -295,6 +295,20 @@ def test_worker_kill_is_infra_error_then_next_call_works(daemon: Daemon) -> None
         assert again.result["y"] == pytest.approx(want("a", 3.0), rel=1e-5)
 
 
+def test_call_timeout_is_timeout_then_next_call_works(daemon: Daemon) -> None:
+    """A handler that overruns `--timeout` ends `timeout` (CLI exit 124); the stuck worker
+    is replaced and the next call answers."""
+    sock = daemon.current.socket
+    args = ["--socket", sock, "call", "b", "--timeout", "0.5", "--", '{"x": 1, "sleep": 30}']
+    r = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert r.exit_code == 124, r.output
+    with daemon.client() as c:
+        again = c.call("b", {"x": 2})
+        assert again.outcome == "ok", again
+        assert again.result is not None
+        assert again.result["y"] == pytest.approx(want("b", 2.0), rel=1e-5)
+
+
 def test_remove_ends_queued_calls_rejected(daemon: Daemon) -> None:
     """Removing a service whose calls wait for GPUs ends each of them `rejected`."""
     with daemon.client() as c:
