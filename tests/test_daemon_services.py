@@ -271,9 +271,25 @@ def test_cli_register_list_call_json(daemon: Daemon) -> None:
     assert ctl("call", "cli", "--", '{"y": 2}').exit_code == 1  # failed
     assert ctl("call", "nope", "--", "{}").exit_code == 2  # not_found
     assert ctl("call", "cli", "--", "[1]").exit_code == 2  # not an object
-    r = ctl("service", "remove", "cli")
-    assert r.exit_code == 0, r.output
-    assert ctl("service", "remove", "cli").exit_code == 1  # not_found
+
+
+def test_http_runtime_serves_calls_through_the_daemon(daemon: Daemon) -> None:
+    """An http service (the worker's vLLM-style server on loopback) is started on its first
+    call and answers through the daemon like a torch one."""
+    cmd = (
+        f"{sys.executable} -m tangramd.services.worker --name h --entry tiny_services:small "
+        f"--path {SERVICES} --http-port {{port}}"
+    )
+    with daemon.client() as c:
+        info = c.service_register("h", runtime="http", mem_gb=0.01, cmd=cmd, route="/score")
+        assert info["runtime"] == "http"
+        result = c.call("h", {"x": 2})
+        assert result.outcome == "ok", result
+        assert result.result is not None
+        assert result.result["y"] == pytest.approx(want("a", 2.0), rel=1e-5)
+        rejected = c.call("h", {"y": 2})
+        assert rejected.outcome == "failed" and "payload needs 'x'" in (rejected.error or "")
+        assert c.service_remove("h")["removed"] is True
 
 
 def test_worker_kill_is_infra_error_then_next_call_works(daemon: Daemon) -> None:
@@ -310,21 +326,24 @@ def test_call_timeout_is_timeout_then_next_call_works(daemon: Daemon) -> None:
 
 
 def test_remove_ends_queued_calls_rejected(daemon: Daemon) -> None:
-    """Removing a service whose calls wait for GPUs ends each of them `rejected`."""
+    """Removing a service whose calls wait for GPUs ends each of them `rejected`; the CLI
+    then finds no such service (exit 1)."""
     with daemon.client() as c:
-        c.service_register("r", mem_gb=0.01, entry="tiny_services:small", path=str(SERVICES))
-        calls = [call_in_background(daemon, "r", {"x": 1, "sleep": 3}) for _ in range(4)]
+        assert "cli" in listed(c)  # registered by the CLI test
+        calls = [call_in_background(daemon, "cli", {"x": 1, "sleep": 2}) for _ in range(4)]
         wait_for(lambda: len(c.queue()["running"]) == 2 and len(c.queue()["waiting"]) == 2)
-        removed = c.service_remove("r")
-        assert removed == {"name": "r", "removed": True, "rejected": 2}
+        removed = c.service_remove("cli")
+        assert removed == {"name": "cli", "removed": True, "rejected": 2}
         for thread, _ in calls:
             thread.join(60)
         outcomes = sorted(box[0].outcome for _, box in calls)
         assert outcomes.count("rejected") >= 2, outcomes
-        assert "r" not in listed(c)
+        assert "cli" not in listed(c)
         with pytest.raises(NotFound):
-            c.call("r", {"x": 1})
+            c.call("cli", {"x": 1})
         assert c.status()["pools"]["gpu"]["free"] == 2
+    args = ["--socket", daemon.current.socket, "service", "remove", "cli"]
+    assert CliRunner().invoke(cli, args, catch_exceptions=False).exit_code == 1
 
 
 def test_registrations_persist_across_a_restart(daemon: Daemon) -> None:
