@@ -9,10 +9,11 @@ same ``handle`` call run inline on the transport's fast path (``SYNC_OPS``); ops
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from tangram.protocol.errors import UnknownOp
+from tangram.protocol.errors import BadRequest, UnknownOp
 from tangram.protocol.ops import validate_args
 from tangram.protocol.results import CallSpec, ExecSpec
 from tangram.version import __version__
@@ -151,12 +152,25 @@ async def _lease_release(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return await ex.request(lambda tok: ev.ReleaseLease(token=tok, lease_id=args["lease_id"]))
 
 
+def _operator_only(op: str, conn: ConnInfo) -> None:
+    """Service workers run the registered code as the daemon's user, so only that user (or
+    root) may add or remove services; every allowed peer may call them."""
+    peer, me = conn.peer, os.geteuid()
+    if peer is not None and peer[0] not in (0, me):
+        raise BadRequest(
+            f"{op}: only root or the daemon's user (uid {me}) may register or remove services "
+            f"(their code runs as that user); uid {peer[0]} may call them"
+        )
+
+
 async def _service_register(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    _operator_only("service.register", conn)
     spec = {key: value for key, value in args.items() if value is not None}
     return await ex.request(lambda tok: ev.RegisterService(args=spec, token=tok))
 
 
 async def _service_remove(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    _operator_only("service.remove", conn)
     return await ex.request(lambda tok: ev.RemoveService(name=args["name"], token=tok))
 
 

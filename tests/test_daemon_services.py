@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ from click.testing import CliRunner
 
 from tangram import Client
 from tangram.client import CallResult
+from tangram.model import TangramError
 from tangram.protocol import BadRequest, NotFound
 from tangram.testing import SpawnedDaemon, spawn_daemon
 from tangramctl.main import cli
@@ -344,6 +346,62 @@ def test_remove_ends_queued_calls_rejected(daemon: Daemon) -> None:
         assert c.status()["pools"]["gpu"]["free"] == 2
     args = ["--socket", daemon.current.socket, "service", "remove", "cli"]
     assert CliRunner().invoke(cli, args, catch_exceptions=False).exit_code == 1
+
+
+def test_only_the_operator_registers_services(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Registered code runs as the daemon's user: another local user may not register or
+    remove services (a clear bad_request), though its calls are served as usual."""
+    from hostile_user import local_user
+
+    with local_user() as user, tempfile.TemporaryDirectory(prefix="tgs-", dir="/tmp") as tmp:
+        os.chmod(tmp, 0o755)
+        d = spawn_daemon(tmp, "[gpu]\nnvml = false\n")
+        try:
+            os.chown(d.socket, 0, user.gid)
+            register = {"name": "s", "runtime": "torch", "mem_gb": 1, "entry": "m:f"}
+            errors = as_user(user.uid, user.gid, d.socket, [
+                ("service.register", register), ("service.remove", {"name": "s"}),
+                ("call", {"name": "s", "payload": {}}),
+            ])  # fmt: skip
+            assert "only root or the daemon's user" in errors[0]
+            assert "only root or the daemon's user" in errors[1]
+            assert errors[2].startswith("not_found")  # calls pass the check
+            with Client(d.socket) as c, pytest.raises(BadRequest, match="no GPUs"):
+                c.request("service.register", register)  # the operator gets past it
+        finally:
+            assert d.stop() == 0
+
+
+def as_user(uid: int, gid: int, path: str, requests: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Send each request from a child running as uid/gid; ``code: message`` of each error."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to the user, ask, report, exit
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            lines = []
+            with Client(path) as c:
+                for op, args in requests:
+                    try:
+                        c.request(op, args)
+                        lines.append("ok")
+                    except TangramError as exc:
+                        lines.append(f"{exc.code}: {exc.message}")
+            os.write(write_fd, json.dumps(lines).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    data = b""
+    while chunk := os.read(read_fd, 65536):
+        data += chunk
+    os.close(read_fd)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return json.loads(data)
 
 
 def test_registrations_persist_across_a_restart(daemon: Daemon) -> None:
