@@ -9,7 +9,10 @@ output is for people (aligned tables). Errors are one line on stderr, never a tr
   option, an unknown ``--profile`` or ``--env``, more ``--cpus`` or ``--mem`` than any node
   has, a quota refusal), with one line naming the option; 124 on timeout; 125 only when
   the infrastructure failed (daemon unreachable or shutting down, environment lost, engine
-  down).
+  down);
+- ``call`` (one GPU service call) exits 0 ok, 1 failed (the handler rejected the payload),
+  124 timeout, 125 infrastructure error, 2 usage or request error (unknown service, a
+  payload that is not a JSON object, the service removed while the call waited).
 """
 
 from __future__ import annotations
