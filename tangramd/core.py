@@ -656,8 +656,14 @@ class Core:
         spec = self.services.get(name)
         if spec is None or self.gpu is None:
             raise NotFound(f"service {name!r} is not registered (see `tangramctl service list`)")
-        largest = self.gpu.max_single()
-        counts = [k for k in spec.gpus if k <= largest] or [min(spec.gpus)]
+        # The GPU counts whose shard fits a GPU; with no elasticity known for a call, the
+        # scheduler runs it at the smallest of them (its minimum).
+        largest, pool_spec = self.gpu.max_single(), spec.pool_spec()
+        counts = [
+            k
+            for k in spec.gpus
+            if k <= largest and any(node.fits_memory(pool_spec, k) for node in self.gpu.nodes)
+        ] or [min(spec.gpus)]
         demand: Any = counts[0] if len(counts) == 1 else {"set": counts}
         aid = ActionId(self._new_id("c"))
         action = make_action(

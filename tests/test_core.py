@@ -387,3 +387,13 @@ def test_remove_rejects_queued_calls_and_answers_after_unload():
     (reply,) = core.handle(ev.ServiceUnloaded(name="a"), 1.4)
     assert reply.result == {"name": "a", "removed": True, "rejected": 1}
     assert core.gpu.free_units() == 1
+
+
+def test_call_of_a_multi_gpu_service_runs_at_the_smallest_count_that_fits():
+    """A service of 150 bytes on 100-byte GPUs, allowed 1 or 2 GPUs, runs on a 2-GPU chunk."""
+    core = gpu_core()
+    args = {"name": "big", "runtime": "torch", "mem_gb": 150e-9, "entry": "m:f", "gpus": [1, 2]}
+    (load,) = core.handle(ev.RegisterService(args=args, token=1), 0.0)
+    core.handle(ev.ServiceLoaded(spec=load.spec), 0.0)
+    run = call(core, 2, "big", 1.0)
+    assert run.gpus == (0, 1) and run.evicted == ()
