@@ -63,12 +63,12 @@ def _serve(path: str, ready: Any) -> None:
 def _latency(path: str, calls: int, warmup: int) -> tuple[float, float]:
     with Client(path) as client:
         for _ in range(warmup):
-            client.call("ping")
+            client.request("ping", {})
         samples = []
         clock = time.perf_counter_ns
         for _ in range(calls):
             start = clock()
-            client.call("ping")
+            client.request("ping", {})
             samples.append(clock() - start)
     samples.sort()
     p50 = statistics.median(samples) / 1000
@@ -85,7 +85,7 @@ async def _throughput(path: str, conns: int, depth: int, duration_s: float) -> f
     async def worker(client: AsyncClient) -> None:
         nonlocal done
         while time.perf_counter() < stop_at:
-            await client.call("ping")
+            await client.request("ping", {})
             done += 1
 
     stop_at = time.perf_counter() + 0.3  # warm-up

@@ -9,13 +9,17 @@ output is for people (aligned tables). Errors are one line on stderr, never a tr
   option, an unknown ``--profile`` or ``--env``, more ``--cpus`` or ``--mem`` than any node
   has, a quota refusal), with one line naming the option; 124 on timeout; 125 only when
   the infrastructure failed (daemon unreachable or shutting down, environment lost, engine
-  down).
+  down);
+- ``call`` (one GPU service call) exits 0 ok, 1 failed (the handler rejected the payload),
+  124 timeout, 125 infrastructure error, 2 usage or request error (unknown service, a
+  payload that is not a JSON object, the service removed while the call waited).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import sys
 import tarfile
@@ -25,7 +29,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from tangram.client import Client, ExecResult, default_socket_path
+from tangram.client import CallResult, Client, ExecResult, default_socket_path
 from tangram.model import TangramError
 from tangram.protocol import ConnectionFailed, parse_size
 from tangramctl.render import humanize_sizes, kv, table, to_json
@@ -662,6 +666,169 @@ def profiles_show(ctl: Ctl, name: str, as_json: bool) -> None:
     """One stored profile."""
     result = ctl.client.profile_get(name)
     emit(as_json, result, lambda: kv(result))
+
+
+# --------------------------------------------------------------------------- GPU services
+
+
+def parse_gpus(text: str) -> int | list[int]:
+    """``"2"`` → 2; ``"1,2,4"`` → [1, 2, 4] (GPUs per instance); raise click.BadParameter."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: want N or a list like 1,2,4") from None
+    return counts[0] if len(counts) == 1 else counts
+
+
+@cli.group()
+def service() -> None:
+    """GPU model services: register, list, remove (call one with `tangramctl call`)."""
+
+
+@service.command("register")
+@click.argument("name")
+@click.option("--runtime", type=click.Choice(["torch", "http"]), default="torch", show_default=True)
+@click.option("--entry", metavar="MODULE:FACTORY", help="torch: FACTORY() returns the module.")
+@click.option(
+    "--path",
+    "path_dir",
+    type=click.Path(file_okay=False),
+    help="torch: directory added to the worker's import path.",
+)
+@click.option(
+    "--mem-gb",
+    "mem_gb",
+    type=click.FloatRange(min=0, min_open=True),
+    required=True,
+    help="State of one instance (GB).",
+)
+@click.option(
+    "--gpus",
+    default="1",
+    show_default=True,
+    metavar="N|N,N,…",
+    callback=lambda ctx, param, value: parse_gpus(value),
+    help="GPUs per instance, or the allowed counts (1, 2, 4, 8).",
+)
+@click.option("--cmd", metavar="CMDLINE", help="http: server command with {port}.")
+@click.option("--route", metavar="PATH", help="http: path calls are POSTed to.")
+@click.option("--api", "api_kind", type=click.Choice(["vllm", "sglang"]), help="http: sleep API.")
+@click.option("--setenv", multiple=True, metavar="KEY=VALUE", help="Environment variable.")
+@json_option
+@pass_ctl
+def service_register(
+    ctl: Ctl,
+    name: str,
+    runtime: str,
+    entry: str | None,
+    path_dir: str | None,
+    mem_gb: float,
+    gpus: int | list[int],
+    cmd: str | None,
+    route: str | None,
+    api_kind: str | None,
+    setenv: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Register a service and load it (persists across daemon restarts)."""
+    info = ctl.client.service_register(
+        name,
+        runtime=runtime,
+        entry=entry,
+        path=os.path.abspath(path_dir) if path_dir else None,
+        mem_gb=mem_gb,
+        gpus=gpus,
+        cmd=cmd,
+        route=route,
+        api=api_kind,
+        env=parse_assignments(setenv, "--setenv") or None,
+    )
+    emit(as_json, info, lambda: kv(info))
+
+
+@service.command("list")
+@json_option
+@pass_ctl
+def service_list(ctl: Ctl, as_json: bool) -> None:
+    """Registered services, their replicas and restores."""
+    rows = ctl.client.service_list()
+
+    def human() -> str:
+        flat = [
+            {
+                **{k: row.get(k) for k in ("name", "runtime", "mem_gb", "gpus", "calls")},
+                "restores": row.get("restores"),
+                "restore_s": round(row.get("restore_s_total") or 0.0, 3),
+                "replicas": " ".join(
+                    f"{r['state']}@{','.join(map(str, r['gpus'])) or '-'}"
+                    for r in row.get("replicas", [])
+                ),
+                "waiting": row.get("waiting", 0),
+            }
+            for row in rows
+        ]
+        return table(flat) if flat else "no services"
+
+    emit(as_json, {"services": rows}, human)
+
+
+@service.command("remove")
+@click.argument("name")
+@json_option
+@pass_ctl
+def service_remove(ctl: Ctl, name: str, as_json: bool) -> None:
+    """Remove a service; its queued calls end rejected."""
+    result = ctl.client.service_remove(name)
+    rejected = result.get("rejected", 0)
+    emit(as_json, result, lambda: f"removed {name} ({rejected} queued call(s) rejected)")
+
+
+def call_exit_code(result: CallResult) -> int:
+    """0 ok, 1 failed, 124 timeout, 125 infra_error, 2 rejected (as for exec)."""
+    codes = {"ok": 0, "failed": 1, "timeout": EXIT_TIMEOUT, "infra_error": EXIT_INFRA}
+    return codes.get(result.outcome, EXIT_USAGE)
+
+
+@cli.command("call", short_help="Call a GPU service as one action.")
+@click.argument("name")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="Limit of the handler's run (> 0).",
+)
+@json_option
+@click.argument("payload", metavar="-- PAYLOAD_JSON")
+@pass_ctl
+def call(ctl: Ctl, name: str, timeout_s: float | None, as_json: bool, payload: str) -> None:
+    """Call service NAME with a JSON object: tangramctl call NAME -- '{"x": 1}'.
+
+    Prints the handler's answer as JSON (with --json: outcome, result, error, queue_s,
+    restore_s, exec_s, act_s, gpus, node). Exit 0 ok, 1 failed, 124 timeout, 125
+    infrastructure error, 2 usage or request error.
+    """
+    try:
+        body = json.loads(payload)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="PAYLOAD_JSON") from None
+    if not isinstance(body, dict):
+        raise click.BadParameter("must be a JSON object", param_hint="PAYLOAD_JSON")
+    try:
+        result = ctl.client.call(name, body, timeout_s=timeout_s)
+    except ConnectionFailed as exc:
+        fail(unreachable_message(ctl.path, exc), EXIT_INFRA)
+    except TangramError as exc:
+        if exc.code in REQUEST_ERRORS:
+            fail(f"{exc.code}: {humanize_sizes(exc.message)}", EXIT_USAGE)
+        fail(f"{exc.code}: {humanize_sizes(exc.message)}", EXIT_INFRA)
+    if as_json:
+        click.echo(to_json(result.to_wire()))
+    elif result.outcome == "ok":
+        click.echo(to_json(result.result))
+    else:
+        click.echo(f"tangramctl: {result.outcome}: {result.error or 'no answer'}", err=True)
+    sys.exit(call_exit_code(result))
 
 
 # --------------------------------------------------------------------------- attached

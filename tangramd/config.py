@@ -380,12 +380,51 @@ class ApiConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class GpuConfig:
-    """``[gpu]``: a simulated GPU inventory for hosts without NVML (design §5.3)."""
+class SimulatedGpuConfig:
+    """``[gpu] simulated = { count = N, mem_gb = G, h2d_gbps = B }``."""
 
-    simulated_count: int = _key(_int(0), 0)
-    simulated_mem_gb: float = _key(_number(0.0, exclusive=True), 80.0)
-    h2d_gbps: float = _key(_number(0.0, exclusive=True), 25.0)
+    count: int
+    mem_gb: float
+    h2d_gbps: float = 25.0
+
+
+def _simulated(value: Any) -> SimulatedGpuConfig:
+    """The inline table of a simulated inventory; ``count`` must suit the buddy pool."""
+    if not isinstance(value, dict):
+        raise _Bad(f"got {value!r}", "{ count = N, mem_gb = G, h2d_gbps = B }")
+    unknown = sorted(set(value) - {"count", "mem_gb", "h2d_gbps"})
+    if unknown:
+        raise _Bad(f"unknown key {unknown[0]!r}", "count, mem_gb, h2d_gbps")
+    for required in ("count", "mem_gb"):
+        if required not in value:
+            raise _Bad(f"missing {required!r}", "{ count = N, mem_gb = G, h2d_gbps = B }")
+    positive = _number(0.0, exclusive=True)
+    count = _sub("count", _int(0), value["count"])
+    if count not in (0, *GPU_DOPS):
+        raise _Bad(f"count: got {count}", "0, 1, 2, 4, 8 (a node's GPUs form buddy chunks)")
+    mem_gb = _sub("mem_gb", positive, value["mem_gb"])
+    h2d = _sub("h2d_gbps", positive, value.get("h2d_gbps", 25.0))
+    return SimulatedGpuConfig(count, mem_gb, h2d)
+
+
+def _sub(key: str, parse: Callable[[Any], Any], value: Any) -> Any:
+    """Parse one key of an inline table, naming the key in the problem."""
+    try:
+        return parse(value)
+    except _Bad as exc:
+        raise _Bad(f"{key}: {exc.problem}", exc.allowed) from None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuConfig:
+    """``[gpu]``: the node's GPUs (NVML and/or simulated) and the service host's limits."""
+
+    simulated: SimulatedGpuConfig | None = _key(_simulated, None)  # noqa: RUF009  # field(), default None
+    nvml: bool = _key(_bool, True)
+    load_timeout_s: float = _key(_number(0.0, exclusive=True), 300.0)
+    http_load_timeout_s: float = _key(_number(0.0, exclusive=True), 900.0)
+    restore_timeout_s: float = _key(_number(0.0, exclusive=True), 600.0)
+    call_timeout_s: float = _key(_number(0.0, exclusive=True), 300.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -605,6 +644,7 @@ __all__ = [
     "GpuConfig",
     "SchedConfig",
     "ServiceConfig",
+    "SimulatedGpuConfig",
     "cli_overrides",
     "default_socket",
     "default_state_dir",

@@ -26,7 +26,7 @@ import itertools
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tangram.model import (
@@ -38,6 +38,7 @@ from tangram.model import (
 )
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster, CpuNodePool
+from tangram.pools.gpu import GpuCluster
 from tangram.protocol.errors import (
     BadRequest,
     EnvLost,
@@ -46,7 +47,7 @@ from tangram.protocol.errors import (
     QuotaExceeded,
     ShuttingDown,
 )
-from tangram.protocol.results import ExecResult
+from tangram.protocol.results import CallResult, ExecResult
 from tangram.sched import SchedConfig, Snapshot, schedule
 from tangramd import events as ev
 from tangramd.entities import (
@@ -61,6 +62,7 @@ from tangramd.entities import (
     transition,
 )
 from tangramd.envbook import EnvBook, EnvDefaults, Failed, Ready
+from tangramd.services.spec import ServiceSpec, SpecError
 
 STORY_LIMIT = 10_000  # actions whose story is kept after they end
 
@@ -78,6 +80,7 @@ class CoreConfig:
     exec_as_peer: bool = False  # commands run as the connecting client (cpu.exec_user="peer")
     record_envs: bool = True  # emit PersistEnvs (tangramd up; a coordinator keeps its registry)
     max_transfer: int = 8 << 20  # bytes one env.get may return (env.put: the op table's cap)
+    call_timeout_s: float = 300.0  # a service call's handler limit when the call gives none
 
 
 @dataclass
@@ -102,6 +105,7 @@ class Core:
         apis: Mapping[str, ApiPool],
         config: CoreConfig | None = None,
         history: HistoryEstimator | None = None,
+        gpu: GpuCluster | None = None,
     ) -> None:
         self.cfg = config or CoreConfig()
         self.cpu = cpu
@@ -118,6 +122,15 @@ class Core:
         self.history = history or HistoryEstimator(default_s=1.0)
         self.pools: dict[str, Any] = {p.pool_id: p for p in cpu.nodes}
         self.pools.update({p.pool_id: p for p in self.apis.values()})
+        # GPU services (design §5.3): the `gpu` pool, the services loaded on the nodes, and
+        # the registrations / removals the service host is carrying out.
+        self.gpu = gpu
+        if gpu is not None:
+            self.pools[gpu.pool_id] = gpu
+        self.services: dict[str, ServiceSpec] = {}
+        self._registering: dict[str, int | None] = {}  # name -> token of the request
+        self._removing: dict[str, tuple[int | None, int]] = {}  # name -> (token, rejected)
+        self._gpu_tick = 0  # LRU clock of the GPU residency
         self.actions: dict[ActionId, ActionRec] = {}  # live actions only
         self.recent: OrderedDict[ActionId, str] = OrderedDict()  # outcome of ended ones
         self.queue: dict[ActionId, ActionRec] = {}  # waiting for units, FCFS (seq) order
@@ -292,6 +305,7 @@ class Core:
         result: ExecResult | None = None,
         detail: str = "",
         error: tuple[str, str] | None = None,
+        call: CallResult | None = None,
     ) -> None:
         if rec.state == "done":
             return
@@ -318,6 +332,10 @@ class Core:
         if rec.token is not None:
             if error is not None:
                 out.append(self._reply(rec.token, error=error))
+            elif rec.call is not None:
+                ended = call or CallResult(outcome, error=detail)  # type: ignore[arg-type]
+                answer = self._call_answer(rec, now, queue_s, ended)
+                out.append(self._reply(rec.token, result=answer.to_wire()))
             else:
                 final = result.placed(
                     action_id=rec.action.id,
@@ -396,6 +414,8 @@ class Core:
             if rec.action.kind == "exec":
                 self._transition(rec, "running", now, "exec sent to the backend")
                 self._start_exec(rec, out)
+            elif rec.action.kind == "service":
+                self._start_call(rec, now, out)
             else:
                 self._transition(rec, "running", now, "lease granted")
                 self._grant_lease(rec, now, out)
@@ -741,6 +761,200 @@ class Core:
         if e.token is not None:
             out.append(self._reply(e.token, result={"released": released}))
 
+    # ------------------------------------------------------------------ GPU services
+    def _register_service(self, e: ev.RegisterService, now: float, out: list[ev.Command]) -> None:
+        """Validate the spec; the host loads it (``LoadService``) and only once it has
+        (``ServiceLoaded``) does the pool learn the service and the client get its answer."""
+        if self.shutting_down:
+            raise ShuttingDown("daemon is shutting down")
+        if self.gpu is None:
+            raise BadRequest(
+                "this daemon has no GPUs: declare [gpu] simulated = { count = N, mem_gb = G } "
+                "or run it on a host with NVML GPUs"
+            )
+        try:
+            spec = ServiceSpec.from_json(e.args)
+        except SpecError as exc:
+            raise BadRequest(str(exc)) from None
+        name = spec.name
+        if name in self._registering or name in self._removing:
+            what = "registered" if name in self._registering else "removed"
+            raise BadRequest(f"service {name!r} is being {what}; try again when that is done")
+        known = self.services.get(name)
+        if known is not None and known != spec:
+            raise BadRequest(f"service {name!r} is already registered differently; remove it first")
+        pool_spec = spec.pool_spec()
+        if not any(node.fits_memory(pool_spec, k) for node in self.gpu.nodes for k in spec.gpus):
+            largest = max(node.mem_per_gpu for node in self.gpu.nodes)
+            raise BadRequest(
+                f"service {name!r}: mem_gb={spec.mem_gb:g} does not fit on "
+                f"{'/'.join(map(str, spec.gpus))} GPU(s) of {largest} bytes each "
+                f"(a node has {self.gpu.max_single()} GPUs)"
+            )
+        self._registering[name] = e.token
+        out.append(ev.LoadService(spec=spec, cause=self.stimulus))
+
+    def _service_loaded(self, e: ev.ServiceLoaded, now: float, out: list[ev.Command]) -> None:
+        token = self._registering.pop(e.spec.name, None)
+        if e.error is None:
+            self._add_service(e.spec)
+            if token is not None:
+                out.append(self._reply(token, result=dict(e.info)))
+        elif token is not None:
+            out.append(self._reply(token, error=(e.code, e.error)))
+
+    def _services_recovered(
+        self, e: ev.ServicesRecovered, now: float, out: list[ev.Command]
+    ) -> None:
+        for spec in e.specs:
+            self._add_service(spec)
+
+    def _add_service(self, spec: ServiceSpec) -> None:
+        assert self.gpu is not None, "services need the gpu pool"
+        self.gpu.register_service(spec.pool_spec())
+        self.services[spec.name] = spec
+
+    def _remove_service(self, e: ev.RemoveService, now: float, out: list[ev.Command]) -> None:
+        """Queued calls end ``rejected`` at once; running ones end when the host stops the
+        service's replicas (``UnloadService``), which also answers the client."""
+        if e.name not in self.services:
+            raise NotFound(f"service {e.name!r} is not registered")
+        del self.services[e.name]
+        rejected = 0
+        for rec in list(self.queue.values()):
+            if rec.call is not None and rec.call.name == e.name:
+                why = f"service {e.name!r} was removed"
+                self._finish_action(rec, now, out, outcome="rejected", detail=why)
+                rejected += 1
+        assert self.gpu is not None, "a registered service implies the gpu pool"
+        self.gpu.unregister_service(e.name)
+        self._removing[e.name] = (e.token, rejected)
+        out.append(ev.UnloadService(name=e.name, cause=self.stimulus))
+
+    def _service_unloaded(self, e: ev.ServiceUnloaded, now: float, out: list[ev.Command]) -> None:
+        token, rejected = self._removing.pop(e.name, (None, 0))
+        if token is not None:
+            answer = {"name": e.name, "removed": True, "rejected": rejected}
+            out.append(self._reply(token, result=answer))
+
+    def _submit_call(self, e: ev.SubmitCall, now: float, out: list[ev.Command]) -> None:
+        if self.shutting_down:
+            raise ShuttingDown("daemon is shutting down")
+        name = e.spec.name
+        spec = self.services.get(name)
+        if spec is None or self.gpu is None:
+            raise NotFound(f"service {name!r} is not registered (see `tangramctl service list`)")
+        # The GPU counts whose shard fits a GPU; with no elasticity known for a call, the
+        # scheduler runs it at the smallest of them (its minimum).
+        largest, pool_spec = self.gpu.max_single(), spec.pool_spec()
+        counts = [
+            k
+            for k in spec.gpus
+            if k <= largest and any(node.fits_memory(pool_spec, k) for node in self.gpu.nodes)
+        ] or [min(spec.gpus)]
+        demand: Any = counts[0] if len(counts) == 1 else {"set": counts}
+        aid = ActionId(self._new_id("c"))
+        action = make_action(
+            aid,
+            "service",
+            f"call-{aid}",
+            {"gpu": demand},
+            service=name,
+            seq=next(self._seq),
+            submitted_at=now,
+            klass=f"service/{name}",
+            capacity={"gpu": largest},
+        )
+        timeout = e.spec.timeout_s if e.spec.timeout_s is not None else self.cfg.call_timeout_s
+        rec = ActionRec(
+            action=action,
+            token=e.token,
+            env=None,
+            conn=e.conn,
+            submitted_at=now,
+            history=self.stories.open(aid),
+            call=replace(e.spec, timeout_s=timeout),
+        )
+        self.actions[aid] = rec
+        detail = f"call service={name} gpus={counts} timeout_s={timeout:g}"
+        note(rec, now, "submitted", detail, self.stimulus)
+        self._enqueue(rec, now)
+
+    def _start_call(self, rec: ActionRec, now: float, out: list[ev.Command]) -> None:
+        """Placed on GPUs: ask the pool for the restore plan (LRU evictions on those GPUs,
+        then the restore) and send it with the call to the node's service host."""
+        assert self.gpu is not None and rec.call is not None, "calls hold GPUs and a spec"
+        self._gpu_tick += 1
+        plan = self.gpu.restore_for(rec.action.id, rec.call.name, self._gpu_tick)
+        node, local = self._gpu_place(rec.units)
+        evicted = tuple(v._replace(gpu=self.gpu.locate(v.gpu)[1]) for v in plan.evicted)
+        if plan.needed:
+            victims = sorted({f"{v.service}@{v.dop}" for v in evicted})
+            why = f"restore onto node={node} gpus={list(local)} est_s={plan.seconds:.3g}"
+            why += f" evicting {victims}" if victims else ""
+        else:
+            why = f"resident on node={node} gpus={list(local)}"
+        self._transition(rec, "running", now, why)
+        out.append(
+            ev.RunCall(
+                action_id=rec.action.id,
+                service=rec.call.name,
+                node=node,
+                gpus=local,
+                evicted=evicted,
+                payload=rec.call.payload,
+                timeout_s=rec.call.timeout_s or self.cfg.call_timeout_s,
+                cause=self.stimulus,
+            )
+        )
+
+    def _call_done(self, e: ev.CallFinished, now: float, out: list[ev.Command]) -> None:
+        rec = self.actions.get(ActionId(e.action_id))
+        if rec is None or rec.state != "running":
+            return
+        if e.outcome in ("ok", "failed"):
+            self.history.observe(rec.action.klass, e.exec_s)
+        if e.h2d_bytes_per_s and self.gpu is not None:
+            node = self.gpu.node_of_action(rec.action.id)
+            if node is not None:
+                self.gpu.node(node).observe_h2d(e.h2d_bytes_per_s)
+        call = CallResult(
+            e.outcome,  # type: ignore[arg-type]  # the host's outcomes are OUTCOMES
+            result=e.result,
+            error=e.error,
+            restore_s=e.restore_s,
+            exec_s=e.exec_s,
+        )
+        detail = f"restore_s={e.restore_s:.4f} exec_s={e.exec_s:.4f} {e.error or ''}".strip()
+        self._finish_action(
+            rec,
+            now,
+            out,
+            outcome=e.outcome,
+            result=ExecResult(call.outcome, exec_s=e.restore_s + e.exec_s, detail=detail),
+            detail=detail,
+            call=call,
+        )
+
+    def _call_answer(
+        self, rec: ActionRec, now: float, queue_s: float, call: CallResult
+    ) -> CallResult:
+        node, local = self._gpu_place(rec.units) if rec.units else (None, ())
+        return replace(
+            call,
+            queue_s=queue_s,
+            act_s=now - rec.submitted_at,
+            gpus=local,
+            node=node,
+            action_id=rec.action.id,
+        )
+
+    def _gpu_place(self, units: Sequence[int]) -> tuple[str, tuple[int, ...]]:
+        """``(node, local GPU ids)`` of global GPU ids on one node."""
+        assert self.gpu is not None
+        located = [self.gpu.locate(unit) for unit in units]
+        return located[0][0], tuple(local for _, local in located)
+
     # ------------------------------------------------------------------ profiles
     def _save_profile(self, e: ev.SaveProfile, now: float, out: list[ev.Command]) -> None:
         prof = {k: e.profile.get(k) for k in ("dop", "t1_s", "eff", "speedup", "elastic")}
@@ -1016,7 +1230,7 @@ class Core:
                 "mem_bytes": p.mem_total,
                 "mem_reserved": p.mem_reserved,
                 "busy_cores": [c for cores in p.numa for c in cores if p.holder(c) is not None],
-                "gpus": 0,
+                "gpus": self._gpu_count(p.node_id),
             }
             for p in self.cpu.nodes
         ]
@@ -1072,6 +1286,20 @@ class Core:
             return None
         return rec.pool_id[len("cpu:") :]
 
+    def _gpu_count(self, node_id: str) -> int:
+        gpu = self.gpu
+        if gpu is None or node_id not in {node.node_id for node in gpu.nodes}:
+            return 0
+        return gpu.node(node_id).n_gpus
+
+    def service_waiting(self) -> dict[str, int]:
+        """Queued calls per service."""
+        waiting: dict[str, int] = {}
+        for rec in self.queue.values():
+            if rec.call is not None:
+                waiting[rec.call.name] = waiting.get(rec.call.name, 0) + 1
+        return waiting
+
     def profile(self, name: str) -> dict[str, Any]:
         prof = self.profiles.get(name)
         if prof is None:
@@ -1115,6 +1343,12 @@ class Core:
                 assert self.actions[aid].state == "waiting_env", f"{aid} pending on {env.id}"
         for pool in self.apis.values():
             assert pool.free_units() >= 0
+        if self.gpu is not None:
+            self.gpu.validate()
+            for rec in self.actions.values():
+                if rec.state == "running" and rec.action.kind == "service":
+                    held = self.gpu.held(rec.action.id)
+                    assert held == tuple(rec.units), f"{rec.action.id} holds {held}"
 
 
 def _recent_summary(finished: deque[tuple[str, float, float]]) -> dict[str, dict[str, float]]:
@@ -1171,6 +1405,13 @@ _HANDLERS: dict[type, Callable[[Core, Any, float, list[ev.Command]], None]] = {
     ev.InterruptSession: Core._interrupt_session,
     ev.CloseSession: Core._close_session,
     ev.SessionClosed: Core._session_closed,
+    ev.RegisterService: Core._register_service,
+    ev.ServiceLoaded: Core._service_loaded,
+    ev.ServicesRecovered: Core._services_recovered,
+    ev.RemoveService: Core._remove_service,
+    ev.ServiceUnloaded: Core._service_unloaded,
+    ev.SubmitCall: Core._submit_call,
+    ev.CallFinished: Core._call_done,
     ev.ConnClosed: Core._conn_closed,
     ev.NodeJoined: Core._node_joined,
     ev.NodeLost: Core._node_lost,

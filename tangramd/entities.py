@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tangram.model import Action, ActionId, EnvId, TrajectoryId
-from tangram.protocol.results import ExecSpec
+from tangram.protocol.results import CallSpec, ExecSpec
 
 ACTION_EDGES: dict[tuple[str, str], str] = {
     ("new", "queued"): "submitted with a ready environment",
@@ -105,6 +105,7 @@ class ActionRec:
     history: StoryLog
     spec: ExecSpec | None = None  # exec actions: the request as submitted
     run_as: tuple[int, int] | None = None  # exec actions: the user the command runs as
+    call: CallSpec | None = None  # service actions: the call as submitted
     state: str = "new"
     pool_id: str = ""
     units: tuple[int, ...] = ()

@@ -12,7 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tangram.protocol.results import ExecResult, ExecSpec
+from tangram.pools.gpu import Eviction
+from tangram.protocol.results import CallSpec, ExecResult, ExecSpec
+from tangramd.services.spec import ServiceSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +175,68 @@ class SessionClosed(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class RegisterService(Event):
+    """``service.register``: the spec as sent (the core validates it)."""
+
+    args: Mapping[str, Any]
+    token: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceLoaded(Event):
+    """The service host loaded ``spec`` (``error`` None) or could not (``error`` says why;
+    ``code`` is the error code the registering client gets)."""
+
+    spec: ServiceSpec
+    info: Mapping[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    code: str = "bad_request"
+
+
+@dataclass(frozen=True, slots=True)
+class ServicesRecovered(Event):
+    """The registrations the state dir kept, after the host reloaded them (fed at start-up)."""
+
+    specs: tuple[ServiceSpec, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveService(Event):
+    name: str
+    token: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceUnloaded(Event):
+    """The host stopped the service's replicas and forgot its registration."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitCall(Event):
+    spec: CallSpec
+    token: int | None = None
+    conn: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CallFinished(Event):
+    """A service call ended on the host (``outcome`` as ``ServiceHost.call`` gave it).
+
+    ``h2d_bytes_per_s`` is the bandwidth a restore on real GPUs measured (None: no
+    restore, or simulated GPUs, whose restore time is the declared one)."""
+
+    action_id: str
+    outcome: str
+    result: Mapping[str, Any] | None = None
+    error: str | None = None
+    exec_s: float = 0.0
+    restore_s: float = 0.0
+    h2d_bytes_per_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ConnClosed(Event):
     conn: int = 0
 
@@ -313,3 +377,31 @@ class InterruptShell(Command):
 class EndShell(Command):
     session_id: str
     node: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadService(Command):
+    """Register ``spec`` with the service host (torch: run the factory, make the backup)."""
+
+    spec: ServiceSpec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnloadService(Command):
+    """Stop the service's replicas and forget it (its in-flight calls end ``rejected``)."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunCall(Command):
+    """Carry out the pool's restore plan on ``node`` (evict, then make ``service`` resident
+    on ``gpus``, the node's local ids) and call it with ``payload``."""
+
+    action_id: str
+    service: str
+    node: str
+    gpus: tuple[int, ...]
+    evicted: tuple[Eviction, ...]  # the copies to drop first, with local GPU ids
+    payload: Mapping[str, Any]
+    timeout_s: float

@@ -26,6 +26,7 @@ from tangramd import events as ev
 from tangramd.backends.base import Backend, ExecRequest, PathEscape
 from tangramd.backends.files import TooLarge
 from tangramd.core import Core
+from tangramd.services import ServiceHost, ServiceLoadError, ServiceNotFound
 from tangramd.transport import ConnInfo, UnixServer
 
 log = structlog.get_logger("tangramd")
@@ -55,12 +56,14 @@ class Executor:
         state_dir: str,
         clock: Callable[[], float] = time.monotonic,
         handlers: OpHandlers,
+        services: ServiceHost | None = None,
         **server_options: Any,
     ) -> None:
         """``server_options`` go to the ``UnixServer`` (frame and connection limits, the
         peer allowlist)."""
         self.core = core
         self.backend = backend
+        self.services = services  # the node's GPU service host (None: no GPUs)
         self.socket_path = socket_path
         self.state_dir = Path(state_dir)
         self.clock = clock
@@ -94,6 +97,8 @@ class Executor:
             log.info("envs_readopted", envs=[r["id"] for r in kept], lost=len(records) - len(kept))
         self.feed(ev.EnvsRecovered(envs=kept))
         self.feed(ev.ProfilesLoaded(profiles=self._read_profiles()))
+        if self.services is not None:
+            await self._recover_services(self.services)
         await self.server.start()
         log.info(
             "daemon_ready",
@@ -111,6 +116,8 @@ class Executor:
         ``RemoveEnv`` comes back as ``EnvRemoved``.
         """
         self.feed(ev.Shutdown())
+        if self.services is not None:  # running calls end infra_error; registrations stay
+            await self.services.close()
         await self.backend.shutdown(keep=self.core.env_ids(persistent_only=True))
         deadline = self.clock() + STOP_GRACE_S
         while (self._tasks or self.core.env_ids(throwaway_only=True)) and self.clock() < deadline:
@@ -249,6 +256,21 @@ class Executor:
             self._write_json(self._profiles_path(), dict(cmd.profiles))
         elif isinstance(cmd, ev.PersistEnvs):
             self._write_json(self._envs_path(), [dict(r) for r in cmd.envs])
+        elif isinstance(cmd, ev.RunCall):
+            log.info(
+                "action_placed",
+                action_id=cmd.action_id,
+                node=cmd.node,
+                service=cmd.service,
+                gpus=list(cmd.gpus),
+                evicts=[f"{v.service}@{v.gpu}" for v in cmd.evicted] or None,
+                cause=cmd.cause,
+            )
+            self._spawn(self._run_call(cmd))
+        elif isinstance(cmd, ev.LoadService):
+            self._spawn(self._load_service(cmd))
+        elif isinstance(cmd, ev.UnloadService):
+            self._spawn(self._unload_service(cmd))
         else:  # pragma: no cover - a new command type without an executor is a bug
             raise TypeError(f"no executor for {cmd!r}")
 
@@ -341,6 +363,98 @@ class Executor:
         except Exception as exc:
             log.warning("session_close_failed", session=cmd.session_id, error=str(exc))
         self.feed(ev.SessionClosed(session_id=cmd.session_id))
+
+    # ------------------------------------------------------------------ GPU services
+    async def _recover_services(self, host: ServiceHost) -> None:
+        """Reload the registrations of an earlier run; one that fails to load stays
+        registered (state ``failed``) and is retried on its next call."""
+        try:
+            errors = await host.start()
+        except Exception as exc:  # an unreadable registry, a worker that cannot start
+            log.error("services_not_reloaded", error=f"{type(exc).__name__}: {exc}")
+            errors = {}
+        for name, error in errors.items():
+            log.warning("service_load_failed", service=name, error=error)
+        specs = tuple(host.specs())
+        if specs:
+            log.info("services_reloaded", services=[s.name for s in specs])
+        self.feed(ev.ServicesRecovered(specs=specs))
+
+    async def _load_service(self, cmd: ev.LoadService) -> None:
+        host = self.services
+        name = cmd.spec.name
+        if host is None:  # pragma: no cover - the core refuses services without GPUs
+            self.feed(ev.ServiceLoaded(spec=cmd.spec, error="no GPU service host"))
+            return
+        try:
+            info = await host.register(cmd.spec)
+        except (ServiceLoadError, ValueError) as exc:
+            log.warning("service_register_failed", service=name, error=str(exc), cause=cmd.cause)
+            self.feed(ev.ServiceLoaded(spec=cmd.spec, error=str(exc)))
+            return
+        except Exception as exc:
+            error = f"service {name!r}: {type(exc).__name__}: {exc}"
+            log.exception("service_register_failed", service=name, cause=cmd.cause)
+            self.feed(ev.ServiceLoaded(spec=cmd.spec, error=error, code="infra_error"))
+            return
+        log.info("service_registered", service=name, module_bytes=info.get("module_bytes"))
+        self.feed(ev.ServiceLoaded(spec=cmd.spec, info=info))
+
+    async def _unload_service(self, cmd: ev.UnloadService) -> None:
+        if self.services is not None:
+            try:
+                await self.services.remove(cmd.name)
+            except ServiceNotFound:
+                pass
+            except Exception:
+                log.exception("service_remove_failed", service=cmd.name, cause=cmd.cause)
+        log.info("service_removed", service=cmd.name, cause=cmd.cause)
+        self.feed(ev.ServiceUnloaded(name=cmd.name))
+
+    async def _run_call(self, cmd: ev.RunCall) -> None:
+        """Evict, restore, call: ``ServiceHost.call`` never raises for run-time problems;
+        a service removed meanwhile is ``rejected``, anything else an ``infra_error``."""
+        host = self.services
+        restore_s, rate, answer = 0.0, None, None
+        try:
+            if host is None:  # pragma: no cover - the core places calls only with GPUs
+                raise RuntimeError("no GPU service host")
+            restored = await host.apply(cmd.service, cmd.gpus, cmd.evicted)
+            restore_s = restored.seconds
+            real = not all(host.inventory.gpu(g).simulated for g in cmd.gpus)
+            if restored.needed and real and restored.nbytes and restored.copy_s > 0:
+                rate = restored.nbytes / restored.copy_s
+            res = await host.call(cmd.service, cmd.gpus, dict(cmd.payload), cmd.timeout_s)
+            outcome, answer, error = res.outcome, res.result, res.error
+            exec_s, restore_s = res.exec_s, restore_s + res.restore_s
+        except ServiceNotFound:
+            outcome, error, exec_s = "rejected", f"service {cmd.service!r} was removed", 0.0
+        except Exception as exc:
+            log.exception("call_failed", action_id=cmd.action_id, service=cmd.service)
+            outcome, error, exec_s = "infra_error", f"{type(exc).__name__}: {exc}", 0.0
+        log.info(
+            "action_finished",
+            action_id=cmd.action_id,
+            node=cmd.node,
+            service=cmd.service,
+            gpus=list(cmd.gpus),
+            outcome=outcome,
+            restore_s=round(restore_s, 6),
+            exec_s=round(exec_s, 6),
+            error=error,
+            cause=cmd.cause,
+        )
+        self.feed(
+            ev.CallFinished(
+                action_id=cmd.action_id,
+                outcome=outcome,
+                result=answer,
+                error=error,
+                exec_s=exec_s,
+                restore_s=restore_s,
+                h2d_bytes_per_s=rate,
+            )
+        )
 
     # ------------------------------------------------------------------ profiles file
     def _profiles_path(self) -> Path:

@@ -9,12 +9,13 @@ same ``handle`` call run inline on the transport's fast path (``SYNC_OPS``); ops
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from tangram.protocol.errors import UnknownOp
+from tangram.protocol.errors import BadRequest, UnknownOp
 from tangram.protocol.ops import validate_args
-from tangram.protocol.results import ExecSpec
+from tangram.protocol.results import CallSpec, ExecSpec
 from tangram.version import __version__
 from tangramd import events as ev
 from tangramd.transport import NOT_SYNC, ConnInfo
@@ -112,6 +113,15 @@ def _profile_save(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return ex.answer_now(lambda tok: ev.SaveProfile(name=args["name"], profile=profile, token=tok))
 
 
+def _service_list(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    if ex.services is None:
+        return {"services": []}
+    waiting = ex.core.service_waiting()
+    return {
+        "services": [{**row, "waiting": waiting.get(row["name"], 0)} for row in ex.services.list()]
+    }
+
+
 # -------------------------------------------------------------------------- requests
 
 
@@ -193,6 +203,33 @@ async def _lease_release(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return await ex.request(lambda tok: ev.ReleaseLease(token=tok, lease_id=args["lease_id"]))
 
 
+def _operator_only(op: str, conn: ConnInfo) -> None:
+    """Service workers run the registered code as the daemon's user, so only that user (or
+    root) may add or remove services; every allowed peer may call them."""
+    peer, me = conn.peer, os.geteuid()
+    if peer is not None and peer[0] not in (0, me):
+        raise BadRequest(
+            f"{op}: only root or the daemon's user (uid {me}) may register or remove services "
+            f"(their code runs as that user); uid {peer[0]} may call them"
+        )
+
+
+async def _service_register(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    _operator_only("service.register", conn)
+    spec = {key: value for key, value in args.items() if value is not None}
+    return await ex.request(lambda tok: ev.RegisterService(args=spec, token=tok))
+
+
+async def _service_remove(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    _operator_only("service.remove", conn)
+    return await ex.request(lambda tok: ev.RemoveService(name=args["name"], token=tok))
+
+
+async def _call(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    spec = CallSpec(args["name"], args["payload"], args.get("timeout_s"))
+    return await ex.request(lambda tok: ev.SubmitCall(spec=spec, token=tok, conn=conn.id))
+
+
 SYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Any]] = {
     "ping": _ping,
     "status": _status,
@@ -207,6 +244,7 @@ SYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Any]] = {
     "profile.save": _profile_save,
     "profile.get": _profile_get,
     "profile.list": _profile_list,
+    "service.list": _service_list,
 }
 
 ASYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Awaitable[Any]]] = {
@@ -220,4 +258,7 @@ ASYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Awaitable[Any]]] = {
     "session.close": _session_close,
     "lease.acquire": _lease_acquire,
     "lease.release": _lease_release,
+    "service.register": _service_register,
+    "service.remove": _service_remove,
+    "call": _call,
 }

@@ -1,13 +1,16 @@
 """The composition root of ``tangramd up``: config in, a ready-to-start executor out.
 
-``build_runtime`` is the one place that knows every concrete part: it discovers the host,
-builds the pools, the core (with the scheduler config built once from ``[sched]``), the
-execution backend, and wires them to the socket server through the executor.
+``build_runtime`` is the one place that knows every concrete part: it discovers the host
+(cores, memory, GPUs), builds the pools, the core (with the scheduler config built once
+from ``[sched]``), the execution backend and the GPU service host, and wires them to the
+socket server through the executor. The cluster daemons reuse its pieces
+(``api_pools``, ``core_config``, ``make_backend``, ``server_options``).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -15,11 +18,13 @@ import structlog
 from tangram.model import TangramError
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster, CpuNodePool
+from tangram.pools.gpu import ALLOWED_GPU_COUNTS, GpuCluster
 from tangramd import ops
 from tangramd.backends.base import Backend
 from tangramd.config import resolve_user
 from tangramd.core import Core, CoreConfig
 from tangramd.executor import Executor
+from tangramd.services import Inventory, ServiceHost, SimulatedGpus, discover
 
 log = structlog.get_logger("tangramd")
 
@@ -27,10 +32,10 @@ NODE_ID = "local"
 
 
 def build_runtime(config: Any) -> Executor:
-    """Build core, pools and backend from a ``tangramd.config.Config``."""
-    from tangramd.topology import discover
+    """Build core, pools, backend and service host from a ``tangramd.config.Config``."""
+    from tangramd.topology import discover as discover_host
 
-    topo = discover()
+    topo = discover_host()
     cores = set(config.cpu.cores) if config.cpu.cores else set(topo.cores)
     layout = [tuple(c for c in numa if c in cores) for numa in topo.cores_by_numa]
     layout = [n for n in layout if n]
@@ -38,18 +43,39 @@ def build_runtime(config: Any) -> Executor:
         raise TangramError(f"cpu.cores {sorted(cores)} selects no core of this host")
     mem = config.cpu.mem or topo.mem_bytes
     cluster = CpuCluster([CpuNodePool(NODE_ID, layout, mem)])
-    core = Core(cluster, api_pools(config), core_config(config))
-    if config.gpu.simulated_count or config.services:
-        log.warning(
-            "gpu_manager_not_available",
-            detail="[gpu]/[[service]] are configured but tangramd up has no GPU manager yet",
+    state_dir = config.daemon.state_dir
+    inventory = gpu_inventory(config.gpu)
+    gpu, host = None, None
+    if len(inventory):
+        gpu = GpuCluster([inventory.node_pool(NODE_ID)], {})
+        host = ServiceHost(
+            inventory,
+            state_dir,
+            load_timeout_s=config.gpu.load_timeout_s,
+            http_load_timeout_s=config.gpu.http_load_timeout_s,
+            restore_timeout_s=config.gpu.restore_timeout_s,
         )
+    log.info(
+        "gpus_discovered",
+        gpus=len(inventory),
+        simulated=sum(1 for g in inventory.gpus if g.simulated),
+        nvml=inventory.nvml_error or "ok",
+    )
+    if config.services:
+        log.warning(
+            "config_services_ignored",
+            detail="[[service]] describes the simulator's cluster; register services with "
+            "`tangramctl service register`",
+        )
+    cfg = replace(core_config(config), call_timeout_s=config.gpu.call_timeout_s)
+    core = Core(cluster, api_pools(config), cfg, gpu=gpu)
     return Executor(
         core,
         make_backend(config),
         config.daemon.socket,
-        state_dir=config.daemon.state_dir,
+        state_dir=state_dir,
         handlers=ops,
+        services=host,
         **server_options(config),
     )
 
@@ -112,3 +138,16 @@ def server_options(config: Any) -> dict[str, Any]:
         "allowed_uids": daemon.allowed_uids,
         "allowed_gids": daemon.allowed_gids,
     }
+
+
+def gpu_inventory(gpu: Any) -> Inventory:
+    """The node's GPUs from ``[gpu]``: NVML ones (``nvml = true``), then the simulated ones,
+    cut to the largest count the buddy pool takes (1, 2, 4, 8)."""
+    sim = gpu.simulated
+    simulated = SimulatedGpus(sim.count, sim.mem_gb, sim.h2d_gbps) if sim is not None else None
+    inventory = discover(simulated, use_nvml=gpu.nvml)
+    usable = max((n for n in ALLOWED_GPU_COUNTS if n <= len(inventory)), default=0)
+    if usable < len(inventory):
+        log.warning("gpus_unused", found=len(inventory), used=usable, detail="not 1, 2, 4 or 8")
+        inventory = Inventory(inventory.gpus[:usable], inventory.nvml_error, ())
+    return inventory

@@ -53,8 +53,8 @@ def test_defaults_without_a_file() -> None:
     assert config.sched.starvation_s == 30.0
     assert config.sched.coalesce_ms == 1.0
     assert config.sched.replay_limit == 512
-    assert (config.gpu.simulated_count, config.gpu.simulated_mem_gb) == (0, 80.0)
-    assert config.gpu.h2d_gbps == 25.0
+    assert config.gpu.simulated is None and config.gpu.nvml is True
+    assert (config.gpu.load_timeout_s, config.gpu.restore_timeout_s) == (300.0, 600.0)
     assert config.apis == () and config.services == ()
     assert config.path is None
 
@@ -64,6 +64,14 @@ def test_config_is_frozen() -> None:
     config = load_config(None, {})
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.cpu.backend = "docker"  # type: ignore[misc]
+
+
+def test_simulated_gpu_inventory(tmp_path: Path) -> None:
+    """`[gpu] simulated = {count, mem_gb, h2d_gbps}` is read as one inline table."""
+    path = write(tmp_path, "[gpu]\nsimulated = { count = 2, mem_gb = 0.5 }\nnvml = false\n")
+    gpu = load_config(path, {}).gpu
+    assert (gpu.simulated.count, gpu.simulated.mem_gb, gpu.simulated.h2d_gbps) == (2, 0.5, 25.0)
+    assert gpu.nvml is False
 
 
 def test_api_and_service_defaults(tmp_path: Path) -> None:
@@ -205,7 +213,11 @@ BAD_CONFIGS = [
     ("duplicate api", "[[api]]\nname = 'a'\n[[api]]\nname = 'a'\n", "api[1].name", "duplicate"),
     ("api as table", "[api]\nname = 'a'\n", "api", "[[api]]"),
     ("bad api name", "[[api]]\nname = 'a b'\n", "api[0].name", "letters"),
-    ("negative gpus", "[gpu]\nsimulated_count = -2\n", "gpu.simulated_count", ">= 0"),
+    ("negative gpus", "[gpu]\nsimulated = {count = -2, mem_gb = 1}\n", "gpu.simulated", ">= 0"),
+    ("three gpus", "[gpu]\nsimulated = {count = 3, mem_gb = 1}\n", "gpu.simulated", "1, 2, 4, 8"),
+    ("gpus no mem", "[gpu]\nsimulated = {count = 2}\n", "gpu.simulated", "mem_gb"),
+    ("gpus bad key", "[gpu]\nsimulated = {count = 2, mem = 1}\n", "gpu.simulated", "h2d_gbps"),
+    ("old gpu key", "[gpu]\nsimulated_count = 2\n", "gpu.simulated_count", "simulated"),
     ("service dop 3", SVC + "dop = [3]\n", "service[0].dop", "1, 2, 4, 8"),
     ("service no mem", "[[service]]\nname = 's'\n", "service[0].mem_gb", "missing"),
     ("bad runtime", SVC + "runtime = 'onnx'\n", "service[0].runtime", "'torch'"),

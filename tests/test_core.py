@@ -285,3 +285,115 @@ def test_passes_are_immediate_when_quiet_and_batched_under_a_burst():
     assert core.next_wakeup(1.0003) == pytest.approx(1.001)
     tick(core, 1.001)
     assert core.passes == 2
+
+
+# ---------------------------------------------------------------------- GPU services
+
+
+def gpu_core(n_gpus: int = 2) -> Core:
+    from tangram.pools.gpu import GpuCluster, GpuNodePool
+
+    cluster = CpuCluster([CpuNodePool("local", [[0, 1]], 8 * GIB)])
+    node = GpuNodePool("local", n_gpus, mem_per_gpu=100, h2d_bytes_per_s=1000.0)
+    return Core(cluster, {}, CoreConfig(), gpu=GpuCluster([node], {}))
+
+
+def register(core: Core, name: str, now: float = 0.0) -> None:
+    """Register a torch service of 60 bytes (mem_gb is decimal GB) through the core."""
+    args = {"name": name, "runtime": "torch", "mem_gb": 60e-9, "entry": "m:f"}
+    (load,) = core.handle(ev.RegisterService(args=args, token=1), now)
+    assert isinstance(load, ev.LoadService) and load.spec.name == name
+    (reply,) = core.handle(ev.ServiceLoaded(spec=load.spec, info={"name": name}), now)
+    assert reply.token == 1 and reply.result == {"name": name}
+
+
+def call(core: Core, token: int, name: str, now: float) -> ev.RunCall:
+    from tangram.protocol.results import CallSpec
+
+    assert core.handle(ev.SubmitCall(spec=CallSpec(name, {"x": token}), token=token), now) == []
+    (run,) = tick(core, now)
+    assert isinstance(run, ev.RunCall)
+    return run
+
+
+def test_service_call_lifecycle_restores_then_evicts_lru():
+    """A call is placed on a GPU with the pool's restore plan; a third service on two full
+    GPUs evicts the least recently used one; the reply carries the call's timings."""
+    core = gpu_core()
+    for name in ("a", "b", "c"):
+        register(core, name)
+    first = call(core, 1, "a", 1.0)
+    assert first.gpus == (0,) and first.evicted == () and first.payload == {"x": 1}
+    second = call(core, 2, "b", 1.1)
+    assert second.gpus == (1,) and second.evicted == ()
+    (reply,) = core.handle(
+        ev.CallFinished(action_id=first.action_id, outcome="ok", result={"y": 1}, exec_s=0.2,
+                        restore_s=0.1), 1.5,
+    )  # fmt: skip
+    assert reply.token == 1
+    assert reply.result["outcome"] == "ok" and reply.result["result"] == {"y": 1}
+    assert reply.result["gpus"] == [0] and reply.result["node"] == "local"
+    assert reply.result["queue_s"] == pytest.approx(0.0)
+    assert reply.result["act_s"] == pytest.approx(0.5)
+    third = call(core, 3, "c", 2.0)
+    assert third.gpus == (0,)
+    assert [(v.gpu, v.service) for v in third.evicted] == [(0, "a")]
+    story = core.story(third.action_id, origin=0.0)["events"]
+    assert any("evicting ['a@1']" in e["detail"] for e in story if e["event"] == "running")
+
+
+def test_register_without_gpus_or_with_bad_spec_is_refused():
+    """Registration needs a GPU pool and a valid spec; the error names the field."""
+    core = make_core()
+    args = {"name": "a", "runtime": "torch", "mem_gb": 1, "entry": "m:f"}
+    (reply,) = core.handle(ev.RegisterService(args=args, token=1), 0.0)
+    assert reply.error[0] == "bad_request" and "no GPUs" in reply.error[1]
+    core = gpu_core()
+    (reply,) = core.handle(ev.RegisterService(args={**args, "entry": "nocolon"}, token=2), 0.0)
+    assert reply.error[0] == "bad_request" and "'entry'" in reply.error[1]
+    (reply,) = core.handle(ev.RegisterService(args={**args, "mem_gb": 1.0}, token=3), 0.0)
+    assert reply.error[0] == "bad_request" and "does not fit" in reply.error[1]
+
+
+def test_failed_load_is_an_error_and_registers_nothing():
+    """A factory failure reported by the host answers the client and leaves no service."""
+    core = gpu_core()
+    args = {"name": "a", "runtime": "torch", "mem_gb": 60e-9, "entry": "m:f"}
+    (load,) = core.handle(ev.RegisterService(args=args, token=1), 0.0)
+    error = "service 'a': factory m:f failed: RuntimeError: boom"
+    (reply,) = core.handle(ev.ServiceLoaded(spec=load.spec, error=error), 0.1)
+    assert reply.error == ("bad_request", error)
+    assert core.services == {} and "a" not in core.gpu.services
+
+
+def test_remove_rejects_queued_calls_and_answers_after_unload():
+    """Removing a service ends its queued calls rejected at once; the remove is answered
+    when the host has unloaded it."""
+    from tangram.protocol.results import CallSpec
+
+    core = gpu_core(n_gpus=1)
+    register(core, "a")
+    running = call(core, 1, "a", 1.0)
+    assert core.handle(ev.SubmitCall(spec=CallSpec("a", {}), token=2), 1.1) == []
+    assert tick(core, 1.1) == []  # the only GPU is busy: it waits
+    out = core.handle(ev.RemoveService(name="a", token=3), 1.2)
+    rejected, unload = out
+    assert rejected.token == 2 and rejected.result["outcome"] == "rejected"
+    assert isinstance(unload, ev.UnloadService) and unload.name == "a"
+    (done,) = core.handle(
+        ev.CallFinished(action_id=running.action_id, outcome="rejected", error="removed"), 1.3
+    )
+    assert done.token == 1 and done.result["outcome"] == "rejected"
+    (reply,) = core.handle(ev.ServiceUnloaded(name="a"), 1.4)
+    assert reply.result == {"name": "a", "removed": True, "rejected": 1}
+    assert core.gpu.free_units() == 1
+
+
+def test_call_of_a_multi_gpu_service_runs_at_the_smallest_count_that_fits():
+    """A service of 150 bytes on 100-byte GPUs, allowed 1 or 2 GPUs, runs on a 2-GPU chunk."""
+    core = gpu_core()
+    args = {"name": "big", "runtime": "torch", "mem_gb": 150e-9, "entry": "m:f", "gpus": [1, 2]}
+    (load,) = core.handle(ev.RegisterService(args=args, token=1), 0.0)
+    core.handle(ev.ServiceLoaded(spec=load.spec), 0.0)
+    run = call(core, 2, "big", 1.0)
+    assert run.gpus == (0, 1) and run.evicted == ()

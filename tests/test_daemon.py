@@ -117,9 +117,9 @@ def test_impossible_and_bad_demands_are_typed_errors(daemon):
             c.exec("true", cpus=64)
         for bad in (-1, float("nan"), 10**9, [3, 1], "two"):
             with pytest.raises(BadRequest):
-                c.call("exec", cmd="true", cpus=bad)
+                c.request("exec", {"cmd": "true", "cpus": bad})
         with pytest.raises(BadRequest):
-            c.call("exec", cmd="true", timeout_s=-5)
+            c.request("exec", {"cmd": "true", "timeout_s": -5})
         assert c.exec("true").outcome == "ok"
         assert c.status()["pools"]["cpu:local"]["free"] == 2
 

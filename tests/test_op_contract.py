@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,8 @@ from tangram.protocol import OPS, ExecSpec
 from tangram.protocol.ops import _EXEC_ARGS
 from tangram.protocol.results import EXEC_ARG_FIELDS
 
+SERVICES = Path(__file__).parent / "data" / "services"
+GPU_CONFIG = "[gpu]\nsimulated = { count = 2, mem_gb = 0.1 }\nnvml = false\n"
 PROFILE = {
     "name": "p",
     "dop": {"1": 2.0, "2": 1.1},
@@ -29,11 +32,14 @@ COORDINATOR_ONLY = {"cluster.join"}
 
 def test_every_documented_result_is_what_the_daemon_sends(tmp_path) -> None:
     """Call each op of the table on a real `tangramd up`; its result keys equal the doc's."""
-    with running_daemon(tmp_path) as daemon, daemon.client() as c:
+    with running_daemon(tmp_path, config=GPU_CONFIG) as daemon, daemon.client() as c:
         env = c.env_open()
         result = c.request("exec", {"cmd": "true", "env": env})
-        lease = c.request("lease.acquire", {"api": "search"})
+        service = {"name": "s", "runtime": "torch", "mem_gb": 0.01, "entry": "tiny_services:small"}
+        registered = c.request("service.register", {**service, "path": str(SERVICES)})
+        called = c.request("call", {"name": "s", "payload": {"x": 1}})
         session = c.request("session.open", {"env": env})
+        lease = c.request("lease.acquire", {"api": "search"})  # its TTL is 2 s: take it last
         args: dict[str, dict[str, Any]] = {
             "story": {"action_id": result["action_id"]},
             "env.close": {"id": env},
@@ -41,8 +47,15 @@ def test_every_documented_result_is_what_the_daemon_sends(tmp_path) -> None:
             "profile.get": {"name": "p"},
             "node.drain": {"name": "local"},
             "node.undrain": {"name": "local"},
+            "service.remove": {"name": "s"},
         }
-        answers = {"exec": result, "lease.acquire": lease, "session.open": session}
+        answers = {
+            "exec": result,
+            "lease.acquire": lease,
+            "session.open": session,
+            "service.register": registered,
+            "call": called,
+        }
         # the environment's own ops before env.close
         answers["env.put"] = c.request("env.put", {"id": env, "path": "f", "data": b"x"})
         answers["env.get"] = c.request("env.get", {"id": env, "path": "f"})

@@ -145,7 +145,7 @@ def test_async_client_pipelines_many_calls() -> None:
     async def main() -> None:
         async with serving() as (server, daemon), AsyncClient(server.path) as client:
             delays = [0.01 * (i % 5) for i in range(50)]
-            results = await asyncio.gather(*(client.call("sleep", s=s) for s in delays))
+            results = await asyncio.gather(*(client.request("sleep", {"s": s}) for s in delays))
             assert [r["slept"] for r in results] == delays
             assert len({id(c) for c in daemon.conns}) == 1
             assert server.connections == 1
@@ -234,7 +234,7 @@ def test_response_too_large_becomes_internal() -> None:
             AsyncClient(server.path) as client,
         ):
             with pytest.raises(InternalError, match="could not be encoded"):
-                await client.call("big", n=10_000)
+                await client.request("big", {"n": 10_000})
             assert (await client.ping())["pong"]
 
     run(main)
@@ -249,11 +249,11 @@ def test_typed_errors_reach_async_client() -> None:
     async def main() -> None:
         async with serving() as (server, _), AsyncClient(server.path) as client:
             with pytest.raises(UnknownOp, match="frob"):
-                await client.call("frob")
+                await client.request("frob", {})
             with pytest.raises(NotFound, match="e9"):
                 await client.env_close("e9")
             with pytest.raises(InternalError, match="ZeroDivisionError"):
-                await client.call("boom")
+                await client.request("boom", {})
             assert (await client.ping())["pong"] is True  # the server survived
 
     run(main)
@@ -269,9 +269,9 @@ def test_sync_client_calls_and_errors() -> None:
                 with Client(server.path) as client:
                     assert client.ping() == {"pong": True, "version": "test"}
                     with pytest.raises(UnknownOp):
-                        client.call("nope")
+                        client.request("nope", {})
                     with pytest.raises(InternalError):
-                        client.call("boom")
+                        client.request("boom", {})
                     result = client.exec(["echo", "hi"], cpus=(1, 2), mem="1G")
                     assert isinstance(result, ExecResult)
                     assert result.ok and result.cores == (2, 3) and result.stdout == "hi\n"
@@ -376,7 +376,7 @@ def test_in_flight_request_is_not_idle() -> None:
             serving(idle_timeout_s=0.1) as (server, _),
             AsyncClient(server.path) as client,
         ):
-            assert (await client.call("sleep", s=0.4))["slept"] == 0.4
+            assert (await client.request("sleep", {"s": 0.4}))["slept"] == 0.4
 
     run(main)
 
@@ -388,7 +388,7 @@ def test_close_removes_socket_and_answers_in_flight() -> None:
         async with serving() as (server, daemon):
             assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o660
             client = AsyncClient(server.path)
-            call = asyncio.ensure_future(client.call("sleep", s=10))
+            call = asyncio.ensure_future(client.request("sleep", {"s": 10}))
             await daemon.started.wait()
             await server.close()
             assert not os.path.exists(server.path)
@@ -432,7 +432,9 @@ def test_inflight_limit_pauses_reading() -> None:
             serving(max_inflight_per_conn=2) as (server, _),
             AsyncClient(server.path) as client,
         ):
-            results = await asyncio.gather(*(client.call("sleep", s=0.01) for _ in range(20)))
+            results = await asyncio.gather(
+                *(client.request("sleep", {"s": 0.01}) for _ in range(20))
+            )
             assert len(results) == 20
 
     run(main)

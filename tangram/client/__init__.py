@@ -8,7 +8,14 @@ every op (:mod:`tangram.client.ops`).
 from tangram.client.aio import AsyncClient
 from tangram.client.ops import Cpus, Env, Size
 from tangram.client.sync import Client
-from tangram.protocol import SOCKET_ENV, SYSTEM_SOCKET, ExecResult, Outcome, default_socket_path
+from tangram.protocol import (
+    SOCKET_ENV,
+    SYSTEM_SOCKET,
+    CallResult,
+    ExecResult,
+    Outcome,
+    default_socket_path,
+)
 
 AsyncEnv = Env  # one handle class serves both clients
 
@@ -17,6 +24,7 @@ __all__ = [
     "SYSTEM_SOCKET",
     "AsyncClient",
     "AsyncEnv",
+    "CallResult",
     "Client",
     "Cpus",
     "Env",

@@ -138,12 +138,8 @@ class AsyncClient(Ops):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def call(self, op: str, /, **args: Any) -> Any:
-        """Send one request and await its result; raise the typed error it failed with."""
-        return await self.request(op, args)
-
     async def request(self, op: str, args: Mapping[str, Any]) -> Any:
-        """Like :meth:`call` with the args as a map."""
+        """Send one request and await its result; raise the typed error it failed with."""
         request_id = next(self._ids)
         frame = encode(make_request(request_id, op, args), max_frame=self.max_frame)
         protocol = await self._connected()

@@ -15,7 +15,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tangram.protocol import ExecResult, ExecSpec, MalformedResponse, parse_size
+from tangram.protocol import (
+    CallResult,
+    CallSpec,
+    ExecResult,
+    ExecSpec,
+    MalformedResponse,
+    parse_size,
+)
 
 T = TypeVar("T")
 Cpus = int | tuple[int, int] | Sequence[int]
@@ -230,6 +237,56 @@ class Ops:
     def profile_list(self) -> list[dict[str, Any]]:
         """Stored profiles."""
         return self._op("profile.list", {}, _field("profiles", list))
+
+    def service_register(
+        self,
+        name: str,
+        *,
+        mem_gb: float,
+        runtime: str = "torch",
+        entry: str | None = None,
+        path: str | None = None,
+        gpus: int | Sequence[int] = 1,
+        cmd: str | None = None,
+        route: str | None = None,
+        api: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """Register a GPU model service; returns its ``service list`` entry once loaded.
+
+        torch: ``entry="module:factory"`` (``path`` an absolute directory on the daemon's
+        host added to the import path); http: ``cmd`` with ``{port}``.
+        """
+        args = _drop_none(
+            {
+                "name": name,
+                "runtime": runtime,
+                "mem_gb": mem_gb,
+                "gpus": gpus if isinstance(gpus, int) else list(gpus),
+                "entry": entry,
+                "path": path,
+                "cmd": cmd,
+                "route": route,
+                "api": api,
+                "env": None if env is None else dict(env),
+            }
+        )
+        return self._op("service.register", args, _as_dict)
+
+    def service_list(self) -> list[dict[str, Any]]:
+        """Registered services with their replicas, calls and restores."""
+        return self._op("service.list", {}, _field("services", list))
+
+    def service_remove(self, name: str) -> dict[str, Any]:
+        """Remove a service (its queued calls end ``rejected``)."""
+        return self._op("service.remove", {"name": name}, _as_dict)
+
+    def call(
+        self, name: str, payload: Mapping[str, Any], *, timeout_s: float | None = None
+    ) -> CallResult:
+        """Call a service as one GPU action; failures of the call are in the result."""
+        spec = CallSpec(name, dict(payload), timeout_s)
+        return self._op("call", spec.to_wire(), CallResult.from_wire)
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,12 +102,8 @@ class Client(Ops):
 
     # -- requests
 
-    def call(self, op: str, /, **args: Any) -> Any:
-        """Send one request and return its result; raise the typed error it failed with."""
-        return self.request(op, args)
-
     def request(self, op: str, args: Mapping[str, Any]) -> Any:
-        """Like :meth:`call` with the args as a map (for arg names that are not identifiers)."""
+        """Send one request and return its result; raise the typed error it failed with."""
         with self._lock:
             request_id = next(self._ids)
             frame = encode(make_request(request_id, op, args), max_frame=self.max_frame)

@@ -232,6 +232,12 @@ class GpuNodePool:
         """Seconds to copy a DoP-``k`` instance from host memory (shards in parallel)."""
         return service.mem_bytes / (self.h2d_bytes_per_s * k)
 
+    def observe_h2d(self, bytes_per_s: float, weight: float = 0.25) -> None:
+        """Fold one measured restore bandwidth into the estimate (exponential average), so
+        restore times follow the node's real links (ignores non-positive measurements)."""
+        if math.isfinite(bytes_per_s) and bytes_per_s > 0:
+            self.h2d_bytes_per_s += weight * (bytes_per_s - self.h2d_bytes_per_s)
+
     def fits_memory(self, service: ServiceSpec, dop: int) -> bool:
         """Whether one shard of the variant fits an empty GPU of this node."""
         return dop <= self.n_gpus and service.mem_per_gpu(dop) <= self.mem_per_gpu

@@ -42,7 +42,14 @@ from tangram.protocol.ops import (
     validate_args,
 )
 from tangram.protocol.paths import SOCKET_ENV, SYSTEM_SOCKET, default_socket_path
-from tangram.protocol.results import OUTCOMES, ExecResult, ExecSpec, Outcome
+from tangram.protocol.results import (
+    OUTCOMES,
+    CallResult,
+    CallSpec,
+    ExecResult,
+    ExecSpec,
+    Outcome,
+)
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
@@ -56,6 +63,8 @@ __all__ = [
     "SYSTEM_SOCKET",
     "Arg",
     "BadRequest",
+    "CallResult",
+    "CallSpec",
     "ConnectionFailed",
     "EnvLost",
     "ExecResult",

@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tangram.protocol.errors import BadRequest, UnknownOp
-from tangram.protocol.results import EXEC_RESULT_FIELDS, OUTCOMES, check_env_path
+from tangram.protocol.results import (
+    CALL_RESULT_FIELDS,
+    EXEC_RESULT_FIELDS,
+    OUTCOMES,
+    check_env_path,
+)
 
 PROTOCOL_VERSION: Final = "1"
 
@@ -351,6 +356,43 @@ _STATUS_FIELDS: Final = (
     "clients: int",
 )
 
+SERVICE_RUNTIMES: Final = ("torch", "http")
+# One service as `service.register` and `service.list` describe it (the shape, plus
+# the bytes moved, evictions, the module's measured size and the last load error).
+SERVICE_FIELDS: Final = (
+    "name: str",
+    "runtime: str",
+    "mem_gb: float",
+    "gpus: [int]",
+    "replicas: [{gpus, state, ...}]",
+    "calls: int",
+    "restores: int",
+    "restore_s_total: float",
+    "restore_bytes: int",
+    "evictions: int",
+    "module_bytes: int|null",
+    "error: str|null",
+)
+_GPU_COUNT = Int(min=1)
+
+_SERVICE_ARGS: Final = (
+    Arg("name", NAME, True, "service name: 1-64 of letters, digits, '_.-'"),
+    Arg("runtime", Enum(SERVICE_RUNTIMES), True, "torch: a module in a worker; http: a server"),
+    Arg("mem_gb", Number(min=0, exclusive=True, unit="GB"), True, "state of one instance"),
+    Arg(
+        "gpus",
+        OneOf((_GPU_COUNT, ListOf(_GPU_COUNT, min_len=1))),
+        doc="GPUs per instance: a count or the allowed counts (1, 2, 4, 8; default 1)",
+    ),
+    Arg("entry", NAME, doc="torch: MODULE:FACTORY; FACTORY() returns the module"),
+    Arg("path", NAME, doc="torch: absolute directory added to the worker's import path"),
+    Arg("cmd", NAME, doc="http: server command line with {port}"),
+    Arg("route", NAME, doc="http: path calls are POSTed to"),
+    Arg("api", NAME, doc="http: sleep/wake flavour (vllm, sglang)"),
+    Arg("env", MapOf(Str(allow_empty=True)), doc="environment variables of the replicas"),
+)
+
+
 OPS: Final[dict[str, Op]] = {
     op.name: op
     for op in (
@@ -510,6 +552,40 @@ OPS: Final[dict[str, Op]] = {
             errors=("not_found",),
         ),
         Op("profile.list", "stored profiles", result=("profiles: [map]",)),
+        Op(
+            "service.register",
+            "register a GPU model service and load its host backup; persists in the state dir",
+            _SERVICE_ARGS,
+            result=SERVICE_FIELDS,
+            errors=("bad_request", "infra_error", "shutting_down"),
+        ),
+        Op(
+            "service.list",
+            "registered GPU services with their replicas and restore counts",
+            result=("services: [map]",),
+        ),
+        Op(
+            "service.remove",
+            "remove a service: its queued calls end rejected, its replicas stop",
+            (Arg("name", NAME, True),),
+            result=("name: str", "removed: bool", "rejected: int"),
+            errors=("not_found",),
+        ),
+        Op(
+            "call",
+            "call a service as one GPU action; the outcome ("
+            + "|".join(OUTCOMES)
+            + ") is data, not an error",
+            (
+                Arg("name", NAME, True, "the service"),
+                Arg("payload", MapOf(AnyType()), True, "handed to the service's handler"),
+                Arg(
+                    "timeout_s", POSITIVE_S, doc="limit of the handler's run (default from config)"
+                ),
+            ),
+            result=CALL_RESULT_FIELDS,
+            errors=("not_found", "unschedulable", "shutting_down"),
+        ),
     )
 }
 

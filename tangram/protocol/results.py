@@ -205,3 +205,88 @@ class ExecResult:
 
 EXEC_RESULT_FIELDS: Final[tuple[str, ...]] = tuple(f.name for f in fields(ExecResult))
 EXEC_ARG_FIELDS: Final[tuple[str, ...]] = tuple(f.name for f in fields(ExecSpec))
+
+
+# --------------------------------------------------------------------------- service calls
+
+
+@dataclass(frozen=True, slots=True)
+class CallSpec:
+    """One ``call`` request: ``payload`` goes to the service's handler as it is."""
+
+    name: str
+    payload: Mapping[str, Any]
+    timeout_s: float | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "payload": dict(self.payload)}
+        if self.timeout_s is not None:
+            out["timeout_s"] = self.timeout_s
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    """How one service call ended. Times in seconds; ``gpus`` are the node's local GPU ids.
+
+    ``queue_s`` is submission to placement, ``restore_s`` the time to make the service
+    resident on ``gpus`` (0.0 when it already was), ``exec_s`` the handler's own run time and
+    ``act_s`` submission to completion. ``result`` is the handler's answer (``ok``);
+    ``error`` says why it is not (the handler's message for ``failed``).
+    """
+
+    outcome: Outcome
+    result: Mapping[str, Any] | None = None
+    error: str | None = None
+    queue_s: float = 0.0
+    restore_s: float = 0.0
+    exec_s: float = 0.0
+    act_s: float = 0.0
+    gpus: tuple[int, ...] = ()
+    node: str | None = None
+    action_id: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+    @classmethod
+    def from_wire(cls, result: Mapping[str, Any]) -> CallResult:
+        """Parse the ``call`` result map; raise MalformedResponse if it is not one."""
+        if not isinstance(result, Mapping):
+            raise MalformedResponse(f"call result must be a map, got {type(result).__name__}")
+        outcome = result.get("outcome")
+        if outcome not in OUTCOMES:
+            raise MalformedResponse(f"call result: unknown outcome {outcome!r}")
+        answer = result.get("result")
+        if answer is not None and not isinstance(answer, Mapping):
+            raise MalformedResponse("call result: result must be a map or null")
+        error = result.get("error")
+        gpus = result.get("gpus") or ()
+        if not isinstance(gpus, list | tuple) or not all(
+            isinstance(gpu, int) and not isinstance(gpu, bool) for gpu in gpus
+        ):
+            raise MalformedResponse("call result: gpus must be a list of ints")
+        node = result.get("node")
+        return cls(
+            outcome=outcome,
+            result=None if answer is None else dict(answer),
+            error=None if error is None else _text(error, "error"),
+            queue_s=_seconds(result, "queue_s"),
+            restore_s=_seconds(result, "restore_s"),
+            exec_s=_seconds(result, "exec_s"),
+            act_s=_seconds(result, "act_s"),
+            gpus=tuple(gpus),
+            node=None if node is None else str(node),
+            action_id=str(result.get("action_id") or ""),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The result map as the daemon sends it."""
+        out = asdict(self)
+        out["result"] = None if self.result is None else dict(self.result)
+        out["gpus"] = list(self.gpus)
+        return out
+
+
+CALL_RESULT_FIELDS: Final[tuple[str, ...]] = tuple(f.name for f in fields(CallResult))
