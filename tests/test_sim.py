@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from tangram.sched import LoadMeter
 from tangram.sim import (
     WORKLOADS,
     Engine,
@@ -192,6 +193,30 @@ def test_every_action_completes_once_within_capacity(workload: str) -> None:
         assert result.summary["actions"] == n, policy
         assert result.summary["failed"] == 0, policy
         assert len(result.acts) == n, policy
+
+
+class CountingMeter(LoadMeter):
+    """A load meter that also counts the elastic arrivals it was told about."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elastic_arrivals = 0
+
+    def submitted(self, pool_id: str, now: float, elastic: bool) -> None:
+        self.elastic_arrivals += elastic
+        super().submitted(pool_id, now, elastic)
+
+
+def test_engine_feeds_the_load_meter() -> None:
+    """The engine reports elastic arrivals, starts and finishes to the priced rule's meter."""
+    c = load_cluster(SMALL)
+    engine = Engine(c, generate("ai-coding", c, 6, seed=1), parse_policy("tangram"), check=True)
+    engine.meter = meter = CountingMeter()
+    engine.run()
+    assert meter.elastic_arrivals == 6  # one test run per trajectory
+    for pid in engine.cpu:
+        load = meter.load(pid, engine.now)
+        assert (load.elastic_running, load.elastic_units) == (0, 0)  # every start finished
 
 
 def test_generated_trace_round_trips(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The elastic scheduler: candidates, greedy eviction, objective, dp_arrange, operators."""
+"""The elastic scheduler: pool protocol, load meter, priced DoP, candidates, greedy eviction,
+objective replay, dp_arrange, operators."""
 
 from tangram.sched.dp import Arrangement, DPTable, InfeasibleArrangement, dp_arrange
 from tangram.sched.load import LoadMeter, PoolLoad

@@ -32,8 +32,9 @@ taking more units shortens an action's own run but delays the ``N k / C`` action
   cost is near its minimum, and an action started far below its priced DoP is a straggler
   that holds its units for minutes. Below the band it waits (the replay judges how long).
 
-Short calls are not held behind a waiting elastic action either: the scheduler backfills
-them EASY-style (``schedule._candidates_easy``) when they do not delay it.
+Short calls are not held behind an elastic action waiting for its band either: they start
+past it, until it has waited the starvation bound; from then on only when they do not delay
+its EASY reservation (``schedule._candidates_easy``).
 
 Pure: no I/O, no clock. ``O(q · |probe|)`` per pool and pass for ``q`` queued elastic actions.
 """
@@ -48,9 +49,6 @@ from tangram.model import Action, ActionId
 from tangram.sched.load import PoolLoad
 
 NO_LOAD = PoolLoad()
-RESERVE_BETA = 1.0
-ROOM = 1.0
-BAND_LO = 0.5  # short-call reserve a + beta * sqrt(a) (square-root staffing)
 
 
 def short_reserve(load: PoolLoad) -> int:
