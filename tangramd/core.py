@@ -48,7 +48,7 @@ from tangram.protocol.errors import (
     ShuttingDown,
 )
 from tangram.protocol.results import CallResult, ExecResult
-from tangram.sched import SchedConfig, Snapshot, schedule
+from tangram.sched import LoadMeter, SchedConfig, Snapshot, schedule
 from tangramd import events as ev
 from tangramd.entities import (
     ACTION_EDGES,
@@ -137,6 +137,7 @@ class Core:
         self.leases: dict[ActionId, LeaseRec] = {}
         self.profiles: dict[str, dict[str, Any]] = {}
         self.stories = Stories(STORY_LIMIT)
+        self.meter = LoadMeter()  # recent offered load per CPU node (the "priced" rule)
         self._seq = itertools.count(1)
         self._ids = itertools.count(1)
         self._stimuli = itertools.count(1)
@@ -294,6 +295,16 @@ class Core:
         self._transition(rec, "queued", now, "ready to schedule")
         self.queue[rec.action.id] = rec
         self._dirty = True
+        pool_id = self._cpu_pool_of(rec)
+        if pool_id is not None:  # the "priced" rule's arrival forecast
+            self.meter.submitted(pool_id, now, rec.action.elastic)
+
+    def _cpu_pool_of(self, rec: ActionRec) -> str | None:
+        """The CPU pool an exec action runs in (its environment's node), if placed."""
+        if rec.action.kind != "exec" or rec.env is None:
+            return None
+        env = self.envs.get(rec.env)
+        return f"cpu:{env.node}" if env is not None and env.node else None
 
     def _finish_action(
         self,
@@ -317,6 +328,7 @@ class Core:
             self._session_idle(rec.spec.session, rec.action.id)
         if rec.units:
             self.pools[rec.pool_id].release(rec.action.id)
+            self.meter.finished(rec.pool_id, rec.action.id)
             self._dirty = True
         self._transition(rec, "done", now, f"{outcome} {detail}".strip())
         rec.outcome = outcome
@@ -380,6 +392,7 @@ class Core:
             affinity=self.envs.affinity(),
             running=running,
             estimate=self.history.estimate,
+            load={p.pool_id: self.meter.load(p.pool_id, now) for p in self.cpu.nodes},
         )
         decision = schedule(snap, now, self.cfg.sched)
         self.passes += 1
@@ -401,6 +414,9 @@ class Core:
             rec.units = p.units
             rec.started_at = now
             rec.expected_s = p.expected_s
+            if rec.action.kind == "exec":
+                elastic = rec.action.elastic
+                self.meter.started(p.pool_id, p.action_id, now, elastic, p.amount, p.expected_s)
             env = self.envs.get(rec.env) if rec.env else None
             note(
                 rec,

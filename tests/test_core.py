@@ -397,3 +397,17 @@ def test_call_of_a_multi_gpu_service_runs_at_the_smallest_count_that_fits():
     core.handle(ev.ServiceLoaded(spec=load.spec), 0.0)
     run = call(core, 2, "big", 1.0)
     assert run.gpus == (0, 1) and run.evicted == ()
+
+
+def test_core_feeds_the_load_meter_of_the_priced_rule():
+    """Elastic arrivals and starts reach the scheduler's load meter; finished work leaves it."""
+    core = make_core(cores=2)
+    env = ready_env(core)
+    assert core.cfg.sched.rule == "priced"
+    core.handle(submit(1, "pytest -q", env, cpus=(1, 2), t1_s=4.0, eff={1: 1.0, 2: 0.9}), 1.0)
+    (run,) = tick(core, 1.0)
+    load = core.meter.load("cpu:local", 1.5)
+    assert load.elastic_per_s > 0
+    assert (load.elastic_running, load.elastic_units) == (1, len(run.cores))
+    core.handle(ev.ExecFinished(action_id=run.action_id, result=ExecResult("ok", 0)), 2.0)
+    assert core.meter.load("cpu:local", 2.5).elastic_units == 0
