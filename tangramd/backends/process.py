@@ -528,9 +528,16 @@ class ProcessBackend:
         if run.cgroup is not None and self.cgroups is not None:
             self.cgroups.kill_all(run.cgroup)
         else:
-            for pid in _session_and_marked(run.child.pid, f"{MARKER_VAR}={run.marker}\0".encode()):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
+            # Scan until a pass finds nothing: a process in the middle of setsid/exec can be
+            # unreadable in /proc for an instant, and one pass would miss it.
+            marker = f"{MARKER_VAR}={run.marker}\0".encode()
+            for _ in range(5):
+                pids = _session_and_marked(run.child.pid, marker)
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                if not pids:
+                    break
 
     async def _supervise(
         self,
