@@ -1,4 +1,4 @@
-"""IPC benchmark of the Unix-socket wire (design §6 targets: p50 <= 100 us, p99 <= 500 us,
+"""IPC benchmark of the Unix-socket wire (docs/design.md §6 targets: p50 <= 100 us, p99 <= 500 us,
 >= 20,000 req/s).
 
 The server is a real ``tangramd up`` (``--transport-only``: a bare

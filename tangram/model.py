@@ -1,4 +1,4 @@
-"""Action model (design §3, paper §4.1): demands, elasticity, durations, typed errors.
+"""Action model (docs/design.md §3, paper §4.1): demands, elasticity, durations, typed errors.
 
 Pure: no I/O, no clock. Everything here is a small frozen value or a deterministic
 estimator that the scheduler, the pools, the daemon and the simulator share.
@@ -45,7 +45,7 @@ MAX_API_UNITS = 1 << 20
 
 
 class TangramError(Exception):
-    """Base of every typed error; ``code`` is the wire error code (design §6)."""
+    """Base of every typed error; ``code`` is the wire error code (docs/design.md §6)."""
 
     code: str = "internal"
 
@@ -441,7 +441,7 @@ def _default_key(kind: str, parsed: Mapping[str, Amounts]) -> str:
 
 
 class HistoryEstimator:
-    """Running mean of observed execution time per action class (design §3 'Duration').
+    """Running mean of observed execution time per action class (docs/design.md §3 'Duration').
 
     Used for actions without a profile. Per unit of the key resource is ignored on purpose:
     such actions are non-elastic and always run at their minimum.

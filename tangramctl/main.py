@@ -1,4 +1,4 @@
-"""``tangramctl``: the operators' CLI (design §6). Commands stay thin: parse, call, render.
+"""``tangramctl``: the operators' CLI (docs/design.md §6). Commands stay thin: parse, call, render.
 
 Every command takes ``--json`` (one JSON document on stdout, for programs); without it the
 output is for people (aligned tables). Errors are one line on stderr, never a traceback:
@@ -313,7 +313,7 @@ def parse_assignments(values: Sequence[str], what: str) -> dict[str, str]:
 
 
 def exit_code_for(result: ExecResult) -> int:
-    """The CLI's exit status for an exec result (design §6 contract)."""
+    """The CLI's exit status for an exec result (docs/design.md §6 contract)."""
     if result.outcome == "timeout":
         return EXIT_TIMEOUT
     if result.outcome == "rejected":  # the request cannot be served as asked

@@ -1,4 +1,4 @@
-"""``tangramctl profile``: measure a command's elasticity (design §7).
+"""``tangramctl profile``: measure a command's elasticity (docs/design.md §7).
 
 For each degree of parallelism K the command runs through the daemon on exactly K pinned
 cores (``cpus=K``), ``--repeat`` times, in one environment opened for the whole profile:
@@ -58,7 +58,7 @@ def parse_dops(text: str) -> list[int]:
 
 
 def is_pytest(cmd: Sequence[str]) -> bool:
-    """Whether the daemon will treat ``cmd`` as a pytest run (design §5.2)."""
+    """Whether the daemon will treat ``cmd`` as a pytest run (docs/design.md §5.2)."""
     if not cmd:
         return False
     head = cmd[0].rsplit("/", 1)[-1]
@@ -119,7 +119,7 @@ class Profile:
         ]
 
     def report(self) -> dict[str, Any]:
-        """The ``--json`` object (design §7; extra keys beyond the contract are additive)."""
+        """The ``--json`` object (docs/design.md §7; keys beyond the contract are additive)."""
         dop = self.medians()
         t1 = dop[1]
         speedup = {k: t1 / t for k, t in dop.items()}

@@ -1,4 +1,4 @@
-"""Daemon configuration (design §6): TOML → frozen dataclasses → defaults → validation.
+"""Daemon configuration (docs/design.md §6): TOML → frozen dataclasses → defaults → validation.
 
 Three steps, each in one place:
 
@@ -43,7 +43,7 @@ LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 CPU_BACKENDS: Final = ("process", "docker")
 OVERFLOW_POLICIES: Final = ("wait", "reject", "deadline")
 SERVICE_RUNTIMES: Final = ("simulated", "torch", "http")
-GPU_DOPS: Final = (1, 2, 4, 8)  # buddy chunk sizes (design §5.3)
+GPU_DOPS: Final = (1, 2, 4, 8)  # buddy chunk sizes (docs/design.md §5.3)
 COMMAND_LINE: Final = "<command line>"
 
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -350,7 +350,7 @@ class CpuConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedConfig:
-    """``[sched]``: the elastic scheduler (design §4)."""
+    """``[sched]``: the elastic scheduler (docs/design.md §4)."""
 
     depth: int = _key(_int(1), 2)
     order: str = _key(_choice(*ORDERS), "fcfs")

@@ -122,7 +122,7 @@ class Core:
         self.history = history or HistoryEstimator(default_s=1.0)
         self.pools: dict[str, Any] = {p.pool_id: p for p in cpu.nodes}
         self.pools.update({p.pool_id: p for p in self.apis.values()})
-        # GPU services (design §5.3): the `gpu` pool, the services loaded on the nodes, and
+        # GPU services (docs/design.md §5.3): the `gpu` pool, the services loaded on the nodes, and
         # the registrations / removals the service host is carrying out.
         self.gpu = gpu
         if gpu is not None:

@@ -1,4 +1,4 @@
-"""Logging setup of the daemons (design §6): structlog, one event per line.
+"""Logging setup of the daemons (docs/design.md §6): structlog, one event per line.
 
 - JSON lines when stderr is not a terminal (systemd's journal, CI logs) or when asked
   (``log_format = "json"``); a coloured console renderer on a terminal.

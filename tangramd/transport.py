@@ -1,4 +1,4 @@
-"""Unix-socket transport of the daemon (design §6): frames in, handler calls, frames out.
+"""Unix-socket transport of the daemon (docs/design.md §6): frames in, handler calls, frames out.
 
 One :class:`asyncio.Protocol` per connection (cheaper than streams on the hot path):
 

@@ -1,4 +1,4 @@
-"""Behaviour every execution backend shares (design §5.2), run against each real backend.
+"""Behaviour every execution backend shares (docs/design.md §5.2), run against each real backend.
 
 `BackendConformance` holds the tests; each backend's test module subclasses it and provides
 a `backend` fixture (a fresh backend) — the process backend in test_backend_process.py, the

@@ -1,4 +1,4 @@
-"""`tangramctl` against a real `tangramd up`: the command contracts of design §6."""
+"""`tangramctl` against a real `tangramd up`: the command contracts of docs/design.md §6."""
 
 from __future__ import annotations
 

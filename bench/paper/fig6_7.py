@@ -18,7 +18,7 @@ from common import IMG, low_units, paper_cluster, ratio, run, save, summaries, t
 
 from tangram.sim.report import plot
 
-PAPER = {  # paper §6 / design §9
+PAPER = {  # paper §6 / docs/design.md §9
     "ai-coding": {"act": "4.3×", "step": "1.4×", "env": "9.0×", "reward": "2.8×"},
     "deepsearch": {"act": "lower (Fig. 6)", "step": "1.5×"},
     "mopd": {"act": "lower (Fig. 6)", "step": "small (long tail)"},

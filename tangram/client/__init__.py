@@ -1,4 +1,5 @@
-"""Clients of the daemon's Unix socket (design §6): ``Client`` (blocking) and ``AsyncClient``.
+"""Clients of the daemon's Unix socket (docs/design.md §6): ``Client`` (blocking) and
+``AsyncClient``.
 
 Both speak the framed msgpack protocol of :mod:`tangram.protocol`, turn error codes back
 into the typed exceptions of :mod:`tangram.protocol.errors`, and share one declaration of

@@ -1,4 +1,4 @@
-"""Pure pools (design §5): CPU cores with NUMA, GPU buddy chunks with residency, API quotas.
+"""Pure pools (docs/design.md §5): CPU cores with NUMA, GPU buddy chunks with residency, API quotas.
 
 Each pool answers the scheduler's ``SchedPool`` questions without I/O or a clock; the daemon
 and the simulator apply decisions through ``allocate`` / ``release``.

@@ -1,4 +1,4 @@
-"""API endpoint pools (design §5.1, the basic manager): concurrency, quota windows, leases.
+"""API endpoint pools (docs/design.md §5.1, the basic manager): concurrency, quota windows, leases.
 
 Contract:
 

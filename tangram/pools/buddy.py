@@ -1,4 +1,4 @@
-"""GPU buddy chunks (design §5.3): the free aligned chunks of one node and chunk choice.
+"""GPU buddy chunks (docs/design.md §5.3): the free aligned chunks of one node and chunk choice.
 
 A chunk ``(start, size)`` has ``size = 2^a`` GPUs, ``a ∈ {0, 1, 2, 3}``, and ``start`` divisible
 by ``size``. Taking a chunk splits the free chunk around it buddy-wise; giving one back merges

@@ -1,4 +1,4 @@
-"""CPU pools (design §5.2, allocate-on-execution): exclusive cores per node, NUMA-aware.
+"""CPU pools (docs/design.md §5.2, allocate-on-execution): exclusive cores per node, NUMA-aware.
 
 Contract:
 
@@ -297,7 +297,7 @@ TrajectoryPlacement = Placed | NoRoomYet | NeverFits
 
 
 class CpuCluster:
-    """Trajectory → node affinity over the CPU nodes (design §5.2 'Placement')."""
+    """Trajectory → node affinity over the CPU nodes (docs/design.md §5.2 'Placement')."""
 
     def __init__(self, nodes: Sequence[CpuNodePool]) -> None:
         ids = [node.node_id for node in nodes]

@@ -1,4 +1,4 @@
-"""GPU pools (design §5.3, evict-on-execution): buddy chunks and a residency LRU per node.
+"""GPU pools (docs/design.md §5.3, evict-on-execution): buddy chunks and a residency LRU per node.
 
 Contract:
 

@@ -1,4 +1,4 @@
-"""Sans-IO wire protocol (design §6): frame codec, envelopes, op table, error codes, the
+"""Sans-IO wire protocol (docs/design.md §6): frame codec, envelopes, op table, error codes, the
 exec request/result shapes, and where the daemon's socket is.
 
 Bytes in, messages out: nothing here touches sockets, asyncio or the clock.

@@ -1,4 +1,4 @@
-"""Sans-IO frame codec (design §6): bytes in, messages out; no sockets, no clock.
+"""Sans-IO frame codec (docs/design.md §6): bytes in, messages out; no sockets, no clock.
 
 A frame is a 4-byte big-endian unsigned length followed by that many bytes holding exactly
 one msgpack map with ``str`` keys. The length prefix is checked against ``max_frame``

@@ -1,4 +1,4 @@
-"""Wire error codes (design §6) and the typed exception for each.
+"""Wire error codes (docs/design.md §6) and the typed exception for each.
 
 The set of codes is fixed: a client maps each code back to the same exception class the
 server raised, so ``except QuotaExceeded`` works across the socket. Every class derives

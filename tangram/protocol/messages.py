@@ -1,4 +1,4 @@
-"""Request and response envelopes (design §6).
+"""Request and response envelopes (docs/design.md §6).
 
 Request: ``{"id": int, "op": str, "args": map}``.
 Response: ``{"id": int, "ok": true, "result": any}`` or

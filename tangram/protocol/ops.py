@@ -1,4 +1,4 @@
-"""The op table (design §6): every op the daemon serves, documented once.
+"""The op table (docs/design.md §6): every op the daemon serves, documented once.
 
 Each :class:`Op` lists its arguments with a small type language (:class:`ArgType`) that
 both validates incoming args (:func:`validate_args`) and renders ``docs/protocol.md``

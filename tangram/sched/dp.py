@@ -9,7 +9,7 @@ the free units are used (leaving units idle is allowed). Inputs are read-only; n
 
 One table serves every greedy-eviction step: row ``t`` of ``DPTable`` is the optimal split of
 the free units among the first ``t`` candidates, so evicting the last candidate is reading an
-earlier row (design §4.4).
+earlier row (docs/design.md §4.4).
 
 Complexity
 ----------
@@ -183,7 +183,7 @@ def dp_arrange(
     units: int,
     operator: Operator[Any] | None = None,
 ) -> Arrangement:
-    """Optimal split of ``units`` free units among candidates (design §4.5).
+    """Optimal split of ``units`` free units among candidates (docs/design.md §4.5).
 
     ``choices[i]`` maps an allowed amount to candidate ``i``'s duration at that amount.
     ``operator=None`` is the base operator over ``units`` interchangeable units; with a

@@ -1,4 +1,4 @@
-"""Recent offered load per pool: what the ``priced`` rule reads to price a unit (design §4).
+"""Recent offered load per pool: what the ``priced`` rule reads to price a unit (docs/design.md §4).
 
 Contract
 --------

@@ -1,4 +1,4 @@
-"""The elastic scheduler (design §4, paper §4.2 Alg. 1–2): one pure scheduling pass.
+"""The elastic scheduler (docs/design.md §4, paper §4.2 Alg. 1–2): one pure scheduling pass.
 
 Contract
 --------
@@ -236,7 +236,7 @@ def _no_pool(action: Action, pid: str) -> Shortfall:
 def _assign_nodes(
     actions: Sequence[Action], snap: Snapshot, now: float, cfg: SchedConfig
 ) -> tuple[list[tuple[Action, str]], list[Infeasible]]:
-    """Memory-balanced node for each trajectory's first action (design §5.2 placement)."""
+    """Memory-balanced node for each trajectory's first action (docs/design.md §5.2 placement)."""
     nodes: list[Any] = [p for pid, p in sorted(snap.pools.items()) if pid.startswith("cpu:")]
     mem_free = {p.pool_id: p.mem_free for p in nodes}
     mem_used = {p.pool_id: p.mem_reserved for p in nodes}

@@ -1,4 +1,5 @@
-"""The simulator's three baselines (design §8), each replacing tangram for one resource kind.
+"""The simulator's three baselines (docs/design.md §8), each replacing tangram for one
+resource kind.
 
 - ``K8sPods`` (CPU): one pod of ``k8s_pod_cores`` cores per trajectory, created FCFS at the
   trajectory's first exec action when a node has the cores and memory (spread: the node with

@@ -42,7 +42,7 @@ class _Progress:
     "cluster_file",
     required=True,
     type=click.Path(dir_okay=False),
-    help="Cluster TOML (design §8), e.g. config/cluster-paper.toml.",
+    help="Cluster TOML (docs/design.md §8), e.g. config/cluster-paper.toml.",
 )
 @click.option(
     "--trace",

@@ -1,6 +1,6 @@
-"""Cluster files for the simulator (design §8): TOML → frozen dataclasses → validation.
+"""Cluster files for the simulator (docs/design.md §8): TOML → frozen dataclasses → validation.
 
-Every key of design §8 is accepted and nothing else; errors name the file and the key.
+Every key of docs/design.md §8 is accepted and nothing else; errors name the file and the key.
 """
 
 from __future__ import annotations

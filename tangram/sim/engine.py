@@ -1,4 +1,4 @@
-"""Discrete-event simulator (design §8): the real scheduler and pure pools, a virtual clock.
+"""Discrete-event simulator (docs/design.md §8): the real scheduler and pure pools, a virtual clock.
 
 Contract
 --------

@@ -1,4 +1,4 @@
-"""Per-policy metrics of a simulated run (design §8 output fields) and their JSON form.
+"""Per-policy metrics of a simulated run (docs/design.md §8 output fields) and their JSON form.
 
 Every float is rounded to microseconds so that the same run prints byte-identical JSON.
 """

@@ -1,4 +1,4 @@
-"""Policies compared by the simulator (design §8): one choice per resource kind."""
+"""Policies compared by the simulator (docs/design.md §8): one choice per resource kind."""
 
 from __future__ import annotations
 

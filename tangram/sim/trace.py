@@ -1,4 +1,4 @@
-"""Workload traces (design §8): JSON lines, one trajectory per line.
+"""Workload traces (docs/design.md §8): JSON lines, one trajectory per line.
 
 A trajectory is a sequence of steps, each either LLM generation time (``{"gen_s": s}``,
 no external resource held) or one action (``{"action": {...}}``). Parsing is strict: an

@@ -1,4 +1,5 @@
-"""Named workload generators (design §8): ``ai-coding``, ``deepsearch``, ``mopd``, ``mopd+search``.
+"""Named workload generators (docs/design.md §8): ``ai-coding``, ``deepsearch``, ``mopd``,
+``mopd+search``.
 
 Parameters were fixed from what the paper states (notes §2, §6) *before* any simulation was
 run, and are not tuned to its results. Where the paper gives no number the choice is ours and

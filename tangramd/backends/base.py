@@ -2,7 +2,7 @@
 
 A backend owns *environments* (a container, or a per-environment directory) and runs
 *execs* in them, each pinned to exactly the cores the scheduler allocated for that one
-action (design §5.2, allocate-on-execution). Backends never raise for a failed command:
+action (docs/design.md §5.2, allocate-on-execution). Backends never raise for a failed command:
 every exec ends with one `ExecResult` whose `outcome` says what happened —
 
 - ``ok``: exit status 0;
@@ -301,7 +301,7 @@ def _strip_numprocesses(args: list[str]) -> list[str]:
 
 
 def rewrite_pytest(cmd: list[str] | str, cores: int, elastic: bool) -> list[str] | str:
-    """Make a pytest command use all `cores` through pytest-xdist (design §5.2).
+    """Make a pytest command use all `cores` through pytest-xdist (docs/design.md §5.2).
 
     Applies to ``pytest``, ``py.test``, ``python -m pytest`` and ``python3 -m pytest``
     (argv lists, or shell strings starting with them, optionally after ``cd DIR &&``) when

@@ -1,4 +1,4 @@
-"""The Docker backend: environments are long-lived containers (design §5.2).
+"""The Docker backend: environments are long-lived containers (docs/design.md §5.2).
 
 - An environment is a container started from its image with ``network_mode="none"``,
   ``no-new-privileges``, every capability dropped but ``CONTAINER_CAPS``, the exec OOM

@@ -1,6 +1,6 @@
 """The process backend: environments are directories, execs are pinned host processes.
 
-No container engine needed; this is the embedded default (design §5.2).
+No container engine needed; this is the embedded default (docs/design.md §5.2).
 
 - An environment is a working directory ``<root_dir>/envs/<env_id>``, mode 0700 and owned by
   the environment's owner; every exec runs with that directory as cwd and as ``HOME``

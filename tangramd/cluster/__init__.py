@@ -1,4 +1,4 @@
-"""Cluster mode: ``tangramd coordinator`` and ``tangramd node`` (design §6.1).
+"""Cluster mode: ``tangramd coordinator`` and ``tangramd node`` (docs/design.md §6.1).
 
 ``pki`` (the CA, server certificate and the node's pin check), ``link`` (framed msgpack
 over TLS between node and coordinator), ``registry`` (join token, node credentials, node

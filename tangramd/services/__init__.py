@@ -1,4 +1,4 @@
-"""GPU service runtimes on a node (design §5.3, evict-on-execution).
+"""GPU service runtimes on a node (docs/design.md §5.3, evict-on-execution).
 
 ``ServiceHost`` runs the registered services' replicas and carries out the pure pool's
 decisions (``tangram.pools.gpu``): evict, restore onto a chunk, call. ``discover`` builds
