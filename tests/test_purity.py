@@ -177,6 +177,7 @@ LAYERS: dict[str, int] = {
     "tangram.client": 4,
     "tangram.sim": 4,
     "tangram.testing": 5,
+    "tangram.integrations": 5,
     "tangramd": 6,
     "tangramctl": 7,
 }
