@@ -551,23 +551,20 @@ class Core:
         return env
 
     def _put_file(self, e: ev.PutFile, now: float, out: list[ev.Command]) -> None:
-        env = self._ready_env(e.env_id, e.peer)
-        env.last_used = now
-        out.append(
-            ev.RunTransfer(
-                token=e.token,
-                env_id=env.id,
-                node=env.node,
-                direction="put",
-                path=e.path,
-                data=e.data,
-                tar=e.tar,
-                max_bytes=self.cfg.max_transfer,
-                cause=self.stimulus,
-            )
-        )
+        self._transfer(e, "put", e.data, e.tar, now, out)
 
     def _get_file(self, e: ev.GetFile, now: float, out: list[ev.Command]) -> None:
+        self._transfer(e, "get", b"", False, now, out)
+
+    def _transfer(
+        self,
+        e: ev.PutFile | ev.GetFile,
+        direction: str,
+        data: bytes,
+        tar: bool,
+        now: float,
+        out: list[ev.Command],
+    ) -> None:
         env = self._ready_env(e.env_id, e.peer)
         env.last_used = now
         out.append(
@@ -575,8 +572,10 @@ class Core:
                 token=e.token,
                 env_id=env.id,
                 node=env.node,
-                direction="get",
+                direction=direction,
                 path=e.path,
+                data=data,
+                tar=tar,
                 max_bytes=self.cfg.max_transfer,
                 cause=self.stimulus,
             )

@@ -8,7 +8,7 @@ import pwd
 import signal
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -49,3 +49,28 @@ def _kill_processes_of(uid: int) -> None:
         if uids is not None and uid in (uids.real, uids.effective):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(proc.pid, signal.SIGKILL)
+
+
+def in_child_as(uid: int, gid: int, work: Callable[[], bytes]) -> bytes:
+    """Run ``work`` in a forked child that dropped to uid/gid (no supplementary groups) and
+    return what it returned; the child's failure fails the caller's assertion."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to the user, work, report, exit
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            os.write(write_fd, work())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    data = b""
+    while chunk := os.read(read_fd, 65536):
+        data += chunk
+    os.close(read_fd)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return data

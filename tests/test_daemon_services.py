@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from hostile_user import in_child_as
 
 from tangram import Client
 from tangram.client import CallResult
@@ -374,34 +375,19 @@ def test_only_the_operator_registers_services(tmp_path_factory: pytest.TempPathF
 
 def as_user(uid: int, gid: int, path: str, requests: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """Send each request from a child running as uid/gid; ``code: message`` of each error."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: drop to the user, ask, report, exit
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            lines = []
-            with Client(path) as c:
-                for op, args in requests:
-                    try:
-                        c.request(op, args)
-                        lines.append("ok")
-                    except TangramError as exc:
-                        lines.append(f"{exc.code}: {exc.message}")
-            os.write(write_fd, json.dumps(lines).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    data = b""
-    while chunk := os.read(read_fd, 65536):
-        data += chunk
-    os.close(read_fd)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return json.loads(data)
+
+    def ask() -> bytes:
+        lines = []
+        with Client(path) as c:
+            for op, args in requests:
+                try:
+                    c.request(op, args)
+                    lines.append("ok")
+                except TangramError as exc:
+                    lines.append(f"{exc.code}: {exc.message}")
+        return json.dumps(lines).encode()
+
+    return json.loads(in_child_as(uid, gid, ask))
 
 
 def test_registrations_persist_across_a_restart(daemon: Daemon) -> None:

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from click.testing import CliRunner
 from daemon_fixture import running_daemon
-from hostile_user import local_user
+from hostile_user import in_child_as, local_user
 
 from tangram.protocol.codec import FrameDecoder
 from tangram.testing import spawn_daemon
@@ -227,30 +227,15 @@ def test_connections_past_the_cap_are_refused_and_others_served(tmp_path):
 
 def _ping_as(path: str, uid: int, gid: int) -> dict | None:
     """Ping from a forked child running as uid/gid; the answer, or None if closed."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: drop to the user, speak raw frames, report, exit
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            s = connect(path)
-            # a refused peer may be answered and closed before its request is even written
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                s.sendall(frame({"id": 1, "op": "ping", "args": {}}))
-            os.write(write_fd, msgpack.packb(reply_or_eof(s)))
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    data = b""
-    while chunk := os.read(read_fd, 65536):
-        data += chunk
-    os.close(read_fd)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return msgpack.unpackb(data)
+
+    def ping_raw() -> bytes:
+        s = connect(path)
+        # a refused peer may be answered and closed before its request is even written
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(frame({"id": 1, "op": "ping", "args": {}}))
+        return msgpack.packb(reply_or_eof(s))
+
+    return msgpack.unpackb(in_child_as(uid, gid, ping_raw))
 
 
 @pytest.mark.parametrize("allowed", [True, False], ids=["in-allowlist", "not-in-allowlist"])

@@ -97,34 +97,20 @@ def test_another_users_environment_does_not_exist_for_them() -> None:
 
 def _calls_as(path: str, uid: int, gid: int, env: str) -> list[str]:
     """exec and env.close on ``env`` from a forked child running as uid/gid."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: drop to the user, try both calls, report, exit
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            answers = []
-            with Client(path) as c:
-                for call in (lambda: c.exec("true", env=env), lambda: c.env_close(env)):
-                    try:
-                        call()
-                        answers.append("served")
-                    except NotFound:
-                        answers.append("not_found")
-            os.write(write_fd, " ".join(answers).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    data = b""
-    while chunk := os.read(read_fd, 65536):
-        data += chunk
-    os.close(read_fd)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return data.decode().split()
+    from hostile_user import in_child_as
+
+    def calls() -> bytes:
+        answers = []
+        with Client(path) as c:
+            for call in (lambda: c.exec("true", env=env), lambda: c.env_close(env)):
+                try:
+                    call()
+                    answers.append("served")
+                except NotFound:
+                    answers.append("not_found")
+        return " ".join(answers).encode()
+
+    return in_child_as(uid, gid, calls).decode().split()
 
 
 def _state(pid: int) -> str:
