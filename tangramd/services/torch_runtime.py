@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -129,14 +130,7 @@ class ForkServer:
             )
         theirs.close()
         self.sock = ours
-        try:
-            hello = await asyncio.wait_for(self._receive(), self.load_timeout_s)
-        except (ReplicaCrashed, TimeoutError) as exc:
-            await self.close()
-            raise _load_failed(self.spec, str(exc) or "timed out", self.log_path) from None
-        if not hello.get("ok"):
-            await self.close()
-            raise ServiceLoadError(str(hello.get("error")))
+        hello = await _hello(self, self._receive(), self.load_timeout_s, self.spec, self.log_path)
         self.nbytes = int(hello["nbytes"])
         self.forkable = bool(hello.get("forkable"))
 
@@ -245,14 +239,7 @@ class TorchReplica:
             self._watch_pid(pid)
         else:
             await self._spawn(gpus)
-        try:
-            hello = await asyncio.wait_for(self._read(), self.load_timeout_s)
-        except (ReplicaCrashed, TimeoutError) as exc:
-            await self.close()
-            raise _load_failed(self.spec, str(exc) or "timed out", self.log_path) from None
-        if not hello.get("ok"):
-            await self.close()
-            raise ServiceLoadError(str(hello.get("error")))
+        hello = await _hello(self, self._read(), self.load_timeout_s, self.spec, self.log_path)
         self._nbytes = int(hello["nbytes"])
 
     async def _spawn(self, gpus: tuple[Gpu, ...]) -> None:
@@ -365,3 +352,19 @@ class TorchReplica:
         code = None if self.proc is None else self.proc.returncode
         how = "is not running" if code is None else f"exited with status {code}"
         return f"service {self.spec.name!r}: worker {how}"
+
+
+async def _hello(
+    proc: Any, first: Coroutine[Any, Any, dict[str, Any]], timeout_s: float, spec: Any, log: Any
+) -> dict[str, Any]:
+    """A worker's first message (it built the module, or says why not); on any failure the
+    worker is closed and the load error names the service."""
+    try:
+        hello = await asyncio.wait_for(first, timeout_s)
+    except (ReplicaCrashed, TimeoutError) as exc:
+        await proc.close()
+        raise _load_failed(spec, str(exc) or "timed out", log) from None
+    if not hello.get("ok"):
+        await proc.close()
+        raise ServiceLoadError(str(hello.get("error")))
+    return hello
