@@ -322,6 +322,8 @@ def test_call_timeout_is_timeout_then_next_call_works(daemon: Daemon) -> None:
     r = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert r.exit_code == 124, r.output
     with daemon.client() as c:
+        late = c.call("b", {"x": 1, "sleep": 30}, timeout=0.5)  # the contract's keyword
+        assert late.outcome == "timeout", late
         again = c.call("b", {"x": 2})
         assert again.outcome == "ok", again
         assert again.result is not None

@@ -282,10 +282,20 @@ class Ops:
         return self._op("service.remove", {"name": name}, _as_dict)
 
     def call(
-        self, name: str, payload: Mapping[str, Any], *, timeout_s: float | None = None
+        self,
+        name: str,
+        payload: Mapping[str, Any],
+        *,
+        timeout: float | None = None,
+        timeout_s: float | None = None,
     ) -> CallResult:
-        """Call a service as one GPU action; failures of the call are in the result."""
-        spec = CallSpec(name, dict(payload), timeout_s)
+        """Call a service as one GPU action; failures of the call are in the result.
+
+        ``timeout`` (seconds; ``timeout_s`` is the same, named as for ``exec``) bounds the
+        handler; None: the daemon's ``[gpu] call_timeout_s``."""
+        if timeout is not None and timeout_s is not None and timeout != timeout_s:
+            raise ValueError("give timeout or timeout_s, not two different values")
+        spec = CallSpec(name, dict(payload), timeout if timeout is not None else timeout_s)
         return self._op("call", spec.to_wire(), CallResult.from_wire)
 
 
