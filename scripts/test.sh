@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 PY="${PYTHON:-python3}"
 echo "== installing arl-tangram with dev extras"
-"$PY" -m pip install -q --disable-pip-version-check -e '.[dev,plot,gpu]'
+"$PY" -m pip install -q --disable-pip-version-check -e '.[dev,plot,gpu,ray]'
 
 echo "== preparing the Docker engine and the test image"
 bash .ci/docker-setup.sh

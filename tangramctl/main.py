@@ -520,12 +520,13 @@ def profiles_show(ctl: Ctl, name: str, as_json: bool) -> None:
 # --------------------------------------------------------------------------- attached
 
 
-def _attach_optional(module: str, name: str) -> None:
-    """Add command ``name`` from ``module``; if that module cannot load, a stub explains."""
+def _attach_optional(module: str, name: str, attr: str | None = None) -> None:
+    """Add command ``name`` (the module's attribute ``attr``, default ``name``) from
+    ``module``; if that module cannot load, a stub explains."""
     import importlib
 
     try:
-        command = getattr(importlib.import_module(module), name)
+        command = getattr(importlib.import_module(module), attr or name)
     except ModuleNotFoundError as exc:
         if exc.name == module:
             return  # not written (yet): the CLI works without it
@@ -544,6 +545,7 @@ def _attach_optional(module: str, name: str) -> None:
 
 _attach_optional("tangramctl.profile", "profile")
 _attach_optional("tangramctl.simulate", "simulate")
+_attach_optional("tangramctl.ray", "ray", "ray_group")  # Ray itself loads only when used
 
 
 def main(argv: Sequence[str] | None = None) -> None:
