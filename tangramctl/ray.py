@@ -83,6 +83,15 @@ def connected(address: str | None) -> Iterator[Any]:
         ray.shutdown()
 
 
+def _call(ref: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+    """The answer of a call on an actor; RayError (one line) if the actor died or hangs."""
+    ray = _ray()
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+        raise RayError(f"the coordinator actor did not answer: {exc}") from None
+
+
 def coordinator_actor() -> Any | None:
     """The running coordinator actor, or None."""
     ray = _ray()
@@ -154,10 +163,11 @@ def _live_ray_nodes() -> set[str]:
 
 def wait_ready(actor: Any, deadline: float) -> dict[str, Any]:
     """Poll the coordinator actor until every live Ray node's tangram node is ready and
-    its socket known; raise ClickException with what is missing at ``deadline``."""
-    ray = _ray()
+    its socket known; raise RayError with what is missing at ``deadline``. The first
+    answer waits for the actor to start its coordinator, so it may take the whole time."""
     while True:
-        report: dict[str, Any] = ray.get(actor.status.remote(), timeout=CALL_TIMEOUT_S)
+        patience = max(CALL_TIMEOUT_S, deadline - time.monotonic())
+        report: dict[str, Any] = _call(actor.status.remote(), patience)
         failed = [row["failed"] for row in report["nodes"] if row.get("failed")]
         if report["coordinator"].get("failed"):
             failed.append(report["coordinator"]["failed"])
@@ -185,7 +195,7 @@ def status() -> dict[str, Any]:
     actor = coordinator_actor()
     if actor is None:
         raise NotRunning("tangram is not running on this Ray cluster (`tangramctl ray up`)")
-    report: dict[str, Any] = _ray().get(actor.status.remote(), timeout=CALL_TIMEOUT_S)
+    report: dict[str, Any] = _call(actor.status.remote())
     return report
 
 
@@ -217,6 +227,7 @@ def down() -> dict[str, Any]:
 # --------------------------------------------------------------------------- commands
 
 NODE_COLUMNS = ("name", "host", "state", "socket", "cores", "running", "ray_node_id")
+HUMAN_COLUMNS = ("name", "host", "state", "socket", "cores", "running", "pid")
 ADDRESS = click.option(
     "--address",
     metavar="ADDR",
@@ -228,23 +239,24 @@ JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON for prog
 
 def _human(report: dict[str, Any]) -> str:
     coord = report["coordinator"]
+    state = "running" if coord["alive"] else "not running"
     lines = [
-        f"coordinator  {coord['address']} on Ray node {str(coord['ray_node_id'])[:12]}"
-        f" ({'running' if coord['alive'] else 'not running'})",
-        f"             socket {coord['socket']} (on that host; `tangramctl --socket` it there)",
+        f"coordinator  {coord['address']} on Ray node {str(coord['ray_node_id'])[:12]}, {state}",
+        f"             its socket there: {coord['socket']}",
     ]
     if "ready_s" in report:
-        again = " (already running)" if report.get("already_running") else ""
+        again = " (was already running)" if report.get("already_running") else ""
         lines.append(f"ready in     {report['ready_s']:.1f} s{again}")
-    lines += ["", table(report["nodes"], preferred=NODE_COLUMNS, empty="(no nodes)")]
-    sockets = sorted({row["socket"] for row in report["nodes"] if row.get("socket")})
+    rows = report["nodes"]
+    columns = [*HUMAN_COLUMNS]
+    columns += [c for c in ("failed", "lost_because") if any(row.get(c) for row in rows)]
+    lines += ["", table(rows, columns, empty="(no nodes)")]
+    sockets = sorted({row["socket"] for row in rows if row.get("socket")})
     if sockets:
-        lines += ["", "Rollout workers on each host: Client() (socket " + ", ".join(sockets) + ")"]
-    for key in ("note",):
-        if report.get(key):
-            lines += ["", f"note: {report[key]}"]
-    for error in report.get("errors") or ():
-        lines.append(f"supervisor error: {error}")
+        lines += ["", "rollout workers: Client() on each host (socket " + ", ".join(sockets) + ")"]
+    if report.get("note"):
+        lines += ["", f"note: {report['note']}"]
+    lines += [f"supervisor error: {error}" for error in report.get("errors") or ()]
     return "\n".join(lines)
 
 

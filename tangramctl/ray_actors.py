@@ -372,9 +372,13 @@ class Coordinator:
                     "failed": answer.get("failed"),
                 }
             )
-        for name, why in sorted(self._lost.items()):
-            row = rows.get(name) or {}
-            out.append({"name": name, "state": row.get("state", "lost"), "lost_because": why})
+        # Nodes without a live Ray node: lost with their host (by our word, or they said
+        # goodbye first), or joined from outside Ray (a systemd host): all in the cluster.
+        listed = {row["name"] for row in out}
+        for name, row in sorted(rows.items()):
+            if name not in listed:
+                why = self._lost.get(name)
+                out.append({"name": name, "state": row["state"], "lost_because": why})
         return {
             "coordinator": {
                 "address": self.join["coordinator"],

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import ray  # the [ray] extra: scripts/test.sh installs it; nothing here skips
 from click.testing import CliRunner
+from daemon_fixture import running_daemon
 from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 
@@ -40,7 +42,7 @@ from tangram.protocol.paths import default_socket_path
 from tangramctl import ray as tray
 from tangramctl.main import cli
 from tangramctl.ray_actors import NAMESPACE, node_name
-from tangramd.cluster.testing import wait_for
+from tangramd.cluster.testing import spawn_coordinator, spawn_node, wait_for, wait_node_state
 
 ROOT = Path(__file__).resolve().parent.parent
 LABELS = ("n0", "n1", "n2")  # n0 is the head: the coordinator lives there
@@ -283,6 +285,43 @@ def test_node_lost_op_is_the_coordinators_own(host: RayHost, report: dict[str, A
     with Client(host.socket("n1")) as c, pytest.raises(UnknownOp):
         c.node_lost(node_name(host.nodes["n2"].node_id))
     assert OPS["node.lost"].result_fields == ("name", "already_lost")
+
+
+def test_node_lost_ends_a_nodes_actions_now_and_a_live_node_rejoins(tmp_path: Path) -> None:
+    """Without Ray: `node.lost` on a live, heartbeating node ends its running action
+    `infra_error` with the reason at once (heartbeat timeout 60 s), answers the documented
+    fields, and the node, being alive, reconnects and is ready again."""
+    coord = spawn_coordinator(tmp_path, CONFIG, env={"TANGRAM_VALIDATE": "1"})
+    node = spawn_node(tmp_path, coord, "a", cpus="0", env={"TANGRAM_VALIDATE": "1"})
+    try:
+        results: list[Any] = []
+        with Client(coord.socket) as c:
+            env = c.env_open()
+
+            def run() -> None:
+                with Client(coord.socket) as worker_client:
+                    results.append(worker_client.exec(["sleep", "30"], env=env))
+
+            worker = threading.Thread(target=run)
+            worker.start()
+            wait_for(lambda: c.queue()["running"], 30, "the action running on a")
+            answer = c.node_lost("a", "the test says so")
+            worker.join(LOST_WITHIN_S)
+            assert sorted(answer) == sorted(OPS["node.lost"].result_fields)
+            assert answer == {"name": "a", "already_lost": False}
+            assert results and results[0].outcome == "infra_error", results
+            assert results[0].detail == "node a lost: the test says so"
+        wait_node_state(coord, "a", "ready", 30, node=node)
+    finally:
+        node.stop()
+        coord.stop()
+    assert "invariant_violated" not in coord.log() and "Traceback" not in coord.log()
+
+
+def test_tangramd_up_has_no_nodes_to_lose(tmp_path: Path) -> None:
+    """The all-in-one daemon answers `node.lost` with `unknown_op`: its node is itself."""
+    with running_daemon(tmp_path) as daemon, daemon.client() as c, pytest.raises(UnknownOp):
+        c.node_lost("local")
 
 
 # ------------------------------------------------------------------ membership
