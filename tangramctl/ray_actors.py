@@ -50,6 +50,7 @@ READY_TIMEOUT_S = 60.0  # for a tangramd subprocess to answer on its socket
 STOP_TIMEOUT_S = 30.0  # for a tangramd subprocess to stop on SIGTERM
 RESTART_AFTER_S = 10.0  # a daemon that dies later than this is restarted, earlier: failed
 LOG_TAIL = 2000  # characters of a daemon's log in an error or a status row
+INFO_WAIT_S = 1.0  # for the node actors' answers in a status (a starting one answers later)
 
 
 def node_name(ray_node_id: str) -> str:
@@ -244,7 +245,7 @@ class Coordinator:
         self.daemon.watch(_crash_handler(self.daemon, "tangramd coordinator", self.failed))
         self._lock = threading.Lock()
         self._nodes: dict[str, Any] = {}  # Ray node id -> Node actor handle
-        self._info: dict[str, Any] = {}  # Ray node id -> its info() ref, then its answer
+        self._info: dict[str, dict[str, Any]] = {}  # Ray node id -> its last info()
         self._lost: dict[str, str] = {}  # tangram node name -> why we declared it lost
         self._errors: list[str] = []
         self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
@@ -288,7 +289,6 @@ class Coordinator:
                 return
             for node_id in alive.keys() - self._nodes.keys():
                 self._nodes[node_id] = self._start_node(node_id)
-                self._info[node_id] = self._nodes[node_id].info.remote()
             for node_id in self._nodes.keys() - alive.keys():
                 handle = self._nodes.pop(node_id)
                 self._info.pop(node_id, None)
@@ -328,10 +328,14 @@ class Coordinator:
         import ray
 
         with self._lock:
-            nodes, info = dict(self._nodes), dict(self._info)
-        refs = [ref for ref in info.values() if isinstance(ref, ray.ObjectRef)]
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=0.5)
+            nodes = dict(self._nodes)
+        asked = {node_id: handle.info.remote() for node_id, handle in nodes.items()}
+        if asked:  # fresh answers (a restarted actor has a new daemon); the last ones else
+            ray.wait(list(asked.values()), num_returns=len(asked), timeout=INFO_WAIT_S)
+        for node_id, ref in asked.items():
+            if ray.wait([ref], timeout=0)[0]:
+                with contextlib.suppress(Exception):  # it died just now: Ray restarts it
+                    self._info[node_id] = ray.get(ref)
         try:
             with Client(self.socket, connect_timeout_s=2.0) as c:
                 rows = {row["name"]: row for row in c.nodes()}
@@ -340,23 +344,7 @@ class Coordinator:
             self._errors = [*self._errors[-4:], f"nodes: {exc}"]
         out = []
         for node_id in sorted(nodes):
-            ref = info.get(node_id)
-            answer: dict[str, Any] = {}
-            if isinstance(ref, ray.ObjectRef):
-                ready, _ = ray.wait([ref], timeout=0)
-                if ready:
-                    try:
-                        answer = ray.get(ref)
-                    except Exception as exc:  # the actor died; Ray restarts it
-                        answer = {"failed": f"{type(exc).__name__}: {exc}"}
-                        with self._lock:
-                            if node_id in self._nodes:
-                                self._info[node_id] = self._nodes[node_id].info.remote()
-                    else:
-                        with self._lock:
-                            self._info[node_id] = answer
-            elif isinstance(ref, dict):
-                answer = ref
+            answer = self._info.get(node_id) or {}
             name = node_name(node_id)
             row = rows.get(name) or {}
             out.append(

@@ -41,7 +41,7 @@ from tangram.protocol import OPS, NotFound, UnknownOp
 from tangram.protocol.paths import default_socket_path
 from tangramctl import ray as tray
 from tangramctl.main import cli
-from tangramctl.ray_actors import NAMESPACE, node_name
+from tangramctl.ray_actors import NAMESPACE, RESTART_AFTER_S, node_name
 from tangramd.cluster.testing import spawn_coordinator, spawn_node, wait_for, wait_node_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -390,6 +390,34 @@ def test_a_ray_node_that_dies_is_lost_at_once(host: RayHost, report: dict[str, A
     assert not Path(host.socket("n2")).exists()
     result = ray.get(rollout_step.options(**on("n1")).remote(["echo", "still"]), timeout=120)
     assert result["outcome"] == "ok" and result["node"] != name
+
+
+def test_a_node_daemon_that_crashes_is_restarted_by_ray(
+    host: RayHost, report: dict[str, Any]
+) -> None:
+    """A node daemon killed outright takes its actor down; Ray restarts the actor, and its
+    new daemon rejoins under the same name and serves the same socket."""
+    node_id = host.nodes["n1"].node_id
+    old = psutil.Process(row_of(tray.status(), node_id)["pid"])
+    wait_for(  # one that dies at start-up is reported as failed, not restarted
+        lambda: time.time() - old.create_time() >= RESTART_AFTER_S,
+        RESTART_AFTER_S + 5,
+        "the daemon to have run long enough to be restarted",
+    )
+    old.kill()
+
+    def restarted() -> dict[str, Any] | None:
+        row = row_of(tray.status(), node_id)
+        if row is None or row["pid"] in (None, old.pid):
+            return None
+        with Client(host.socket("n1"), connect_timeout_s=1.0) as c:
+            c.ping()  # forwarded: the new daemon has joined the coordinator
+        return row
+
+    row = wait_for(restarted, 90, "the node daemon restarted by Ray")
+    assert row["name"] == node_name(node_id) and row["state"] == "ready"
+    result = ray.get(rollout_step.options(**on("n1")).remote(["echo", "back"]), timeout=120)
+    assert result["outcome"] == "ok", result
 
 
 def _alive(proc: psutil.Process) -> bool:
