@@ -114,7 +114,6 @@ def up(
     config_text: str = "",
     cpus: str | None = None,
     state_root: str | None = None,
-    socket: str | None = None,
     poll_s: float = 0.5,
     timeout_s: float = UP_TIMEOUT_S,
 ) -> dict[str, Any]:
@@ -128,7 +127,6 @@ def up(
         "config_text": config_text,
         "cpus": cpus,
         "state_root": state_root,
-        "socket": socket,
         "poll_s": poll_s,
     }
     if os.environ.get("PYTHONPATH"):  # a source checkout: the actors import what we do

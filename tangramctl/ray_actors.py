@@ -32,6 +32,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -168,10 +169,21 @@ def _remove_tree(path: Path) -> None:
 
 
 def _unlink_socket(path: str) -> None:
-    """After the daemon is dead: its socket, if it could not remove it itself."""
-    with contextlib.suppress(OSError):
-        if Path(path).is_socket():
+    """After our daemon is dead: its socket, if it could not remove it itself. One that
+    somebody still listens on is not ours (our daemon failed because it was taken)."""
+    if not Path(path).is_socket():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.unlink(path)
+    except OSError:
+        pass  # busy or unreadable: leave it
+    finally:
+        probe.close()
 
 
 class Node:
@@ -183,7 +195,7 @@ class Node:
         self.ray_node_id = ray.get_runtime_context().get_node_id()
         self.name = node_name(self.ray_node_id)
         self.host = ray.util.get_node_ip_address()
-        self.socket = spec.get("socket") or default_socket_path()
+        self.socket = default_socket_path()  # what Client() finds on this host
         self.state = Path(spec.get("state_root") or default_state_root()) / self.name
         config = _write_config(self.state, spec.get("config_text", ""))
         join = spec["join"]
@@ -307,7 +319,7 @@ class Coordinator:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        spec = {k: self.spec.get(k) for k in ("config_text", "cpus", "socket", "state_root")}
+        spec = {k: self.spec.get(k) for k in ("config_text", "cpus", "state_root")}
         spec["join"] = self.join
         options: dict[str, Any] = {
             "name": NODE_PREFIX + node_id,
