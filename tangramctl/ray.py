@@ -41,7 +41,11 @@ POLL_S = 0.2  # between two looks at the nodes while `ray up` waits for them
 
 
 class RayError(click.ClickException):
-    """One line on stderr, as every tangramctl error; exit 1."""
+    """One line on stderr, as every tangramctl error; exit 1 unless told otherwise."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
     def show(self, file: Any = None) -> None:
         click.echo(f"tangramctl: {self.format_message()}", err=True)
@@ -71,12 +75,13 @@ def connected(address: str | None) -> Iterator[Any]:
     if ray.is_initialized():
         yield ray
         return
-    ray.init(
-        address=address or os.environ.get("RAY_ADDRESS") or "auto",
-        namespace=NAMESPACE,
-        log_to_driver=False,
-        logging_level=logging.WARNING,
-    )
+    where = address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        ray.init(
+            address=where, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING
+        )
+    except ConnectionError as exc:  # no cluster there: one line, exit 2 like a dead daemon
+        raise RayError(f"cannot reach a Ray cluster at {where}: {exc}", exit_code=2) from None
     try:
         yield ray
     finally:
