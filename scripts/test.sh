@@ -7,12 +7,12 @@ cd "$(dirname "$0")/.."
 
 PY="${PYTHON:-python3}"
 echo "== installing arl-tangram with dev extras"
-"$PY" -m pip install -q --disable-pip-version-check -e '.[dev,plot,gpu,http]' \
+"$PY" -m pip install -q --disable-pip-version-check -e '.[dev,plot,gpu,http,ray]' \
   httpx sandbox-fusion==0.3.7 swe-rex==1.4.0
 # verl's own reward functions and tool registry are tested against the gateway; without
-# verl/__init__ (torch, tensordict) they need only ray (rollout tracing) and omegaconf
+# verl/__init__ (torch, tensordict) they need only ray (the ray extra, pinned) and omegaconf
 "$PY" -m pip install -q --disable-pip-version-check --no-deps verl==0.9.1
-"$PY" -m pip install -q --disable-pip-version-check ray omegaconf
+"$PY" -m pip install -q --disable-pip-version-check omegaconf
 
 echo "== preparing the Docker engine and the test image"
 bash .ci/docker-setup.sh

@@ -834,12 +834,13 @@ def call(ctl: Ctl, name: str, timeout_s: float | None, as_json: bool, payload: s
 # --------------------------------------------------------------------------- attached
 
 
-def _attach_optional(module: str, name: str) -> None:
-    """Add command ``name`` from ``module``; if that module cannot load, a stub explains."""
+def _attach_optional(module: str, name: str, attr: str | None = None) -> None:
+    """Add command ``name`` (the module's attribute ``attr``, default ``name``) from
+    ``module``; if that module cannot load, a stub explains."""
     import importlib
 
     try:
-        command = getattr(importlib.import_module(module), name)
+        command = getattr(importlib.import_module(module), attr or name)
     except ModuleNotFoundError as exc:
         if exc.name == module:
             return  # not written (yet): the CLI works without it
@@ -858,6 +859,7 @@ def _attach_optional(module: str, name: str) -> None:
 
 _attach_optional("tangramctl.profile", "profile")
 _attach_optional("tangramctl.simulate", "simulate")
+_attach_optional("tangramctl.ray", "ray", "ray_group")  # Ray itself loads only when used
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -84,6 +84,14 @@ def _cluster_join(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return ex.join_info(rotate=bool(args.get("rotate")))
 
 
+def _node_lost(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    # Only the coordinator has nodes to lose; `tangramd up`'s one node is itself.
+    lose = getattr(ex, "lose_node", None)
+    if lose is None:
+        raise UnknownOp("node.lost is served by `tangramd coordinator`, not `tangramd up`")
+    return lose(args["name"], args.get("why") or "declared lost by an operator")
+
+
 def _queue(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return ex.core.queue_view(ex.clock())
 
@@ -236,6 +244,7 @@ SYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Any]] = {
     "nodes": _nodes,
     "node.drain": _node_drain,
     "node.undrain": _node_undrain,
+    "node.lost": _node_lost,
     "cluster.join": _cluster_join,
     "queue": _queue,
     "story": _story,

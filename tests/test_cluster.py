@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tangram import Client, EnvLost
-from tangram.protocol import OPS, InfraError, UnknownOp
+from tangram.protocol import OPS, BadRequest, InfraError, NotFound, UnknownOp
 from tangramd.cluster.testing import (
     Daemon,
     node_row,
@@ -103,7 +103,8 @@ def test_exec_through_a_node_runs_where_its_environment_is(cluster: dict[str, Da
 
 def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, Daemon]) -> None:
     """Each op of the table, forwarded by a node, answers exactly its documented fields;
-    cluster.join answers on the coordinator and is refused through a node (it is secret)."""
+    cluster.join answers on the coordinator and is refused through a node (it is secret),
+    as is node.lost (it could take any node down)."""
     with cluster["b"].client() as c:
         env = c.env_open()
         result = c.request("exec", {"cmd": "true", "env": env})
@@ -139,13 +140,28 @@ def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, Daemon
             "node.drain": {"name": "a"},
             "node.undrain": {"name": "a"},
         }
-        for op in [o for o in OPS if o not in answers and o != "cluster.join"]:
+        # GPU services run in `tangramd up` only (nodes report no GPUs yet): the coordinator
+        # refuses them with the documented errors, and lists no service
+        with pytest.raises(BadRequest, match="no GPUs"):
+            c.request("service.register", {"name": "s", "runtime": "torch", "mem_gb": 1,
+                                           "entry": "m:f"})  # fmt: skip
+        with pytest.raises(NotFound, match="not registered"):
+            c.request("call", {"name": "s", "payload": {}})
+        with pytest.raises(NotFound, match="not registered"):
+            c.request("service.remove", {"name": "s"})
+        gpu_ops = ("service.register", "call", "service.remove")
+        local_only = ("cluster.join", "node.lost")
+        for op in [o for o in OPS if o not in answers and o not in local_only + gpu_ops]:
             answers[op] = c.request(op, args.get(op, {}))
+        assert answers["service.list"] == {"services": []}
         with pytest.raises(UnknownOp, match="coordinator's own socket"):
             c.cluster_join()
+        with pytest.raises(UnknownOp, match="coordinator's own socket"):
+            c.node_lost("a")
     with cluster["coordinator"].client() as c:
         answers["cluster.join"] = c.request("cluster.join", {})
-    assert set(answers) == set(OPS)
+    # node.lost would take node a down under the other tests: tests/test_ray.py checks it
+    assert set(answers) | {"node.lost", *gpu_ops} == set(OPS)
     for op, answer in answers.items():
         assert sorted(answer) == sorted(OPS[op].result_fields), op
     assert answers["exec"]["node"] in ("a", "b")

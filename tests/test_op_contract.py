@@ -26,8 +26,9 @@ PROFILE = {
 }
 
 
-# Served by `tangramd coordinator` only (tests/test_cluster.py holds it to its doc there).
-COORDINATOR_ONLY = {"cluster.join"}
+# Served by `tangramd coordinator` only (tests/test_cluster.py and tests/test_ray.py hold
+# them to their docs there).
+COORDINATOR_ONLY = {"cluster.join", "node.lost"}
 
 
 def test_every_documented_result_is_what_the_daemon_sends(tmp_path) -> None:

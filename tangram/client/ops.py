@@ -104,6 +104,12 @@ class Ops:
         """Place new trajectories on node ``name`` again; ``{"name", "draining"}``."""
         return self._op("node.undrain", {"name": name}, _as_dict)
 
+    def node_lost(self, name: str, why: str | None = None) -> dict[str, Any]:
+        """Declare node ``name`` lost now (coordinator socket only); ``{"name",
+        "already_lost"}``."""
+        args = {"name": name} if why is None else {"name": name, "why": why}
+        return self._op("node.lost", args, _as_dict)
+
     def cluster_join(self, rotate: bool = False) -> dict[str, Any]:
         """``{"coordinator", "token", "ca_sha256"}`` for ``tangramd node`` (coordinator only)."""
         args = {"rotate": True} if rotate else {}

@@ -420,6 +420,19 @@ OPS: Final[dict[str, Op]] = {
             errors=("not_found",),
         ),
         Op(
+            "node.lost",
+            "declare a node lost now, as a missed heartbeat timeout would: its running "
+            "actions end infra_error, its environments are lost (for a monitor that knows "
+            "the host is gone, such as `tangramctl ray`; served on the coordinator's own "
+            "socket only). A node that is in fact alive reconnects and joins afresh",
+            (
+                Arg("name", NAME, True),
+                Arg("why", Str(), doc="the reason, for the node's actions and the log"),
+            ),
+            result=("name: str", "already_lost: bool"),
+            errors=("not_found", "unknown_op"),
+        ),
+        Op(
             "cluster.join",
             "what a new host needs to join this coordinator (served by the coordinator)",
             (Arg("rotate", Bool(), doc="replace the join token first (joined nodes stay)"),),

@@ -26,7 +26,13 @@ from typing import Any
 import structlog
 
 from tangram.protocol.codec import FrameError
-from tangram.protocol.errors import InfraError, TangramError, UnknownOp, error_to_wire
+from tangram.protocol.errors import (
+    InfraError,
+    NotFound,
+    TangramError,
+    UnknownOp,
+    error_to_wire,
+)
 from tangram.protocol.results import ExecResult
 from tangram.version import __version__
 from tangramd import events as ev
@@ -43,7 +49,9 @@ log = structlog.get_logger("tangramd")
 
 HELLO_TIMEOUT_S = 10.0
 REMOTE_CONN_BASE = 1 << 40  # ids of clients on node sockets, apart from local connections
-LOCAL_ONLY_OPS = frozenset({"cluster.join"})  # secrets: never handed out through a node
+# cluster.join hands out secrets; node.lost could take any node down: neither is served
+# to clients on a node's socket, only on the coordinator's own.
+LOCAL_ONLY_OPS = frozenset({"cluster.join", "node.lost"})
 
 
 class _Nodes:
@@ -191,6 +199,16 @@ class CoordinatorExecutor(Executor):
             "token": self.registry.token,
             "ca_sha256": self.pki.ca_sha256() if self.pki is not None else "",
         }
+
+    def lose_node(self, name: str, why: str) -> dict[str, Any]:
+        """``node.lost``: what the heartbeat timeout does, now (an outside monitor such as
+        Ray saw the host die). A node that is in fact alive reconnects and joins afresh."""
+        rec = self.registry.nodes.get(name)
+        if rec is None:
+            raise NotFound(f"no node named {name!r}")
+        already = rec.lost
+        self._lose(rec, why[:200])
+        return {"name": name, "already_lost": already}
 
     # ------------------------------------------------------------------ commands to nodes
     async def _create_env(self, cmd: ev.CreateEnv) -> None:
