@@ -173,7 +173,8 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
         up = tangram_on_ray.up(
             config_text=CONFIG, cpus=",".join(map(str, cores)), state_root=str(work / "state")
         )
-        print(f"ray up: {len(up['nodes'])} tangram nodes ready in {up['ready_s']:.1f} s")
+        ready = f"ray up: {len(up['nodes'])} tangram nodes ready in {up['ready_s']:.1f} s"
+        print(ready, file=sys.stderr)  # stdout is the summary (JSON with --json)
         try:
             summary = drive(args.workers_per_node, args.trajectories, args.steps)
             summary["ray_up_ready_s"] = up["ready_s"]

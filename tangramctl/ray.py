@@ -43,9 +43,10 @@ POLL_S = 0.2  # between two looks at the nodes while `ray up` waits for them
 class RayError(click.ClickException):
     """One line on stderr, as every tangramctl error; exit 1 unless told otherwise."""
 
-    def __init__(self, message: str, exit_code: int = 1) -> None:
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        if exit_code is not None:
+            self.exit_code = exit_code
 
     def show(self, file: Any = None) -> None:
         click.echo(f"tangramctl: {self.format_message()}", err=True)
