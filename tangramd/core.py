@@ -1340,14 +1340,15 @@ class Core:
         """Invariants every test checks after each event."""
         for node in self.cpu.nodes:
             node.validate()
-        holders: dict[int, ActionId] = {}
+        holders: dict[tuple[str, int], ActionId] = {}  # (pool, core): cores are per node
         for rec in self.actions.values():
             if rec.state == "running" and rec.action.kind == "exec":
                 for core in rec.units:
-                    assert core not in holders, (
-                        f"core {core} held by {holders[core]} and {rec.action.id}"
+                    key = (rec.pool_id, core)
+                    assert key not in holders, (
+                        f"core {core} of {rec.pool_id} held by {holders[key]} and {rec.action.id}"
                     )
-                    holders[core] = rec.action.id
+                    holders[key] = rec.action.id
             assert rec.state != "done", f"ended action {rec.action.id} still live"
             if rec.env is not None:
                 assert self.envs.get(rec.env) is not None, f"{rec.action.id}: env gone"

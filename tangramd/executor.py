@@ -153,7 +153,7 @@ class Executor:
         try:
             commands = self.core.handle(event, now)
         except Exception:
-            log.exception("core_failed", event=type(event).__name__)
+            log.exception("core_failed", event_type=type(event).__name__)
             token = getattr(event, "token", None)
             if token is not None:
                 self._resolve(token, None, ("internal", "internal error; see daemon log"))
@@ -165,7 +165,7 @@ class Executor:
             try:
                 self.core.validate()
             except AssertionError as exc:
-                log.error("invariant_violated", event=type(event).__name__, error=str(exc))
+                log.error("invariant_violated", event_type=type(event).__name__, error=str(exc))
         self._arm_timer()
 
     async def request(self, make_event: Callable[[int], ev.Event]) -> Any:

@@ -207,3 +207,15 @@ def test_queued_throwaway_work_of_a_lost_node_moves_to_another() -> None:
     assert isinstance(run_cmd, ev.RunExec) and run_cmd.node == moved.node
     story = core.story(run_cmd.action_id, 0)["events"]
     assert any("moving to another node" in entry["detail"] for entry in story)
+
+
+def test_the_same_core_id_on_two_nodes_is_two_cores() -> None:
+    """Core 0 of node a and core 0 of node b run two actions at once; validate() agrees."""
+    core = cluster_core()
+    join(core, "a", cores=(0,))
+    join(core, "b", cores=(0,))
+    first, second = open_ready(core, 1), open_ready(core, 2)
+    assert {first.node, second.node} == {"a", "b"}
+    runs = [run(core, 10, first.env_id, 1.0), run(core, 11, second.env_id, 2.0)]
+    assert [r.cores for r in runs] == [(0,), (0,)] and {r.node for r in runs} == {"a", "b"}
+    core.validate()

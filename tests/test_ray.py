@@ -79,10 +79,8 @@ class RayHost:
             "include_dashboard": False,
             "object_store_memory": 80 << 20,
             "resources": {label: 1},
-            # No TANGRAM_VALIDATE here: Core.validate() keys running cores by core id alone,
-            # so two nodes' core 0 look like one core held twice (a false alarm that also
-            # trips a logging bug in Executor.feed); these nodes all offer core 0.
-            "env_vars": {"TANGRAM_SOCKET": self.socket(label)},
+            # the daemons Ray starts here check the core's invariants after every event
+            "env_vars": {"TANGRAM_SOCKET": self.socket(label), "TANGRAM_VALIDATE": "1"},
         }
 
     def add(self, label: str) -> Any:
