@@ -276,8 +276,7 @@ def _assign_nodes(
         ]
         if not room and not starving:
             continue  # waits; no node has room now
-        pick = min(room or fits_ever, key=lambda p: (_mem_load(p, mem_free, mem_used), p.pool_id))
-        pid = pick.pool_id
+        pid = _least_loaded(room or fits_ever, mem_free, mem_used)
         if mem_free[pid] >= need_mem:
             mem_free[pid] -= need_mem
             mem_used[pid] += need_mem
@@ -290,9 +289,17 @@ def _assign_nodes(
     return assigned, never
 
 
-def _mem_load(pool: Any, free: Mapping[str, int], used: Mapping[str, int]) -> float:
-    total = free[pool.pool_id] + used[pool.pool_id]
-    return used[pool.pool_id] / total if total else 1.0
+def _least_loaded(nodes: Sequence[Any], free: Mapping[str, int], used: Mapping[str, int]) -> str:
+    """The node with the lowest memory load (used / total), ties by pool id."""
+    best: tuple[float, str] | None = None
+    for node in nodes:
+        pid = node.pool_id
+        total = free[pid] + used[pid]
+        key = (used[pid] / total if total else 1.0, pid)
+        if best is None or key < best:
+            best = key
+    assert best is not None, "called with at least one node"
+    return best[1]
 
 
 # ----------------------------------------------------------------------------- one pool
@@ -360,6 +367,7 @@ def _schedule_pool(
     base_heap.sort()  # a sorted list is a valid heap: copied, never re-heapified
     rank = {a.id: k for k, a in enumerate(elastic)}
     merged = list(heapq.merge(elastic, window, key=lambda a: a.seq))
+    ranks = [rank.get(a.id, n) for a in merged]  # n: not a candidate, replayed at every t
 
     def objective(t: int) -> tuple[float, list[int]]:
         arr = table.row(t)
@@ -370,7 +378,7 @@ def _schedule_pool(
             assert nxt is not None
             s = nxt
             heapq.heappush(heap, (choices[k][amount], amount))
-        waiting = [a for a in merged if rank.get(a.id, n) >= t]
+        waiting = [a for a, r in zip(merged, ranks, strict=True) if r >= t]
         return fixed_total + arr.total + replay.run(waiting, s, heap), arr.amounts
 
     lowest_t = 1 if cfg.rule == "paper" else 0
