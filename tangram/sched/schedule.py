@@ -50,6 +50,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Literal, Protocol
 
 from tangram.model import Action, ActionId, Shortfall, TrajectoryId
@@ -64,6 +65,7 @@ Order = Literal["fcfs", "backfill"]
 ORDERS: tuple[str, ...] = ("fcfs", "backfill")
 Rule = Literal["paper", "wait", "wait-eft", "priced"]
 RULES: tuple[str, ...] = ("paper", "wait", "wait-eft", "priced")
+_SEQ = attrgetter("seq")  # FCFS sort key (a C-level getter: queues are sorted every pass)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +203,7 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
             queues.setdefault(pid, []).append(action)
             new_nodes.add(action.id)
         for pid in {pid for _, pid in assigned}:
-            queues[pid].sort(key=lambda a: a.seq)
+            queues[pid].sort(key=_SEQ)
 
     placements: list[Placement] = []
     objective = 0.0
@@ -355,7 +357,7 @@ def _schedule_pool(
     while n > 0 and not table.feasible(n):  # chunk order effects: drop trailing candidates
         rest.append(elastic.pop())
         n -= 1
-    rest.sort(key=lambda a: a.seq)
+    rest.sort(key=_SEQ)
     # The replay window is a fixed set for every t (evicted candidates + the first
     # ``replay_limit`` non-candidates), so objective values of different t compare.
     window = rest[: cfg.replay_limit]
@@ -366,7 +368,7 @@ def _schedule_pool(
 
     base_heap.sort()  # a sorted list is a valid heap: copied, never re-heapified
     rank = {a.id: k for k, a in enumerate(elastic)}
-    merged = list(heapq.merge(elastic, window, key=lambda a: a.seq))
+    merged = list(heapq.merge(elastic, window, key=_SEQ))
     ranks = [rank.get(a.id, n) for a in merged]  # n: not a candidate, replayed at every t
 
     def objective(t: int) -> tuple[float, list[int]]:
