@@ -115,45 +115,36 @@ class Durations:
 
     def table(self, action: Action, amounts: tuple[int, ...]) -> dict[int, float]:
         """Durations at each of ``amounts`` (the DP's choices for one candidate)."""
-        prof = action.profiled
-        out: dict[int, float] = {}
-        for u in amounts:
-            base = prof.get(u)
-            if base is None:
-                out[u] = self(action, u)
-                continue
-            extra_key = (action.kind, action.service, u)
-            extra = self._extra.get(extra_key)
-            if extra is None:
-                extra = self._extra[extra_key] = self._pool.extra_cost(action, u)
-            out[u] = base + extra
-        return out
+        return {u: self._compute(action, u) for u in amounts}
 
     def minimum(self, action: Action) -> float:
         """Duration at the lowest amount the action may take in this pass."""
         d = self.at_min.get(action.id)
         if d is None:
-            d = self.at_min[action.id] = self(action, self.lowest(action))
+            d = self.at_min[action.id] = self._compute(action, self.lowest(action))
         return d
 
     def __call__(self, action: Action, amount: int) -> float:
         key = (action.id, amount)
         dur = self._cache.get(key)
         if dur is None:
-            base = action.profiled.get(amount)
-            if base is None:
-                # the history estimate is only read when the action has no duration of its own
-                if action.elasticity is None and action.dur_s is None:
-                    base = self._estimate(action.klass)
-                else:
-                    base = action.duration(amount, 0.0)
-            extra_key = (action.kind, action.service, amount)
-            extra = self._extra.get(extra_key)
-            if extra is None:
-                extra = self._extra[extra_key] = self._pool.extra_cost(action, amount)
-            dur = base + extra
-            self._cache[key] = dur
+            dur = self._cache[key] = self._compute(action, amount)
         return dur
+
+    def _compute(self, action: Action, amount: int) -> float:
+        """The duration at ``amount``, uncached (the callers cache what they reuse)."""
+        base = action.profiled.get(amount)
+        if base is None:
+            # the history estimate is only read when the action has no duration of its own
+            if action.elasticity is None and action.dur_s is None:
+                base = self._estimate(action.klass)
+            else:
+                base = action.duration(amount, 0.0)
+        extra_key = (action.kind, action.service, amount)
+        extra = self._extra.get(extra_key)
+        if extra is None:
+            extra = self._extra[extra_key] = self._pool.extra_cost(action, amount)
+        return base + extra
 
 
 def eft_amount(

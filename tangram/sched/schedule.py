@@ -361,7 +361,8 @@ def _schedule_pool(
     # The replay window is a fixed set for every t (evicted candidates + the first
     # ``replay_limit`` non-candidates), so objective values of different t compare.
     window = rest[: cfg.replay_limit]
-    fixed_heap = [(dur(a, a.min_units), a.min_units) for a in fixed]
+    # fixed candidates have no band: their lowest amount is their minimum
+    fixed_heap = [(dur.minimum(a), a.min_units) for a in fixed]
     fixed_total = sum(d for d, _ in fixed_heap)
     base_heap = running() + fixed_heap
     replay = Replay(op, dur, cfg)
