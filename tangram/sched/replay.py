@@ -121,7 +121,8 @@ class Durations:
         """Duration at the lowest amount the action may take in this pass."""
         d = self.at_min.get(action.id)
         if d is None:
-            d = self.at_min[action.id] = self._compute(action, self.lowest(action))
+            u = self.low.get(action.id, action.min_units)  # lowest(), inlined
+            d = self.at_min[action.id] = self._compute(action, u)
         return d
 
     def __call__(self, action: Action, amount: int) -> float:
@@ -133,13 +134,16 @@ class Durations:
 
     def _compute(self, action: Action, amount: int) -> float:
         """The duration at ``amount``, uncached (the callers cache what they reuse)."""
+        # Action.duration's order (profile, elasticity, known duration, history), reading the
+        # history estimate only when the action has no duration of its own
         base = action.profiled.get(amount)
         if base is None:
-            # the history estimate is only read when the action has no duration of its own
-            if action.elasticity is None and action.dur_s is None:
-                base = self._estimate(action.klass)
-            else:
+            if action.elasticity is not None:
                 base = action.duration(amount, 0.0)
+            elif action.dur_s is not None:
+                base = action.dur_s
+            else:
+                base = self._estimate(action.klass)
         extra_key = (action.kind, action.service, amount)
         extra = self._extra.get(extra_key)
         if extra is None:
