@@ -66,3 +66,37 @@ def test_fast_replay_equals_generic_loop(case, rule, depth) -> None:
         heapq.heapify(h)
         results.append(replay.run(acts, free, h))
     assert results[0] == results[1]
+
+
+@st.composite
+def any_action(draw: st.DrawFn):
+    """An exec action with a profile, a known duration, or neither (the history's turn)."""
+    which = draw(st.sampled_from(["profiled", "known", "history"]))
+    if which == "profiled":
+        hi = draw(st.sampled_from([2, 4, 8, 16]))
+        lo = draw(st.sampled_from([1, 2]))
+        eff = {m: draw(st.floats(0.3, 1.0)) for m in (2, 4, 8, 16) if lo <= m <= hi}
+        eff[lo] = 1.0
+        return make_action("a", "exec", "t", {"cpu": [1, hi]}, t1_s=draw(st.floats(1, 99)), eff=eff)
+    if which == "known":
+        return make_action("a", "exec", "t", {"cpu": 2}, dur_s=draw(st.floats(0.0, 5.0)))
+    return make_action("a", "exec", "t", {"cpu": 2}, klass=draw(st.sampled_from(["x", "y"])))
+
+
+@settings(max_examples=200, deadline=None)
+@given(any_action(), st.integers(1, CORES), st.floats(0.01, 10.0))
+def test_durations_follow_action_duration(action, amount, estimate) -> None:
+    """Durations gives Action.duration (history estimate as fallback) plus the pool's extra
+    cost, through the cache, minimum() and the DP tables alike."""
+    p = pool()
+    history = {"x": estimate, "y": 2 * estimate}
+    expected = action.duration(amount, history.get(action.klass, 1.0)) + p.extra_cost(
+        action, amount
+    )
+    dur = Durations(p, lambda klass: history.get(klass, 1.0))
+    assert dur(action, amount) == expected
+    assert dur.table(action, (amount,)) == {amount: expected}
+    lowest = action.min_units
+    assert dur.minimum(action) == action.duration(
+        lowest, history.get(action.klass, 1.0)
+    ) + p.extra_cost(action, lowest)

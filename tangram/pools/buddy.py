@@ -41,6 +41,10 @@ class BuddyChunks:
     def counts(self) -> dict[int, int]:
         return {size: len(self._free.get(size, ())) for size in CHUNK_SIZES}
 
+    def has_chunk(self, size: int) -> bool:
+        """Whether a free chunk of at least ``size`` GPUs exists."""
+        return any(starts for s, starts in self._free.items() if s >= size)
+
     def chunks(self) -> list[tuple[int, int]]:
         """Free chunks as sorted ``(start, size)`` pairs."""
         return sorted((start, size) for size, starts in self._free.items() for start in starts)

@@ -517,7 +517,7 @@ class GpuCluster:
             fully_resident(self._choices(action.service, size), size) is not None
         ):
             return 0.0
-        with_room = [n for n in fitting if any(s >= size for _, s in n.buddy.chunks())]
+        with_room = [n for n in fitting if n.buddy.has_chunk(size)]
         return min(node.restore_time_s(spec, size) for node in with_room or fitting)
 
     def pick_units(self, requests: Sequence[tuple[Action, int]]) -> list[tuple[int, ...]]:

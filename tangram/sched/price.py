@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import lru_cache, partial
 
 from tangram.model import Action, ActionId
 from tangram.sched.load import PoolLoad
@@ -57,6 +57,8 @@ def short_reserve(load: PoolLoad) -> int:
     return math.ceil(a + math.sqrt(a)) if a > 0 else 0
 
 
+# pure functions of small tuples, asked for every queued elastic action on every pass
+@lru_cache(maxsize=4096)
 def probe(amounts: tuple[int, ...]) -> tuple[int, ...]:
     """The amounts the price is evaluated at: both ends and every power of two between."""
     lo, hi = amounts[0], amounts[-1]
@@ -82,6 +84,7 @@ def priced_dop(
     return pick
 
 
+@lru_cache(maxsize=4096)
 def band(amounts: tuple[int, ...], k: int) -> tuple[int, ...]:
     """The allowed amounts in ``[k/2, k]``."""
     return tuple(u for u in amounts if 2 * u >= k and u <= k) or (k,)
@@ -117,12 +120,18 @@ def price_bands(
             break
         g *= 2
 
+    shares: dict[int, float] = {}  # sharing(k) per k, memoised: every action asks again
+
     def sharing(k: int) -> float:
+        share = shares.get(k)
+        if share is not None:
+            return share
         share = grid[0][1]
         for g, s in grid:
             if g > k:
                 break
             share = s
+        shares[k] = share
         return share
 
     out: dict[ActionId, tuple[int, ...]] = {}

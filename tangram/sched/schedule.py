@@ -50,6 +50,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Literal, Protocol
 
 from tangram.model import Action, ActionId, Shortfall, TrajectoryId
@@ -64,6 +65,7 @@ Order = Literal["fcfs", "backfill"]
 ORDERS: tuple[str, ...] = ("fcfs", "backfill")
 Rule = Literal["paper", "wait", "wait-eft", "priced"]
 RULES: tuple[str, ...] = ("paper", "wait", "wait-eft", "priced")
+_SEQ = attrgetter("seq")  # FCFS sort key (a C-level getter: queues are sorted every pass)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +203,7 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
             queues.setdefault(pid, []).append(action)
             new_nodes.add(action.id)
         for pid in {pid for _, pid in assigned}:
-            queues[pid].sort(key=lambda a: a.seq)
+            queues[pid].sort(key=_SEQ)
 
     placements: list[Placement] = []
     objective = 0.0
@@ -276,8 +278,7 @@ def _assign_nodes(
         ]
         if not room and not starving:
             continue  # waits; no node has room now
-        pick = min(room or fits_ever, key=lambda p: (_mem_load(p, mem_free, mem_used), p.pool_id))
-        pid = pick.pool_id
+        pid = _least_loaded(room or fits_ever, mem_free, mem_used)
         if mem_free[pid] >= need_mem:
             mem_free[pid] -= need_mem
             mem_used[pid] += need_mem
@@ -290,9 +291,17 @@ def _assign_nodes(
     return assigned, never
 
 
-def _mem_load(pool: Any, free: Mapping[str, int], used: Mapping[str, int]) -> float:
-    total = free[pool.pool_id] + used[pool.pool_id]
-    return used[pool.pool_id] / total if total else 1.0
+def _least_loaded(nodes: Sequence[Any], free: Mapping[str, int], used: Mapping[str, int]) -> str:
+    """The node with the lowest memory load (used / total), ties by pool id."""
+    best: tuple[float, str] | None = None
+    for node in nodes:
+        pid = node.pool_id
+        total = free[pid] + used[pid]
+        key = (used[pid] / total if total else 1.0, pid)
+        if best is None or key < best:
+            best = key
+    assert best is not None, "called with at least one node"
+    return best[1]
 
 
 # ----------------------------------------------------------------------------- one pool
@@ -348,18 +357,20 @@ def _schedule_pool(
     while n > 0 and not table.feasible(n):  # chunk order effects: drop trailing candidates
         rest.append(elastic.pop())
         n -= 1
-    rest.sort(key=lambda a: a.seq)
+    rest.sort(key=_SEQ)
     # The replay window is a fixed set for every t (evicted candidates + the first
     # ``replay_limit`` non-candidates), so objective values of different t compare.
     window = rest[: cfg.replay_limit]
-    fixed_heap = [(dur(a, a.min_units), a.min_units) for a in fixed]
+    # fixed candidates have no band: their lowest amount is their minimum
+    fixed_heap = [(dur.minimum(a), a.min_units) for a in fixed]
     fixed_total = sum(d for d, _ in fixed_heap)
     base_heap = running() + fixed_heap
     replay = Replay(op, dur, cfg)
 
     base_heap.sort()  # a sorted list is a valid heap: copied, never re-heapified
     rank = {a.id: k for k, a in enumerate(elastic)}
-    merged = list(heapq.merge(elastic, window, key=lambda a: a.seq))
+    merged = list(heapq.merge(elastic, window, key=_SEQ))
+    ranks = [rank.get(a.id, n) for a in merged]  # n: not a candidate, replayed at every t
 
     def objective(t: int) -> tuple[float, list[int]]:
         arr = table.row(t)
@@ -370,7 +381,7 @@ def _schedule_pool(
             assert nxt is not None
             s = nxt
             heapq.heappush(heap, (choices[k][amount], amount))
-        waiting = [a for a in merged if rank.get(a.id, n) >= t]
+        waiting = [a for a, r in zip(merged, ranks, strict=True) if r >= t]
         return fixed_total + arr.total + replay.run(waiting, s, heap), arr.amounts
 
     lowest_t = 1 if cfg.rule == "paper" else 0
