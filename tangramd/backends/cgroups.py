@@ -87,6 +87,7 @@ class Cgroups:
 
     def __init__(self, parent: Path, scope: str) -> None:
         self.parent = parent
+        self.home = parent  # where the daemon (and its spawner between spawns) lives
         self.base = parent / "tangram" / scope
 
     def _make(self, path: Path, cores: tuple[int, ...] | None) -> None:
@@ -216,6 +217,7 @@ class CgroupV2(Cgroups):
         for pid in self.pids(self.parent):  # the daemon (threads move with it in v2)
             with contextlib.suppress(OSError):
                 self.place(leaf, pid)
+        self.home = leaf
         try:
             (self.parent / "cgroup.subtree_control").write_text("+cpuset")
             tangram = self.parent / "tangram"
