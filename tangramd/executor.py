@@ -255,7 +255,8 @@ class Executor:
         elif isinstance(cmd, ev.PersistProfiles):
             self._write_json(self._profiles_path(), dict(cmd.profiles))
         elif isinstance(cmd, ev.PersistEnvs):
-            self._write_json(self._envs_path(), [dict(r) for r in cmd.envs])
+            # rewritten on every environment open and close: the compact (C) encoder
+            self._write_json(self._envs_path(), [dict(r) for r in cmd.envs], indent=None)
         elif isinstance(cmd, ev.RunCall):
             log.info(
                 "action_placed",
@@ -494,14 +495,14 @@ class Executor:
             return []
         return loaded
 
-    def _write_json(self, path: Path, data: Any) -> None:
+    def _write_json(self, path: Path, data: Any, indent: int | None = 1) -> None:
         """Atomically replace ``path`` (private to the daemon's user) before anyone relies
         on it: the command that asks for it comes before the reply that acknowledges."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
+            f.write(json.dumps(data, indent=indent, sort_keys=True))
         os.replace(tmp, path)
 
 
