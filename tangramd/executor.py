@@ -9,6 +9,7 @@ carries out and reports. Requests from clients arrive through the op handlers
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import os
@@ -220,6 +221,12 @@ class Executor:
         self._timer_at = None
         self.feed(ev.Tick())
 
+    def _log_soon(self, event: str, **fields: Any) -> None:
+        """Log an exec's placement or end on the next turn of the loop: formatting and
+        writing a log line is a tenth of a millisecond, which must not delay the spawn
+        or the answer a client waits for (both are already on their way then)."""
+        asyncio.get_running_loop().call_soon(functools.partial(log.info, event, **fields))
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -230,7 +237,8 @@ class Executor:
         if isinstance(cmd, ev.Reply):
             self._resolve(cmd.token, cmd.result, cmd.error)
         elif isinstance(cmd, ev.RunExec):
-            log.info(
+            self._spawn(self._run_exec(cmd))  # first: its spawn request leaves before the log
+            self._log_soon(
                 "action_placed",
                 action_id=cmd.action_id,
                 node=cmd.node,
@@ -239,7 +247,6 @@ class Executor:
                 trajectory=self.core.trajectory_of(cmd.action_id),
                 cause=cmd.cause,
             )
-            self._spawn(self._run_exec(cmd))
         elif isinstance(cmd, ev.CreateEnv):
             self._spawn(self._create_env(cmd))
         elif isinstance(cmd, ev.RemoveEnv):
@@ -315,7 +322,8 @@ class Executor:
         except Exception as exc:
             res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
         lost = res.outcome == "infra_error" and not self.backend.env_exists(cmd.env_id)
-        log.info(
+        self.feed(ev.ExecFinished(action_id=cmd.action_id, result=res, env_lost=lost))
+        self._log_soon(  # after the answer, which is on its way now
             "action_finished",
             action_id=cmd.action_id,
             node=cmd.node,
@@ -327,7 +335,6 @@ class Executor:
             cores=list(cmd.cores),
             cause=cmd.cause,
         )
-        self.feed(ev.ExecFinished(action_id=cmd.action_id, result=res, env_lost=lost))
 
     async def _run_transfer(self, cmd: ev.RunTransfer) -> None:
         result, error = await run_transfer(
