@@ -83,3 +83,17 @@ def test_a_command_that_cannot_be_run_is_126_or_127(tmp_path):
         assert (denied.outcome, denied.exit_code) == ("failed", 126)
     finally:
         run(b.shutdown())
+
+
+def test_a_command_gets_only_its_three_descriptors(tmp_path):
+    """Nothing of the daemon or the helper (sockets, pidfds, other execs' pipes) leaks into
+    a command: it starts with stdin, stdout and stderr only."""
+    b = ProcessBackend(tmp_path)
+    env = new_env(b)
+    probe = "import os; print(' '.join(sorted(os.listdir('/proc/self/fd'), key=int)))"
+    try:
+        result = run(b.exec(req(env, ["python3", "-c", probe])))
+        assert result.outcome == "ok", result
+        assert set(result.stdout.split()) <= {"0", "1", "2", "3"}  # 3: listdir's own
+    finally:
+        run(b.shutdown())

@@ -31,9 +31,12 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import selectors
+import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -52,7 +55,9 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes | None:
     """Read ``n`` bytes (None at EOF), collecting any passed descriptors into ``fds``."""
     buf = b""
     while len(buf) < n:
-        data, anc, _flags, _addr = sock.recvmsg(n - len(buf), socket.CMSG_SPACE(_MAX_FDS * 4))
+        data, anc, _flags, _addr = sock.recvmsg(
+            n - len(buf), socket.CMSG_SPACE(_MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC
+        )
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 got = array.array("i")
@@ -74,11 +79,71 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
+class _CannotStart(Exception):
+    """Not the command's fault (e.g. its working directory is gone): no exit code."""
+
+
+def _posix_spawn(msg: dict[str, Any], stdio: dict[str, int]) -> int:
+    """Spawn as the helper's own user with ``posix_spawn`` (vfork and exec, no Python in
+    the child: about 0.15 ms less than ``subprocess`` here). The helper is single-threaded,
+    so it may lend the child its cwd and umask for the call. Every descriptor of the helper
+    is close-on-exec, so the child gets exactly its three."""
+    argv, env = msg["argv"], msg["env"]
+    path = argv[0] if "/" in argv[0] else shutil.which(argv[0], path=env.get("PATH", os.defpath))
+    if path is None:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", argv[0])
+    actions: list[tuple[Any, ...]] = []
+    if "stdin" in stdio:
+        actions.append((os.POSIX_SPAWN_DUP2, stdio["stdin"], 0))
+    else:
+        actions.append((os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0))
+    actions += [
+        (os.POSIX_SPAWN_DUP2, stdio["stdout"], 1),
+        (os.POSIX_SPAWN_DUP2, stdio["stderr"], 2),
+    ]
+    try:
+        os.chdir(msg["cwd"])
+    except OSError as e:
+        raise _CannotStart(f"cwd {msg['cwd']}: {e.strerror}") from None
+    old_umask = os.umask(msg["umask"])
+    try:
+        return os.posix_spawn(
+            path,
+            argv,
+            env,
+            file_actions=actions,
+            setsid=True,
+            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),  # ignored here; defaults for it
+        )
+    finally:
+        os.umask(old_umask)
+        os.chdir("/")
+
+
+def _popen(msg: dict[str, Any], stdio: dict[str, int]) -> subprocess.Popen[bytes]:
+    """Spawn as another user (``subprocess`` switches uid, gid and drops groups)."""
+    user = msg["user"]
+    return subprocess.Popen(
+        msg["argv"],
+        stdin=stdio.get("stdin", subprocess.DEVNULL),
+        stdout=stdio["stdout"],
+        stderr=stdio["stderr"],
+        cwd=msg["cwd"],
+        env=msg["env"],
+        start_new_session=True,
+        umask=msg["umask"],
+        user=user[0],
+        group=user[1],
+        extra_groups=[],  # drop root's groups
+    )
+
+
 class _Helper:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.sel = selectors.DefaultSelector()
-        self.children: dict[int, tuple[subprocess.Popen[bytes], int]] = {}  # pidfd -> child
+        # pidfd -> (pid, its Popen when spawned by one)
+        self.children: dict[int, tuple[int, subprocess.Popen[bytes] | None]] = {}
         self.affinity = os.sched_getaffinity(0)
         with open("/proc/self/oom_score_adj") as f:
             self.score = f.read().strip()
@@ -123,31 +188,24 @@ class _Helper:
         except OSError as e:
             why = f"cannot pin the command to cores {msg['cores']}: {e}"
             return {"id": rid, "error": why, **self._home(home)}
-        user = msg.get("user")
         try:
             _write("/proc/self/oom_score_adj", str(msg["oom_score_adj"]))
-            popen = subprocess.Popen(
-                msg["argv"],
-                stdin=stdio.get("stdin", subprocess.DEVNULL),
-                stdout=stdio["stdout"],
-                stderr=stdio["stderr"],
-                cwd=msg["cwd"],
-                env=msg["env"],
-                start_new_session=True,
-                umask=msg["umask"],
-                user=None if user is None else user[0],
-                group=None if user is None else user[1],
-                extra_groups=None if user is None else [],  # drop root's groups
-            )
+            if msg.get("user") is None:
+                pid, popen = _posix_spawn(msg, stdio), None
+            else:
+                popen = _popen(msg, stdio)
+                pid = popen.pid
+        except _CannotStart as e:
+            return {"id": rid, "error": str(e), **self._home(home)}
         except OSError as e:
             return {"id": rid, "errno": e.errno or 0, "error": str(e), **self._home(home)}
         except subprocess.SubprocessError as e:
             return {"id": rid, "error": str(e), **self._home(home)}
         back = self._home(home)
-        pidfd = os.pidfd_open(popen.pid)
-        self.children[pidfd] = (popen, popen.pid)
+        pidfd = os.pidfd_open(pid)
+        self.children[pidfd] = (pid, popen)
         self.sel.register(pidfd, selectors.EVENT_READ)
-        return {"id": rid, "pid": popen.pid, **back}
+        return {"id": rid, "pid": pid, **back}
 
     def _home(self, home: str | None) -> dict[str, Any]:
         """Back to our own cgroup, affinity and score; ``fatal`` if that fails."""
@@ -161,13 +219,17 @@ class _Helper:
         return {}
 
     def _reap(self, pidfd: int) -> None:
-        popen, pid = self.children.pop(pidfd)
+        pid, popen = self.children.pop(pidfd)
         self.sel.unregister(pidfd)
         os.close(pidfd)
-        _send(self.sock, {"exit": pid, "rc": popen.wait()})
+        # A Popen child is reaped by its Popen (which would otherwise reap it itself).
+        rc = popen.wait() if popen else os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        _send(self.sock, {"exit": pid, "rc": rc})
 
 
 def _serve(fd: int) -> None:
+    os.set_inheritable(fd, False)  # the commands get their three descriptors, nothing else
+    os.chdir("/")
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     _Helper(sock).run()
