@@ -8,7 +8,7 @@ the same work in a small single-threaded helper process instead:
 
 - for each request it joins the exec's cgroup (``cgroup.procs``: it is one thread, so the
   whole helper moves), pins itself to the exec's cores, raises its own ``oom_score_adj``,
-  forks and execs the command (``subprocess``: vfork where no user switch is asked), then
+  spawns the command (``posix_spawn``; ``subprocess`` when it must switch user), then
   returns home: its own cgroup, its affinity, its score. The child inherits all three at
   the fork, so the command never runs anywhere else and needs no gate and no wrapper;
 - it is the command's parent: it watches each child by pidfd, reaps it and reports the
@@ -18,9 +18,10 @@ the same work in a small single-threaded helper process instead:
   daemon starts a new one on the next exec.
 
 The daemon side (:class:`Spawner`) talks to it over a private socket pair: frames of a
-4-byte length and a JSON map, the child's pipe ends passed with ``SCM_RIGHTS``. A helper
-that dies fails its in-flight spawns and exits (the backend then ends those actions with
-``infra_error`` and kills what they left by cgroup or process group).
+4-byte length and a JSON map, the child's pipe ends passed with ``SCM_RIGHTS``. When the
+helper dies, what it had in flight fails (the backend ends those actions with
+``infra_error`` and kills what they left by cgroup and process group) and the next exec
+starts a new one.
 
 This file runs as ``python -I -S spawner.py FD`` for the helper: the helper half imports
 the standard library only.
@@ -41,6 +42,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 from collections import deque
 from typing import Any
 
@@ -144,6 +146,7 @@ class _Helper:
         self.sel = selectors.DefaultSelector()
         # pidfd -> (pid, its Popen when spawned by one)
         self.children: dict[int, tuple[int, subprocess.Popen[bytes] | None]] = {}
+        self.lock = threading.Lock()
         self.affinity = os.sched_getaffinity(0)
         with open("/proc/self/oom_score_adj") as f:
             self.score = f.read().strip()
@@ -170,7 +173,7 @@ class _Helper:
         finally:
             for fd in fds:
                 os.close(fd)
-        _send(self.sock, reply)
+        self._send(reply)
         if reply.get("fatal"):
             sys.exit(reply["fatal"])
         return True
@@ -202,9 +205,13 @@ class _Helper:
         except subprocess.SubprocessError as e:
             return {"id": rid, "error": str(e), **self._home(home)}
         back = self._home(home)
-        pidfd = os.pidfd_open(pid)
-        self.children[pidfd] = (pid, popen)
-        self.sel.register(pidfd, selectors.EVENT_READ)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # no pidfd (Linux < 5.3): a thread waits for this child
+            threading.Thread(target=self._wait, args=(pid, popen), daemon=True).start()
+        else:
+            self.children[pidfd] = (pid, popen)
+            self.sel.register(pidfd, selectors.EVENT_READ)
         return {"id": rid, "pid": pid, **back}
 
     def _home(self, home: str | None) -> dict[str, Any]:
@@ -222,9 +229,16 @@ class _Helper:
         pid, popen = self.children.pop(pidfd)
         self.sel.unregister(pidfd)
         os.close(pidfd)
+        self._wait(pid, popen)
+
+    def _wait(self, pid: int, popen: subprocess.Popen[bytes] | None) -> None:
         # A Popen child is reaped by its Popen (which would otherwise reap it itself).
         rc = popen.wait() if popen else os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        _send(self.sock, {"exit": pid, "rc": rc})
+        self._send({"exit": pid, "rc": rc})
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        with self.lock:  # waiting threads (no pidfd) answer too
+            _send(self.sock, msg)
 
 
 def _serve(fd: int) -> None:
