@@ -234,11 +234,16 @@ class _Helper:
     def _wait(self, pid: int, popen: subprocess.Popen[bytes] | None) -> None:
         # A Popen child is reaped by its Popen (which would otherwise reap it itself).
         rc = popen.wait() if popen else os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        self._send({"exit": pid, "rc": rc})
+        with contextlib.suppress(ConnectionError):  # the loop then reads EOF and exits
+            self._send({"exit": pid, "rc": rc})
 
     def _send(self, msg: dict[str, Any]) -> None:
         with self.lock:  # waiting threads (no pidfd) answer too
-            _send(self.sock, msg)
+            try:
+                _send(self.sock, msg)
+            except ConnectionError:  # the daemon is gone: stop serving
+                self.sock.shutdown(socket.SHUT_RDWR)
+                raise
 
 
 def _serve(fd: int) -> None:
@@ -246,7 +251,10 @@ def _serve(fd: int) -> None:
     os.chdir("/")
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
-    _Helper(sock).run()
+    # The daemon gone (killed, or closed its end): its commands are its business; exit
+    # quietly.
+    with contextlib.suppress(ConnectionError):
+        _Helper(sock).run()
 
 
 # --- the daemon side ----------------------------------------------------------------
