@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import hashlib
 import json
 import os
 import statistics
@@ -58,18 +60,28 @@ def daemon_usage(daemon: SpawnedDaemon) -> dict[str, int]:
     return {"rss_mib": proc.memory_info().rss >> 20, "fds": proc.num_fds()}
 
 
+def _is_spawner(proc: psutil.Process) -> bool:
+    """The process backend's fork server: part of the daemon, not a leftover."""
+    with contextlib.suppress(psutil.Error):
+        return any(arg.endswith("tangramd/backends/spawner.py") for arg in proc.cmdline())
+    return False
+
+
 def leftovers(daemon: SpawnedDaemon) -> dict[str, int]:
-    """Processes still under the daemon, exec cgroups with members, env directories."""
+    """Processes still under the daemon (its fork server aside), this daemon's exec cgroups
+    with members, env directories."""
     proc = psutil.Process(daemon.proc.pid)
     alive = [
         p
         for p in proc.children(recursive=True)
-        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and not _is_spawner(p)
     ]
+    root_dir = Path(daemon.state_dir, "process").resolve()
+    scope = "p-" + hashlib.sha1(str(root_dir).encode()).hexdigest()[:12]  # as ProcessBackend
     busy = 0
     for root in CGROUP_ROOTS:
-        if root.is_dir():
-            for procs in root.glob("*/*/cgroup.procs"):
+        if (root / scope).is_dir():
+            for procs in (root / scope).glob("*/cgroup.procs"):
                 if procs.read_text().split():
                     busy += 1
     envs = Path(daemon.state_dir) / "process" / "envs"

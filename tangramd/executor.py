@@ -9,6 +9,7 @@ carries out and reports. Requests from clients arrive through the op handlers
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import os
@@ -220,6 +221,12 @@ class Executor:
         self._timer_at = None
         self.feed(ev.Tick())
 
+    def _log_soon(self, event: str, **fields: Any) -> None:
+        """Log an exec's placement or end on the next turn of the loop: formatting and
+        writing a log line is a tenth of a millisecond, which must not delay the spawn
+        or the answer a client waits for (both are already on their way then)."""
+        asyncio.get_running_loop().call_soon(functools.partial(log.info, event, **fields))
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -230,7 +237,8 @@ class Executor:
         if isinstance(cmd, ev.Reply):
             self._resolve(cmd.token, cmd.result, cmd.error)
         elif isinstance(cmd, ev.RunExec):
-            log.info(
+            self._spawn(self._run_exec(cmd))  # first: its spawn request leaves before the log
+            self._log_soon(
                 "action_placed",
                 action_id=cmd.action_id,
                 node=cmd.node,
@@ -239,7 +247,6 @@ class Executor:
                 trajectory=self.core.trajectory_of(cmd.action_id),
                 cause=cmd.cause,
             )
-            self._spawn(self._run_exec(cmd))
         elif isinstance(cmd, ev.CreateEnv):
             self._spawn(self._create_env(cmd))
         elif isinstance(cmd, ev.RemoveEnv):
@@ -255,7 +262,8 @@ class Executor:
         elif isinstance(cmd, ev.PersistProfiles):
             self._write_json(self._profiles_path(), dict(cmd.profiles))
         elif isinstance(cmd, ev.PersistEnvs):
-            self._write_json(self._envs_path(), [dict(r) for r in cmd.envs])
+            # rewritten on every environment open and close: the compact (C) encoder
+            self._write_json(self._envs_path(), [dict(r) for r in cmd.envs], indent=None)
         elif isinstance(cmd, ev.RunCall):
             log.info(
                 "action_placed",
@@ -314,7 +322,8 @@ class Executor:
         except Exception as exc:
             res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
         lost = res.outcome == "infra_error" and not self.backend.env_exists(cmd.env_id)
-        log.info(
+        self.feed(ev.ExecFinished(action_id=cmd.action_id, result=res, env_lost=lost))
+        self._log_soon(  # after the answer, which is on its way now
             "action_finished",
             action_id=cmd.action_id,
             node=cmd.node,
@@ -326,7 +335,6 @@ class Executor:
             cores=list(cmd.cores),
             cause=cmd.cause,
         )
-        self.feed(ev.ExecFinished(action_id=cmd.action_id, result=res, env_lost=lost))
 
     async def _run_transfer(self, cmd: ev.RunTransfer) -> None:
         result, error = await run_transfer(
@@ -494,14 +502,14 @@ class Executor:
             return []
         return loaded
 
-    def _write_json(self, path: Path, data: Any) -> None:
+    def _write_json(self, path: Path, data: Any, indent: int | None = 1) -> None:
         """Atomically replace ``path`` (private to the daemon's user) before anyone relies
         on it: the command that asks for it comes before the reply that acknowledges."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
+            f.write(json.dumps(data, indent=indent, sort_keys=True))
         os.replace(tmp, path)
 
 

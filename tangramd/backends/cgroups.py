@@ -67,6 +67,15 @@ def own_cpuset_dir(root: Path = CPUSET_ROOT) -> Path:
     return root / path.lstrip("/") if path is not None else root
 
 
+def _read(path: str) -> bytes:
+    """A small kernel file's bytes (plain ``os`` calls: this is on every exec's path)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+
+
 def parse_cpulist(text: str) -> tuple[int, ...]:
     """``"0-2,5"`` → ``(0, 1, 2, 5)``; an empty file is the empty tuple."""
     cores: list[int] = []
@@ -87,7 +96,9 @@ class Cgroups:
 
     def __init__(self, parent: Path, scope: str) -> None:
         self.parent = parent
+        self.home = parent  # where the daemon (and its spawner between spawns) lives
         self.base = parent / "tangram" / scope
+        self._paths: dict[tuple[int, ...], Path] = {}
 
     def _make(self, path: Path, cores: tuple[int, ...] | None) -> None:
         """Create one level; ``cores`` None for the intermediate levels."""
@@ -103,15 +114,22 @@ class Cgroups:
         command running as root could have rewritten ``cpuset.cpus``: reset it here.
         """
         cores = tuple(sorted(cores))
-        path = self.base / ("c" + "_".join(map(str, cores)))
-        if not path.is_dir():
+        path = self._paths.get(cores)
+        if path is None:
+            path = self._paths[cores] = self.base / ("c" + "_".join(map(str, cores)))
+        try:
+            if not self.pins:
+                if not os.path.isdir(path):
+                    raise FileNotFoundError(path)
+                return path
+            seen = parse_cpulist(_read(f"{path}/cpuset.cpus").decode())
+        except FileNotFoundError:  # not made yet (or removed meanwhile): make it
             with contextlib.suppress(FileExistsError):
                 self._make(path, cores)
-        elif self.pins:
-            seen = parse_cpulist((path / "cpuset.cpus").read_text())
-            if seen != cores:
-                log.warning("cpuset_reset", cgroup=str(path), found=list(seen), want=list(cores))
-                self._write_cpus(path, cores)
+            return path
+        if seen != cores:
+            log.warning("cpuset_reset", cgroup=str(path), found=list(seen), want=list(cores))
+            self._write_cpus(path, cores)
         return path
 
     @staticmethod
@@ -129,7 +147,7 @@ class Cgroups:
     @staticmethod
     def pids(path: Path) -> list[int]:
         with contextlib.suppress(OSError, ValueError):
-            return [int(p) for p in (path / "cgroup.procs").read_text().split()]
+            return [int(p) for p in _read(f"{path}/cgroup.procs").split()]
         return []
 
     def kill_all(self, path: Path) -> None:
@@ -216,6 +234,7 @@ class CgroupV2(Cgroups):
         for pid in self.pids(self.parent):  # the daemon (threads move with it in v2)
             with contextlib.suppress(OSError):
                 self.place(leaf, pid)
+        self.home = leaf
         try:
             (self.parent / "cgroup.subtree_control").write_text("+cpuset")
             tangram = self.parent / "tangram"

@@ -11,15 +11,14 @@ No container engine needed; this is the embedded default (docs/design.md §5.2).
   backend's ``default_user`` (a sandbox user), else as the daemon's own user. Running as
   another user drops every supplementary group.
 - Each exec is a fresh session (its own process group) in the exec cgroup of its core set
-  (``cgroups.py``: v1 cpuset, or v2 where delegated), pinned with ``sched_setaffinity``.
-  The child starts as a tiny shell that first raises its own ``oom_score_adj`` to
-  ``EXEC_OOM_SCORE_ADJ`` (before anything can fork), then runs the command. With v1 the
-  child is born in its cgroup and mask (the daemon's thread holds both for the instant of
-  the fork, on a small spawner thread pool: a v1 cgroup join can block for an RCU grace
-  period, which must not stall the event loop); with v2 or no cgroup the shell waits at a
-  *gate* (a line on its stdin) while the daemon moves it in and pins it by pid. Either way
-  the command never runs elsewhere, no ``preexec_fn`` is needed, and no daemon thread
-  stays in an exec's cgroup.
+  (``cgroups.py``: v1 cpuset, or v2 where delegated), pinned with ``sched_setaffinity``,
+  at ``EXEC_OOM_SCORE_ADJ``. It is spawned by the backend's fork server (``spawner.py``),
+  a small helper process that joins the cgroup, pins itself and raises its own score for
+  the instant of the fork, so the child is born in place: the command never runs
+  elsewhere, no wrapper shell, gate or ``preexec_fn`` is needed, the event loop never
+  waits in the kernel for a cgroup join, and no daemon thread ever enters an exec's
+  cgroup. A list command is exec'd directly (a missing program is exit 127, as a shell
+  reports it); a string runs under ``/bin/sh -c``.
 - The exec ends when its main process exits (watched through a pidfd, not through its
   pipes: a background descendant may hold them); whatever it left is killed then — its
   process group and its cgroup, or, without a usable cgroup, its session and every process
@@ -34,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import itertools
 import os
@@ -43,11 +43,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import structlog
 
@@ -71,6 +69,7 @@ from tangramd.backends.base import (
     rewrite_pytest,
 )
 from tangramd.backends.cgroups import CPUSET_ROOT, Cgroups
+from tangramd.backends.spawner import Spawner, SpawnError
 
 __all__ = ["CPUSET_ROOT", "ProcessBackend"]
 
@@ -81,77 +80,53 @@ MARKER_VAR = "TANGRAM_EXEC_ID"
 EXEC_UMASK = 0o077
 _READ_CHUNK = 1 << 16
 _ENV_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "TERM")
-# The gate: wait for the daemon's go (one line on stdin), then run with stdin at /dev/null.
-# Exit 125 if the daemon closed the gate without a go (it could not place the child).
-_GATE = "read -r _ || exit 125; exec </dev/null; "
-# With stdin: the bytes after the go line are the command's input (``read`` takes one
-# byte at a time from a pipe, so it never eats into them).
-_GATE_STDIN = "read -r _ || exit 125; "
 
 
-def exec_argv(
-    cmd: list[str] | str, *, oom_score_adj: int, gate: bool, stdin: bool = False
-) -> list[str]:
-    """The argv to spawn: a shell that raises its own OOM score (before anything can fork,
-    so every descendant inherits it), waits at the gate if asked, then runs ``cmd`` (with
-    the rest of its stdin as input when ``stdin``)."""
-    prefix = f"echo {oom_score_adj} >/proc/self/oom_score_adj 2>/dev/null; "
-    if gate:
-        prefix += _GATE_STDIN if stdin else _GATE
+def command_argv(cmd: list[str] | str) -> list[str]:
+    """The argv to spawn: a list as it is, a string under ``/bin/sh -c``."""
     if isinstance(cmd, str):
-        return ["/bin/sh", "-c", prefix + cmd]
-    return ["/bin/sh", "-c", prefix + 'exec "$@"', "tangram-exec", *cmd]
+        return ["/bin/sh", "-c", cmd]
+    return list(cmd)
+
+
+def _not_run(argv: list[str], e: SpawnError) -> ExecResult:
+    """A command that could not be exec'd, reported as a shell would (127 / 126)."""
+    code = 127 if e.errno == errno.ENOENT else 126
+    why = "not found" if code == 127 else (os.strerror(e.errno) if e.errno else str(e))
+    return ExecResult("failed", code, stderr=f"tangram: {argv[0]}: {why}\n")
 
 
 class _Child:
-    """One spawned command: its exit (by pidfd) and non-blocking readers of its pipes."""
+    """One spawned command: its exit (reported by the spawner) and non-blocking readers of
+    its pipes."""
 
     def __init__(
         self,
-        popen: subprocess.Popen[bytes],
+        pid: int,
+        exit_rc: asyncio.Future[int],
+        pipes: tuple[int, int],
         loop: asyncio.AbstractEventLoop,
         out: OutputBuffer,
         err: OutputBuffer,
     ) -> None:
-        self.popen = popen
-        self.pid = popen.pid
+        self.pid = pid
         self.loop = loop
         self.exited = asyncio.Event()
         self.pipes_closed = asyncio.Event()
-        self._open: dict[int, object] = {}
-        for stream, buf in ((popen.stdout, out), (popen.stderr, err)):
-            assert stream is not None
-            fd = stream.fileno()
-            os.set_blocking(fd, False)
-            self._open[fd] = stream
+        self.returncode: int | None = None
+        self.lost = False  # the spawner died before reporting the exit
+        self._open: set[int] = set()
+        for fd, buf in zip(pipes, (out, err), strict=True):
+            self._open.add(fd)
             loop.add_reader(fd, self._read, fd, buf)
-        self._pidfd: int | None = None
-        try:
-            self._pidfd = os.pidfd_open(self.pid)
-            loop.add_reader(self._pidfd, self._reap)
-        except (AttributeError, OSError):  # no pidfd (old kernel): one thread per child
-            threading.Thread(target=self._wait_in_thread, daemon=True).start()
+        exit_rc.add_done_callback(self._on_exit)
 
-    @property
-    def returncode(self) -> int | None:
-        return self.popen.returncode
-
-    def release_gate(self, data: bytes | None = None) -> None:
-        """Let the command run (the child is placed and pinned), then feed it ``data``."""
-        stdin = self.popen.stdin
-        assert stdin is not None
-        if data:
-            self.feed(b"\n" + data)
-            return
-        with contextlib.suppress(OSError):  # it died already (e.g. a shell syntax error)
-            os.write(stdin.fileno(), b"\n")
-        with contextlib.suppress(OSError):
-            stdin.close()
-
-    def feed(self, data: bytes) -> None:
-        """Write ``data`` to the child's stdin and close it, from a thread: a command that
-        never reads its input must not block the loop (the thread ends when it exits)."""
-        threading.Thread(target=_feed, args=(self.popen.stdin, data), daemon=True).start()
+    def _on_exit(self, fut: asyncio.Future[int]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            self.lost = True
+        else:
+            self.returncode = fut.result()
+        self.exited.set()
 
     def _read(self, fd: int, buf: OutputBuffer) -> None:
         try:
@@ -166,28 +141,14 @@ class _Child:
             self._close_pipe(fd)
 
     def _close_pipe(self, fd: int) -> None:
-        stream = self._open.pop(fd, None)
-        if stream is None:
+        if fd not in self._open:
             return
+        self._open.discard(fd)
         self.loop.remove_reader(fd)
         with contextlib.suppress(OSError):
-            stream.close()  # type: ignore[attr-defined]
+            os.close(fd)
         if not self._open:
             self.pipes_closed.set()
-
-    def _reap(self) -> None:
-        if self.popen.poll() is None:
-            return
-        if self._pidfd is not None:
-            self.loop.remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
-        self.exited.set()
-
-    def _wait_in_thread(self) -> None:
-        self.popen.wait()
-        with contextlib.suppress(RuntimeError):  # the loop is closed
-            self.loop.call_soon_threadsafe(self.exited.set)
 
     def close(self) -> None:
         """Stop reading (a descendant that escaped every sweep may hold the pipes)."""
@@ -195,12 +156,17 @@ class _Child:
             self._close_pipe(fd)
 
 
-def _feed(stream: Any, data: bytes) -> None:
-    """Write ``data`` to a child's stdin and close it (the child may stop reading)."""
-    with contextlib.suppress(OSError, ValueError):
-        stream.write(data)
-    with contextlib.suppress(OSError, ValueError):
-        stream.close()
+def _feed(fd: int, data: bytes) -> None:
+    """Write ``data`` to a child's stdin and close it, in a thread of its own: a command
+    that never reads its input must not block the loop (the write ends when it exits)."""
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 @dataclass(slots=True, eq=False)
@@ -276,13 +242,8 @@ class ProcessBackend:
         self._closing = False
         self._token = f"{scope}.{os.getpid()}"
         self._shells: dict[str, shell_mod.Shell] = {}
-        self._home_affinity = os.sched_getaffinity(0)
-        # v1 spawns run here: joining a cgroup blocks in the kernel for up to an RCU grace
-        # period, which must not stall the event loop (and every other client) meanwhile.
-        self._spawner = ThreadPoolExecutor(
-            max_workers=max(2, min(16, len(self._home_affinity))),
-            thread_name_prefix="tangram-spawn",
-        )
+        # The fork server: started on the first exec (and again if it dies).
+        self._spawner = Spawner()
         self._exec_ids = itertools.count(1)
 
     # --- environments -----------------------------------------------------------------
@@ -376,7 +337,7 @@ class ProcessBackend:
                 for cgroup in self.cgroups.leftovers():
                     await self.cgroups.remove(cgroup)
             await self.cgroups.remove(self.cgroups.base)
-        self._spawner.shutdown(wait=False)
+        self._spawner.close()
 
     # --- execs ------------------------------------------------------------------------
 
@@ -427,100 +388,60 @@ class ProcessBackend:
                 cgroup = self.cgroups.for_cores(req.cores)
             except OSError as e:
                 return infra_error(f"cannot create cpuset cgroup: {e}")
-        # v1: the child is born in its cgroup and mask (see _born_pinned), no gate needed.
-        # v2 / no cgroup: it is placed by pid while it waits at the gate.
-        gate = not (cgroup is not None and self.cgroups is not None and self.cgroups.by_thread)
-        argv = exec_argv(
-            rewrite_pytest(req.cmd, len(req.cores), req.elastic),
-            oom_score_adj=self.oom_score_adj,
-            gate=gate,
-            stdin=bool(req.stdin),
-        )
+        argv = command_argv(rewrite_pytest(req.cmd, len(req.cores), req.elastic))
         marker = f"{self._token}.{next(self._exec_ids)}"
-        out, err = OutputBuffer(req.max_output), OutputBuffer(req.max_output)
-
-        def spawn() -> subprocess.Popen[bytes]:
-            return subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE if gate or req.stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=cwd,
-                env=self._child_env(req, home, marker),
-                start_new_session=True,
-                umask=EXEC_UMASK,
-                user=None if user is None else user[0],
-                group=None if user is None else user[1],
-                extra_groups=None if user is None else [],  # drop root's groups
-            )
-
+        request = {
+            "argv": argv,
+            "cwd": str(cwd),
+            "env": self._child_env(req, home, marker),
+            "umask": EXEC_UMASK,
+            "user": user,
+            "cores": list(req.cores),
+            "cgroup": None if cgroup is None else str(cgroup),
+            "home": None if self.cgroups is None or cgroup is None else str(self.cgroups.home),
+            "oom_score_adj": self.oom_score_adj,
+        }
+        out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        os.set_blocking(out_w, True)
+        os.set_blocking(err_w, True)
+        stdio = {"stdout": out_w, "stderr": err_w}
+        in_w = None
+        if req.stdin:
+            in_r, in_w = os.pipe2(os.O_CLOEXEC)
+            stdio["stdin"] = in_r
         started = time.monotonic()
         try:
-            if gate:
-                popen = spawn()
-            else:  # the cgroup writes may wait for an RCU grace period: not on the loop
-                popen = await asyncio.get_running_loop().run_in_executor(
-                    self._spawner, self._born_pinned, spawn, req.cores, cgroup
-                )
-        except (OSError, subprocess.SubprocessError) as e:
+            pid = await self._spawner.spawn(request, stdio)
+        except SpawnError as e:
+            for fd in (out_r, err_r, in_w):
+                if fd is not None:
+                    os.close(fd)
+            if e.errno in (errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR):
+                return _not_run(argv, e)
             return infra_error(f"spawn failed: {e}")
-        child = _Child(popen, asyncio.get_running_loop(), out, err)
+        finally:
+            for fd in stdio.values():  # the helper passed its copies to the child
+                os.close(fd)
+        loop = asyncio.get_running_loop()
+        out, err = OutputBuffer(req.max_output), OutputBuffer(req.max_output)
+        child = _Child(pid, self._spawner.exit_of(pid), (out_r, err_r), loop, out, err)
+        if in_w is not None:
+            threading.Thread(target=_feed, args=(in_w, req.stdin), daemon=True).start()
         run = _Running(child, cgroup, marker)
         self._running.add(run)
         try:
-            problem = self._place(child.pid, req.cores, cgroup) if gate else ""
-            if problem or self._closing:
-                run.killed_for_shutdown = self._closing
+            if self._closing:
+                run.killed_for_shutdown = True
                 self._kill_leftovers(run)
-                if gate:
-                    child.release_gate()
-                elif req.stdin:
-                    child.feed(b"")
                 await child.exited.wait()
                 child.close()
-                return infra_error(problem or SHUTDOWN_DETAIL)
-            if gate:
-                child.release_gate(req.stdin)
-            elif req.stdin:
-                child.feed(req.stdin)
+                return infra_error(SHUTDOWN_DETAIL)
             return await self._supervise(req, run, started, out, err)
         finally:
+            self._spawner.forget(pid)
             self._running.discard(run)
             run.done.set()
-
-    def _born_pinned(
-        self,
-        spawn: Callable[[], subprocess.Popen[bytes]],
-        cores: tuple[int, ...],
-        cgroup: Path | None,
-    ) -> subprocess.Popen[bytes]:
-        """Spawn with the daemon's thread in the child's v1 cgroup and mask for the instant
-        of the fork (a child inherits both), then return the thread home.
-
-        Cheaper than moving the child afterwards (a v1 process migration waits for an RCU
-        grace period) and needs no gate. Nothing else runs on this thread meanwhile, and
-        no thread is created (the exit is watched by pidfd), so no daemon thread ever
-        stays in an exec cgroup.
-        """
-        assert self.cgroups is not None and cgroup is not None
-        tid = threading.get_native_id()
-        self.cgroups.join_thread(cgroup, tid)
-        try:
-            os.sched_setaffinity(0, cores)
-            return spawn()
-        finally:
-            self.cgroups.join_thread(self.cgroups.parent, tid)
-            os.sched_setaffinity(0, self._home_affinity)
-
-    def _place(self, pid: int, cores: tuple[int, ...], cgroup: Path | None) -> str:
-        """Move the gated child into its cgroup and pin it; '' if done."""
-        try:
-            if cgroup is not None:
-                Cgroups.place(cgroup, pid)
-            os.sched_setaffinity(pid, cores)
-        except OSError as e:
-            return f"cannot pin the command to cores {list(cores)}: {e}"
-        return ""
 
     def _kill_leftovers(self, run: _Running) -> None:
         """SIGKILL the exec's process group, and its cgroup or (without one) session."""
@@ -551,26 +472,35 @@ class ProcessBackend:
         timed_out = False
         # The action ends when its main process exits (not when its pipes close: a
         # background descendant may hold them); the timeout counts to that exit.
-        try:
-            await asyncio.wait_for(child.exited.wait(), req.timeout_s)
-        except asyncio.TimeoutError:
-            timed_out = True
-            _killpg(child.pid, signal.SIGTERM)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(child.exited.wait(), SIGTERM_GRACE_S)
+        if not child.exited.is_set():
+            try:
+                await asyncio.wait_for(child.exited.wait(), req.timeout_s)
+            except asyncio.TimeoutError:
+                timed_out = True
+                _killpg(child.pid, signal.SIGTERM)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(child.exited.wait(), SIGTERM_GRACE_S)
         exec_s = time.monotonic() - started
         # The main process is gone: end whatever it left behind, then drain the pipes.
         self._kill_leftovers(run)
         await child.exited.wait()
         if run.cgroup is not None and self.cgroups is not None:
             await self.cgroups.empty(run.cgroup)  # the cgroup is reused by the next exec
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(child.pipes_closed.wait(), DRAIN_AFTER_EXIT_S)
+        if not child.pipes_closed.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(child.pipes_closed.wait(), DRAIN_AFTER_EXIT_S)
         held = not child.pipes_closed.is_set()
         child.close()  # our pipe ends: no fd outlives the exec
         detail = "output pipes held open by an escaped descendant" if held else ""
         if run.killed_for_shutdown:
             return infra_error(SHUTDOWN_DETAIL, stdout=out.text(), stderr=err.text())
+        if child.lost:
+            return infra_error(
+                "the spawner process died: the command's exit status is unknown",
+                stdout=out.text(),
+                stderr=err.text(),
+                exec_s=exec_s,
+            )
         rc = child.returncode
         code = exit_code_from_returncode(rc if rc is not None else -9)
         return ExecResult(
