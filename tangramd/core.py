@@ -373,9 +373,9 @@ class Core:
     def run_pass(self, now: float, out: list[ev.Command]) -> None:
         self._pass_due = None
         self._dirty = False
-        self._last_pass = now
         if not self.queue:
-            return
+            return  # nothing scheduled: the next arrival still finds the daemon quiet
+        self._last_pass = now
         for pool in self.apis.values():
             pool.advance(now)
         running: dict[str, list[tuple[float, int]]] = {}

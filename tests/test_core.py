@@ -411,3 +411,16 @@ def test_core_feeds_the_load_meter_of_the_priced_rule():
     assert (load.elastic_running, load.elastic_units) == (1, len(run.cores))
     core.handle(ev.ExecFinished(action_id=run.action_id, result=ExecResult("ok", 0)), 2.0)
     assert core.meter.load("cpu:local", 2.5).elastic_units == 0
+
+
+def test_an_empty_pass_does_not_delay_the_next_lone_action():
+    """A completion's pass over an empty queue is no pass: the next lone action right after
+    it is still scheduled at once."""
+    core = make_core(cores=2, coalesce_s=0.001)
+    env = ready_env(core)
+    core.handle(submit(1, "true", env), 1.0)
+    (run,) = tick(core, 1.0)
+    core.handle(ev.ExecFinished(action_id=run.action_id, result=ExecResult("ok", 0)), 1.0009)
+    tick(core, 1.0009)  # the completion's pass finds nothing queued
+    core.handle(submit(2, "true", env), 1.0015)  # 1.5 ms after the last real pass
+    assert core.next_wakeup(1.0015) == 1.0015
