@@ -113,6 +113,26 @@ def _text(value: object, key: str) -> str:
     raise MalformedResponse(f"exec result: {key}: expected str, got {type(value).__name__}")
 
 
+def _outcome(result: object, what: str) -> Outcome:
+    """The outcome of a ``what`` result map; MalformedResponse if it is not such a map."""
+    if not isinstance(result, Mapping):
+        raise MalformedResponse(f"{what} result must be a map, got {type(result).__name__}")
+    outcome = result.get("outcome")
+    if outcome not in OUTCOMES:
+        raise MalformedResponse(f"{what} result: unknown outcome {outcome!r}")
+    return outcome  # type: ignore[no-any-return]  # checked against OUTCOMES just above
+
+
+def _ints(result: Mapping[str, Any], key: str, what: str) -> tuple[int, ...]:
+    """``result[key]`` as a tuple of ints (bools excluded); missing or null is empty."""
+    items = result.get(key) or ()
+    if not isinstance(items, list | tuple) or not all(
+        isinstance(item, int) and not isinstance(item, bool) for item in items
+    ):
+        raise MalformedResponse(f"{what} result: {key} must be a list of ints")
+    return tuple(items)
+
+
 def _seconds(result: Mapping[str, Any], key: str) -> float:
     value = result.get(key, 0.0)
     if value is None:
@@ -165,21 +185,13 @@ class ExecResult:
     @classmethod
     def from_wire(cls, result: Mapping[str, Any]) -> ExecResult:
         """Parse the ``exec`` result map; raise MalformedResponse if it is not one."""
-        if not isinstance(result, Mapping):
-            raise MalformedResponse(f"exec result must be a map, got {type(result).__name__}")
-        outcome = result.get("outcome")
-        if outcome not in OUTCOMES:
-            raise MalformedResponse(f"exec result: unknown outcome {outcome!r}")
+        outcome = _outcome(result, "exec")
         exit_code = result.get("exit_code")
         if exit_code is not None and (
             isinstance(exit_code, bool) or not isinstance(exit_code, int)
         ):
             raise MalformedResponse("exec result: exit_code must be int or null")
-        cores = result.get("cores") or ()
-        if not isinstance(cores, list | tuple) or not all(
-            isinstance(core, int) and not isinstance(core, bool) for core in cores
-        ):
-            raise MalformedResponse("exec result: cores must be a list of ints")
+        cores = _ints(result, "cores", "exec")
         node = result.get("node")
         return cls(
             outcome=outcome,
@@ -192,7 +204,7 @@ class ExecResult:
             action_id=str(result.get("action_id", "")),
             queue_s=_seconds(result, "queue_s"),
             act_s=_seconds(result, "act_s"),
-            cores=tuple(cores),
+            cores=cores,
             node=None if node is None else str(node),
         )
 
@@ -253,20 +265,12 @@ class CallResult:
     @classmethod
     def from_wire(cls, result: Mapping[str, Any]) -> CallResult:
         """Parse the ``call`` result map; raise MalformedResponse if it is not one."""
-        if not isinstance(result, Mapping):
-            raise MalformedResponse(f"call result must be a map, got {type(result).__name__}")
-        outcome = result.get("outcome")
-        if outcome not in OUTCOMES:
-            raise MalformedResponse(f"call result: unknown outcome {outcome!r}")
+        outcome = _outcome(result, "call")
         answer = result.get("result")
         if answer is not None and not isinstance(answer, Mapping):
             raise MalformedResponse("call result: result must be a map or null")
         error = result.get("error")
-        gpus = result.get("gpus") or ()
-        if not isinstance(gpus, list | tuple) or not all(
-            isinstance(gpu, int) and not isinstance(gpu, bool) for gpu in gpus
-        ):
-            raise MalformedResponse("call result: gpus must be a list of ints")
+        gpus = _ints(result, "gpus", "call")
         node = result.get("node")
         return cls(
             outcome=outcome,
@@ -276,7 +280,7 @@ class CallResult:
             restore_s=_seconds(result, "restore_s"),
             exec_s=_seconds(result, "exec_s"),
             act_s=_seconds(result, "act_s"),
-            gpus=tuple(gpus),
+            gpus=gpus,
             node=None if node is None else str(node),
             action_id=str(result.get("action_id") or ""),
         )
