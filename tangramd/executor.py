@@ -469,38 +469,28 @@ class Executor:
         return self.state_dir / "profiles.json"
 
     def _read_profiles(self) -> dict[str, Any]:
-        path = self._profiles_path()
-        try:
-            loaded = json.loads(path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            log.warning("profiles_unreadable", path=str(path), error=str(exc))
-            return {}
-        if not isinstance(loaded, dict):
-            log.warning("profiles_unreadable", path=str(path), error="not a JSON object")
-            return {}
-        return loaded
+        loaded = _read_json(
+            self._profiles_path(),
+            "profiles_unreadable",
+            lambda data: isinstance(data, dict),
+            "not a JSON object",
+        )
+        return loaded if loaded is not None else {}
 
     def _envs_path(self) -> Path:
         return self.state_dir / "envs.json"
 
     def _read_env_records(self) -> list[dict[str, Any]]:
-        path = self._envs_path()
-        try:
-            loaded = json.loads(path.read_text())
-        except FileNotFoundError:
-            return []
-        except (OSError, ValueError) as exc:
-            log.warning("env_records_unreadable", path=str(path), error=str(exc))
-            return []
-        ok = isinstance(loaded, list) and all(
-            isinstance(r, dict) and {"id", "trajectory", "mem"} <= set(r) for r in loaded
+        loaded = _read_json(
+            self._envs_path(),
+            "env_records_unreadable",
+            lambda data: (
+                isinstance(data, list)
+                and all(isinstance(r, dict) and {"id", "trajectory", "mem"} <= set(r) for r in data)
+            ),
+            "not a list of records",
         )
-        if not ok:
-            log.warning("env_records_unreadable", path=str(path), error="not a list of records")
-            return []
-        return loaded
+        return loaded if loaded is not None else []
 
     def _write_json(self, path: Path, data: Any, indent: int | None = 1) -> None:
         """Atomically replace ``path`` (private to the daemon's user) before anyone relies
@@ -543,3 +533,19 @@ async def run_transfer(
         return None, ("not_found", f"{path}: {e.strerror or e}")
     except Exception as exc:  # any other backend failure is an infrastructure error
         return None, ("infra_error", f"{type(exc).__name__}: {exc}")
+
+
+def _read_json(path: Path, problem: str, valid: Callable[[Any], bool], expected: str) -> Any | None:
+    """What the state dir's JSON file holds, or None when it is missing; an unreadable or
+    ill-shaped file is logged as ``problem`` and treated as missing (never a crash)."""
+    try:
+        loaded = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning(problem, path=str(path), error=str(exc))
+        return None
+    if not valid(loaded):
+        log.warning(problem, path=str(path), error=expected)
+        return None
+    return loaded
