@@ -512,10 +512,7 @@ class DockerBackend:
         try:
             reply = await _exchange(reader, writer, frame, wait)
         except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
-            state = await self._settled_state(env.container_id)
-            if state not in ("running", "unknown"):
-                return await self._lost(env, f"container is {state}")
-            return infra_error(f"agent connection failed: {type(e).__name__}: {e}")
+            return await self._agent_failed(env, e)
         if not reply.get("ok"):
             return infra_error(f"agent error: {reply.get('error')}")
         code = int(reply["exit_code"])
@@ -707,6 +704,14 @@ class DockerBackend:
             await self.close_session(session_id)
             raise EnvError(f"the session's shell did not start: {reply.get('stderr', '')}")
 
+    async def _agent_failed(self, env: _Env, exc: BaseException) -> ExecResult:
+        """The agent stopped answering mid-exec: the environment is lost if its container
+        is gone, else the exec is an infrastructure error and the container stays."""
+        state = await self._settled_state(env.container_id)
+        if state not in ("running", "unknown"):
+            return await self._lost(env, f"container is {state}")
+        return infra_error(f"agent connection failed: {type(exc).__name__}: {exc}")
+
     async def _session_exec(self, env: _Env, req: ExecRequest) -> ExecResult:
         """One run in a session: the container is already pinned to ``req.cores``."""
         if self._sessions.get(req.session or "") != env.env_id:
@@ -721,10 +726,7 @@ class DockerBackend:
         try:
             reply = await _agent_call(env.agent_dir / AGENT_SOCK, frame, wait)
         except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
-            state = await self._settled_state(env.container_id)
-            if state not in ("running", "unknown"):
-                return await self._lost(env, f"container is {state}")
-            return infra_error(f"agent connection failed: {type(e).__name__}: {e}")
+            return await self._agent_failed(env, e)
         if not reply.get("ok"):
             return infra_error(f"session {req.session}: {reply.get('error')}")
         code = int(reply["exit_code"])
