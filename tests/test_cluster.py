@@ -101,6 +101,28 @@ def test_exec_through_a_node_runs_where_its_environment_is(cluster: dict[str, Da
         assert 0 <= row["heartbeat_age_s"] < HEARTBEAT_TIMEOUT_S, name
 
 
+def test_node_answers_its_own_clients_exec_as_the_core_would(
+    cluster: dict[str, Daemon],
+) -> None:
+    """An exec from node a's client that runs on a is answered by a itself (one link round
+    trip less); the answer carries the same facts as the core's, which answers when the
+    exec runs on another node, and the coordinator has its outcome before the next op."""
+    with cluster["a"].client() as c:
+        env_a, env_b = _env_on(c, "a"), _env_on(c, "b")
+        local = c.exec(["sh", "-c", "echo hi; exit 3"], env=env_a)  # answered by node a
+        remote = c.exec(["sh", "-c", "echo hi; exit 3"], env=env_b)  # by the coordinator
+        for result, node in ((local, "a"), (remote, "b")):
+            assert result.outcome == "failed" and result.exit_code == 3, result
+            assert result.stdout == "hi\n" and result.node == node
+            assert result.action_id and len(result.cores) == 1
+            assert result.queue_s >= 0
+            assert result.act_s == pytest.approx(result.queue_s + result.exec_s)
+            story = c.request("story", {"action_id": result.action_id})
+            assert story["outcome"] == "failed", story
+        assert {row["name"]: row["running"] for row in c.nodes()} == {"a": 0, "b": 0}
+    assert "exit=3" in str(story)
+
+
 def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, Daemon]) -> None:
     """Each op of the table, forwarded by a node, answers exactly its documented fields;
     cluster.join answers on the coordinator and is refused through a node (it is secret),

@@ -54,6 +54,7 @@ class Link:
         self.max_frame = max_frame
         self._decoder = FrameDecoder(max_frame)
         self.closed = False
+        self._corked: list[bytes] | None = None
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
 
@@ -61,8 +62,24 @@ class Link:
         """Queue one message; False when the link is already closed (nothing sent)."""
         if self.closed or self.writer.is_closing():
             return False
-        self.writer.write(encode(msg, max_frame=self.max_frame))
+        data = encode(msg, max_frame=self.max_frame)
+        if self._corked is not None:
+            self._corked.append(data)
+        else:
+            self.writer.write(data)
         return True
+
+    def cork(self) -> None:
+        """Hold what is sent until :meth:`uncork`, then write it at once: one TLS record
+        and one system call (each wakes the peer) for the answers to one message, such
+        as a result and its acknowledgement."""
+        if self._corked is None:
+            self._corked = []
+
+    def uncork(self) -> None:
+        held, self._corked = self._corked, None
+        if held and not self.closed and not self.writer.is_closing():
+            self.writer.write(held[0] if len(held) == 1 else b"".join(held))
 
     async def drain(self) -> None:
         try:
