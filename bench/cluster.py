@@ -6,8 +6,9 @@ Usage: python bench/cluster.py [--json] [--acts N] [--clients N] [--skip a,b,c,d
     environment through node → coordinator → node, against ``tangramd up``, in the same run;
 (b) throughput with 4 nodes and ``--clients`` concurrent clients spread over their sockets;
 (c) one scheduling pass of the coordinator's core at 16 nodes × 64 cores with 1,024 queued
-    actions (80% 1 core, 20% elastic), next to ``bench/sched.py``'s single-node pool case
-    (1,024 queued, 256 cores) measured in the same process;
+    actions (80% 1 core, 20% elastic), next to the same pass over one 1,024-core node (the
+    same queue and free cores in one pool) and ``bench/sched.py``'s single-node scheduler
+    case (1,024 queued, 256 cores), all in the same process; wall and thread CPU time;
 (d) node death: SIGKILL of a node while an action runs there, until its client holds the
     ``infra_error``; coordinator restart: SIGKILL, restart, until every node is ready.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -170,14 +172,29 @@ def _queued_core(nodes: int, cores: int, queued: int, seed: int = 0) -> Core:
     return core
 
 
-def bench_pass(repeat: int) -> dict[str, Any]:
-    times, placed = [], 0
+def _core_pass(nodes: int, cores: int, repeat: int) -> dict[str, Any]:
+    """The core's whole pass (scheduler, stories, commands), wall and thread CPU time."""
+    wall, cpu, placed = [], [], []
     for seed in range(repeat):
-        core = _queued_core(16, 64, 1024, seed)
-        t0 = time.perf_counter()
+        core = _queued_core(nodes, cores, 1024, seed)
+        gc.collect()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = core.handle(ev.Tick(), 1.0)
-        times.append(time.perf_counter() - t0)
-        placed = sum(isinstance(c, ev.RunExec) for c in out)
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - t0)
+        placed.append(sum(isinstance(c, ev.RunExec) for c in out))
+    return {
+        **_stats_ms(wall),
+        "cpu_p50_ms": round(statistics.median(cpu) * 1e3, 3),
+        "placed_mean": round(statistics.fmean(placed), 1),
+    }
+
+
+def bench_pass(repeat: int) -> dict[str, Any]:
+    cluster = _core_pass(16, 64, repeat)
+    # the same queue and the same free cores in one pool: what "inside the single-node
+    # targets" compares against (bench/sched.py times the scheduler alone, not the core)
+    one_pool = _core_pass(1, 1024, repeat)
     from sched import run as single_node  # bench/sched.py
 
     reference = next(
@@ -189,8 +206,10 @@ def bench_pass(repeat: int) -> dict[str, Any]:
         "nodes": 16,
         "cores_per_node": 64,
         "queued": 1024,
-        "placed": placed,
-        "core_pass": _stats_ms(times),
+        "placed": cluster["placed_mean"],
+        "core_pass": cluster,
+        "one_pool_same_count": {"nodes": 1, "cores_per_node": 1024, **one_pool},
+        "cpu_ratio": round(cluster["cpu_p50_ms"] / one_pool["cpu_p50_ms"], 2),
         "single_pool_reference": {
             k: reference[k] for k in ("queued", "units", "p50_ms", "p99_ms", "placed")
         },
