@@ -404,6 +404,8 @@ class CoordinatorExecutor(Executor):
             "heartbeat_s": self.cluster.heartbeat_s,
             "heartbeat_timeout_s": self.cluster.heartbeat_timeout_s,
             "keep": work["keep"],
+            # what it still runs that the core has ended (lost meanwhile): it kills them
+            "cancel": [a for a in _str_list(hello, "running") if self.core.action_node(a) != name],
         }
         if credential is not None:
             welcome["credential"] = credential

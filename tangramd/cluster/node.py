@@ -226,6 +226,9 @@ class NodeAgent:
         self.heartbeat_s = _positive(answer.get("heartbeat_s"), 1.0)
         self.heartbeat_timeout_s = _positive(answer.get("heartbeat_timeout_s"), 10.0)
         keep = {k for k in answer.get("keep", []) if isinstance(k, str)}
+        for action_id in answer.get("cancel", []):
+            if isinstance(action_id, str) and action_id in self._running:
+                self._spawn(self._cancel(action_id))
         for env_id in sorted(self._envs - keep):
             log.info("env_not_owned_removed", node=self.name, env=env_id)
             self._spawn(self._remove_env(env_id))
@@ -327,6 +330,15 @@ class NodeAgent:
             error = f"{type(exc).__name__}: {exc}"
             log.warning("env_create_failed", node=self.name, env=env_id, error=error)
         self._report(f"c:{env_id}", {"t": "env_created", "env_id": env_id, "error": error})
+
+    async def _cancel(self, action_id: str) -> None:
+        """Kill an exec the coordinator has already ended (its outcome is ignored there)."""
+        try:
+            found = await self.backend.cancel(action_id)
+        except Exception as exc:
+            log.warning("exec_cancel_failed", node=self.name, action_id=action_id, error=str(exc))
+            return
+        log.info("exec_cancelled", node=self.name, action_id=action_id, was_running=found)
 
     async def _remove_env(self, env_id: str) -> None:
         await self._close_env_quietly(env_id)
