@@ -12,7 +12,10 @@ The node has no core: the coordinator decides. It
 - serves the client protocol on its Unix socket by forwarding every request to the
   coordinator, so ``Client``, ``AsyncClient`` and ``tangramctl`` work unchanged;
 - reconnects with backoff when the link drops, and when the coordinator has been silent
-  for the heartbeat timeout.
+  for the heartbeat timeout;
+- records the environments it holds in ``<state_dir>/envs.json``, so that after a crash
+  and restart it re-adopts them (the coordinator keeps those it still gives the node: all
+  of them when the node is back within the heartbeat timeout).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class NodeAgent:
         self.backend = backend
         self.socket_path = socket_path
         self.state_path = Path(state_dir) / "node.json"
+        self.envs_path = Path(state_dir) / "envs.json"  # environments held, for a restart
         self.cores_by_numa = cores_by_numa
         self.mem_bytes = mem_bytes
         self.max_frame = int(server_options.get("max_frame", 16 << 20))
@@ -98,6 +102,7 @@ class NodeAgent:
         self._watched: set[int] = set()
         self._outbox: dict[str, dict[str, Any]] = {}  # outcomes not yet acknowledged
         self._envs: set[str] = set()
+        self._owners: dict[str, tuple[int, int] | None] = {}  # of the environments held
         self._running: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
@@ -108,8 +113,17 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> None:
-        for what in await self.backend.reconcile():
+        """Re-adopt the environments an earlier run of this node held (``envs.json``; the
+        backend removes the rest and kills what was still running), then join: the hello
+        lists them and the coordinator's welcome says which it still gives this node."""
+        records = self._read_envs()
+        for what in await self.backend.reconcile(records):
             log.info("reconciled", detail=what)
+        self._owners = {e: o for e, o in records.items() if self.backend.env_exists(e)}
+        self._envs = set(self._owners)
+        if records:
+            log.info("envs_readopted", node=self.name, envs=sorted(self._envs))
+            self._write_envs()
         await self.server.start()
         self._loop_task = asyncio.get_running_loop().create_task(self._run_link())
         log.info(
@@ -325,6 +339,8 @@ class NodeAgent:
                 owner=_pair(msg.get("owner")),
             )
             self._envs.add(env_id)
+            self._owners[env_id] = _pair(msg.get("owner"))
+            self._write_envs()
             log.info("env_created", node=self.name, env=env_id)
         except Exception as exc:  # backend failure of any kind is an infra error
             error = f"{type(exc).__name__}: {exc}"
@@ -346,6 +362,8 @@ class NodeAgent:
 
     async def _close_env_quietly(self, env_id: str) -> None:
         self._envs.discard(env_id)
+        if self._owners.pop(env_id, False) is not False:
+            self._write_envs()
         try:
             await self.backend.close_env(env_id)
         except Exception as exc:
@@ -512,6 +530,41 @@ class NodeAgent:
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh)
         os.replace(tmp, self.state_path)
+
+    def _read_envs(self) -> dict[str, tuple[int, int] | None]:
+        """``envs.json``: [{"id", "owner": [uid, gid] | null}]; unreadable: nothing held."""
+        try:
+            rows = json.loads(self.envs_path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("envs_record_unreadable", path=str(self.envs_path), error=str(exc))
+            return {}
+        if not isinstance(rows, list):
+            return {}
+        out: dict[str, tuple[int, int] | None] = {}
+        for row in rows:
+            if isinstance(row, dict) and isinstance(row.get("id"), str):
+                try:
+                    out[row["id"]] = _pair(row.get("owner"))
+                except (TypeError, ValueError):
+                    continue
+        return out
+
+    def _write_envs(self) -> None:
+        """Rewrite ``envs.json`` (atomically) after every change to what the node holds."""
+        rows = [
+            {"id": env_id, "owner": list(owner) if owner else None}
+            for env_id, owner in sorted(self._owners.items())
+        ]
+        tmp = self.envs_path.with_suffix(".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(rows, fh)
+            os.replace(tmp, self.envs_path)
+        except OSError as exc:
+            log.warning("envs_record_not_written", path=str(self.envs_path), error=str(exc))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
