@@ -334,6 +334,43 @@ def test_gateway_node_forwards_without_offering_cores(tmp_path: Path) -> None:
                 daemon.stop()
 
 
+def test_node_reports_its_gpus(tmp_path: Path) -> None:
+    """GPUs of the node's [gpu] inventory (here simulated, NVML off) are its capacity in
+    `nodes --json`; a node without any reports none."""
+    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
+    daemons = [coord]
+    gpu_config = "[gpu]\nnvml = false\nsimulated = { count = 2, mem_gb = 16, h2d_gbps = 10 }\n"
+    try:
+        daemons.append(spawn_node(tmp_path, coord, "g", cpus=CPUS_A, env=ENV, config=gpu_config))
+        daemons.append(spawn_node(tmp_path, coord, "c", cpus=CPUS_B, env=ENV))
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tangramctl.main",
+                "--socket",
+                daemons[1].socket,
+                "nodes",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        rows = {row["name"]: row for row in json.loads(out)["nodes"]}
+    finally:
+        for daemon in reversed(daemons):
+            if daemon.proc.poll() is None:
+                daemon.stop()
+    assert rows["g"]["gpus"] == 2 and rows["c"]["gpus"] == 0
+    assert rows["g"]["gpu_list"] == [
+        {"local": k, "name": "simulated", "mem_bytes": 16 * 10**9, "simulated": True}
+        for k in (0, 1)
+    ]
+    assert rows["c"]["gpu_list"] == []
+
+
 def test_node_without_coordinator_answers_infra_error(tmp_path: Path) -> None:
     """A client of a node whose coordinator is gone gets a typed infra_error, not a hang."""
     coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)

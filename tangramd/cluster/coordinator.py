@@ -189,6 +189,16 @@ class CoordinatorExecutor(Executor):
                 row["state"] = "lost"
             row["heartbeat_age_s"] = now - rec.last_seen if rec.last_seen else None
             row["backend"] = rec.backend
+            row["gpus"] = len(rec.gpus)
+            row["gpu_list"] = [
+                {
+                    "local": g["local"],
+                    "name": g["name"],
+                    "mem_bytes": g["mem_bytes"],
+                    "simulated": g["simulated"],
+                }
+                for g in rec.gpus
+            ]
             out.append(row)
         return out
 
@@ -391,11 +401,12 @@ class CoordinatorExecutor(Executor):
             )
             raise LinkClosed("the node rejected this coordinator")
         name, cores, mem, backend = _parse_hello(hello)
+        gpus = _parse_gpus(hello.get("gpus"))
         credential = self.registry.authenticate(
             name, _opt_str(hello, "token"), _opt_str(hello, "credential")
         )
         rec, was_lost = self.registry.attach(name, link, cores, mem, self.clock())
-        rec.backend, rec.restored = backend, False
+        rec.backend, rec.gpus, rec.restored = backend, gpus, False
         self.feed(ev.NodeJoined(node=name, cores_by_numa=cores, mem_bytes=mem))
         work = self.core.node_work(name)
         welcome: dict[str, Any] = {
@@ -630,6 +641,44 @@ def _parse_hello(
         raise Refused("hello: a core appears twice in cores_by_numa")
     backend = str(hello.get("backend", "process"))[:32]
     return name, cores, mem, backend
+
+
+MAX_GPUS = 64
+
+
+def _parse_gpus(value: Any) -> tuple[dict[str, Any], ...]:
+    """The GPUs of a hello (``[{local, name, mem_bytes, h2d_bytes_per_s, simulated}]``);
+    Refused when malformed. Capacity for the ``nodes`` view: GPU services are placed on
+    ``tangramd up`` hosts only so far (docs/design.md)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_GPUS:
+        raise Refused(f"hello: gpus must be a list of at most {MAX_GPUS} maps")
+    gpus = []
+    for k, gpu in enumerate(value):
+        if not isinstance(gpu, dict):
+            raise Refused(f"hello: gpus[{k}] must be a map")
+        mem, h2d = gpu.get("mem_bytes"), gpu.get("h2d_bytes_per_s")
+        ok = (
+            isinstance(mem, int)
+            and not isinstance(mem, bool)
+            and mem >= 0
+            and isinstance(h2d, int | float)
+            and not isinstance(h2d, bool)
+            and h2d > 0
+        )
+        if not ok:
+            raise Refused(f"hello: gpus[{k}] needs mem_bytes (int >= 0) and h2d_bytes_per_s > 0")
+        gpus.append(
+            {
+                "local": k,
+                "name": str(gpu.get("name", "gpu"))[:64],
+                "mem_bytes": mem,
+                "h2d_bytes_per_s": float(h2d),
+                "simulated": bool(gpu.get("simulated", False)),
+            }
+        )
+    return tuple(gpus)
 
 
 def _opt_str(msg: dict[str, Any], key: str) -> str | None:

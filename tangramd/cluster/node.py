@@ -5,7 +5,8 @@ The node has no core: the coordinator decides. It
 - joins over TLS after checking the coordinator's CA against the pinned hash (see
   :mod:`tangramd.cluster.pki`), with the join token the first time and with the
   credential the coordinator then issued (kept in ``<state_dir>/node.json``) afterwards;
-- reports its capacity (cores by NUMA node, memory) and heartbeats;
+- reports its capacity (cores by NUMA node, memory, GPUs from NVML or the simulated
+  inventory of ``[gpu]``) and heartbeats;
 - carries out ``create_env`` / ``remove_env`` / ``run_exec`` on its local backend and
   reports each outcome until the coordinator acknowledges it (an outcome that finishes
   while the link is down is sent when it is back);
@@ -44,6 +45,7 @@ from tangramd.backends.base import Backend, ExecRequest
 from tangramd.cluster.link import Link, LinkClosed
 from tangramd.cluster.pki import CertInvalid, PinMismatch, client_context, verify_server
 from tangramd.executor import run_transfer
+from tangramd.services.inventory import Gpu
 from tangramd.transport import ConnInfo, UnixServer
 
 log = structlog.get_logger("tangramd")
@@ -73,6 +75,7 @@ class NodeAgent:
         state_dir: str,
         cores_by_numa: tuple[tuple[int, ...], ...],
         mem_bytes: int,
+        gpus: tuple[Gpu, ...] = (),
         clock: Callable[[], float] = time.monotonic,
         **server_options: Any,
     ) -> None:
@@ -88,6 +91,7 @@ class NodeAgent:
         self.envs_path = Path(state_dir) / "envs.json"  # environments held, for a restart
         self.cores_by_numa = cores_by_numa
         self.mem_bytes = mem_bytes
+        self.gpus = gpus
         self.max_frame = int(server_options.get("max_frame", 16 << 20))
         self.clock = clock
         self.server = UnixServer(socket_path, self._forward, **server_options)
@@ -216,6 +220,15 @@ class NodeAgent:
             "version": __version__,
             "cores_by_numa": [list(n) for n in self.cores_by_numa],
             "mem_bytes": self.mem_bytes,
+            "gpus": [
+                {
+                    "name": g.name,
+                    "mem_bytes": g.mem_bytes,
+                    "h2d_bytes_per_s": g.h2d_bytes_per_s,
+                    "simulated": g.simulated,
+                }
+                for g in self.gpus
+            ],
             "backend": self.backend.name,
             "envs": sorted(self._envs),
             "running": sorted(self._running),
