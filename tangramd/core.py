@@ -1301,14 +1301,6 @@ class Core:
             return None
         return rec.pool_id[len("cpu:") :]
 
-    def exec_reply(self, action_id: str) -> tuple[int, float] | None:
-        """A running exec's reply token and time queued: what a cluster node needs to answer
-        the client itself, as the core's reply would (None: no reply pending)."""
-        rec = self.actions.get(ActionId(action_id))
-        if rec is None or rec.state != "running" or rec.token is None or rec.call is not None:
-            return None
-        return rec.token, (rec.started_at or rec.submitted_at) - rec.submitted_at
-
     def _gpu_count(self, node_id: str) -> int:
         gpu = self.gpu
         if gpu is None or node_id not in {node.node_id for node in gpu.nodes}:

@@ -101,16 +101,16 @@ def test_exec_through_a_node_runs_where_its_environment_is(cluster: dict[str, Da
         assert 0 <= row["heartbeat_age_s"] < HEARTBEAT_TIMEOUT_S, name
 
 
-def test_node_answers_its_own_clients_exec_as_the_core_would(
+def test_exec_results_through_a_node_carry_the_cores_facts(
     cluster: dict[str, Daemon],
 ) -> None:
-    """An exec from node a's client that runs on a is answered by a itself (one link round
-    trip less); the answer carries the same facts as the core's, which answers when the
-    exec runs on another node, and the coordinator has its outcome before the next op."""
+    """An exec's answer through a node, run on that node or another, carries the facts the
+    core adds (action id, time queued, cores, node); the coordinator has its outcome before
+    the next op on the same socket."""
     with cluster["a"].client() as c:
         env_a, env_b = _env_on(c, "a"), _env_on(c, "b")
-        local = c.exec(["sh", "-c", "echo hi; exit 3"], env=env_a)  # answered by node a
-        remote = c.exec(["sh", "-c", "echo hi; exit 3"], env=env_b)  # by the coordinator
+        local = c.exec(["sh", "-c", "echo hi; exit 3"], env=env_a)
+        remote = c.exec(["sh", "-c", "echo hi; exit 3"], env=env_b)
         for result, node in ((local, "a"), (remote, "b")):
             assert result.outcome == "failed" and result.exit_code == 3, result
             assert result.stdout == "hi\n" and result.node == node

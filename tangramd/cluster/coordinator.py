@@ -97,10 +97,8 @@ class CoordinatorExecutor(Executor):
         self._remote_ids = itertools.count(REMOTE_CONN_BASE)
         self._transfers: dict[str, ev.RunTransfer] = {}  # sent to a node, not answered yet
         self._transfer_ids = itertools.count(1)
-        # core reply tokens of forwarded ``exec`` requests: (link, the node's request id,
-        # the action when its node answers the client itself, see _send_run_exec)
-        self._remote_replies: dict[int, tuple[Link, Any, str | None]] = {}
-        self._node_answers: dict[str, int] = {}  # action id: its reply token
+        # core reply tokens of forwarded ``exec`` requests: (link, the node's request id)
+        self._remote_replies: dict[int, tuple[Link, Any]] = {}
         self.port = listen[1]
 
     # ------------------------------------------------------------------ life cycle
@@ -268,9 +266,7 @@ class CoordinatorExecutor(Executor):
         if target is None:
             super()._resolve(token, result, error)
             return
-        link, request_id, action_id = target
-        if action_id is not None:
-            self._node_answers.pop(action_id, None)
+        link, request_id = target
         if error is None:
             link.send({"t": "resp", "id": request_id, "ok": True, "result": result})
         else:
@@ -290,29 +286,9 @@ class CoordinatorExecutor(Executor):
             "max_output": cmd.max_output,
             "run_as": list(cmd.run_as) if cmd.run_as else None,
         }
-        reply = self._reply_on_node(cmd)
-        if reply is not None:
-            msg["reply"] = reply
         if not self._send(cmd.node, msg):
             detail = f"node {cmd.node} is not connected"
             self.feed(ev.ExecFinished(cmd.action_id, ExecResult("infra_error", detail=detail)))
-
-    def _reply_on_node(self, cmd: ev.RunExec) -> dict[str, Any] | None:
-        """When the exec came from a client of the node it runs on, that node answers the
-        client itself as soon as it ends (``reply``: the request and its time queued, the
-        one fact the core adds that the node lacks), in parallel with telling the
-        coordinator: one link round trip less per action. The core's own reply then goes
-        nowhere (see :meth:`_outcome`); the answer is the same ``ExecResult.placed``."""
-        answer = self.core.exec_reply(cmd.action_id)
-        if answer is None:
-            return None
-        token, queue_s = answer
-        target = self._remote_replies.get(token)
-        if target is None or target[0] is not self.registry.link_of(cmd.node):
-            return None
-        self._remote_replies[token] = (target[0], target[1], cmd.action_id)
-        self._node_answers[cmd.action_id] = token
-        return {"id": target[1], "queue_s": queue_s}
 
     async def _run_transfer(self, cmd: ev.RunTransfer) -> None:
         self._transfers[key := f"t{next(self._transfer_ids)}"] = cmd
@@ -384,11 +360,8 @@ class CoordinatorExecutor(Executor):
             if self.registry.detach(rec.name, link) is not None:
                 self._drop_remote_conns(rec)
             # nobody to answer: that node's clients got infra_error when the link dropped
-            for token, (at, _, action_id) in list(self._remote_replies.items()):
-                if at is link:
-                    del self._remote_replies[token]
-                    if action_id is not None:
-                        self._node_answers.pop(action_id, None)
+            for token in [t for t, (at, _) in self._remote_replies.items() if at is link]:
+                del self._remote_replies[token]
             await link.wait_closed()
 
     async def _join(self, link: Link) -> NodeRecord:
@@ -504,9 +477,6 @@ class CoordinatorExecutor(Executor):
         """A node's outcome becomes the core's event, if it is about that node's work."""
         if kind == "exec_done":
             action_id = str(msg["action_id"])
-            token = self._node_answers.pop(action_id, None)
-            if token is not None and msg.get("answered"):
-                self._remote_replies.pop(token, None)  # its client has the answer
             if self.core.action_node(action_id) != rec.name:
                 return  # already ended (node lost, resumed) or not this node's: ignore
             result = ExecResult.from_wire(msg["result"])
@@ -555,7 +525,7 @@ class CoordinatorExecutor(Executor):
             return
         self.watch(conn)
         token = next(self._tokens)
-        self._remote_replies[token] = (link, request_id, None)
+        self._remote_replies[token] = (link, request_id)
         self.feed(ev.SubmitExec(spec=spec, token=token, conn=conn.id, peer=conn.peer))
 
     async def _remote_request(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:

@@ -446,18 +446,10 @@ class NodeAgent:
         finally:
             self._running.discard(action_id)
         lost = res.outcome == "infra_error" and not self.backend.env_exists(env_id)
-        answered = self._answer_exec(msg, action_id, res)
-        done = {
-            "t": "exec_done",
-            "action_id": action_id,
-            "result": res.to_wire(),
-            "env_lost": lost,
-            "answered": answered,
-        }
-        if answered:  # the client's answer leaves first (its task is already scheduled)
-            asyncio.get_running_loop().call_soon(self._report, f"x:{action_id}", done)
-        else:
-            self._report(f"x:{action_id}", done)
+        self._report(
+            f"x:{action_id}",
+            {"t": "exec_done", "action_id": action_id, "result": res.to_wire(), "env_lost": lost},
+        )
         # formatting a log line is a tenth of a millisecond: after the outcome is on its way
         asyncio.get_running_loop().call_soon(
             functools.partial(
@@ -470,24 +462,6 @@ class NodeAgent:
                 exec_s=round(res.exec_s, 6),
             )
         )
-
-    def _answer_exec(self, msg: dict[str, Any], action_id: str, res: ExecResult) -> bool:
-        """Answer the client whose request this exec is, when the coordinator said so
-        (``reply``) and it still waits: the core's answer, built from the same facts."""
-        reply = msg.get("reply")
-        if not isinstance(reply, dict):
-            return False
-        try:
-            fut = self._pending.get(int(reply["id"]))
-            queue_s = float(reply["queue_s"])
-        except (KeyError, TypeError, ValueError):
-            return False
-        if fut is None or fut.done():
-            return False
-        cores = tuple(int(c) for c in msg["cores"])
-        final = res.placed(action_id=action_id, queue_s=queue_s, cores=cores, node=self.name)
-        fut.set_result(final.to_wire())
-        return True
 
     # ------------------------------------------------------------------ client requests
     async def _forward(self, op: str, args: dict[str, Any], conn: ConnInfo) -> Any:
