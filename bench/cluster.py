@@ -3,7 +3,8 @@
 Usage: python bench/cluster.py [--json] [--acts N] [--clients N] [--skip a,b,c,d]
 
 (a) ACT overhead of ``true``: the client-measured round trip of one exec in an open
-    environment through node → coordinator → node, against ``tangramd up``, in the same run;
+    environment through node → coordinator → node, against ``tangramd up``, both running,
+    in alternating rounds of the same run;
 (b) throughput with 4 nodes and ``--clients`` concurrent clients spread over their sockets;
 (c) one scheduling pass of the coordinator's core at 16 nodes × 64 cores with 1,024 queued
     actions (80% 1 core, 20% elastic), next to the same pass over one 1,024-core node (the
@@ -77,41 +78,46 @@ def _stats_ms(values: list[float]) -> dict[str, float]:
     }
 
 
-def _act_loop(sock: str, n: int) -> list[float]:
-    with Client(sock) as c:
-        env = c.env_open()
-        for _ in range(20):  # warm-up
-            c.exec(["true"], env=env)
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            result = c.exec(["true"], env=env)
-            times.append(time.perf_counter() - t0)
-            assert result.outcome == "ok", result
-        c.env_close(env)
+def _act_loop(client: Client, env: str, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        result = client.exec(["true"], env=env)
+        times.append(time.perf_counter() - t0)
+        assert result.outcome == "ok", result
     return times
 
 
-def bench_act(work: Path, n: int) -> dict[str, Any]:
+def bench_act(work: Path, n: int, rounds: int = 6) -> dict[str, Any]:
+    """Both daemons up at once, ``rounds`` alternating runs of ``n / rounds`` execs each, so
+    that a change in the host's load reaches both sides alike."""
     up = spawn_daemon(work / "up", UP_CONFIG)
-    try:
-        local = _act_loop(up.socket, n)
-    finally:
-        up.stop()
     coord = spawn_coordinator(work / "act", CONFIG)
     node = spawn_node(work / "act", coord, "n1", cpus=",".join(map(str, CORES)))
+    times: dict[str, list[float]] = {"up": [], "node": []}
     try:
-        cluster = _act_loop(node.socket, n)
+        with Client(up.socket) as cu, Client(node.socket) as cn:
+            sides = {"up": (cu, cu.env_open()), "node": (cn, cn.env_open())}
+            for client, env in sides.values():
+                _act_loop(client, env, 20)  # warm-up
+            for _ in range(rounds):
+                for side, (client, env) in sides.items():
+                    times[side] += _act_loop(client, env, max(1, n // rounds))
+            for client, env in sides.values():
+                client.env_close(env)
     finally:
         node.stop()
         coord.stop()
-    a, b = _stats_ms(local), _stats_ms(cluster)
+        up.stop()
+    a, b = _stats_ms(times["up"]), _stats_ms(times["node"])
     return {
-        "actions": n,
+        "actions": len(times["up"]),
+        "rounds": rounds,
         "tangramd_up": a,
         "through_node": b,
         "extra_p50_ms": round(b["p50_ms"] - a["p50_ms"], 3),
         "extra_p99_ms": round(b["p99_ms"] - a["p99_ms"], 3),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
 
 
