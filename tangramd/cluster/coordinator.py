@@ -31,11 +31,9 @@ from tangram.protocol.errors import (
     NotFound,
     TangramError,
     UnknownOp,
-    error_from_wire,
     error_to_wire,
 )
-from tangram.protocol.ops import validate_args
-from tangram.protocol.results import ExecResult, ExecSpec
+from tangram.protocol.results import ExecResult
 from tangram.version import __version__
 from tangramd import events as ev
 from tangramd.cluster.config import ClusterConfig
@@ -97,8 +95,6 @@ class CoordinatorExecutor(Executor):
         self._remote_ids = itertools.count(REMOTE_CONN_BASE)
         self._transfers: dict[str, ev.RunTransfer] = {}  # sent to a node, not answered yet
         self._transfer_ids = itertools.count(1)
-        # core reply tokens of forwarded ``exec`` requests: (link, the node's request id)
-        self._remote_replies: dict[int, tuple[Link, Any]] = {}
         self.port = listen[1]
 
     # ------------------------------------------------------------------ life cycle
@@ -259,20 +255,6 @@ class CoordinatorExecutor(Executor):
             cause=cmd.cause,
         )
 
-    def _resolve(self, token: int, result: Any, error: tuple[str, str] | None) -> None:
-        """A forwarded ``exec``'s answer goes back on its node's link from here, in the
-        same turn of the loop as the outcome that ended it."""
-        target = self._remote_replies.pop(token, None)
-        if target is None:
-            super()._resolve(token, result, error)
-            return
-        link, request_id = target
-        if error is None:
-            link.send({"t": "resp", "id": request_id, "ok": True, "result": result})
-        else:
-            wire = error_to_wire(error_from_wire(*error))
-            link.send({"t": "resp", "id": request_id, "ok": False, "error": wire})
-
     async def _run_exec(self, cmd: ev.RunExec) -> None:
         self._send_run_exec(cmd)
 
@@ -359,9 +341,6 @@ class CoordinatorExecutor(Executor):
         finally:
             if self.registry.detach(rec.name, link) is not None:
                 self._drop_remote_conns(rec)
-            # nobody to answer: that node's clients got infra_error when the link dropped
-            for token in [t for t, (at, _) in self._remote_replies.items() if at is link]:
-                del self._remote_replies[token]
             await link.wait_closed()
 
     async def _join(self, link: Link) -> NodeRecord:
@@ -430,9 +409,7 @@ class CoordinatorExecutor(Executor):
             if kind == "hb":
                 link.send({"t": "hb"})
             elif kind == "req":
-                if msg.get("op") == "exec":
-                    self._remote_exec(rec, link, msg)
-                elif not self._remote_inline(rec, link, msg):
+                if not self._remote_inline(rec, link, msg):
                     self._spawn(self._remote_request(rec, link, msg))
             elif kind == "conn_closed":
                 conn = rec.remote_conns.pop(int(msg["conn"]), None)
@@ -507,26 +484,6 @@ class CoordinatorExecutor(Executor):
             reply = {"t": "resp", "id": msg.get("id"), "ok": False, "error": error_to_wire(exc)}
         link.send(reply)
         return True
-
-    def _remote_exec(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
-        """``exec`` from a node's socket, the hot path: what the ``exec`` op handler does
-        (validate, watch the connection, submit), without a task; the core's reply is sent
-        by :meth:`_resolve`."""
-        request_id = msg.get("id")
-        try:
-            args = msg.get("args") or {}
-            if not isinstance(args, dict):
-                raise UnknownOp("malformed forwarded request")
-            validate_args("exec", args)
-            conn = self._remote_conn(rec, int(msg["conn"]))
-            spec = ExecSpec.from_wire(args)
-        except Exception as exc:  # every failure is an answer, never a dead link
-            link.send({"t": "resp", "id": request_id, "ok": False, "error": error_to_wire(exc)})
-            return
-        self.watch(conn)
-        token = next(self._tokens)
-        self._remote_replies[token] = (link, request_id)
-        self.feed(ev.SubmitExec(spec=spec, token=token, conn=conn.id, peer=conn.peer))
 
     async def _remote_request(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         """A client request from a node's socket, through the same op handlers."""
