@@ -3,11 +3,13 @@
 Usage: python bench/cluster.py [--json] [--acts N] [--clients N] [--skip a,b,c,d]
 
 (a) ACT overhead of ``true``: the client-measured round trip of one exec in an open
-    environment through node → coordinator → node, against ``tangramd up``, in the same run;
+    environment through node → coordinator → node, against ``tangramd up``, both running,
+    in alternating rounds of the same run;
 (b) throughput with 4 nodes and ``--clients`` concurrent clients spread over their sockets;
 (c) one scheduling pass of the coordinator's core at 16 nodes × 64 cores with 1,024 queued
-    actions (80% 1 core, 20% elastic), next to ``bench/sched.py``'s single-node pool case
-    (1,024 queued, 256 cores) measured in the same process;
+    actions (80% 1 core, 20% elastic), next to the same pass over one 1,024-core node (the
+    same queue and free cores in one pool) and ``bench/sched.py``'s single-node scheduler
+    case (1,024 queued, 256 cores), all in the same process; wall and thread CPU time;
 (d) node death: SIGKILL of a node while an action runs there, until its client holds the
     ``infra_error``; coordinator restart: SIGKILL, restart, until every node is ready.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -75,41 +78,46 @@ def _stats_ms(values: list[float]) -> dict[str, float]:
     }
 
 
-def _act_loop(sock: str, n: int) -> list[float]:
-    with Client(sock) as c:
-        env = c.env_open()
-        for _ in range(20):  # warm-up
-            c.exec(["true"], env=env)
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            result = c.exec(["true"], env=env)
-            times.append(time.perf_counter() - t0)
-            assert result.outcome == "ok", result
-        c.env_close(env)
+def _act_loop(client: Client, env: str, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        result = client.exec(["true"], env=env)
+        times.append(time.perf_counter() - t0)
+        assert result.outcome == "ok", result
     return times
 
 
-def bench_act(work: Path, n: int) -> dict[str, Any]:
+def bench_act(work: Path, n: int, rounds: int = 6) -> dict[str, Any]:
+    """Both daemons up at once, ``rounds`` alternating runs of ``n / rounds`` execs each, so
+    that a change in the host's load reaches both sides alike."""
     up = spawn_daemon(work / "up", UP_CONFIG)
-    try:
-        local = _act_loop(up.socket, n)
-    finally:
-        up.stop()
     coord = spawn_coordinator(work / "act", CONFIG)
     node = spawn_node(work / "act", coord, "n1", cpus=",".join(map(str, CORES)))
+    times: dict[str, list[float]] = {"up": [], "node": []}
     try:
-        cluster = _act_loop(node.socket, n)
+        with Client(up.socket) as cu, Client(node.socket) as cn:
+            sides = {"up": (cu, cu.env_open()), "node": (cn, cn.env_open())}
+            for client, env in sides.values():
+                _act_loop(client, env, 20)  # warm-up
+            for _ in range(rounds):
+                for side, (client, env) in sides.items():
+                    times[side] += _act_loop(client, env, max(1, n // rounds))
+            for client, env in sides.values():
+                client.env_close(env)
     finally:
         node.stop()
         coord.stop()
-    a, b = _stats_ms(local), _stats_ms(cluster)
+        up.stop()
+    a, b = _stats_ms(times["up"]), _stats_ms(times["node"])
     return {
-        "actions": n,
+        "actions": len(times["up"]),
+        "rounds": rounds,
         "tangramd_up": a,
         "through_node": b,
         "extra_p50_ms": round(b["p50_ms"] - a["p50_ms"], 3),
         "extra_p99_ms": round(b["p99_ms"] - a["p99_ms"], 3),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -170,14 +178,29 @@ def _queued_core(nodes: int, cores: int, queued: int, seed: int = 0) -> Core:
     return core
 
 
-def bench_pass(repeat: int) -> dict[str, Any]:
-    times, placed = [], 0
+def _core_pass(nodes: int, cores: int, repeat: int) -> dict[str, Any]:
+    """The core's whole pass (scheduler, stories, commands), wall and thread CPU time."""
+    wall, cpu, placed = [], [], []
     for seed in range(repeat):
-        core = _queued_core(16, 64, 1024, seed)
-        t0 = time.perf_counter()
+        core = _queued_core(nodes, cores, 1024, seed)
+        gc.collect()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = core.handle(ev.Tick(), 1.0)
-        times.append(time.perf_counter() - t0)
-        placed = sum(isinstance(c, ev.RunExec) for c in out)
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - t0)
+        placed.append(sum(isinstance(c, ev.RunExec) for c in out))
+    return {
+        **_stats_ms(wall),
+        "cpu_p50_ms": round(statistics.median(cpu) * 1e3, 3),
+        "placed_mean": round(statistics.fmean(placed), 1),
+    }
+
+
+def bench_pass(repeat: int) -> dict[str, Any]:
+    cluster = _core_pass(16, 64, repeat)
+    # the same queue and the same free cores in one pool: what "inside the single-node
+    # targets" compares against (bench/sched.py times the scheduler alone, not the core)
+    one_pool = _core_pass(1, 1024, repeat)
     from sched import run as single_node  # bench/sched.py
 
     reference = next(
@@ -189,8 +212,10 @@ def bench_pass(repeat: int) -> dict[str, Any]:
         "nodes": 16,
         "cores_per_node": 64,
         "queued": 1024,
-        "placed": placed,
-        "core_pass": _stats_ms(times),
+        "placed": cluster["placed_mean"],
+        "core_pass": cluster,
+        "one_pool_same_count": {"nodes": 1, "cores_per_node": 1024, **one_pool},
+        "cpu_ratio": round(cluster["cpu_p50_ms"] / one_pool["cpu_p50_ms"], 2),
         "single_pool_reference": {
             k: reference[k] for k in ("queued", "units", "p50_ms", "p99_ms", "placed")
         },

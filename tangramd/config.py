@@ -616,16 +616,44 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Mapping[str, Any
     same nested; ``None`` values are ignored, so click options can be passed through as they
     come. Overrides win over the file (``tangramd up --socket`` etc.).
     """
+    return load_config_with(path, overrides, {})[0]
+
+
+def load_config_with(
+    path: str | os.PathLike[str] | None,
+    overrides: Mapping[str, Any],
+    sections: Mapping[str, type],
+) -> tuple[Config, dict[str, Any]]:
+    """:func:`load_config` for a file that also holds ``sections`` of another daemon
+    (``{"cluster": ClusterConfig}``): each is built from its table (missing: defaults)
+    with the same parsing and messages, its fields made with :func:`setting`. Returns the
+    config and ``{section: instance}``; the path in errors is the file's."""
     source = os.fspath(path) if path is not None else None
     flat = _flatten(overrides)
-    raw = _read_toml(source)
+    raw = dict(_read_toml(source))
     label = source if source is not None else COMMAND_LINE
+    extra = {
+        section: _build_table(cls, raw.pop(section, {}), section, label, {})
+        for section, cls in sections.items()
+    }
     config = _build(raw, label, flat)
 
     def origin(dotted: str) -> str:
         return COMMAND_LINE if dotted in flat else label
 
-    return _validate(config, label, origin)
+    return _validate(config, label, origin), extra
+
+
+def setting(parse: Callable[[Any], Any], default: Any = MISSING) -> Any:
+    """A field of a config section dataclass defined outside this module (for
+    :func:`load_config_with`): its raw TOML value goes through ``parse``, such as
+    :func:`number`; no default = a required key."""
+    return _key(parse, default)
+
+
+def number(minimum: float = 0.0, *, exclusive: bool = False) -> Callable[[Any], float]:
+    """The parser of a number ``>= minimum`` (``> minimum`` when ``exclusive``)."""
+    return _number(minimum, exclusive=exclusive)
 
 
 def cli_overrides(
@@ -650,7 +678,10 @@ __all__ = [
     "default_state_dir",
     "format_cores",
     "load_config",
+    "load_config_with",
+    "number",
     "parse_cores",
     "parse_size",
     "resolve_user",
+    "setting",
 ]

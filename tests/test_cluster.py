@@ -101,6 +101,28 @@ def test_exec_through_a_node_runs_where_its_environment_is(cluster: dict[str, Da
         assert 0 <= row["heartbeat_age_s"] < HEARTBEAT_TIMEOUT_S, name
 
 
+def test_exec_results_through_a_node_carry_the_cores_facts(
+    cluster: dict[str, Daemon],
+) -> None:
+    """An exec's answer through a node, run on that node or another, carries the facts the
+    core adds (action id, time queued, cores, node); the coordinator has its outcome before
+    the next op on the same socket."""
+    with cluster["a"].client() as c:
+        env_a, env_b = _env_on(c, "a"), _env_on(c, "b")
+        local = c.exec(["sh", "-c", "echo hi; exit 3"], env=env_a)
+        remote = c.exec(["sh", "-c", "echo hi; exit 3"], env=env_b)
+        for result, node in ((local, "a"), (remote, "b")):
+            assert result.outcome == "failed" and result.exit_code == 3, result
+            assert result.stdout == "hi\n" and result.node == node
+            assert result.action_id and len(result.cores) == 1
+            assert result.queue_s >= 0
+            assert result.act_s == pytest.approx(result.queue_s + result.exec_s)
+            story = c.request("story", {"action_id": result.action_id})
+            assert story["outcome"] == "failed", story
+        assert {row["name"]: row["running"] for row in c.nodes()} == {"a": 0, "b": 0}
+    assert "exit=3" in str(story)
+
+
 def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, Daemon]) -> None:
     """Each op of the table, forwarded by a node, answers exactly its documented fields;
     cluster.join answers on the coordinator and is refused through a node (it is secret),
@@ -310,6 +332,43 @@ def test_gateway_node_forwards_without_offering_cores(tmp_path: Path) -> None:
         for daemon in reversed(daemons):
             if daemon.proc.poll() is None:
                 daemon.stop()
+
+
+def test_node_reports_its_gpus(tmp_path: Path) -> None:
+    """GPUs of the node's [gpu] inventory (here simulated, NVML off) are its capacity in
+    `nodes --json`; a node without any reports none."""
+    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
+    daemons = [coord]
+    gpu_config = "[gpu]\nnvml = false\nsimulated = { count = 2, mem_gb = 16, h2d_gbps = 10 }\n"
+    try:
+        daemons.append(spawn_node(tmp_path, coord, "g", cpus=CPUS_A, env=ENV, config=gpu_config))
+        daemons.append(spawn_node(tmp_path, coord, "c", cpus=CPUS_B, env=ENV))
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tangramctl.main",
+                "--socket",
+                daemons[1].socket,
+                "nodes",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        rows = {row["name"]: row for row in json.loads(out)["nodes"]}
+    finally:
+        for daemon in reversed(daemons):
+            if daemon.proc.poll() is None:
+                daemon.stop()
+    assert rows["g"]["gpus"] == 2 and rows["c"]["gpus"] == 0
+    assert rows["g"]["gpu_list"] == [
+        {"local": k, "name": "simulated", "mem_bytes": 16 * 10**9, "simulated": True}
+        for k in (0, 1)
+    ]
+    assert rows["c"]["gpu_list"] == []
 
 
 def test_node_without_coordinator_answers_infra_error(tmp_path: Path) -> None:

@@ -219,3 +219,38 @@ def test_the_same_core_id_on_two_nodes_is_two_cores() -> None:
     runs = [run(core, 10, first.env_id, 1.0), run(core, 11, second.env_id, 2.0)]
     assert [r.cores for r in runs] == [(0,), (0,)] and {r.node for r in runs} == {"a", "b"}
     core.validate()
+
+
+@pytest.mark.parametrize(
+    "gpus",
+    [
+        "8",
+        [1],
+        [{"mem_bytes": -1, "h2d_bytes_per_s": 1.0}],
+        [{"mem_bytes": 1, "h2d_bytes_per_s": 0}],
+        [{"mem_bytes": True, "h2d_bytes_per_s": 1.0}],
+        [{"mem_bytes": 1, "h2d_bytes_per_s": 1.0}] * 65,
+    ],
+)
+def test_a_hello_with_malformed_gpus_is_refused(gpus: object) -> None:
+    from tangramd.cluster.coordinator import _parse_gpus
+    from tangramd.cluster.registry import Refused
+
+    with pytest.raises(Refused, match="gpus"):
+        _parse_gpus(gpus)
+
+
+def test_a_hellos_gpus_are_kept_as_reported() -> None:
+    from tangramd.cluster.coordinator import _parse_gpus
+
+    hello = [{"name": "H200" * 20, "mem_bytes": 1 << 30, "h2d_bytes_per_s": 25e9, "x": 1}]
+    assert _parse_gpus(hello) == (
+        {
+            "local": 0,
+            "name": ("H200" * 20)[:64],
+            "mem_bytes": 1 << 30,
+            "h2d_bytes_per_s": 25e9,
+            "simulated": False,
+        },
+    )
+    assert _parse_gpus(None) == ()

@@ -2,7 +2,7 @@
 
 A partition shorter than the heartbeat timeout is nothing (TCP delivers late); a longer
 one is a node failure, and the node, once it is back, is reconciled: it removes the
-environments the coordinator no longer gives it.
+environments the coordinator no longer gives it and kills the execs it has ended.
 """
 
 from __future__ import annotations
@@ -69,6 +69,15 @@ def _env_on(c: Client, node: str) -> str:
     raise AssertionError(f"no environment landed on {node}")
 
 
+def _alive(pid: int) -> bool:
+    """Running (a zombie its parent has not reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
 def _run_in_thread(socket: str, cmd: list[str], env: str) -> tuple[threading.Thread, dict]:
     out: dict[str, Any] = {}
 
@@ -110,8 +119,11 @@ def test_long_partition_is_a_node_failure_then_reconciled(partitioned: dict[str,
         env = _env_on(c, "far")
     env_dir = Path(far.state_dir) / "process" / "envs" / env
     assert env_dir.is_dir()
-    thread, out = _run_in_thread(near.socket, ["sleep", "30"], env)
+    pid_file = far.log_path.parent / "sleep.pid"
+    cmd = ["sh", "-c", f"echo $$ > {pid_file}; exec sleep 30"]
+    thread, out = _run_in_thread(near.socket, cmd, env)
     wait_for(lambda: node_row(coord, "far")["running"] == 1, 10, "sleep runs on far")
+    pid = int(wait_for(lambda: pid_file.read_text().strip(), 10, "the sleep's pid"))
     proxy.partition()
     started = time.monotonic()
     thread.join(TIMEOUT_S + 10)
@@ -127,6 +139,9 @@ def test_long_partition_is_a_node_failure_then_reconciled(partitioned: dict[str,
     wait_node_state(coord, "far", "ready", 30, node=far)
     wait_for(lambda: not env_dir.exists(), 10, "far removes the environment it lost")
     assert f'"env": "{env}"' in far.log() and "env_not_owned_removed" in far.log()
+    # the exec the coordinator ended is killed, not left to run its 30 s
+    wait_for(lambda: not _alive(pid), 10, "far kills the exec the coordinator ended")
+    assert "exec_cancelled" in far.log()
     with near.client() as c:
         fresh = _env_on(c, "far")
         assert c.exec(["true"], env=fresh).node == "far"

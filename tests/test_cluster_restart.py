@@ -1,21 +1,26 @@
-"""Coordinator failure: SIGKILL and restart on the same state dir and port.
+"""Coordinator and node failure: SIGKILL and restart on the same state dir (and port).
 
 The registry (join token, node credentials and capacities, persistent environments and
 their nodes) is in SQLite, profiles in profiles.json: the restarted coordinator takes its
-nodes back as they reconnect, and environments on them keep working.
+nodes back as they reconnect, and environments on them keep working. A node records the
+environments it holds in its envs.json: restarted within the heartbeat timeout, it
+re-adopts them and they keep their files.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sqlite3
 import stat
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tangram import EnvLost, InfraError
+from tangram import Client, EnvLost, InfraError
 from tangramd.cluster.testing import (
     Daemon,
     node_row,
@@ -123,3 +128,48 @@ def test_node_that_never_returns_after_a_restart_is_lost(tmp_path: Path) -> None
         for daemon in reversed(daemons):
             if daemon.proc.poll() is None:
                 daemon.stop()
+
+
+def test_node_restart_keeps_its_environments(tmp_path: Path) -> None:
+    """SIGKILL a node and start it again on the same state dir within the heartbeat
+    timeout: its environment (and the files in it) is re-adopted and kept; the exec that
+    was running there when it died ends infra_error."""
+    config = CONFIG.replace("heartbeat_timeout_s = 3", "heartbeat_timeout_s = 15")
+    coord = spawn_coordinator(tmp_path, config, env=ENV)
+    daemons: list[Daemon] = [coord]
+    try:
+        a = spawn_node(tmp_path, coord, "a", cpus=str(CORES[0]), env=ENV)
+        daemons.append(a)
+        with coord.client() as c:
+            env = c.env_open()
+            assert c.exec(["sh", "-c", "echo kept > f"], env=env).outcome == "ok"
+            throwaway = c.exec(["true"])
+            assert throwaway.outcome == "ok"
+        record = Path(a.state_dir) / "envs.json"
+        wait_for(  # throwaway environments come and go (removed after the answer)
+            lambda: [r["id"] for r in json.loads(record.read_text())] == [env], 10, "envs.json"
+        )
+        box: dict[str, Any] = {}
+        thread = threading.Thread(
+            target=lambda: box.update(r=Client(coord.socket).exec(["sleep", "30"], env=env))
+        )
+        thread.start()
+        wait_for(lambda: node_row(coord, "a")["running"] == 1, 10, "sleep runs on a")
+        a.kill()
+        a = spawn_node(tmp_path, coord, "a", cpus=str(CORES[0]), env=ENV, wait_ready=False)
+        daemons.append(a)
+        thread.join(30)
+        assert box["r"].outcome == "infra_error", box  # the restarted node never ran it
+        with a.client() as c:
+            result = c.exec(["cat", "f"], env=env)
+        assert (result.outcome, result.stdout, result.node) == ("ok", "kept\n", "a"), result
+        assert node_row(coord, "a")["envs"] == 1
+        assert "envs_readopted" in a.log() and "env_not_owned_removed" not in a.log()
+        assert "node_lost" not in coord.log()
+    finally:
+        for daemon in reversed(daemons):
+            if daemon.proc.poll() is None:
+                daemon.stop()
+    for daemon in daemons:
+        assert "Traceback" not in daemon.log(), daemon.log()
+        assert "invariant_violated" not in daemon.log(), daemon.log()

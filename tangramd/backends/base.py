@@ -211,6 +211,12 @@ class Backend(Protocol):
         """End the session's shell; unknown ids are ignored."""
         ...
 
+    async def cancel(self, action_id: str) -> bool:
+        """Kill what the running exec of ``action_id`` started (its exec then ends as a
+        command killed by SIGKILL); whether one was running. For a cluster node whose
+        coordinator already ended the action (the node was lost and came back)."""
+        ...
+
 
 # --- output capping -------------------------------------------------------------------
 

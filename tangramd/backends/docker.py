@@ -43,6 +43,7 @@ import hashlib
 import json
 import os
 import posixpath
+import re
 import secrets
 import shutil
 import tempfile
@@ -100,7 +101,8 @@ touch {AGENT_MOUNT}/{NO_AGENT_MARK}
 exec sleep infinity 2>/dev/null || while :; do sleep 86400; done
 """
 
-# Signal every process whose environment carries the marker ($2) with $1. They are all
+# Signal every process whose environment carries the marker ($2, a whole line: a grep basic
+# regular expression, so cancel() can match any exec of one action) with $1. They are all
 # stopped first, so a shell cannot run on between its child's death and its own; SIGKILL
 # takes a few rounds to catch processes forked during the scan.
 _KILL_SCRIPT = """\
@@ -117,6 +119,9 @@ for round in 1 2 3; do
 done
 """
 
+
+# action ids that cancel() puts in a grep pattern (the daemon's own ids are hex)
+_SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 # agents_dir + "/" + 32-hex env dir + "/agent.sock" must fit a Unix socket path (107 bytes)
 _MAX_AGENTS_DIR = 107 - 1 - 32 - len("/agent.sock")
@@ -193,6 +198,7 @@ class DockerBackend:
         self._envs: dict[str, _Env] = {}
         self._sessions: dict[str, str] = {}  # session id -> env id (the agent holds the shell)
         self._inflight: set[asyncio.Future[Any]] = set()
+        self._actions: dict[str, _Env] = {}  # running execs by action id, for cancel()
         self._closing = False
         self._first_core = min(os.sched_getaffinity(0))
 
@@ -421,10 +427,14 @@ class DockerBackend:
             return infra_error(f"no such environment {req.env_id}")
         task = asyncio.ensure_future(self._exec(env, req))
         self._inflight.add(task)
+        if req.action_id:
+            self._actions[req.action_id] = env
         try:
             result = await asyncio.shield(task)
         finally:
             self._inflight.discard(task)
+            if req.action_id:
+                self._actions.pop(req.action_id, None)
         if self._closing and result.outcome != "ok":
             return infra_error(SHUTDOWN_DETAIL, stdout=result.stdout, stderr=result.stderr)
         return result
@@ -763,6 +773,16 @@ class DockerBackend:
         if env is not None and env.alive:
             with contextlib.suppress(EnvError):
                 await self._session_call(env, {"op": "session_close", "id": session_id}, 5.0)
+
+    async def cancel(self, action_id: str) -> bool:
+        """SIGKILL the processes of the running exec of ``action_id`` (see Backend): those
+        carrying its marker, ``TANGRAM_EXEC_ID=<action id>-<8 hex>`` (agent and plain)."""
+        env = self._actions.get(action_id)
+        if env is None or not env.alive or not _SAFE_ID.fullmatch(action_id):
+            return False
+        pattern = f"{agent_mod.MARKER_VAR}={action_id}-[0-9a-f]\\{{8\\}}"
+        await self._kill_marked(env, "KILL", pattern)
+        return True
 
     async def _kill_marked(self, env: _Env, sig: str, marker: str) -> None:
         with contextlib.suppress(docker.errors.APIError, *_ENGINE_ERRORS):

@@ -174,6 +174,7 @@ class _Running:
     child: _Child
     cgroup: Path | None
     marker: str
+    action_id: str | None = None  # for cancel()
     killed_for_shutdown: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -428,7 +429,7 @@ class ProcessBackend:
         child = _Child(pid, self._spawner.exit_of(pid), (out_r, err_r), loop, out, err)
         if in_w is not None:
             threading.Thread(target=_feed, args=(in_w, req.stdin), daemon=True).start()
-        run = _Running(child, cgroup, marker)
+        run = _Running(child, cgroup, marker, req.action_id)
         self._running.add(run)
         try:
             if self._closing:
@@ -442,6 +443,13 @@ class ProcessBackend:
             self._spawner.forget(pid)
             self._running.discard(run)
             run.done.set()
+
+    async def cancel(self, action_id: str) -> bool:
+        """SIGKILL the running exec of ``action_id`` and what it left (see Backend)."""
+        runs = [run for run in self._running if run.action_id == action_id]
+        for run in runs:
+            self._kill_leftovers(run)
+        return bool(runs)
 
     def _kill_leftovers(self, run: _Running) -> None:
         """SIGKILL the exec's process group, and its cgroup or (without one) session."""

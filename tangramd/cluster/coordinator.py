@@ -183,6 +183,16 @@ class CoordinatorExecutor(Executor):
                 row["state"] = "lost"
             row["heartbeat_age_s"] = now - rec.last_seen if rec.last_seen else None
             row["backend"] = rec.backend
+            row["gpus"] = len(rec.gpus)
+            row["gpu_list"] = [
+                {
+                    "local": g["local"],
+                    "name": g["name"],
+                    "mem_bytes": g["mem_bytes"],
+                    "simulated": g["simulated"],
+                }
+                for g in rec.gpus
+            ]
             out.append(row)
         return out
 
@@ -227,7 +237,28 @@ class CoordinatorExecutor(Executor):
             # nothing to remove there now; the node drops it when it reconciles
             self.feed(ev.EnvRemoved(env_id=cmd.env_id))
 
+    def _execute(self, cmd: ev.Command) -> None:
+        """As the all-in-one executor, but a placement goes to its node at once: sending
+        never waits, so no task (and no turn of the loop) stands between the pass and the
+        node."""
+        if not isinstance(cmd, ev.RunExec):
+            super()._execute(cmd)
+            return
+        self._send_run_exec(cmd)
+        self._log_soon(
+            "action_placed",
+            action_id=cmd.action_id,
+            node=cmd.node,
+            env=cmd.env_id,
+            cores=list(cmd.cores),
+            trajectory=self.core.trajectory_of(cmd.action_id),
+            cause=cmd.cause,
+        )
+
     async def _run_exec(self, cmd: ev.RunExec) -> None:
+        self._send_run_exec(cmd)
+
+    def _send_run_exec(self, cmd: ev.RunExec) -> None:
         msg = {
             "t": "run_exec",
             "action_id": cmd.action_id,
@@ -299,7 +330,11 @@ class CoordinatorExecutor(Executor):
             while True:
                 msg = await link.recv()
                 rec.last_seen = self.clock()
-                self._on_message(rec, link, msg)
+                link.cork()  # what answers it leaves in one write
+                try:
+                    self._on_message(rec, link, msg)
+                finally:
+                    link.uncork()
         except (LinkClosed, FrameError, OSError, ssl.SSLError) as exc:
             if rec.link is link:
                 log.warning("node_link_closed", node=rec.name, error=str(exc))
@@ -318,11 +353,12 @@ class CoordinatorExecutor(Executor):
             )
             raise LinkClosed("the node rejected this coordinator")
         name, cores, mem, backend = _parse_hello(hello)
+        gpus = _parse_gpus(hello.get("gpus"))
         credential = self.registry.authenticate(
             name, _opt_str(hello, "token"), _opt_str(hello, "credential")
         )
         rec, was_lost = self.registry.attach(name, link, cores, mem, self.clock())
-        rec.backend, rec.restored = backend, False
+        rec.backend, rec.gpus, rec.restored = backend, gpus, False
         self.feed(ev.NodeJoined(node=name, cores_by_numa=cores, mem_bytes=mem))
         work = self.core.node_work(name)
         welcome: dict[str, Any] = {
@@ -331,6 +367,8 @@ class CoordinatorExecutor(Executor):
             "heartbeat_s": self.cluster.heartbeat_s,
             "heartbeat_timeout_s": self.cluster.heartbeat_timeout_s,
             "keep": work["keep"],
+            # what it still runs that the core has ended (lost meanwhile): it kills them
+            "cancel": [a for a in _str_list(hello, "running") if self.core.action_node(a) != name],
         }
         if credential is not None:
             welcome["credential"] = credential
@@ -530,6 +568,44 @@ def _parse_hello(
         raise Refused("hello: a core appears twice in cores_by_numa")
     backend = str(hello.get("backend", "process"))[:32]
     return name, cores, mem, backend
+
+
+MAX_GPUS = 64
+
+
+def _parse_gpus(value: Any) -> tuple[dict[str, Any], ...]:
+    """The GPUs of a hello (``[{local, name, mem_bytes, h2d_bytes_per_s, simulated}]``);
+    Refused when malformed. Capacity for the ``nodes`` view: GPU services are placed on
+    ``tangramd up`` hosts only so far (docs/design.md)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_GPUS:
+        raise Refused(f"hello: gpus must be a list of at most {MAX_GPUS} maps")
+    gpus = []
+    for k, gpu in enumerate(value):
+        if not isinstance(gpu, dict):
+            raise Refused(f"hello: gpus[{k}] must be a map")
+        mem, h2d = gpu.get("mem_bytes"), gpu.get("h2d_bytes_per_s")
+        ok = (
+            isinstance(mem, int)
+            and not isinstance(mem, bool)
+            and mem >= 0
+            and isinstance(h2d, int | float)
+            and not isinstance(h2d, bool)
+            and h2d > 0
+        )
+        if not ok:
+            raise Refused(f"hello: gpus[{k}] needs mem_bytes (int >= 0) and h2d_bytes_per_s > 0")
+        gpus.append(
+            {
+                "local": k,
+                "name": str(gpu.get("name", "gpu"))[:64],
+                "mem_bytes": mem,
+                "h2d_bytes_per_s": float(h2d),
+                "simulated": bool(gpu.get("simulated", False)),
+            }
+        )
+    return tuple(gpus)
 
 
 def _opt_str(msg: dict[str, Any], key: str) -> str | None:

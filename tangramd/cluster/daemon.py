@@ -181,8 +181,9 @@ def node(
     async def serve() -> int:
         from tangramd.cluster.node import NodeAgent
         from tangramd.cluster.pki import normalise_pin
-        from tangramd.runtime import make_backend, server_options
+        from tangramd.runtime import gpu_inventory, make_backend, server_options
 
+        inventory = gpu_inventory(config.gpu)
         agent = NodeAgent(
             name=name or socket.gethostname(),
             coordinator=(host, port),
@@ -194,6 +195,7 @@ def node(
             state_dir=config.daemon.state_dir,
             cores_by_numa=layout,
             mem_bytes=mem,
+            gpus=inventory.gpus,
             **server_options(config),
         )
         stop = asyncio.Event()

@@ -8,7 +8,8 @@ Every message is a map with a ``"t"`` (type) key. In the order of a link's life:
   envs, running, outbox}: who it is, what it offers, what it holds and still owes;
 - coordinator ``refused`` {reason, retry} (then closes), or ``welcome`` {name,
   credential (after a token join), heartbeat_s, heartbeat_timeout_s, keep: the
-  environments the node still owns; it removes the rest};
+  environments the node still owns; it removes the rest, cancel: the running actions the
+  coordinator has ended; it kills them (``Backend.cancel``)};
 - both ``hb``: heartbeats (the coordinator answers each one);
 - coordinator ``create_env`` / ``remove_env`` / ``run_exec``: what the core decided;
 - node ``env_created`` / ``env_removed`` / ``exec_done`` {key, ...}: outcomes, kept by
@@ -54,6 +55,7 @@ class Link:
         self.max_frame = max_frame
         self._decoder = FrameDecoder(max_frame)
         self.closed = False
+        self._corked: list[bytes] | None = None
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
 
@@ -61,8 +63,24 @@ class Link:
         """Queue one message; False when the link is already closed (nothing sent)."""
         if self.closed or self.writer.is_closing():
             return False
-        self.writer.write(encode(msg, max_frame=self.max_frame))
+        data = encode(msg, max_frame=self.max_frame)
+        if self._corked is not None:
+            self._corked.append(data)
+        else:
+            self.writer.write(data)
         return True
+
+    def cork(self) -> None:
+        """Hold what is sent until :meth:`uncork`, then write it at once: one TLS record
+        and one system call (each wakes the peer) for the answers to one message, such
+        as a result and its acknowledgement."""
+        if self._corked is None:
+            self._corked = []
+
+    def uncork(self) -> None:
+        held, self._corked = self._corked, None
+        if held and not self.closed and not self.writer.is_closing():
+            self.writer.write(held[0] if len(held) == 1 else b"".join(held))
 
     async def drain(self) -> None:
         try:

@@ -5,14 +5,18 @@ The node has no core: the coordinator decides. It
 - joins over TLS after checking the coordinator's CA against the pinned hash (see
   :mod:`tangramd.cluster.pki`), with the join token the first time and with the
   credential the coordinator then issued (kept in ``<state_dir>/node.json``) afterwards;
-- reports its capacity (cores by NUMA node, memory) and heartbeats;
+- reports its capacity (cores by NUMA node, memory, GPUs from NVML or the simulated
+  inventory of ``[gpu]``) and heartbeats;
 - carries out ``create_env`` / ``remove_env`` / ``run_exec`` on its local backend and
   reports each outcome until the coordinator acknowledges it (an outcome that finishes
   while the link is down is sent when it is back);
 - serves the client protocol on its Unix socket by forwarding every request to the
   coordinator, so ``Client``, ``AsyncClient`` and ``tangramctl`` work unchanged;
 - reconnects with backoff when the link drops, and when the coordinator has been silent
-  for the heartbeat timeout.
+  for the heartbeat timeout;
+- records the environments it holds in ``<state_dir>/envs.json``, so that after a crash
+  and restart it re-adopts them (the coordinator keeps those it still gives the node: all
+  of them when the node is back within the heartbeat timeout).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -40,6 +45,7 @@ from tangramd.backends.base import Backend, ExecRequest
 from tangramd.cluster.link import Link, LinkClosed
 from tangramd.cluster.pki import CertInvalid, PinMismatch, client_context, verify_server
 from tangramd.executor import run_transfer
+from tangramd.services.inventory import Gpu
 from tangramd.transport import ConnInfo, UnixServer
 
 log = structlog.get_logger("tangramd")
@@ -69,6 +75,7 @@ class NodeAgent:
         state_dir: str,
         cores_by_numa: tuple[tuple[int, ...], ...],
         mem_bytes: int,
+        gpus: tuple[Gpu, ...] = (),
         clock: Callable[[], float] = time.monotonic,
         **server_options: Any,
     ) -> None:
@@ -81,8 +88,10 @@ class NodeAgent:
         self.backend = backend
         self.socket_path = socket_path
         self.state_path = Path(state_dir) / "node.json"
+        self.envs_path = Path(state_dir) / "envs.json"  # environments held, for a restart
         self.cores_by_numa = cores_by_numa
         self.mem_bytes = mem_bytes
+        self.gpus = gpus
         self.max_frame = int(server_options.get("max_frame", 16 << 20))
         self.clock = clock
         self.server = UnixServer(socket_path, self._forward, **server_options)
@@ -97,6 +106,7 @@ class NodeAgent:
         self._watched: set[int] = set()
         self._outbox: dict[str, dict[str, Any]] = {}  # outcomes not yet acknowledged
         self._envs: set[str] = set()
+        self._owners: dict[str, tuple[int, int] | None] = {}  # of the environments held
         self._running: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
@@ -107,8 +117,17 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> None:
-        for what in await self.backend.reconcile():
+        """Re-adopt the environments an earlier run of this node held (``envs.json``; the
+        backend removes the rest and kills what was still running), then join: the hello
+        lists them and the coordinator's welcome says which it still gives this node."""
+        records = self._read_envs()
+        for what in await self.backend.reconcile(records):
             log.info("reconciled", detail=what)
+        self._owners = {e: o for e, o in records.items() if self.backend.env_exists(e)}
+        self._envs = set(self._owners)
+        if records:
+            log.info("envs_readopted", node=self.name, envs=sorted(self._envs))
+            self._write_envs()
         await self.server.start()
         self._loop_task = asyncio.get_running_loop().create_task(self._run_link())
         log.info(
@@ -201,6 +220,15 @@ class NodeAgent:
             "version": __version__,
             "cores_by_numa": [list(n) for n in self.cores_by_numa],
             "mem_bytes": self.mem_bytes,
+            "gpus": [
+                {
+                    "name": g.name,
+                    "mem_bytes": g.mem_bytes,
+                    "h2d_bytes_per_s": g.h2d_bytes_per_s,
+                    "simulated": g.simulated,
+                }
+                for g in self.gpus
+            ],
             "backend": self.backend.name,
             "envs": sorted(self._envs),
             "running": sorted(self._running),
@@ -225,6 +253,9 @@ class NodeAgent:
         self.heartbeat_s = _positive(answer.get("heartbeat_s"), 1.0)
         self.heartbeat_timeout_s = _positive(answer.get("heartbeat_timeout_s"), 10.0)
         keep = {k for k in answer.get("keep", []) if isinstance(k, str)}
+        for action_id in answer.get("cancel", []):
+            if isinstance(action_id, str) and action_id in self._running:
+                self._spawn(self._cancel(action_id))
         for env_id in sorted(self._envs - keep):
             log.info("env_not_owned_removed", node=self.name, env=env_id)
             self._spawn(self._remove_env(env_id))
@@ -321,11 +352,22 @@ class NodeAgent:
                 owner=_pair(msg.get("owner")),
             )
             self._envs.add(env_id)
+            self._owners[env_id] = _pair(msg.get("owner"))
+            self._write_envs()
             log.info("env_created", node=self.name, env=env_id)
         except Exception as exc:  # backend failure of any kind is an infra error
             error = f"{type(exc).__name__}: {exc}"
             log.warning("env_create_failed", node=self.name, env=env_id, error=error)
         self._report(f"c:{env_id}", {"t": "env_created", "env_id": env_id, "error": error})
+
+    async def _cancel(self, action_id: str) -> None:
+        """Kill an exec the coordinator has already ended (its outcome is ignored there)."""
+        try:
+            found = await self.backend.cancel(action_id)
+        except Exception as exc:
+            log.warning("exec_cancel_failed", node=self.name, action_id=action_id, error=str(exc))
+            return
+        log.info("exec_cancelled", node=self.name, action_id=action_id, was_running=found)
 
     async def _remove_env(self, env_id: str) -> None:
         await self._close_env_quietly(env_id)
@@ -333,6 +375,8 @@ class NodeAgent:
 
     async def _close_env_quietly(self, env_id: str) -> None:
         self._envs.discard(env_id)
+        if self._owners.pop(env_id, False) is not False:
+            self._write_envs()
         try:
             await self.backend.close_env(env_id)
         except Exception as exc:
@@ -402,17 +446,21 @@ class NodeAgent:
         finally:
             self._running.discard(action_id)
         lost = res.outcome == "infra_error" and not self.backend.env_exists(env_id)
-        log.info(
-            "action_finished",
-            node=self.name,
-            action_id=action_id,
-            env=env_id,
-            outcome=res.outcome,
-            exec_s=round(res.exec_s, 6),
-        )
         self._report(
             f"x:{action_id}",
             {"t": "exec_done", "action_id": action_id, "result": res.to_wire(), "env_lost": lost},
+        )
+        # formatting a log line is a tenth of a millisecond: after the outcome is on its way
+        asyncio.get_running_loop().call_soon(
+            functools.partial(
+                log.info,
+                "action_finished",
+                node=self.name,
+                action_id=action_id,
+                env=env_id,
+                outcome=res.outcome,
+                exec_s=round(res.exec_s, 6),
+            )
         )
 
     # ------------------------------------------------------------------ client requests
@@ -469,6 +517,41 @@ class NodeAgent:
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh)
         os.replace(tmp, self.state_path)
+
+    def _read_envs(self) -> dict[str, tuple[int, int] | None]:
+        """``envs.json``: [{"id", "owner": [uid, gid] | null}]; unreadable: nothing held."""
+        try:
+            rows = json.loads(self.envs_path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("envs_record_unreadable", path=str(self.envs_path), error=str(exc))
+            return {}
+        if not isinstance(rows, list):
+            return {}
+        out: dict[str, tuple[int, int] | None] = {}
+        for row in rows:
+            if isinstance(row, dict) and isinstance(row.get("id"), str):
+                try:
+                    out[row["id"]] = _pair(row.get("owner"))
+                except (TypeError, ValueError):
+                    continue
+        return out
+
+    def _write_envs(self) -> None:
+        """Rewrite ``envs.json`` (atomically) after every change to what the node holds."""
+        rows = [
+            {"id": env_id, "owner": list(owner) if owner else None}
+            for env_id, owner in sorted(self._owners.items())
+        ]
+        tmp = self.envs_path.with_suffix(".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(rows, fh)
+            os.replace(tmp, self.envs_path)
+        except OSError as exc:
+            log.warning("envs_record_not_written", path=str(self.envs_path), error=str(exc))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -36,6 +36,7 @@ class NodeRecord:
     last_seen: float = 0.0  # monotonic time of the last message on its link
     lost: bool = True  # until it joins; again when it misses heartbeats
     backend: str = ""
+    gpus: tuple[dict[str, Any], ...] = ()  # as the node reported them (NVML or simulated)
     restored: bool = False  # known from the store, not yet back since a restart
     remote_conns: dict[int, Any] = field(default_factory=dict)  # node conn id -> ConnInfo
 
