@@ -5,6 +5,7 @@ It talks to the daemon through one :class:`~tangram.client.AsyncClient` (request
 pipelined over its connection), so every call is an action the daemon schedules.
 
 - ``POST /run_code``: SandboxFusion (``sandbox_fusion.py``);
+- ``POST /run_jupyter``: SandboxFusion's notebook mode (``jupyter.py``);
 - ``POST /envs``, ``/swerex/{env}/…``: SWE-ReX's remote runtime (``swerex.py``);
 - ``GET /metrics``: Prometheus text format (``metrics.py``);
 - ``GET /health``: liveness of the gateway and the daemon behind it.
@@ -31,8 +32,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tangram.client import AsyncClient, ExecResult
 from tangram.model import TangramError
+from tangramd.gateway import jupyter, swerex
 from tangramd.gateway import sandbox_fusion as sf
-from tangramd.gateway import swerex
 from tangramd.gateway.metrics import Metrics
 
 log = structlog.get_logger("tangramd.gateway")
@@ -117,6 +118,15 @@ def build_app(socket: str, *, api_key: str | None = None, cpus: int = 1) -> Fast
         if response.status == sf.RunStatus.SandboxError and not results:
             metrics.actions.labels(f"run_code/{request.language}", "sandbox_error").inc()
         # built by the model itself: FastAPI would validate it a second time
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    @app.post("/run_jupyter", response_model=jupyter.RunJupyterResponse)
+    async def run_jupyter(request: jupyter.RunJupyterRequest) -> Response:
+        response, result = await jupyter.run_jupyter(client, request, cpus=cpus)
+        if result is not None:
+            metrics.observe("run_jupyter/python3", result)
+        elif response.status == sf.RunStatus.SandboxError:
+            metrics.actions.labels("run_jupyter/python3", "sandbox_error").inc()
         return Response(response.model_dump_json(), media_type="application/json")
 
     @app.get("/metrics")

@@ -137,12 +137,13 @@ def run_status(compile_result: CommandRunResult | None, run: CommandRunResult | 
     return RunStatus.Success
 
 
-def _positive(seconds: float) -> float:
+def positive(seconds: float) -> float:
     return max(float(seconds), 0.001)  # SandboxFusion's wait_for(0) times out at once
 
 
-def _mem(request: RunCodeRequest) -> int | None:
-    return request.memory_limit_MB << 20 if request.memory_limit_MB > 0 else None
+def mem_bytes(limit_mb: int) -> int | None:
+    """SandboxFusion's ``memory_limit_MB`` as the environment's size (-1: the default)."""
+    return limit_mb << 20 if limit_mb > 0 else None
 
 
 def sandbox_error(message: str) -> RunCodeResponse:
@@ -224,8 +225,8 @@ async def run_code(
                 files=files,
                 fetch=fetch,
                 stdin=stdin,
-                timeout_s=_positive(request.run_timeout),
-                mem=_mem(request),
+                timeout_s=positive(request.run_timeout),
+                mem=mem_bytes(request.memory_limit_MB),
                 cpus=cpus,
                 task=task,
             )
@@ -245,14 +246,14 @@ async def _compile_and_run(
     cpus: int,
 ) -> tuple[RunCodeResponse, list[ExecResult]]:
     assert recipe.compile is not None
-    env_id: str = await ops.env_open(mem=_mem(request))
+    env_id: str = await ops.env_open(mem=mem_bytes(request.memory_limit_MB))
     task = f"run_code/{request.language}"
     try:
         compile_res: ExecResult = await ops.exec(
             shlex.split(recipe.compile),
             env=env_id,
             files=files,
-            timeout_s=_positive(request.compile_timeout),
+            timeout_s=positive(request.compile_timeout),
             cpus=cpus,
             task=f"{task}/compile",
         )
@@ -263,7 +264,7 @@ async def _compile_and_run(
             env=env_id,
             fetch=fetch,
             stdin=stdin,
-            timeout_s=_positive(request.run_timeout),
+            timeout_s=positive(request.run_timeout),
             cpus=cpus,
             task=task,
         )
