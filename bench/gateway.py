@@ -4,9 +4,20 @@
 
 latency: ``/run_code`` of ``print(1)`` (python, 1 core, process backend) over one keep-alive
 HTTP connection, interleaved round-robin with a bare ``subprocess.run(["python3", "-c",
-"print(1)"])``; p50/p99 of both and of the per-pair difference (what the gateway and the
-daemon add: HTTP, JSON, the socket round trip, scheduling, the throwaway environment, the
-pinning gate).
+"print(1)"])`` and with the same one-shot exec sent straight to the daemon (``Client.exec``
+of ``python3 main.py`` carrying ``main.py``: what ``/run_code`` asks the daemon for, without
+HTTP); p50/p99 of each and of the per-triple differences: ``overhead`` (gateway - bare: HTTP,
+JSON, the socket round trip, scheduling, the throwaway environment, the file, the pinning),
+``daemon_overhead`` (direct - bare) and ``http_overhead`` (gateway - direct); and split by the
+run time the daemon measured (``execution_time``, spawn to exit): ``run_vs_bare`` (the pinned
+command itself against the bare one; on a loaded host a command held to one core waits for
+that core while a bare one runs on whichever is free) and ``around_the_run`` (gateway -
+execution_time: everything the path adds); ``overhead_same_core``: gateway - a bare run held
+to the core the daemon gave its last exec (the path's cost without the core question).
+``cpu_ms``: CPU
+time the gateway and the daemon processes spent per request (from /proc; the machine's load
+does not inflate it as it does wall-clock latency). ``loadavg``: the 1-minute load average
+before and after.
 
 throughput: ``--requests`` calls from ``--clients`` concurrent clients, through the gateway
 and bare (the same number of concurrent ``python3 -c``), requests per second each. Both sides
@@ -18,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -29,11 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
+from tangram.client import Client
 from tangram.testing import spawn_daemon
 from tangramd.gateway.spawn import spawn_gateway
 
 BODY = {"code": "print(1)", "language": "python", "run_timeout": 30}
 BARE = ["python3", "-c", "print(1)"]
+DIRECT = ["python3", "main.py"]  # what /run_code runs for python, with main.py sent along
 
 
 def stats(ms: list[float]) -> dict[str, float]:
@@ -44,26 +58,66 @@ def stats(ms: list[float]) -> dict[str, float]:
     }
 
 
-def latency(url: str, n: int, warmup: int) -> dict[str, object]:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def latency(url: str, socket: str, pids: dict[str, int], n: int, warmup: int) -> dict[str, object]:
     gateway: list[float] = []
     bare: list[float] = []
-    with httpx.Client(timeout=60) as http:
+    direct: list[float] = []
+    ran: list[float] = []  # the command's own run time inside /run_code (execution_time)
+    bare_pinned: list[float] = []  # bare, held to the core the daemon's last exec ran on
+    everywhere = os.sched_getaffinity(0)
+    core = 0
+    cpu0: dict[str, float] = {}
+    with httpx.Client(timeout=60) as http, Client(socket) as client:
         for i in range(warmup + n):
+            if i == warmup:
+                cpu0 = {name: cpu_s(pid) for name, pid in pids.items()}
             t0 = time.perf_counter()
             r = http.post(f"{url}/run_code", json=BODY)
             t1 = time.perf_counter()
             assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "1\n", r.text
             subprocess.run(BARE, check=True, capture_output=True)
             t2 = time.perf_counter()
+            res = client.exec(DIRECT, files={"main.py": BODY["code"]}, timeout_s=30)
+            t3 = time.perf_counter()
+            assert res.stdout == "1\n", res
+            core = res.cores[0] if res.cores else core
+            os.sched_setaffinity(0, {core})  # the child inherits it: no wrapper in between
+            try:
+                t4 = time.perf_counter()
+                subprocess.run(BARE, check=True, capture_output=True)
+                t5 = time.perf_counter()
+            finally:
+                os.sched_setaffinity(0, everywhere)
             if i >= warmup:
+                ran.append(r.json()["run_result"]["execution_time"] * 1e3)
                 gateway.append((t1 - t0) * 1e3)
                 bare.append((t2 - t1) * 1e3)
-    overhead = [g - b for g, b in zip(gateway, bare, strict=True)]
+                direct.append((t3 - t2) * 1e3)
+                bare_pinned.append((t5 - t4) * 1e3)
+    cpu = {name: round((cpu_s(pid) - cpu0[name]) / n * 1e3, 3) for name, pid in pids.items()}
     return {
         "n": n,
         "gateway_run_code": stats(gateway),
         "bare_python3_c": stats(bare),
-        "overhead": stats(overhead),
+        "direct_exec": stats(direct),
+        "bare_same_core": stats(bare_pinned),
+        "overhead": stats([g - b for g, b in zip(gateway, bare, strict=True)]),
+        "daemon_overhead": stats([d - b for d, b in zip(direct, bare, strict=True)]),
+        "http_overhead": stats([g - d for g, d in zip(gateway, direct, strict=True)]),
+        # the overhead split in two: the pinned command's own run time against the bare run,
+        # and everything around it (HTTP, daemon, environment, file, spawn, exit, answer)
+        "run_vs_bare": stats([x - b for x, b in zip(ran, bare, strict=True)]),
+        "around_the_run": stats([g - x for g, x in zip(gateway, ran, strict=True)]),
+        # the path's own cost with the core question taken out: bare on the same one core
+        "overhead_same_core": stats([g - b for g, b in zip(gateway, bare_pinned, strict=True)]),
+        # the daemon's share includes the direct execs: about half of it is per /run_code
+        "cpu_ms_per_request": {"gateway": cpu["gateway"], "daemon_both_paths": cpu["daemon"]},
     }
 
 
@@ -104,13 +158,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256, help="calls per throughput run")
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     args = parser.parse_args()
+    # `python3` on both sides is this interpreter's own, not a version manager's shim (a
+    # pyenv shim is a shell script that adds 100+ ms and its noise to every start)
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     with tempfile.TemporaryDirectory(prefix="tangram-bench-gw-") as tmp:
         daemon = spawn_daemon(tmp, "")
         try:
             with spawn_gateway(daemon.socket, tmp) as gw:
+                load_before = os.getloadavg()[0]
+                pids = {"gateway": gw.proc.pid, "daemon": daemon.proc.pid}
                 report: dict[str, object] = {
                     "backend": "process",
-                    "latency": latency(gw.url, args.n, args.warmup),
+                    "latency": latency(gw.url, daemon.socket, pids, args.n, args.warmup),
                     "throughput": {
                         "clients": args.clients,
                         "requests": args.requests,
@@ -119,6 +178,7 @@ def main() -> None:
                         ),
                         "bare_rps": round(asyncio.run(_bare_rps(args.clients, args.requests)), 2),
                     },
+                    "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                 }
         finally:
             daemon.stop()
@@ -127,7 +187,9 @@ def main() -> None:
         return
     lat = report["latency"]
     assert isinstance(lat, dict)
-    for key in ("gateway_run_code", "bare_python3_c", "overhead"):
+    for key in ("gateway_run_code", "bare_python3_c", "direct_exec", "overhead", "daemon_overhead",
+                "http_overhead", "run_vs_bare", "around_the_run", "bare_same_core",
+                "overhead_same_core"):  # fmt: skip
         print(f"{key:18} p50 {lat[key]['p50_ms']:8.2f} ms   p99 {lat[key]['p99_ms']:8.2f} ms")
     print(f"throughput        {report['throughput']}")
 

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 echo "== installing arl-tangram with dev extras"
 "$PY" -m pip install -q --disable-pip-version-check -e '.[dev,plot,gpu,http,ray]' \
-  httpx sandbox-fusion==0.3.7 swe-rex==1.4.0
+  httpx sandbox-fusion==0.3.7 swe-rex==1.4.0 skyrl-gym==0.4.0
 # verl's own reward functions and tool registry are tested against the gateway; without
 # verl/__init__ (torch, tensordict) they need only ray (the ray extra, pinned) and omegaconf
 "$PY" -m pip install -q --disable-pip-version-check --no-deps verl==0.9.1

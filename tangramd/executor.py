@@ -25,7 +25,7 @@ from tangram.protocol.errors import InfraError, UnknownOp, error_from_wire
 from tangram.protocol.results import ExecResult
 from tangramd import events as ev
 from tangramd.backends.base import Backend, ExecRequest, PathEscape
-from tangramd.backends.files import TooLarge
+from tangramd.backends.files import TooLarge, exec_with_files
 from tangramd.core import Core
 from tangramd.services import ServiceHost, ServiceLoadError, ServiceNotFound
 from tangramd.transport import ConnInfo, UnixServer
@@ -318,7 +318,7 @@ class Executor:
             run_as=cmd.run_as,
         )
         try:
-            res = await self.backend.exec(req)
+            res = await exec_with_files(self.backend, req)
         except Exception as exc:
             res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
         lost = res.outcome == "infra_error" and not self.backend.env_exists(cmd.env_id)

@@ -8,7 +8,7 @@ import contextlib
 import itertools
 import os
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from tangram.client.ops import Env, Ops, Size
 from tangram.protocol import (
@@ -39,8 +39,8 @@ class _ClientProtocol(asyncio.Protocol):
         self._drained: asyncio.Event | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # a stream transport; not always an asyncio.Transport subclass (uvloop's is not)
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         try:

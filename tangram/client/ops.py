@@ -157,11 +157,17 @@ class Ops:
         stdin: bytes | str | None = None,
         cwd: str | None = None,
         session: str | None = None,
+        files: Mapping[str, bytes | str] | None = None,
+        fetch: Sequence[str] | None = None,
     ) -> ExecResult:
         """Run one command as an exec action; failures of the command are in the result.
 
         ``stdin`` (str is sent as UTF-8) is the command's standard input; ``cwd`` a
         directory inside the environment; ``session`` an open shell session to run in.
+        ``files`` (path -> content, str as UTF-8) are written into the environment before
+        the command runs and ``fetch`` names files read back after it, into
+        ``result.files``: with a throwaway environment, a whole sandbox run (create, put,
+        run, get, remove) is this one action and one round trip.
         """
         spec = ExecSpec(
             cmd=cmd if isinstance(cmd, str) else list(cmd), env=env, image=image,
@@ -169,6 +175,11 @@ class Ops:
             elastic=elastic, trajectory=trajectory, task=task, t1_s=t1_s, eff=_dop_keys(eff),
             env_vars=None if env_vars is None else dict(env_vars),
             stdin=stdin.encode() if isinstance(stdin, str) else stdin, cwd=cwd, session=session,
+            files=None if files is None else {
+                path: data.encode() if isinstance(data, str) else data
+                for path, data in files.items()
+            },
+            fetch=None if fetch is None else list(fetch),
         )  # fmt: skip
         return self._op("exec", spec.to_wire(), ExecResult.from_wire)
 

@@ -3,8 +3,8 @@
 verl's multi-turn rollout calls ``create`` once per trajectory, ``execute`` for every tool
 call, ``calc_reward`` and ``release`` at the end. Here each trajectory gets one tangram
 environment (opened at ``create`` with the request id as its trajectory, closed at
-``release``), so files a call writes are there for the next; each ``execute`` writes the
-code and runs it as one exec action, which waits for its cores and runs pinned to them.
+``release``), so files a call writes are there for the next; each ``execute`` is one exec
+action carrying the code as a file, which waits for its cores and runs pinned to them.
 The step reward is 0; ``calc_reward`` is 1.0 when the last run exited 0.
 
 Use it from a tool config (see ``verl_tool_config.yaml`` next to this module)::
@@ -104,10 +104,10 @@ class TangramCodeTool(BaseTool):
                 {},
             )
         client = self._client()
-        await client.put(instance.env, self.source, code.encode())
-        result: ExecResult = await client.exec(
+        result: ExecResult = await client.exec(  # the code goes in with the exec: one trip
             self.command,
             env=instance.env,
+            files={self.source: code.encode()},
             cpus=self.cpus,
             timeout_s=self.timeout_s,
             task=f"verl/{self.name}",

@@ -338,6 +338,18 @@ _EXEC_ARGS: Final = (
     Arg("stdin", Bytes(), doc="standard input of the command (else empty)"),
     Arg("cwd", Str(), doc="working directory inside the environment (no '..')"),
     Arg("session", ID, doc="run in this open shell session (its env; see session.open)"),
+    Arg(
+        "files",
+        MapOf(Bytes()),
+        doc="files written into the environment before the command runs (path -> bytes, "
+        "paths relative to its root, no '..'; 8 MiB in all)",
+    ),
+    Arg(
+        "fetch",
+        ListOf(Str()),
+        doc="paths read back after the command ends: result.files holds those that are "
+        "regular files (8 MiB in all)",
+    ),
 )
 
 _STATUS_FIELDS: Final = (

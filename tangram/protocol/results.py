@@ -14,7 +14,7 @@ documentation, the daemon and the clients cannot drift apart.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Final, Literal, get_args
 
 from tangram.protocol.errors import BadRequest
@@ -24,6 +24,7 @@ Outcome = Literal["ok", "failed", "timeout", "rejected", "infra_error"]
 OUTCOMES: Final[tuple[str, ...]] = get_args(Outcome)
 
 Command = list[str] | str  # an argv list, or a shell command string (/bin/sh -c)
+MAX_FILES_BYTES: Final = 8 << 20  # exec's files in, and its fetched files out, in all
 
 
 def _dop_keys(table: Mapping[Any, float] | None) -> dict[str, float] | None:
@@ -51,10 +52,22 @@ class ExecSpec:
     stdin: bytes | None = None  # fed to the command's standard input
     cwd: str | None = None  # working directory, relative to the environment's own
     session: str | None = None  # run in this open shell session (see ``session.open``)
+    # one-shot file transfer, inside the same action: written before the command runs,
+    # read back after it ends (paths relative to the environment's root, no '..')
+    files: Mapping[str, bytes] | None = None
+    fetch: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.cwd is not None:
             check_env_path(self.cwd, "cwd")
+        for path in self.files or ():
+            check_env_path(path, f"files[{path!r}]")
+        for index, path in enumerate(self.fetch or ()):
+            check_env_path(path, f"fetch[{index}]")
+        if self.files is not None and sum(len(d) for d in self.files.values()) > MAX_FILES_BYTES:
+            raise BadRequest(f"files: more than {MAX_FILES_BYTES} bytes in all")
+        if isinstance(self.fetch, tuple):
+            object.__setattr__(self, "fetch", list(self.fetch))
         if isinstance(self.cmd, tuple):
             object.__setattr__(self, "cmd", list(self.cmd))
         if isinstance(self.cpus, list):
@@ -149,6 +162,8 @@ class ExecResult:
     ``exec_s`` is the command's own run time (spawn to exit), ``queue_s`` the time from
     submission to placement, ``act_s`` their sum. ``detail`` says why an ``infra_error``,
     ``timeout`` or ``rejected`` happened. The first seven fields are what a backend knows.
+    ``files`` holds what the spec's ``fetch`` asked for: each path that was a regular file
+    after the command, with its bytes (others are left out, as SandboxFusion does).
     """
 
     outcome: Outcome
@@ -163,6 +178,7 @@ class ExecResult:
     act_s: float = 0.0
     cores: tuple[int, ...] = ()
     node: str | None = None
+    files: Mapping[str, bytes] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -193,6 +209,11 @@ class ExecResult:
             raise MalformedResponse("exec result: exit_code must be int or null")
         cores = _ints(result, "cores", "exec")
         node = result.get("node")
+        files = result.get("files") or {}
+        if not isinstance(files, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, bytes) for k, v in files.items()
+        ):
+            raise MalformedResponse("exec result: files must be a map of str to bytes")
         return cls(
             outcome=outcome,
             exit_code=exit_code,
@@ -206,12 +227,14 @@ class ExecResult:
             act_s=_seconds(result, "act_s"),
             cores=cores,
             node=None if node is None else str(node),
+            files=dict(files),
         )
 
     def to_wire(self) -> dict[str, Any]:
         """The result map (``cores`` as a list), as the daemon sends it."""
         out = asdict(self)
         out["cores"] = list(self.cores)
+        out["files"] = dict(self.files)
         return out
 
 

@@ -83,6 +83,9 @@ class ExecRequest:
     stdin: bytes | None = None  # the command's standard input (None: empty)
     cwd: str | None = None  # inside the environment (confined by the backend)
     session: str | None = None  # run in this open shell session instead of a fresh process
+    # moved by ``files.exec_with_files`` around the backend's exec (same action)
+    files: Mapping[str, bytes] = field(default_factory=dict)
+    fetch: tuple[str, ...] = ()
 
     @classmethod
     def for_action(
@@ -109,6 +112,8 @@ class ExecRequest:
             stdin=spec.stdin,
             cwd=spec.cwd,
             session=spec.session,
+            files=dict(spec.files or {}),
+            fetch=tuple(spec.fetch or ()),
         )
 
     def __post_init__(self) -> None:

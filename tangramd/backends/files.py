@@ -11,6 +11,12 @@ exceeds ``max_bytes``.
 The process backend uses :func:`put_local` / :func:`get_local` on the environment's
 directory; the Docker backend ships the same tar streams through the engine's archive API
 and uses :func:`single_file_tar` / :func:`strip_top_dir` to speak them.
+
+:func:`exec_with_files` runs an exec action whose spec carries ``files`` and ``fetch``
+(one-shot transfer): it writes the files through the backend's ``put``, runs the command,
+and reads the fetched paths through its ``get``, all inside the one action, so a
+throwaway sandbox run (SandboxFusion's ``/run_code``) is a single round trip to the daemon
+on every backend.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 
-from tangramd.backends.base import PathEscape, confine
+from tangram.protocol.results import MAX_FILES_BYTES, ExecResult
+from tangramd.backends.base import Backend, ExecRequest, PathEscape, confine
 
 
 class TooLarge(ValueError):
@@ -129,3 +137,43 @@ def only_file(data: bytes) -> tuple[bytes, bool] | None:
             assert stream is not None
             return stream.read(), False
     return None
+
+
+async def exec_with_files(backend: Backend, req: ExecRequest) -> ExecResult:
+    """``backend.exec(req)`` with the request's ``files`` written into the environment
+    before and its ``fetch`` paths read back after (``ExecResult.files``).
+
+    A file that cannot be written makes the action an ``infra_error`` (the command does not
+    run), as a sandbox that cannot restore a request's files does. A fetched path that is
+    missing, not a regular file, outside the environment or over what is left of the
+    8 MiB budget is left out (named in ``detail`` unless it is simply absent).
+    """
+    for path, data in req.files.items():
+        try:
+            await backend.put(req.env_id, path, data)
+        except Exception as e:  # a bad path, a directory in the way, a lost environment
+            return ExecResult("infra_error", detail=f"files: {path}: {e}")
+    res = await backend.exec(req)
+    if not req.fetch or res.outcome not in ("ok", "failed", "timeout"):
+        return res
+    got: dict[str, bytes] = {}
+    left_out: list[str] = []
+    budget = MAX_FILES_BYTES
+    for path in req.fetch:
+        try:
+            data, is_tar = await backend.get(req.env_id, path, max_bytes=budget)
+        except FileNotFoundError:
+            continue
+        except (TooLarge, PathEscape, OSError, tarfile.TarError) as e:
+            left_out.append(f"{path} ({e})")
+            continue
+        if is_tar:
+            continue  # a directory: SandboxFusion fetches regular files only
+        got[path] = data
+        budget -= len(data)
+    detail = res.detail
+    if left_out:
+        detail = "; ".join(
+            [*([detail] if detail else []), "fetch left out: " + ", ".join(left_out)]
+        )
+    return replace(res, files=got, detail=detail)

@@ -79,6 +79,7 @@ DRAIN_AFTER_EXIT_S = 1.0  # how long to wait for pipes to close once the group i
 MARKER_VAR = "TANGRAM_EXEC_ID"
 EXEC_UMASK = 0o077
 _READ_CHUNK = 1 << 16
+INLINE_PUT_MAX = 64 << 10  # bytes a put writes on the event loop (more: in a thread)
 _ENV_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "TERM")
 
 
@@ -532,6 +533,8 @@ class ProcessBackend:
         """Write a file (or extract a tar stream into a directory) inside the environment."""
         root = self._env_root(env_id)
         owner = self._owners.get(env_id) if self._is_root else None
+        if not tar and len(data) <= INLINE_PUT_MAX:  # a source file: a thread hop costs more
+            return files.put_local(root, path, data, tar=False, owner=owner)
         return await asyncio.to_thread(files.put_local, root, path, data, tar=tar, owner=owner)
 
     async def get(self, env_id: str, path: str, *, max_bytes: int) -> tuple[bytes, bool]:

@@ -42,6 +42,7 @@ from tangram.protocol.errors import InfraError, error_from_wire
 from tangram.protocol.results import ExecResult, ExecSpec
 from tangram.version import __version__
 from tangramd.backends.base import Backend, ExecRequest
+from tangramd.backends.files import exec_with_files
 from tangramd.cluster.link import Link, LinkClosed
 from tangramd.cluster.pki import CertInvalid, PinMismatch, client_context, verify_server
 from tangramd.executor import run_transfer
@@ -440,7 +441,7 @@ class NodeAgent:
                 action_id=action_id,
                 run_as=_pair(msg.get("run_as")),
             )
-            res = await self.backend.exec(req)
+            res = await exec_with_files(self.backend, req)
         except Exception as exc:
             res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
         finally:

@@ -5,6 +5,7 @@ It talks to the daemon through one :class:`~tangram.client.AsyncClient` (request
 pipelined over its connection), so every call is an action the daemon schedules.
 
 - ``POST /run_code``: SandboxFusion (``sandbox_fusion.py``);
+- ``POST /run_jupyter``: SandboxFusion's notebook mode (``jupyter.py``);
 - ``POST /envs``, ``/swerex/{env}/…``: SWE-ReX's remote runtime (``swerex.py``);
 - ``GET /metrics``: Prometheus text format (``metrics.py``);
 - ``GET /health``: liveness of the gateway and the daemon behind it.
@@ -21,23 +22,64 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tangram.client import AsyncClient, ExecResult
 from tangram.model import TangramError
+from tangramd.gateway import jupyter, swerex
 from tangramd.gateway import sandbox_fusion as sf
-from tangramd.gateway import swerex
 from tangramd.gateway.metrics import Metrics
 
 log = structlog.get_logger("tangramd.gateway")
 
 API_KEY_HEADER = "X-API-Key"
+API_KEY_LOWER = API_KEY_HEADER.lower().encode()  # ASGI header names are lower-case bytes
 SCRAPE_TIMEOUT_S = 2.0
+
+
+class Gate:
+    """The API key check and the request counters, as a plain ASGI middleware (Starlette's
+    ``BaseHTTPMiddleware`` costs a task, two memory streams and a wrapped body per request,
+    about as much as the rest of the HTTP layer together)."""
+
+    def __init__(self, app: ASGIApp, *, key: bytes | None, metrics: Metrics) -> None:
+        self.app = app
+        self.key = key
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        metrics = self.metrics
+        if self.key is not None:
+            given = next((v for k, v in scope["headers"] if k == API_KEY_LOWER), b"")
+            if not hmac.compare_digest(given, self.key):
+                metrics.requests.labels("unauthorized", "401").inc()
+                denied = JSONResponse({"detail": "missing or wrong X-API-Key"}, status_code=401)
+                await denied(scope, receive, send)
+                return
+        status = 500  # an exception before the response started (Starlette answers 500)
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            metrics.in_flight.dec()
+            route = scope.get("route")  # the router records the matched route in the scope
+            metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
 
 
 def build_app(socket: str, *, api_key: str | None = None, cpus: int = 1) -> FastAPI:
@@ -56,26 +98,7 @@ def build_app(socket: str, *, api_key: str | None = None, cpus: int = 1) -> Fast
         await client.close()
 
     app = FastAPI(title="ARL-Tangram gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    key = api_key.encode() if api_key else None
-
-    @app.middleware("http")
-    async def authenticate_and_count(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if key is not None:
-            given = request.headers.get(API_KEY_HEADER, "").encode()
-            if not hmac.compare_digest(given, key):
-                metrics.requests.labels("unauthorized", "401").inc()
-                return JSONResponse({"detail": "missing or wrong X-API-Key"}, status_code=401)
-        metrics.in_flight.inc()
-        try:
-            response = await call_next(request)
-        finally:
-            metrics.in_flight.dec()
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.requests.labels(path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(Gate, key=api_key.encode() if api_key else None, metrics=metrics)
 
     @app.exception_handler(swerex.RemoteError)
     async def remote_error(request: Request, exc: swerex.RemoteError) -> JSONResponse:
@@ -88,13 +111,23 @@ def build_app(socket: str, *, api_key: str | None = None, cpus: int = 1) -> Fast
         return JSONResponse({"detail": f"{exc.code}: {exc.message}"}, status_code=status)
 
     @app.post("/run_code", response_model=sf.RunCodeResponse)
-    async def run_code(request: sf.RunCodeRequest) -> sf.RunCodeResponse:
+    async def run_code(request: sf.RunCodeRequest) -> Response:
         response, results = await sf.run_code(client, request, cpus=cpus)
         for result in results:
             metrics.observe(f"run_code/{request.language}", result)
         if response.status == sf.RunStatus.SandboxError and not results:
             metrics.actions.labels(f"run_code/{request.language}", "sandbox_error").inc()
-        return response
+        # built by the model itself: FastAPI would validate it a second time
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    @app.post("/run_jupyter", response_model=jupyter.RunJupyterResponse)
+    async def run_jupyter(request: jupyter.RunJupyterRequest) -> Response:
+        response, result = await jupyter.run_jupyter(client, request, cpus=cpus)
+        if result is not None:
+            metrics.observe("run_jupyter/python3", result)
+        elif response.status == sf.RunStatus.SandboxError:
+            metrics.actions.labels("run_jupyter/python3", "sandbox_error").inc()
+        return Response(response.model_dump_json(), media_type="application/json")
 
     @app.get("/metrics")
     async def scrape() -> Response:

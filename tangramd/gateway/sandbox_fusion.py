@@ -12,11 +12,11 @@ talk to us unchanged. The status rules are its ``parse_run_status``:
 - a malformed request is HTTP 422 with FastAPI's JSON error body.
 
 Unlike SandboxFusion we never send ``null`` for ``stdout``, ``stderr``, ``execution_time``
-or ``message``. Each request runs in its own throwaway environment: code without extra
-files is one exec action in a throwaway environment (the source travels in an environment
-variable the command unsets before running it); with ``files``, ``fetch_files``, a compile
-step or large sources the gateway opens an environment, puts the files, runs the compile
-and run actions, fetches the files and closes it.
+or ``message``. Each request runs in its own throwaway environment: without a compile step
+it is one exec action in a throwaway environment, one round trip to the daemon (the source
+and the request's ``files`` travel with the exec, ``fetch_files`` come back with its
+result); with a compile step the gateway opens an environment and runs the compile action
+and the run action in it, then closes it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import shlex
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
@@ -38,9 +39,6 @@ Language = Literal[
     "sql", "rust", "cuda", "lua", "R", "perl", "D_ut", "ruby", "scala", "julia", "pytest",
     "junit", "kotlin_script", "jest", "verilog", "python_gpu", "lean", "swift", "racket",
 ]  # fmt: skip
-
-SOURCE_VAR = "TANGRAM_SOURCE"
-INLINE_SOURCE_MAX = 64 << 10  # larger sources go in as a file (an env var holds < 128 KiB)
 
 
 class RunCodeRequest(BaseModel):
@@ -139,12 +137,13 @@ def run_status(compile_result: CommandRunResult | None, run: CommandRunResult | 
     return RunStatus.Success
 
 
-def _positive(seconds: float) -> float:
+def positive(seconds: float) -> float:
     return max(float(seconds), 0.001)  # SandboxFusion's wait_for(0) times out at once
 
 
-def _mem(request: RunCodeRequest) -> int | None:
-    return request.memory_limit_MB << 20 if request.memory_limit_MB > 0 else None
+def mem_bytes(limit_mb: int) -> int | None:
+    """SandboxFusion's ``memory_limit_MB`` as the environment's size (-1: the default)."""
+    return limit_mb << 20 if limit_mb > 0 else None
 
 
 def sandbox_error(message: str) -> RunCodeResponse:
@@ -178,85 +177,98 @@ def _respond(
     )
 
 
+def _decode_files(request: RunCodeRequest) -> dict[str, bytes] | str:
+    """The request's files as bytes (``None`` contents skipped, as SandboxFusion does), or
+    what is wrong with one."""
+    out: dict[str, bytes] = {}
+    for path, content in request.files.items():
+        if content is None:
+            continue
+        try:
+            out[path] = base64.b64decode(content, validate=True)
+        except (binascii.Error, ValueError):
+            return f"files[{path!r}]: not valid base64"
+    return out
+
+
+def _fetched(result: ExecResult) -> dict[str, str]:
+    return {path: base64.b64encode(data).decode() for path, data in result.files.items()}
+
+
 async def run_code(
     client: AsyncClient, request: RunCodeRequest, *, cpus: int = 1
 ) -> tuple[RunCodeResponse, list[ExecResult]]:
-    """Run one ``/run_code`` request; return the response and the exec results behind it."""
+    """Run one ``/run_code`` request; return the response and the exec results behind it.
+
+    Without a compile step the whole request is one exec action in a throwaway environment,
+    one round trip to the daemon: the source and the request's files go in with the exec
+    (``files``), the command runs as an argv (no wrapper shell) and ``fetch_files`` come
+    back with its result. With a compile step the gateway opens an environment and runs
+    the compile action (carrying the files) and the run action (fetching the files) in it.
+    """
     recipe = RECIPES.get(request.language)
     if recipe is None:
         served = ", ".join(sorted(RECIPES))
         return sandbox_error(f"language {request.language!r} is not served here ({served})"), []
+    decoded = _decode_files(request)
+    if isinstance(decoded, str):
+        return sandbox_error(decoded), []
+    files = {**decoded, recipe.source: request.code.encode()}
     stdin = request.stdin.encode() if request.stdin else None
+    fetch = list(request.fetch_files) or None
     ops: Any = client  # the shared op methods return coroutines on an AsyncClient
-    inline = (
-        not request.files
-        and not request.fetch_files
-        and recipe.compile is None
-        and len(request.code) <= INLINE_SOURCE_MAX
-        and "\0" not in request.code
-    )
+    task = f"run_code/{request.language}"
     try:
-        if inline:
-            script = f'printf %s "${SOURCE_VAR}" > {recipe.source} && unset {SOURCE_VAR} && '
+        if recipe.compile is None:
             result: ExecResult = await ops.exec(
-                ["/bin/sh", "-c", script + f"exec {recipe.run}"],
-                env_vars={SOURCE_VAR: request.code},
+                shlex.split(recipe.run),
+                files=files,
+                fetch=fetch,
                 stdin=stdin,
-                timeout_s=_positive(request.run_timeout),
-                mem=_mem(request),
+                timeout_s=positive(request.run_timeout),
+                mem=mem_bytes(request.memory_limit_MB),
                 cpus=cpus,
-                task=f"run_code/{request.language}",
+                task=task,
             )
-            return _respond(None, result, {}), [result]
-        return await _run_in_env(ops, request, recipe, stdin, cpus)
+            return _respond(None, result, _fetched(result)), [result]
+        return await _compile_and_run(ops, request, recipe, files, fetch, stdin, cpus)
     except TangramError as exc:
         return sandbox_error(f"{exc.code}: {exc.message}"), []
 
 
-async def _run_in_env(
-    ops: Any, request: RunCodeRequest, recipe: Recipe, stdin: bytes | None, cpus: int
+async def _compile_and_run(
+    ops: Any,
+    request: RunCodeRequest,
+    recipe: Recipe,
+    files: dict[str, bytes],
+    fetch: list[str] | None,
+    stdin: bytes | None,
+    cpus: int,
 ) -> tuple[RunCodeResponse, list[ExecResult]]:
-    env_id: str = await ops.env_open(mem=_mem(request))
-    results: list[ExecResult] = []
+    assert recipe.compile is not None
+    env_id: str = await ops.env_open(mem=mem_bytes(request.memory_limit_MB))
+    task = f"run_code/{request.language}"
     try:
-        for path, content in request.files.items():
-            if content is None:
-                continue
-            try:
-                data = base64.b64decode(content, validate=True)
-            except (binascii.Error, ValueError):
-                return sandbox_error(f"files[{path!r}]: not valid base64"), results
-            await ops.put(env_id, path, data)
-        await ops.put(env_id, recipe.source, request.code.encode())
-        task = f"run_code/{request.language}"
-        compile_res = None
-        if recipe.compile is not None:
-            compile_res = await ops.exec(
-                recipe.compile,
-                env=env_id,
-                timeout_s=_positive(request.compile_timeout),
-                cpus=cpus,
-                task=f"{task}/compile",
-            )
-            results.append(compile_res)
-            if not compile_res.ok:
-                return _respond(compile_res, None, {}), results
-        run_res = await ops.exec(
-            recipe.run,
+        compile_res: ExecResult = await ops.exec(
+            shlex.split(recipe.compile),
             env=env_id,
+            files=files,
+            timeout_s=positive(request.compile_timeout),
+            cpus=cpus,
+            task=f"{task}/compile",
+        )
+        if not compile_res.ok:
+            return _respond(compile_res, None, {}), [compile_res]
+        run_res: ExecResult = await ops.exec(
+            shlex.split(recipe.run),
+            env=env_id,
+            fetch=fetch,
             stdin=stdin,
-            timeout_s=_positive(request.run_timeout),
+            timeout_s=positive(request.run_timeout),
             cpus=cpus,
             task=task,
         )
-        results.append(run_res)
-        files: dict[str, str] = {}
-        for path in request.fetch_files:
-            with contextlib.suppress(TangramError):  # SandboxFusion skips what is not a file
-                data, is_tar = await ops.get(env_id, path)
-                if not is_tar:
-                    files[path] = base64.b64encode(data).decode()
-        return _respond(compile_res, run_res, files), results
+        return _respond(compile_res, run_res, _fetched(run_res)), [compile_res, run_res]
     finally:
         with contextlib.suppress(TangramError):
             await ops.env_close(env_id)
