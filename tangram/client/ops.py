@@ -144,7 +144,7 @@ class Ops:
         *,
         env: str | None = None,
         image: str | None = None,
-        cpus: Cpus | None = 1,
+        cpus: Cpus | None = None,
         mem: Size | None = None,
         timeout_s: float | None = None,
         profile: str | None = None,
@@ -162,6 +162,7 @@ class Ops:
 
         ``stdin`` (str is sent as UTF-8) is the command's standard input; ``cwd`` a
         directory inside the environment; ``session`` an open shell session to run in.
+        ``cpus`` unset: one core, or the DoP range of ``profile`` when it is elastic.
         """
         spec = ExecSpec(
             cmd=cmd if isinstance(cmd, str) else list(cmd), env=env, image=image,
