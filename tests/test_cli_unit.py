@@ -277,6 +277,21 @@ def test_exec_in_an_env_and_shell_form(daemon: FakeDaemon) -> None:
     assert daemon.ops("exec") == [{"cmd": "echo a | wc", "env": "e1", "cpus": 1}]
 
 
+def test_client_exec_with_a_profile_leaves_the_cores_to_it(daemon: FakeDaemon) -> None:
+    """``Client.exec(profile=...)`` without ``cpus`` sends no core count, so the daemon takes
+    the profile's DoP range (the demo's reward runs were pinned to 1 core by a default)."""
+    from tangram import Client
+
+    daemon.handlers["exec"] = lambda args: exec_result()
+    with Client(daemon.path) as c:
+        c.exec("true", profile="suite")
+        c.exec("true", cpus=1, profile="suite")
+    assert daemon.ops("exec") == [
+        {"cmd": "true", "profile": "suite"},
+        {"cmd": "true", "cpus": 1, "profile": "suite"},
+    ]
+
+
 @pytest.mark.parametrize("cpus", ["0", "4-2", "x", "1-"])
 def test_exec_rejects_bad_cpus(daemon: FakeDaemon, cpus: str) -> None:
     """A malformed --cpus is a usage error before anything is sent."""

@@ -94,7 +94,8 @@ def test_short_reserve() -> None:
     """Short calls keep their offered load plus its square root (square-root staffing)."""
     assert short_reserve(PoolLoad()) == 0
     assert short_reserve(PoolLoad(short_units=16.0)) == 20
-    assert short_reserve(PoolLoad(short_units=2.0)) == 4
+    assert short_reserve(PoolLoad(short_units=2.0)) == pytest.approx(2 + math.sqrt(2))
+    assert short_reserve(PoolLoad(short_units=0.01)) == pytest.approx(0.11)  # not a whole unit
 
 
 def test_lone_test_run_on_idle_node_takes_the_node() -> None:
@@ -111,8 +112,12 @@ def test_forecast_narrows_the_dop_on_an_idle_node() -> None:
     """An idle node with test runs arriving fast gives the first one less than all."""
     pool = node(64)
     quiet = schedule(snap(pool, [suite_run(0)]), 0.0)
-    busy = schedule(snap(pool, [suite_run(0)], load=PoolLoad(elastic_per_s=0.5)), 0.0)
+    forecast = PoolLoad(elastic_starts_per_s=0.5, elastic_mean_s=40.0)  # 20 in service
+    busy = schedule(snap(pool, [suite_run(0)], load=forecast), 0.0)
     assert busy.placements[0].amount < quiet.placements[0].amount
+    # submissions alone are no forecast: queued ones are counted as queued (module doc)
+    submitted = schedule(snap(pool, [suite_run(0)], load=PoolLoad(elastic_per_s=0.5)), 0.0)
+    assert submitted.placements[0].amount == quiet.placements[0].amount
     assert SchedConfig().rule == "priced"
 
 
@@ -171,8 +176,85 @@ def test_load_meter_window() -> None:
     meter.started("p", "s", 5.0, elastic=False, units=2, expected_s=10.0)
     meter.started("p", "e", 6.0, elastic=True, units=8, expected_s=60.0)
     load = meter.load("p", 9.0)
-    assert load == PoolLoad(elastic_per_s=0.2, short_units=2.0, elastic_running=1, elastic_units=8)
+    assert load == PoolLoad(
+        elastic_per_s=0.2,
+        short_units=2.0,
+        elastic_running=1,
+        elastic_units=8,
+        elastic_starts_per_s=0.1,
+        elastic_mean_s=60.0,
+    )
     meter.finished("p", "e")
-    assert meter.load("p", 12.0) == PoolLoad(elastic_per_s=0.1, short_units=2.0)
+    assert meter.load("p", 12.0) == PoolLoad(
+        elastic_per_s=0.1, short_units=2.0, elastic_starts_per_s=0.1, elastic_mean_s=60.0
+    )
     assert meter.load("p", 16.0) == PoolLoad()
     assert meter.load("other", 0.0) == PoolLoad()
+
+
+def fed(meter: LoadMeter, pool: CpuNodePool, now: float) -> PoolLoad:
+    return meter.load(pool.pool_id, now)
+
+
+@pytest.mark.parametrize("speedup", [1.3, 1.5])
+@pytest.mark.parametrize("tool_call", [False, True])
+def test_lone_elastic_action_on_idle_small_pool_takes_the_cores_that_pay(
+    speedup: float, tool_call: bool
+) -> None:
+    """A lone test run on an idle 2-core node whose profile says 2 cores run it faster gets
+    both, although its own submission (and maybe a quick tool call) are in the load meter:
+    its own arrival does not forecast a second one, and a vanishing short-call load does not
+    reserve a whole core (the demo's tail phase: T(1) = 24 s, speed-up 1.3-1.5)."""
+    pool = node(2)
+    eff = {1: 1.0, 2: speedup / 2}
+    lone = make_action("e0", "exec", "t0", {"cpu": [1, 2]}, seq=1, t1_s=24.0, eff=eff)
+    meter = LoadMeter()
+    if tool_call:
+        meter.started(pool.pool_id, "s0", 0.5, elastic=False, units=1, expected_s=0.05)
+        meter.finished(pool.pool_id, "s0")
+    meter.submitted(pool.pool_id, 1.0, elastic=True)
+    load = fed(meter, pool, 1.0)
+    assert load.elastic_per_s > 0 and (load.short_units > 0) == tool_call
+    d = schedule(snap(pool, [lone], load=load), 1.0)
+    assert [(p.action_id, p.amount) for p in d.placements] == [("e0", 2)]
+    # the same with no speed-up: one core is enough
+    flat = make_action("e1", "exec", "t1", {"cpu": [1, 2]}, seq=2, t1_s=24.0, eff={1: 1.0, 2: 0.5})
+    d = schedule(snap(pool, [flat], load=load), 1.0)
+    assert [p.amount for p in d.placements] == [1]
+
+
+def test_steady_stream_of_test_runs_is_still_priced_busy() -> None:
+    """Under a steady stream (a test run started every 2 s, 40 s each: by Little's law 16 in
+    service, 4 of them so far), a new test run is priced narrower than the 4 running alone
+    would make it, and far narrower than a lone one."""
+    pool = node(64)
+    stream, lone = LoadMeter(), LoadMeter()
+    for i in range(4):
+        at = 2.0 + 2.0 * i
+        stream.submitted(pool.pool_id, at, elastic=True)
+        stream.started(pool.pool_id, f"x{i}", at, elastic=True, units=8, expected_s=40.0)
+        pool.allocate(ActionId(f"x{i}"), tuple(range(8 * i, 8 * i + 8)))
+    for meter in (stream, lone):
+        meter.submitted(pool.pool_id, 10.0, elastic=True)  # the test run priced now
+    running = [(2.0 + 2.0 * i + 40.0, 8) for i in range(4)]
+    load = fed(stream, pool, 10.0)
+    assert load.elastic_running == 4 and load.elastic_starts_per_s * load.elastic_mean_s == 16
+    busy = schedule(snap(pool, [suite_run(9)], running, load=load), 10.0)
+    present = PoolLoad(elastic_running=4, elastic_units=32)  # no forecast: N = 1 + 4
+    now_only = schedule(snap(pool, [suite_run(9)], running, load=present), 10.0)
+    assert busy.placements[0].amount < now_only.placements[0].amount
+    idle = node(64)
+    quiet = schedule(snap(idle, [suite_run(9)], load=fed(lone, idle, 10.0)), 10.0)
+    assert quiet.placements[0].amount > 16  # alone: near the widest amount
+    assert busy.placements[0].amount <= 8
+
+
+def test_long_test_run_is_not_priced_narrower_for_being_long() -> None:
+    """Little's law uses the durations of the actions in service, not the priced one's: a
+    test run 10x longer than another gets the same priced band under the same load (it
+    used to get a narrower one, which made the longest runs the stragglers of the p99)."""
+    pool = node(64)
+    load = PoolLoad(elastic_starts_per_s=0.3, elastic_mean_s=40.0)
+    short = schedule(snap(pool, [suite_run(0, t1=100.0)], load=load), 0.0)
+    long_ = schedule(snap(pool, [suite_run(1, t1=1000.0)], load=load), 0.0)
+    assert long_.placements[0].amount == short.placements[0].amount

@@ -8,17 +8,21 @@ Usage: python bench/paper/fig9.py [--batches 256,1024,1280,2048] [--seeds 0,1]
 every elastic action on exactly K units, K in {1, 2, 4, 8, 16}; "best fixed" is the K with the
 lowest avg ACT on that very trace, picked in hindsight. ``--mixed`` adds the mixed workloads
 (``coding+search``, ``mixed``) on ``config/cluster-mixed.toml`` (4 × 64 cores) at those
-batch sizes. Paper: tangram is 3.0× faster than DoP=16 at batch 1280 (avg ACT).
+batch sizes. ``--only P,Q`` runs just those policies and takes every other one's numbers
+from the previous ``bench/paper/out/fig9.json`` (same workload, batch and seed; the traces are
+deterministic), e.g. ``--only tangram`` after a change to the priced rule alone. Paper:
+tangram is 3.0× faster than DoP=16 at batch 1280 (avg ACT).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from common import IMG, ROOT, load_cluster, paper_cluster, ratio, run, save
+from common import IMG, OUT, ROOT, load_cluster, paper_cluster, ratio, run, save
 
 FIXED = tuple(f"fixed-dop:{k}" for k in (1, 2, 4, 8, 16))  # narrowed by --fixed
 MAIN = ("tangram", "tangram-eft")
@@ -77,20 +81,26 @@ def main() -> None:
     ap.add_argument("--rules", action="store_true", help="also tangram-wait and tangram-paper")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes")
     ap.add_argument("--fixed", default="1,2,4,8,16", help="the fixed DoPs K to run")
+    ap.add_argument("--only", default="", help="run these policies, reuse the rest (doc)")
     args = ap.parse_args()
     global FIXED
     FIXED = tuple(f"fixed-dop:{k}" for k in args.fixed.split(","))
     started = time.perf_counter()
     policies = (*MAIN, *(RULES if args.rules else ()), *FIXED, "k8s")
+    previous: dict[str, Any] = {}
+    to_run = policies
+    if args.only:
+        to_run = tuple(args.only.split(","))
+        previous = json.loads((OUT / "fig9.json").read_text())
     seeds = [int(s) for s in args.seeds.split(",")]
     work = [
-        ("paper", "ai-coding", int(b), seed, policies)
+        ("paper", "ai-coding", int(b), seed, to_run)
         for seed in seeds
         for b in args.batches.split(",")
     ]
     if args.mixed:
         work += [
-            ("mixed", wl, int(b), seed, policies)
+            ("mixed", wl, int(b), seed, to_run)
             for wl in ("coding+search", "mixed")
             for seed in seeds
             for b in args.mixed.split(",")
@@ -99,6 +109,11 @@ def main() -> None:
     work.sort(key=lambda w: -w[2] * (2 if w[1] == "ai-coding" else 1))
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         done = dict(pool.map(_one, work))
+    for (wl, b, seed), res in done.items():  # --only: the other policies' previous numbers
+        old = previous.get(f"{wl}/{b}/seed{seed}", {})
+        for p in policies:
+            if p not in res:
+                res[p] = {**old[p], "reused": True}
     key = lambda k: (k[0] != "ai-coding", k[0], k[2], k[1])  # noqa: E731
     rows = sorted(done.items(), key=lambda kv: key(kv[0]))
     coding = [r for r in rows if r[0][0] == "ai-coding"]

@@ -144,7 +144,7 @@ class Ops:
         *,
         env: str | None = None,
         image: str | None = None,
-        cpus: Cpus | None = 1,
+        cpus: Cpus | None = None,
         mem: Size | None = None,
         timeout_s: float | None = None,
         profile: str | None = None,
@@ -168,6 +168,7 @@ class Ops:
         the command runs and ``fetch`` names files read back after it, into
         ``result.files``: with a throwaway environment, a whole sandbox run (create, put,
         run, get, remove) is this one action and one round trip.
+        ``cpus`` unset: one core, or the DoP range of ``profile`` when it is elastic.
         """
         spec = ExecSpec(
             cmd=cmd if isinstance(cmd, str) else list(cmd), env=env, image=image,

@@ -9,8 +9,13 @@ amortised (events leave the window in arrival order).
 
 What it measures, per pool, over the last ``window_s`` seconds:
 
-- ``elastic_per_s``: elastic actions submitted per second (the arrival forecast: the next
-  ``window_s`` seconds are assumed to look like the last);
+- ``elastic_per_s``: elastic actions submitted per second;
+- ``elastic_starts_per_s``: elastic actions that went into service (started) per second: the
+  ``priced`` rule's forecast of the load in service (the next ``window_s`` seconds are
+  assumed to look like the last). Starts, not submissions: an action still queued is
+  counted as queued, and a lone action's own submission must not price it against itself;
+- ``elastic_mean_s``: the mean expected duration of those starts (at the amounts they
+  started with), the ``W`` of Little's law for the elastic actions in service;
 - ``short_units``: offered load of non-elastic actions in units (expected unit-seconds of
   the ones started, per second), i.e. how many units short calls keep busy on average;
 - ``elastic_running`` / ``elastic_units``: elastic actions holding units now, and how many.
@@ -28,11 +33,15 @@ class PoolLoad:
     short_units: float = 0.0
     elastic_running: int = 0
     elastic_units: int = 0
+    elastic_starts_per_s: float = 0.0
+    elastic_mean_s: float = 0.0
 
 
 @dataclass(slots=True)
 class _Book:
     arrivals: deque[float] = field(default_factory=deque)
+    starts: deque[tuple[float, float]] = field(default_factory=deque)  # (start, expected s)
+    starts_sum: float = 0.0
     short: deque[tuple[float, float]] = field(default_factory=deque)  # (start, unit-seconds)
     short_sum: float = 0.0
     running: dict[str, int] = field(default_factory=dict)  # elastic action id -> units
@@ -66,6 +75,8 @@ class LoadMeter:
     ) -> None:
         book = self._book(pool_id)
         if elastic:
+            book.starts.append((now, expected_s))
+            book.starts_sum += expected_s
             book.running[action_id] = units
             book.running_units += units
         else:
@@ -84,9 +95,13 @@ class LoadMeter:
         if book is None:
             return PoolLoad()
         since = now - self.window_s
-        arrivals, short = book.arrivals, book.short
+        arrivals, starts, short = book.arrivals, book.starts, book.short
         while arrivals and arrivals[0] <= since:
             arrivals.popleft()
+        while starts and starts[0][0] <= since:
+            book.starts_sum -= starts.popleft()[1]
+        if not starts:
+            book.starts_sum = 0.0
         while short and short[0][0] <= since:
             book.short_sum -= short.popleft()[1]
         if not short:
@@ -96,4 +111,6 @@ class LoadMeter:
             max(book.short_sum, 0.0) / self.window_s,
             len(book.running),
             book.running_units,
+            len(starts) / self.window_s,
+            max(book.starts_sum, 0.0) / len(starts) if starts else 0.0,
         )

@@ -21,13 +21,30 @@ more) while the pool is not contended, shrinking as ``1 / sqrt(N)`` under load (
 speed-ups ``E(k) = 1 / (1 + f (k - 1))`` the minimum is at ``k = sqrt((1 - f) C / (f N))``):
 taking more units shortens an action's own run but delays the ``N k / C`` actions behind it.
 
-- ``N`` counts the elastic actions queued on the pool plus the ones in service: by Little's
-  law the recent arrival rate (``LoadMeter``: elastic submissions per second over the last
-  window, assumed to go on) times their mean duration at ``k``, and at least the ones running
-  now. So a node that looks idle while test runs keep arriving is priced as busy.
+- ``N`` counts the elastic actions that share the pool with this one over its run: the ones
+  queued on the pool (itself included) plus the ones in service. The latter come from
+  Little's law on the service stage, L = λ W: the rate at which elastic actions *went into
+  service* (``LoadMeter``: elastic starts per second over the last window, assumed to go on)
+  times *their* mean expected duration (the durations they started with), and at least the
+  ones running now. So a node that looks idle while test runs keep arriving (and starting)
+  is priced as busy. Two things are deliberately not in it:
+
+  * submissions: one that is still queued is already in the first term, so counting it in
+    the rate too would count it twice; a lone action on an idle pool (its own submission
+    the only one in the window) was priced against itself as ``N = 1 + t(k) / window`` and
+    took too few units (on a 2-core node, one core although two ran it 1.3x faster).
+    Counted by starts, a lone action sees ``N = 1``; under a steady stream of arrivals that
+    start at once, starts and submissions agree and an arrival sees itself plus ``λ W`` in
+    service (arrivals see time averages).
+  * the priced action's own duration: ``W`` is the population's, not the queued action's,
+    so a long test run is not priced narrow because *it* is long (it was: ``λ t(k)`` with
+    its own ``t(k)``, which made the longest runs the narrowest and the p99's stragglers).
+    ``N`` is then the same for every amount and every queued action of the pool.
 - ``C`` is the pool's capacity less the units short non-elastic calls keep busy: their
   offered load ``a`` plus ``sqrt(a)`` (square-root staffing), so that elastic actions are
-  sized for the units they will really have.
+  sized for the units they will really have. The reserve is a real number, not rounded up:
+  it only enters the price, and a rounded one would take a whole unit from a small pool for
+  a vanishing load (a 2-core node with one quick tool call in the window would price as 1).
 - The action may start at any allowed amount in ``[k*/2, k*]``: within a factor of two the
   cost is near its minimum, and an action started far below its priced DoP is a straggler
   that holds its units for minutes. Below the band it waits (the replay judges how long).
@@ -51,10 +68,10 @@ from tangram.sched.load import PoolLoad
 NO_LOAD = PoolLoad()
 
 
-def short_reserve(load: PoolLoad) -> int:
+def short_reserve(load: PoolLoad) -> float:
     """Units kept for short calls: offered load plus its square root (0 when there are none)."""
     a = load.short_units
-    return math.ceil(a + math.sqrt(a)) if a > 0 else 0
+    return a + math.sqrt(a) if a > 0 else 0.0
 
 
 # pure functions of small tuples, asked for every queued elastic action on every pass
@@ -90,9 +107,6 @@ def band(amounts: tuple[int, ...], k: int) -> tuple[int, ...]:
     return tuple(u for u in amounts if 2 * u >= k and u <= k) or (k,)
 
 
-SAMPLE = 64  # queued elastic actions whose mean duration stands for all of them
-
-
 def price_bands(
     queue: Sequence[Action],
     capacity: int,
@@ -106,32 +120,10 @@ def price_bands(
     if not elastic:
         return {}
     units = max(1.0, capacity - short_reserve(load))
-    rate, running, queued = load.elastic_per_s, load.elastic_running, len(elastic)
-    # N(k) / C on a grid of powers of two; the mean duration at k is taken over the first
-    # SAMPLE queued actions (FCFS: the ones about to start), each at its largest amount <= k
-    sample = elastic[:SAMPLE]
-    top = max(amounts[-1] for _, amounts in sample)
-    grid: list[tuple[int, float]] = []
-    g = 1
-    while True:
-        mean_t = sum(dur(a, _at_most(amounts, g)) for a, amounts in sample) / len(sample)
-        grid.append((g, (queued + max(running, rate * mean_t)) / units))
-        if g >= top:
-            break
-        g *= 2
-
-    shares: dict[int, float] = {}  # sharing(k) per k, memoised: every action asks again
+    in_service = max(load.elastic_running, load.elastic_starts_per_s * load.elastic_mean_s)
+    share = (len(elastic) + in_service) / units  # N / C, the same for every k and action
 
     def sharing(k: int) -> float:
-        share = shares.get(k)
-        if share is not None:
-            return share
-        share = grid[0][1]
-        for g, s in grid:
-            if g > k:
-                break
-            share = s
-        shares[k] = share
         return share
 
     out: dict[ActionId, tuple[int, ...]] = {}
@@ -139,13 +131,3 @@ def price_bands(
         if len(amounts) > 1:
             out[a.id] = band(amounts, priced_dop(amounts, partial(dur, a), sharing))
     return out
-
-
-def _at_most(amounts: tuple[int, ...], k: int) -> int:
-    """The largest of ``amounts`` (ascending) not above ``k``, else the smallest."""
-    pick = amounts[0]
-    for u in amounts:
-        if u > k:
-            break
-        pick = u
-    return pick
