@@ -370,11 +370,9 @@ def _refused_result(exc: TangramError) -> dict[str, Any]:
 @click.option("--image", metavar="IMG", help="Image of the throwaway environment.")
 @click.option(
     "--cpus",
-    default="1",
-    show_default=True,
     metavar="N|MIN-MAX",
-    callback=lambda ctx, param, value: parse_cpus(value),
-    help="Cores: fixed or a range.",
+    callback=lambda ctx, param, value: None if value is None else parse_cpus(value),
+    help="Cores: fixed or a range (default: 1, or the DoP range of an elastic --profile).",
 )
 @click.option("--mem", metavar="SIZE", help="Memory limit, e.g. 512MiB.")
 @click.option(
@@ -416,7 +414,7 @@ def exec_(
     ctl: Ctl,
     env_id: str | None,
     image: str | None,
-    cpus: int | tuple[int, int],
+    cpus: int | tuple[int, int] | None,
     mem: str | None,
     timeout_s: float | None,
     profile: str | None,

@@ -274,7 +274,21 @@ def test_exec_in_an_env_and_shell_form(daemon: FakeDaemon) -> None:
         run(daemon.path, "exec", "--env", "e1", "--shell", "--", "echo", "a", "|", "wc").exit_code
         == 0
     )
-    assert daemon.ops("exec") == [{"cmd": "echo a | wc", "env": "e1", "cpus": 1}]
+    assert daemon.ops("exec") == [{"cmd": "echo a | wc", "env": "e1"}]
+
+
+def test_cli_exec_with_a_profile_leaves_the_cores_to_it(daemon: FakeDaemon) -> None:
+    """``exec --profile`` without ``--cpus`` sends no core count (the daemon then takes the
+    profile's DoP range, or 1 core); an explicit ``--cpus`` is sent as given."""
+    daemon.handlers["exec"] = lambda args: exec_result()
+    assert run(daemon.path, "exec", "--profile", "suite", "--", "true").exit_code == 0
+    assert (
+        run(daemon.path, "exec", "--cpus", "1", "--profile", "suite", "--", "true").exit_code == 0
+    )
+    assert daemon.ops("exec") == [
+        {"cmd": ["true"], "profile": "suite"},
+        {"cmd": ["true"], "cpus": 1, "profile": "suite"},
+    ]
 
 
 def test_client_exec_with_a_profile_leaves_the_cores_to_it(daemon: FakeDaemon) -> None:
