@@ -34,7 +34,7 @@ fi
 
 if ! engine_up; then
     echo "starting dockerd (log: $LOG)"
-    nohup dockerd --bridge=none --iptables=false >"$LOG" 2>&1 &
+    setsid nohup dockerd --bridge=none --iptables=false >"$LOG" 2>&1 </dev/null &
     for _ in $(seq 1 120); do
         engine_up && break
         sleep 0.5
