@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(30)
 EXEC_RESULT = {
     "action_id": "a1", "outcome": "ok", "exit_code": 0, "stdout": "hi\n", "stderr": "",
     "queue_s": 0.01, "exec_s": 0.5, "act_s": 0.51, "cores": [2, 3], "truncated": False,
-    "detail": "", "node": "local",
+    "detail": "", "node": "local", "files": {},
 }  # fmt: skip
 
 
