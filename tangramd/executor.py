@@ -81,6 +81,7 @@ class Executor:
         self._timer_at: float | None = None
         self._ticking = False  # feeding an inline Tick (a due pass runs once, not recursively)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._running_execs: dict[str, ev.RunExec] = {}  # handed to the backend, not ended
         # TANGRAM_VALIDATE=1 (tests): check the core's invariants after every event
         self._validate = os.environ.get("TANGRAM_VALIDATE") == "1"
 
@@ -121,7 +122,9 @@ class Executor:
             await self.services.close()
         await self.backend.shutdown(keep=self.core.env_ids(persistent_only=True))
         deadline = self.clock() + STOP_GRACE_S
-        while (self._tasks or self.core.env_ids(throwaway_only=True)) and self.clock() < deadline:
+        while (
+            self._tasks or self._running_execs or self.core.env_ids(throwaway_only=True)
+        ) and self.clock() < deadline:
             await asyncio.sleep(0.01)
         leftover = self.core.env_ids(throwaway_only=True)
         if leftover:
@@ -237,16 +240,7 @@ class Executor:
         if isinstance(cmd, ev.Reply):
             self._resolve(cmd.token, cmd.result, cmd.error)
         elif isinstance(cmd, ev.RunExec):
-            self._spawn(self._run_exec(cmd))  # first: its spawn request leaves before the log
-            self._log_soon(
-                "action_placed",
-                action_id=cmd.action_id,
-                node=cmd.node,
-                env=cmd.env_id,
-                cores=list(cmd.cores),
-                trajectory=self.core.trajectory_of(cmd.action_id),
-                cause=cmd.cause,
-            )
+            self._start_exec(cmd)
         elif isinstance(cmd, ev.CreateEnv):
             self._spawn(self._create_env(cmd))
         elif isinstance(cmd, ev.RemoveEnv):
@@ -308,8 +302,36 @@ class Executor:
             log.warning("env_remove_failed", env=cmd.env_id, error=str(exc), cause=cmd.cause)
         self.feed(ev.EnvRemoved(env_id=cmd.env_id))
 
-    async def _run_exec(self, cmd: ev.RunExec) -> None:
-        req = ExecRequest.for_action(
+    def _start_exec(self, cmd: ev.RunExec) -> None:
+        """Hand an exec to the backend. A backend with ``start_exec`` (the process backend)
+        sends it off within this call and reports its end from the loop turn that sees it,
+        so neither the start nor the answer waits for a task's turn; others run in a task.
+        Logged once, when it ends (``action_finished``; ``action_placed`` at debug level)."""
+        trajectory = self.core.trajectory_of(cmd.action_id)
+        log.debug(
+            "action_placed",
+            action_id=cmd.action_id,
+            node=cmd.node,
+            env=cmd.env_id,
+            cores=list(cmd.cores),
+            trajectory=trajectory,
+            cause=cmd.cause,
+        )
+        start = getattr(self.backend, "start_exec", None)
+        if start is None:
+            self._spawn(self._run_exec(cmd, trajectory))
+            return
+        self._running_execs[cmd.action_id] = cmd
+        done = functools.partial(self._exec_ended, cmd, trajectory)
+        try:
+            start(self._exec_request(cmd), done)
+        except Exception as exc:  # a backend failure of any kind is an infra error
+            res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
+            asyncio.get_running_loop().call_soon(done, res)
+
+    @staticmethod
+    def _exec_request(cmd: ev.RunExec) -> ExecRequest:
+        return ExecRequest.for_action(
             cmd.spec,
             env_id=cmd.env_id,
             cores=cmd.cores,
@@ -317,10 +339,17 @@ class Executor:
             action_id=cmd.action_id,
             run_as=cmd.run_as,
         )
+
+    async def _run_exec(self, cmd: ev.RunExec, trajectory: str | None) -> None:
+        self._running_execs[cmd.action_id] = cmd
         try:
-            res = await self.backend.exec(req)
+            res = await self.backend.exec(self._exec_request(cmd))
         except Exception as exc:
             res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
+        self._exec_ended(cmd, trajectory, res)
+
+    def _exec_ended(self, cmd: ev.RunExec, trajectory: str | None, res: ExecResult) -> None:
+        self._running_execs.pop(cmd.action_id, None)
         lost = res.outcome == "infra_error" and not self.backend.env_exists(cmd.env_id)
         self.feed(ev.ExecFinished(action_id=cmd.action_id, result=res, env_lost=lost))
         self._log_soon(  # after the answer, which is on its way now
@@ -328,6 +357,7 @@ class Executor:
             action_id=cmd.action_id,
             node=cmd.node,
             env=cmd.env_id,
+            trajectory=trajectory,
             outcome=res.outcome,
             exit_code=res.exit_code,
             exec_s=round(res.exec_s, 6),
