@@ -28,7 +28,7 @@ from tangramd.backends.base import Backend, ExecRequest, PathEscape
 from tangramd.backends.files import TooLarge
 from tangramd.core import Core
 from tangramd.services import ServiceHost, ServiceLoadError, ServiceNotFound
-from tangramd.transport import ConnInfo, UnixServer
+from tangramd.transport import ConnInfo, Later, UnixServer
 
 log = structlog.get_logger("tangramd")
 
@@ -43,6 +43,8 @@ class OpHandlers(Protocol):
     ) -> Awaitable[Any]: ...
 
     def handle_sync(self, ex: Executor, op: str, args: dict[str, Any], conn: ConnInfo) -> Any: ...
+
+    def handle_inline(self, ex: Executor, op: str, args: dict[str, Any], conn: ConnInfo) -> Any: ...
 
 
 class Executor:
@@ -72,11 +74,11 @@ class Executor:
         self.server = UnixServer(
             socket_path,
             lambda op, args, conn: handlers.handle(self, op, args, conn),
-            sync_handler=lambda op, args, conn: handlers.handle_sync(self, op, args, conn),
+            sync_handler=lambda op, args, conn: handlers.handle_inline(self, op, args, conn),
             **server_options,
         )
         self._tokens = itertools.count(1)
-        self._futures: dict[int, asyncio.Future[Any]] = {}
+        self._futures: dict[int, asyncio.Future[Any] | Later] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._ticking = False  # feeding an inline Tick (a due pass runs once, not recursively)
@@ -180,6 +182,16 @@ class Executor:
         self.feed(make_event(token))
         return await fut
 
+    def request_later(self, make_event: Callable[[int], ev.Event]) -> Later:
+        """``request`` without a task: feed the event now; the core's reply answers the
+        returned :class:`~tangramd.transport.Later` when it comes (the transport writes it
+        in that turn)."""
+        token = next(self._tokens)
+        later = Later()
+        self._futures[token] = later
+        self.feed(make_event(token))
+        return later
+
     def answer_now(self, make_event: Callable[[int], ev.Event]) -> Any:
         """Feed an event the core answers within the same ``handle`` call; return the answer
         (or raise its error). For the inline ops that change state (``profile.save``)."""
@@ -280,7 +292,12 @@ class Executor:
         fut = self._futures.pop(token, None)
         if fut is None or fut.done():
             return
-        if error is not None:
+        if isinstance(fut, Later):
+            if error is not None:
+                fut.fail(error_from_wire(*error))
+            else:
+                fut.resolve(result)
+        elif error is not None:
             fut.set_exception(error_from_wire(*error))
         else:
             fut.set_result(result)
@@ -319,7 +336,7 @@ class Executor:
         )
         start = getattr(self.backend, "start_exec", None)
         if start is None:
-            self._spawn(self._run_exec(cmd, trajectory))
+            self._spawn(self._run_exec(cmd))
             return
         self._running_execs[cmd.action_id] = cmd
         done = functools.partial(self._exec_ended, cmd, trajectory)
@@ -340,7 +357,8 @@ class Executor:
             run_as=cmd.run_as,
         )
 
-    async def _run_exec(self, cmd: ev.RunExec, trajectory: str | None) -> None:
+    async def _run_exec(self, cmd: ev.RunExec) -> None:
+        trajectory = self.core.trajectory_of(cmd.action_id)
         self._running_execs[cmd.action_id] = cmd
         try:
             res = await self.backend.exec(self._exec_request(cmd))
