@@ -165,14 +165,25 @@ class Executor:
                 self._resolve(token, None, ("internal", "internal error; see daemon log"))
             return
         self.persist(event)  # before any reply goes out
-        for cmd in commands:
-            self._execute(cmd)
-        if self._validate:
-            try:
-                self.core.validate()
-            except AssertionError as exc:
-                log.error("invariant_violated", event_type=type(event).__name__, error=str(exc))
-        self._arm_timer()
+        # Replies go out last, after a pass this event made due: an answer wakes its
+        # client, which may take the core before the next spawn request has left.
+        replies: list[ev.Reply] = []
+        try:
+            for cmd in commands:
+                if isinstance(cmd, ev.Reply):
+                    replies.append(cmd)
+                else:
+                    self._execute(cmd)
+            if self._validate:
+                try:
+                    self.core.validate()
+                except AssertionError as exc:
+                    event_type = type(event).__name__
+                    log.error("invariant_violated", event_type=event_type, error=str(exc))
+            self._arm_timer()
+        finally:
+            for reply in replies:
+                self._resolve(reply.token, reply.result, reply.error)
 
     async def request(self, make_event: Callable[[int], ev.Event]) -> Any:
         """Feed the event ``make_event(token)`` and wait for the core's reply to it."""
