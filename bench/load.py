@@ -11,7 +11,11 @@
 - reports: answers (each request must get exactly one), outcomes, throughput, p50/p99 of
   the client-observed ACT and of the daemon's ``act_s``, the daemon's RSS and open fds
   before and after, and leftovers (live processes under the daemon, non-empty exec
-  cgroups, environment directories).
+  cgroups, environment directories);
+- and where the CPU went, in ms per exec (``cpu_ms_per_exec``): the daemon, its fork
+  server, the commands (``true``, reaped by the fork server), the clients (this process's
+  event loop); for the bare run this process (its threads) and the commands. On a shared
+  machine the throughputs move with the neighbours' load; these stay comparable.
 
 Goal (issue 9): every request answered once, nothing left over, throughput >= 0.5x bare.
 A benchmark, not a test: tests/test_bench_load.py runs a small instance under ``slow``.
@@ -65,6 +69,19 @@ def _is_spawner(proc: psutil.Process) -> bool:
     with contextlib.suppress(psutil.Error):
         return any(arg.endswith("tangramd/backends/spawner.py") for arg in proc.cmdline())
     return False
+
+
+def _cpu_s(times: Any, children: bool = False) -> float:
+    own = times.user + times.system
+    return own + (times.children_user + times.children_system if children else 0.0)
+
+
+def spawner_of(daemon: SpawnedDaemon) -> psutil.Process | None:
+    with contextlib.suppress(psutil.Error):
+        for p in psutil.Process(daemon.proc.pid).children():
+            if _is_spawner(p):
+                return p
+    return None
 
 
 def leftovers(daemon: SpawnedDaemon) -> dict[str, int]:
@@ -155,14 +172,30 @@ def bare(n: int, clients: int) -> dict[str, Any]:
         subprocess.run(["true"], check=True)
         latencies.append(time.perf_counter() - started)
 
+    cpu0 = os.times()
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=clients) as pool:
         list(pool.map(one, range(n)))
     wall = time.perf_counter() - started
+    cpu1 = os.times()
     return {
         "wall_s": round(wall, 3),
         "throughput_per_s": round(n / wall, 1),
         "act": percentiles(latencies),
+        "cpu_ms_per_exec": {
+            "caller": round((_cpu_s(cpu1) - _cpu_s(cpu0)) * 1e3 / n, 3),
+            "commands": round(
+                (
+                    cpu1.children_user
+                    + cpu1.children_system
+                    - cpu0.children_user
+                    - cpu0.children_system
+                )
+                * 1e3
+                / n,
+                3,
+            ),
+        },
     }
 
 
@@ -171,7 +204,20 @@ def run(n: int, clients: int, env_cycles: int, throwaway: bool = False) -> dict[
         daemon = spawn_daemon(work, "[daemon]\nmax_connections = 4096\n")
         try:
             before = daemon_usage(daemon)
+            proc = psutil.Process(daemon.proc.pid)
+            daemon0, client0 = _cpu_s(proc.cpu_times()), _cpu_s(os.times())
             load = asyncio.run(drive(daemon.socket, n, clients, env_cycles, throwaway=throwaway))
+            daemon1, client1 = _cpu_s(proc.cpu_times()), _cpu_s(os.times())
+            helper = spawner_of(daemon)  # started by the first exec: all its time is the run's
+            spawner = helper.cpu_times() if helper is not None else None
+            load["cpu_ms_per_exec"] = {
+                "daemon": round((daemon1 - daemon0) * 1e3 / n, 3),
+                "fork_server": round(_cpu_s(spawner) * 1e3 / n, 3) if spawner else None,
+                "commands": round((spawner.children_user + spawner.children_system) * 1e3 / n, 3)
+                if spawner
+                else None,
+                "clients": round((client1 - client0) * 1e3 / n, 3),
+            }
             time.sleep(0.5)  # let the last closes settle
             after = daemon_usage(daemon)
             left = leftovers(daemon)
@@ -185,6 +231,7 @@ def run(n: int, clients: int, env_cycles: int, throwaway: bool = False) -> dict[
         "env_cycles": env_cycles,
         "throwaway_envs": throwaway,
         "cpus": len(os.sched_getaffinity(0)),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "tangram": load,
         "bare_subprocess_run": baseline,
         "throughput_ratio": round(ratio, 3),

@@ -30,10 +30,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tangram.model import (
+    Action,
     ActionId,
     HistoryEstimator,
     InvalidDemand,
     TangramError,
+    TrajectoryId,
     make_action,
 )
 from tangram.pools.api import ApiPool
@@ -81,6 +83,9 @@ class CoreConfig:
     record_envs: bool = True  # emit PersistEnvs (tangramd up; a coordinator keeps its registry)
     max_transfer: int = 8 << 20  # bytes one env.get may return (env.put: the op table's cap)
     call_timeout_s: float = 300.0  # a service call's handler limit when the call gives none
+    # Short-cut passes that provably decide what the full pass would (``Core._short_waiting``);
+    # False: every pass reads the whole queue (tests compare the two).
+    short_passes: bool = True
 
 
 @dataclass
@@ -149,12 +154,32 @@ class Core:
         self.passes = 0
         self.finished: deque[tuple[str, float, float]] = deque(maxlen=4096)  # kind, queue, exec
         self.sessions: dict[str, SessionRec] = {}
+        # What the short-cut pass relies on (``_short_waiting``): actions queued since the
+        # last pass (insertion order), and the affinity and pools that pass saw.
+        self._fresh: dict[ActionId, None] = {}
+        self._seen_affinity: dict[TrajectoryId, str] | None = None
+        self._seen_pools: tuple[tuple[str, int], ...] = ()
+        self._seen_plain = False  # every action that pass left queued: an exec with a node
+        self.passes_short = 0  # passes that read only a prefix of the queue
+        # next_wakeup's shortcuts: queued API actions, and a lower bound of the earliest
+        # idle deadline (None: scan the environments; see ``handle``)
+        self._queued_api = 0
+        self._affinity: dict[TrajectoryId, str] | None = (
+            None  # envs.affinity(), until it may change
+        )
+        self._idle_due: float | None = None
 
     # ------------------------------------------------------------------ entry point
     def handle(self, event: ev.Event, now: float) -> list[ev.Command]:
         self.stimulus = next(self._stimuli)
         out: list[ev.Command] = []
-        handler = _HANDLERS[type(event)]
+        kind = type(event)
+        if kind not in _KEEP_IDLE_BOUND:
+            self._idle_due = None
+            self._affinity = None  # environments may open, move or go
+        elif isinstance(event, ev.SubmitExec) and (event.spec.env is None or event.spec.session):
+            self._affinity = None  # a throwaway environment opens
+        handler = _HANDLERS[kind]
         try:
             handler(self, event, now, out)
         except TangramError as exc:
@@ -175,8 +200,12 @@ class Core:
             for lease in self.leases.values()
             if lease.state == "waiting" and lease.deadline_at is not None
         ]
-        times += self.envs.idle_deadlines()
-        if any(rec.action.kind == "api" for rec in self.queue.values()):
+        idle = self._idle_due
+        if idle is None or idle <= now:
+            idle = self._idle_due = min(self.envs.idle_deadlines(), default=math.inf)
+        if idle != math.inf:
+            times.append(idle)
+        if self._queued_api:
             for pool in self.apis.values():
                 t = pool.next_grant_time(now)
                 if t is not None:
@@ -294,10 +323,19 @@ class Core:
     def _enqueue(self, rec: ActionRec, now: float) -> None:
         self._transition(rec, "queued", now, "ready to schedule")
         self.queue[rec.action.id] = rec
+        self._queued_api += rec.action.kind == "api"
+        self._fresh[rec.action.id] = None
         self._dirty = True
         pool_id = self._cpu_pool_of(rec)
         if pool_id is not None:  # the "priced" rule's arrival forecast
             self.meter.submitted(pool_id, now, rec.action.elastic)
+
+    def _unqueue(self, aid: ActionId) -> ActionRec | None:
+        rec = self.queue.pop(aid, None)
+        self._fresh.pop(aid, None)
+        if rec is not None and rec.action.kind == "api":
+            self._queued_api -= 1
+        return rec
 
     def _cpu_pool_of(self, rec: ActionRec) -> str | None:
         """The CPU pool an exec action runs in (its environment's node), if placed."""
@@ -323,7 +361,7 @@ class Core:
         env = self.envs.get(rec.env) if rec.env else None
         if env is not None and rec.action.id in env.pending:
             env.pending.remove(rec.action.id)
-        self.queue.pop(rec.action.id, None)
+        self._unqueue(rec.action.id)
         if rec.spec is not None and rec.spec.session is not None:
             self._session_idle(rec.spec.session, rec.action.id)
         if rec.units:
@@ -341,6 +379,8 @@ class Core:
         if env is not None:
             env.active = max(0, env.active - 1)
             env.last_used = now
+            if not env.active and self._idle_due is not None:  # idle from now on, maybe
+                self._idle_due = min(self._idle_due, now + self.envs.defaults.idle_ttl_s)
         if rec.token is not None:
             if error is not None:
                 out.append(self._reply(rec.token, error=error))
@@ -374,27 +414,60 @@ class Core:
         self._pass_due = None
         self._dirty = False
         if not self.queue:
+            self._fresh.clear()
             return  # nothing scheduled: the next arrival still finds the daemon quiet
         self._last_pass = now
         for pool in self.apis.values():
             pool.advance(now)
-        running: dict[str, list[tuple[float, int]]] = {}
-        for rec in self.actions.values():
-            if rec.state == "running" and rec.pool_id:
-                started = rec.started_at if rec.started_at is not None else now
-                exp = started + rec.expected_s
-                if exp <= now:  # overdue: expect it to run about as long again as it has
-                    exp = now + (now - started)
-                running.setdefault(rec.pool_id, []).append((exp, len(rec.units) or 1))
-        snap = Snapshot(
-            waiting=[rec.action for rec in self.queue.values()],
-            pools=self.pools,
-            affinity=self.envs.affinity(),
-            running=running,
-            estimate=self.history.estimate,
-            load={p.pool_id: self.meter.load(p.pool_id, now) for p in self.cpu.nodes},
-        )
-        decision = schedule(snap, now, self.cfg.sched)
+        load = {p.pool_id: self.meter.load(p.pool_id, now) for p in self.cpu.nodes}
+        short = None
+        affinity = self._affinity
+        if affinity is None:
+            affinity = self._affinity = self.envs.affinity()
+        if self.cfg.short_passes:
+            short = self._short_waiting(affinity)
+        if short is not None:
+            decision = schedule(
+                Snapshot(
+                    waiting=short,
+                    pools=self.pools,
+                    affinity=affinity,
+                    estimate=self.history.estimate,
+                    load=load,
+                ),
+                now,
+                self.cfg.sched,
+            )
+            if decision.infeasible and any(n.free_units() for n in self.cpu.nodes):
+                short = None  # the prefix may shift past an infeasible action: read it all
+            else:
+                self.passes_short += 1
+        if short is None:
+            affinity = self._affinity = self.envs.affinity()  # never a cached one here
+            running: dict[str, list[tuple[float, int]]] = {}
+            for rec in self.actions.values():
+                if rec.state == "running" and rec.pool_id:
+                    started = rec.started_at if rec.started_at is not None else now
+                    exp = started + rec.expected_s
+                    if exp <= now:  # overdue: expect it to run about as long again as it has
+                        exp = now + (now - started)
+                    running.setdefault(rec.pool_id, []).append((exp, len(rec.units) or 1))
+            snap = Snapshot(
+                waiting=[rec.action for rec in self.queue.values()],
+                pools=self.pools,
+                affinity=affinity,
+                running=running,
+                estimate=self.history.estimate,
+                load=load,
+            )
+            decision = schedule(snap, now, self.cfg.sched)
+            self._seen_plain = all(
+                rec.action.kind == "exec" and rec.action.trajectory in affinity
+                for rec in self.queue.values()
+            )
+        self._fresh.clear()
+        self._seen_affinity = affinity
+        self._seen_pools = self._pool_identity()
         self.passes += 1
         for inf in decision.infeasible:
             rec = self.actions[inf.action_id]
@@ -407,7 +480,9 @@ class Core:
                 error=("unschedulable", inf.shortfall.describe()),
             )
         for p in decision.placements:
-            rec = self.queue.pop(p.action_id)
+            placed = self._unqueue(p.action_id)
+            assert placed is not None, "the scheduler places queued actions only"
+            rec = placed
             pool = self.pools[p.pool_id]
             pool.allocate(p.action_id, p.units)
             rec.pool_id = p.pool_id
@@ -435,6 +510,78 @@ class Core:
             else:
                 self._transition(rec, "running", now, "lease granted")
                 self._grant_lease(rec, now, out)
+
+    def _pool_identity(self) -> tuple[tuple[str, int], ...]:
+        return tuple((pid, id(pool)) for pid, pool in self.pools.items())
+
+    def _short_waiting(self, affinity: dict[TrajectoryId, str]) -> list[Action] | None:
+        """The part of the queue a pass must read when the rest provably cannot change its
+        decision; None: read the whole queue.
+
+        Under a flood of short execs most passes follow one completion (a core or two
+        free, hundreds queued) or one arrival (no core free): the full pass reads every
+        queued action to start at most one. The pass may read only a prefix when
+
+        - every queued action is an exec whose trajectory has a node (checked by the last
+          full pass, and here for the actions queued since), and the trajectories' nodes
+          and the pools are those the previous pass saw: every action that pass read was
+          checked against its pool then (``never_fits`` depends on the pool alone) and
+          nothing has moved since;
+        - on each pool with ``f`` free units, its first ``f`` queued actions (FCFS) are
+          non-elastic 1-unit actions: the scheduler takes exactly those and stops there (a
+          full pool places nothing), so nothing behind them is read for the placement.
+
+        The prefix is those actions plus the actions queued since the previous pass (to be
+        checked once); the scheduler then decides on it as on the whole queue. If an action
+        turns out infeasible while a pool has free units, the caller reads the whole queue
+        (the prefix would have to reach past it).
+        """
+        if not self._seen_plain or (
+            affinity is not self._seen_affinity and affinity != self._seen_affinity
+        ):
+            return None
+        if self._pool_identity() != self._seen_pools:
+            return None
+        to_fill: dict[str, int] = {}
+        for node in self.cpu.nodes:
+            free = node.free_units()
+            if free:
+                to_fill[node.pool_id] = free
+        picked: list[Action] = []
+        fresh = self._fresh
+        seen: set[ActionId] = set()  # fresh actions inside the prefix
+        for aid, rec in self.queue.items():
+            if not to_fill:
+                break
+            action = rec.action
+            if action.kind != "exec":
+                return None
+            pid = affinity.get(action.trajectory)
+            if pid is None:
+                return None
+            left = to_fill.get(pid)
+            if left:
+                if action.elastic or action.min_units != 1:
+                    return None
+                picked.append(action)
+                if left == 1:
+                    del to_fill[pid]
+                else:
+                    to_fill[pid] = left - 1
+            elif aid in fresh:
+                picked.append(action)
+            if aid in fresh:
+                seen.add(aid)
+        # The other fresh actions lie past the prefix (both keep the order of queueing).
+        for aid in fresh:
+            late = self.queue.get(aid)
+            if late is None or aid in seen:
+                continue
+            action = late.action
+            if action.kind != "exec" or action.trajectory not in affinity:
+                return None
+            picked.append(action)
+        return picked
 
     def _start_exec(self, rec: ActionRec, out: list[ev.Command]) -> None:
         env = self.envs.get(rec.env or "")
@@ -1017,7 +1164,7 @@ class Core:
             if rec.state == "running" or not env.throwaway:
                 self._finish_action(rec, now, out, outcome="infra_error", detail=why)
             elif rec.state == "queued":
-                self.queue.pop(rec.action.id, None)
+                self._unqueue(rec.action.id)
                 env.pending.append(rec.action.id)
                 self._transition(rec, "waiting_env", now, f"{why}; moving to another node")
         for env in on_node:
@@ -1090,8 +1237,9 @@ class Core:
             k for k, v in self.leases.items() if v.state in ("released", "expired", "failed")
         ]:
             del self.leases[lease_id]
-        for env in self.envs.idle_expired(now):
-            self._close_env(env, now, out, "idle TTL expired")
+        if self._idle_due is None or self._idle_due <= now:  # (else none is due yet)
+            for env in self.envs.idle_expired(now):
+                self._close_env(env, now, out, "idle TTL expired")
         if (self._pass_due is not None and now >= self._pass_due) or self._dirty:
             self.run_pass(now, out)
 
@@ -1400,6 +1548,14 @@ def _short(cmd: str | Sequence[str], limit: int = 80) -> str:
 
 
 # ---------------------------------------------------------------------- event dispatch
+
+# Events after which the cached affinity (``Core._affinity``) still holds: besides these,
+# a ``SubmitExec`` into a named environment (no session) opens, moves or removes none.
+# Events after which the cached idle bound (``Core._idle_due``) is still a lower bound of
+# the earliest idle deadline: they only end idleness, or start it at ``now`` (the deadline
+# then is ``now + ttl``, which ``_finish_action`` folds in). Any other event drops it.
+_KEEP_IDLE_BOUND: frozenset[type] = frozenset({ev.SubmitExec, ev.ExecFinished, ev.Tick})
+# (the same set, less SubmitExec, keeps the affinity; see ``Core.handle``)
 
 _HANDLERS: dict[type, Callable[[Core, Any, float, list[ev.Command]], None]] = {
     ev.SubmitExec: Core._submit_exec,

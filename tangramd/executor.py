@@ -28,7 +28,7 @@ from tangramd.backends.base import Backend, ExecRequest, PathEscape
 from tangramd.backends.files import TooLarge, exec_with_files
 from tangramd.core import Core
 from tangramd.services import ServiceHost, ServiceLoadError, ServiceNotFound
-from tangramd.transport import ConnInfo, UnixServer
+from tangramd.transport import ConnInfo, Later, UnixServer
 
 log = structlog.get_logger("tangramd")
 
@@ -43,6 +43,8 @@ class OpHandlers(Protocol):
     ) -> Awaitable[Any]: ...
 
     def handle_sync(self, ex: Executor, op: str, args: dict[str, Any], conn: ConnInfo) -> Any: ...
+
+    def handle_inline(self, ex: Executor, op: str, args: dict[str, Any], conn: ConnInfo) -> Any: ...
 
 
 class Executor:
@@ -72,15 +74,16 @@ class Executor:
         self.server = UnixServer(
             socket_path,
             lambda op, args, conn: handlers.handle(self, op, args, conn),
-            sync_handler=lambda op, args, conn: handlers.handle_sync(self, op, args, conn),
+            sync_handler=lambda op, args, conn: handlers.handle_inline(self, op, args, conn),
             **server_options,
         )
         self._tokens = itertools.count(1)
-        self._futures: dict[int, asyncio.Future[Any]] = {}
+        self._futures: dict[int, asyncio.Future[Any] | Later] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._ticking = False  # feeding an inline Tick (a due pass runs once, not recursively)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._running_execs: dict[str, ev.RunExec] = {}  # handed to the backend, not ended
         # TANGRAM_VALIDATE=1 (tests): check the core's invariants after every event
         self._validate = os.environ.get("TANGRAM_VALIDATE") == "1"
 
@@ -121,7 +124,9 @@ class Executor:
             await self.services.close()
         await self.backend.shutdown(keep=self.core.env_ids(persistent_only=True))
         deadline = self.clock() + STOP_GRACE_S
-        while (self._tasks or self.core.env_ids(throwaway_only=True)) and self.clock() < deadline:
+        while (
+            self._tasks or self._running_execs or self.core.env_ids(throwaway_only=True)
+        ) and self.clock() < deadline:
             await asyncio.sleep(0.01)
         leftover = self.core.env_ids(throwaway_only=True)
         if leftover:
@@ -160,14 +165,25 @@ class Executor:
                 self._resolve(token, None, ("internal", "internal error; see daemon log"))
             return
         self.persist(event)  # before any reply goes out
-        for cmd in commands:
-            self._execute(cmd)
-        if self._validate:
-            try:
-                self.core.validate()
-            except AssertionError as exc:
-                log.error("invariant_violated", event_type=type(event).__name__, error=str(exc))
-        self._arm_timer()
+        # Replies go out last, after a pass this event made due: an answer wakes its
+        # client, which may take the core before the next spawn request has left.
+        replies: list[ev.Reply] = []
+        try:
+            for cmd in commands:
+                if isinstance(cmd, ev.Reply):
+                    replies.append(cmd)
+                else:
+                    self._execute(cmd)
+            if self._validate:
+                try:
+                    self.core.validate()
+                except AssertionError as exc:
+                    event_type = type(event).__name__
+                    log.error("invariant_violated", event_type=event_type, error=str(exc))
+            self._arm_timer()
+        finally:
+            for reply in replies:
+                self._resolve(reply.token, reply.result, reply.error)
 
     async def request(self, make_event: Callable[[int], ev.Event]) -> Any:
         """Feed the event ``make_event(token)`` and wait for the core's reply to it."""
@@ -176,6 +192,16 @@ class Executor:
         self._futures[token] = fut
         self.feed(make_event(token))
         return await fut
+
+    def request_later(self, make_event: Callable[[int], ev.Event]) -> Later:
+        """``request`` without a task: feed the event now; the core's reply answers the
+        returned :class:`~tangramd.transport.Later` when it comes (the transport writes it
+        in that turn)."""
+        token = next(self._tokens)
+        later = Later()
+        self._futures[token] = later
+        self.feed(make_event(token))
+        return later
 
     def answer_now(self, make_event: Callable[[int], ev.Event]) -> Any:
         """Feed an event the core answers within the same ``handle`` call; return the answer
@@ -237,16 +263,7 @@ class Executor:
         if isinstance(cmd, ev.Reply):
             self._resolve(cmd.token, cmd.result, cmd.error)
         elif isinstance(cmd, ev.RunExec):
-            self._spawn(self._run_exec(cmd))  # first: its spawn request leaves before the log
-            self._log_soon(
-                "action_placed",
-                action_id=cmd.action_id,
-                node=cmd.node,
-                env=cmd.env_id,
-                cores=list(cmd.cores),
-                trajectory=self.core.trajectory_of(cmd.action_id),
-                cause=cmd.cause,
-            )
+            self._start_exec(cmd)
         elif isinstance(cmd, ev.CreateEnv):
             self._spawn(self._create_env(cmd))
         elif isinstance(cmd, ev.RemoveEnv):
@@ -286,7 +303,12 @@ class Executor:
         fut = self._futures.pop(token, None)
         if fut is None or fut.done():
             return
-        if error is not None:
+        if isinstance(fut, Later):
+            if error is not None:
+                fut.fail(error_from_wire(*error))
+            else:
+                fut.resolve(result)
+        elif error is not None:
             fut.set_exception(error_from_wire(*error))
         else:
             fut.set_result(result)
@@ -308,8 +330,37 @@ class Executor:
             log.warning("env_remove_failed", env=cmd.env_id, error=str(exc), cause=cmd.cause)
         self.feed(ev.EnvRemoved(env_id=cmd.env_id))
 
-    async def _run_exec(self, cmd: ev.RunExec) -> None:
-        req = ExecRequest.for_action(
+    def _start_exec(self, cmd: ev.RunExec) -> None:
+        """Hand an exec to the backend. A backend with ``start_exec`` (the process backend)
+        sends it off within this call and reports its end from the loop turn that sees it,
+        so neither the start nor the answer waits for a task's turn; other backends, and
+        execs with ``files`` to write or ``fetch`` to read back, run in a task.
+        Logged once, when it ends (``action_finished``; ``action_placed`` at debug level)."""
+        trajectory = self.core.trajectory_of(cmd.action_id)
+        log.debug(
+            "action_placed",
+            action_id=cmd.action_id,
+            node=cmd.node,
+            env=cmd.env_id,
+            cores=list(cmd.cores),
+            trajectory=trajectory,
+            cause=cmd.cause,
+        )
+        start = getattr(self.backend, "start_exec", None)
+        if start is None or cmd.spec.files or cmd.spec.fetch:  # files move in a task
+            self._spawn(self._run_exec(cmd))
+            return
+        self._running_execs[cmd.action_id] = cmd
+        done = functools.partial(self._exec_ended, cmd, trajectory)
+        try:
+            start(self._exec_request(cmd), done)
+        except Exception as exc:  # a backend failure of any kind is an infra error
+            res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
+            asyncio.get_running_loop().call_soon(done, res)
+
+    @staticmethod
+    def _exec_request(cmd: ev.RunExec) -> ExecRequest:
+        return ExecRequest.for_action(
             cmd.spec,
             env_id=cmd.env_id,
             cores=cmd.cores,
@@ -317,10 +368,18 @@ class Executor:
             action_id=cmd.action_id,
             run_as=cmd.run_as,
         )
+
+    async def _run_exec(self, cmd: ev.RunExec) -> None:
+        trajectory = self.core.trajectory_of(cmd.action_id)
+        self._running_execs[cmd.action_id] = cmd
         try:
-            res = await exec_with_files(self.backend, req)
+            res = await exec_with_files(self.backend, self._exec_request(cmd))
         except Exception as exc:
             res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
+        self._exec_ended(cmd, trajectory, res)
+
+    def _exec_ended(self, cmd: ev.RunExec, trajectory: str | None, res: ExecResult) -> None:
+        self._running_execs.pop(cmd.action_id, None)
         lost = res.outcome == "infra_error" and not self.backend.env_exists(cmd.env_id)
         self.feed(ev.ExecFinished(action_id=cmd.action_id, result=res, env_lost=lost))
         self._log_soon(  # after the answer, which is on its way now
@@ -328,6 +387,7 @@ class Executor:
             action_id=cmd.action_id,
             node=cmd.node,
             env=cmd.env_id,
+            trajectory=trajectory,
             outcome=res.outcome,
             exit_code=res.exit_code,
             exec_s=round(res.exec_s, 6),

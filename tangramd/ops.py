@@ -18,7 +18,7 @@ from tangram.protocol.ops import validate_args
 from tangram.protocol.results import CallSpec, ExecSpec
 from tangram.version import __version__
 from tangramd import events as ev
-from tangramd.transport import NOT_SYNC, ConnInfo
+from tangramd.transport import NOT_SYNC, ConnInfo, Later
 
 if TYPE_CHECKING:
     from tangramd.executor import Executor
@@ -33,6 +33,17 @@ def handle_sync(ex: Executor, op: str, args: Args, conn: ConnInfo) -> Any:
         return NOT_SYNC
     validate_args(op, args)
     return fn(ex, args, conn)
+
+
+def handle_inline(ex: Executor, op: str, args: Args, conn: ConnInfo) -> Any:
+    """The Unix socket's inline path: ``handle_sync``, and ``exec`` submitted at once and
+    answered without a task (a :class:`~tangramd.transport.Later` the core's reply
+    resolves, written by the transport in that turn)."""
+    if op == "exec":
+        validate_args(op, args)
+        ex.watch(conn)
+        return _exec_later(ex, args, conn)
+    return handle_sync(ex, op, args, conn)
 
 
 async def handle(ex: Executor, op: str, args: Args, conn: ConnInfo) -> Any:
@@ -184,6 +195,13 @@ async def _session_interrupt(ex: Executor, args: Args, conn: ConnInfo) -> Any:
 async def _session_close(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return await ex.request(
         lambda tok: ev.CloseSession(token=tok, session_id=args["id"], peer=conn.peer)
+    )
+
+
+def _exec_later(ex: Executor, args: Args, conn: ConnInfo) -> Later:
+    spec = ExecSpec.from_wire(args)
+    return ex.request_later(
+        lambda tok: ev.SubmitExec(spec=spec, token=tok, conn=conn.id, peer=conn.peer)
     )
 
 

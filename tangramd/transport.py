@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import itertools
 import os
 import socket
@@ -117,8 +118,50 @@ def _run_callback(callback: Callable[[ConnInfo], object], conn: ConnInfo) -> Non
 
 NOT_SYNC: Final = object()  # a sync handler's answer for "use the async handler"
 
+
+class Later:
+    """A sync handler's answer that comes later, without a task: whoever holds it calls
+    ``resolve`` or ``fail`` once, on the loop thread (the exec fast path: the core's reply
+    writes the answer in the turn that produces it)."""
+
+    __slots__ = ("_callback", "_done", "error", "result")
+
+    def __init__(self) -> None:
+        self._done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._callback: Callable[[Later], object] | None = None
+
+    def resolve(self, result: Any) -> None:
+        self._finish(result, None)
+
+    def fail(self, error: BaseException) -> None:
+        self._finish(None, error)
+
+    def done(self) -> bool:
+        return self._done
+
+    set_exception = fail  # (as a Future's, for code that fails what is owed at shutdown)
+
+    def _finish(self, result: Any, error: BaseException | None) -> None:
+        if self._done:
+            return
+        self._done, self.result, self.error = True, result, error
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback(self)
+
+    def then(self, callback: Callable[[Later], object]) -> None:
+        """Call ``callback(self)`` once it is answered (now, if it is)."""
+        if self._done:
+            callback(self)
+        else:
+            self._callback = callback
+
+
 SyncHandler = Callable[[str, dict[str, Any], "ConnInfo"], Any]
-"""``sync_handler(op, args, conn)``: the result of a cheap op, or ``NOT_SYNC``."""
+"""``sync_handler(op, args, conn)``: the result of a cheap op, a :class:`Later`, or
+``NOT_SYNC``."""
 
 
 class Handler(Protocol):
@@ -137,6 +180,7 @@ class _Connection(asyncio.Protocol):
         self._decoder = FrameDecoder(server.max_frame)
         self._transport: asyncio.Transport | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._laters: set[Later] = set()  # answers owed by sync handlers
         self._closing = False
         self._read_paused = False
         self._write_paused = False
@@ -227,7 +271,7 @@ class _Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         # The client finished sending; keep the write side open so pending answers still
         # reach a half-closed peer, then close once nothing is in flight.
-        if not self._tasks:
+        if not self._tasks and not self._laters:
             return False
         self._closing = True
         return True
@@ -280,13 +324,56 @@ class _Connection(asyncio.Protocol):
                 log.exception("handler_failed", conn=self.info.id, op=request.op)
                 self._write(error_response(request.id, exc))
                 return
+            if isinstance(result, Later):
+                self._laters.add(result)
+                result.then(functools.partial(self._answer_later, request.id))
+                if self._inflight() >= self._server.max_inflight_per_conn:
+                    self._update_reading()
+                return
             if result is not NOT_SYNC:
                 self._write(ok_response(request.id, result))
                 return
         task = self._loop.create_task(self._run(request.id, request.op, request.args))
         self._tasks.add(task)
-        if len(self._tasks) >= self._server.max_inflight_per_conn:
+        if self._inflight() >= self._server.max_inflight_per_conn:
             self._update_reading()
+
+    def _inflight(self) -> int:
+        return len(self._tasks) + len(self._laters)
+
+    def _answer_later(self, request_id: int, later: Later) -> None:
+        if later not in self._laters:
+            return  # answered at shutdown already
+        self._laters.discard(later)
+        error = later.error
+        if error is None:
+            response = ok_response(request_id, later.result)
+        else:
+            if not isinstance(error, TangramError):
+                log.error(
+                    "handler_failed", conn=self.info.id, request_id=request_id, error=str(error)
+                )
+            response = error_response(request_id, error)
+        if self._write_paused and self._can_write is not None and not self._closing:
+            # a slow reader: wait for room as the task path does (memory stays bounded)
+            task = self._loop.create_task(self._write_when_drained(response))
+            self._tasks.add(task)
+            return
+        self._write(response)
+        self._finished(None)
+
+    async def _write_when_drained(self, response: dict[str, Any]) -> None:
+        try:
+            if self._can_write is not None and not self._closing:
+                await self._can_write.wait()
+            self._write(response)
+        finally:
+            self._finished(asyncio.current_task())
+
+    def answer_laters(self, error: TangramError) -> None:
+        """Answer every owed answer with ``error`` (the server is closing)."""
+        for later in list(self._laters):
+            later.fail(error)
 
     async def _run(self, request_id: int, op: str, args: dict[str, Any]) -> None:
         try:
@@ -309,10 +396,11 @@ class _Connection(asyncio.Protocol):
             self._finished(asyncio.current_task())
 
     def _finished(self, task: asyncio.Task[Any] | None) -> None:
-        self._tasks.discard(task)
+        if task is not None:
+            self._tasks.discard(task)
         if self._read_paused:
             self._update_reading()
-        if self._closing and not self._tasks and self._transport is not None:
+        if self._closing and not self._inflight() and self._transport is not None:
             self._transport.close()  # a half-closed peer got all its answers
 
     def _write(self, response: dict[str, Any]) -> None:
@@ -344,7 +432,7 @@ class _Connection(asyncio.Protocol):
         if transport is None or transport.is_closing():
             return
         should_pause = self._write_paused or (
-            len(self._tasks) >= self._server.max_inflight_per_conn
+            self._inflight() >= self._server.max_inflight_per_conn
         )
         if should_pause and not self._read_paused:
             transport.pause_reading()
@@ -368,7 +456,7 @@ class _Connection(asyncio.Protocol):
             return
         timeout = self._server.idle_timeout_s
         idle_for = self._loop.time() - self._last_activity
-        if self._tasks:
+        if self._tasks or self._laters:
             self._arm_idle_timer(timeout)  # waiting on us is not idling
         elif idle_for >= timeout:
             log.info("conn_idle_closed", conn=self.info.id, idle_s=round(idle_for, 3))
@@ -492,6 +580,8 @@ class UnixServer:
         tasks = [task for conn in self._connections for task in conn._tasks]
         if tasks and grace_s > 0:
             await asyncio.wait(tasks, timeout=grace_s)
+        for conn in list(self._connections):
+            conn.answer_laters(ShuttingDown("daemon is shutting down"))
         cancelled = [task for conn in list(self._connections) for task in conn.cancel_tasks()]
         if cancelled:
             await asyncio.gather(*cancelled, return_exceptions=True)

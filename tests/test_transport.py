@@ -573,3 +573,55 @@ def test_conn_info_carries_the_peer_credentials() -> None:
             assert conn.peer == (os.getuid(), os.getgid()) and conn.pid == os.getpid()
 
     run(main)
+
+
+# --------------------------------------------------------------------------- answers owed
+
+
+def test_later_answers_in_the_turn_it_is_resolved_and_at_close() -> None:
+    """A sync handler may owe an answer (``Later``): it is written when resolved (out of
+    order with others), a failure is a typed error, one still owed at close is answered
+    ``shutting_down``, and an owed answer keeps the connection from idling out."""
+    from tangramd.transport import Later
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        owed: list[Later] = []
+
+        def sync(op: str, args: dict[str, Any], conn: ConnInfo) -> Any:
+            later = Later()
+            if op == "soon":
+                loop.call_later(args["s"], later.resolve, {"after": args["s"]})
+            elif op == "bad":
+                loop.call_soon(later.fail, NotFound("no such thing"))
+            else:
+                owed.append(later)
+            return later
+
+        daemon = Daemon()
+        with short_tmpdir() as tmp:
+            server = UnixServer(
+                os.path.join(tmp, "d.sock"), daemon, sync_handler=sync, idle_timeout_s=0.2
+            )
+            await server.start()
+            raw = await Raw.open(server.path)
+            for request_id, seconds in ((1, 0.3), (2, 0.0)):
+                raw.send(encode(make_request(request_id, "soon", {"s": seconds})))
+            first, second = await raw.recv(), await raw.recv()
+            assert first is not None and second is not None
+            assert (first["id"], second["id"]) == (2, 1)
+            assert second["result"] == {"after": 0.3}
+            raw.send(encode(make_request(3, "bad", {})))
+            answer = await raw.recv()
+            assert answer is not None and answer["error"]["code"] == "not_found"
+            raw.send(encode(make_request(4, "never", {})))
+            await asyncio.sleep(0.5)  # past the idle timeout: still open, an answer is owed
+            assert server.connections == 1
+            await server.close()
+            answer = await raw.recv()
+            assert answer is not None and answer["id"] == 4
+            assert answer["error"]["code"] == "shutting_down"
+            assert owed[0].done()
+            raw.close()
+
+    run(main)

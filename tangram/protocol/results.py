@@ -231,8 +231,9 @@ class ExecResult:
         )
 
     def to_wire(self) -> dict[str, Any]:
-        """The result map (``cores`` as a list), as the daemon sends it."""
-        out = asdict(self)
+        """The result map (``cores`` as a list), as the daemon sends it. Every field is a
+        plain value: a shallow copy (``asdict`` deep-copies, a cost on every answer)."""
+        out = {name: getattr(self, name) for name in EXEC_RESULT_FIELDS}
         out["cores"] = list(self.cores)
         out["files"] = dict(self.files)
         return out

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import hashlib
 import itertools
 import os
@@ -43,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,13 +99,13 @@ def _not_run(argv: list[str], e: SpawnError) -> ExecResult:
 
 
 class _Child:
-    """One spawned command: its exit (reported by the spawner) and non-blocking readers of
-    its pipes."""
+    """One spawned command's pipes: non-blocking readers into capped buffers."""
+
+    __slots__ = ("_bufs", "_open", "loop", "pid", "pipes_closed")
 
     def __init__(
         self,
         pid: int,
-        exit_rc: asyncio.Future[int],
         pipes: tuple[int, int],
         loop: asyncio.AbstractEventLoop,
         out: OutputBuffer,
@@ -112,34 +113,34 @@ class _Child:
     ) -> None:
         self.pid = pid
         self.loop = loop
-        self.exited = asyncio.Event()
         self.pipes_closed = asyncio.Event()
-        self.returncode: int | None = None
-        self.lost = False  # the spawner died before reporting the exit
         self._open: set[int] = set()
-        for fd, buf in zip(pipes, (out, err), strict=True):
+        self._bufs = dict(zip(pipes, (out, err), strict=True))
+        for fd, buf in self._bufs.items():
             self._open.add(fd)
             loop.add_reader(fd, self._read, fd, buf)
-        exit_rc.add_done_callback(self._on_exit)
 
-    def _on_exit(self, fut: asyncio.Future[int]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            self.lost = True
-        else:
-            self.returncode = fut.result()
-        self.exited.set()
-
-    def _read(self, fd: int, buf: OutputBuffer) -> None:
+    def _read(self, fd: int, buf: OutputBuffer) -> bool:
+        """Read one chunk; False when nothing more is there now (EAGAIN) or at EOF."""
         try:
             data = os.read(fd, _READ_CHUNK)
         except BlockingIOError:
-            return
+            return False
         except OSError:
             data = b""
         if data:
             buf.feed(data)
-        else:
-            self._close_pipe(fd)
+            return True
+        self._close_pipe(fd)
+        return False
+
+    def drain(self, max_reads: int = 16) -> None:
+        """Read what the pipes hold now (the command has exited), a bounded amount: a
+        descendant still writing is left to the readers."""
+        for fd in list(self._open):
+            for _ in range(max_reads):
+                if not self._read(fd, self._bufs[fd]):
+                    break
 
     def _close_pipe(self, fd: int) -> None:
         if fd not in self._open:
@@ -170,14 +171,39 @@ def _feed(fd: int, data: bytes) -> None:
         os.close(fd)
 
 
+ExecDone = Callable[[ExecResult], None]
+
+
 @dataclass(slots=True, eq=False)
 class _Running:
-    child: _Child
+    """One exec in flight, from the spawn request to its result (see ``start_exec``)."""
+
+    req: ExecRequest
+    argv: list[str]
     cgroup: Path | None
     marker: str
-    action_id: str | None = None  # for cancel()
+    done: ExecDone
+    started: float
+    stdio: dict[str, int]
+    pipes: tuple[int, int]
+    stdin_w: int | None
+    out: OutputBuffer
+    err: OutputBuffer
+    child: _Child | None = None
+    returncode: int | None = None
+    exited: bool = False
+    lost: bool = False  # the spawner died before reporting the exit
+    timed_out: bool = False
+    exec_s: float | None = None
+    timer: asyncio.TimerHandle | None = None
+    cancelled: bool = False  # by cancel(): killed as soon as it is spawned
     killed_for_shutdown: bool = False
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _resolve(fut: asyncio.Future[ExecResult], result: ExecResult) -> None:
+    if not fut.done():  # (a cancelled ``exec`` still ends its command)
+        fut.set_result(result)
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -241,6 +267,7 @@ class ProcessBackend:
         self._envs: dict[str, int | None] = {}  # env_id -> advisory memory bytes
         self._owners: dict[str, tuple[int, int] | None] = {}
         self._running: set[_Running] = set()
+        self._tasks: set[asyncio.Task[object]] = set()  # slow ends of execs, session runs
         self._closing = False
         self._token = f"{scope}.{os.getpid()}"
         self._shells: dict[str, shell_mod.Shell] = {}
@@ -330,7 +357,7 @@ class ProcessBackend:
             self._kill_leftovers(run)
         for run in list(self._running):
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(run.done.wait(), 5)
+                await asyncio.wait_for(run.ended.wait(), 5)
         for env_id in list(self._envs):
             if env_id not in keep:
                 await self.close_env(env_id)
@@ -368,28 +395,51 @@ class ProcessBackend:
         return user
 
     async def exec(self, req: ExecRequest) -> ExecResult:
-        if self._closing:
-            return infra_error(SHUTDOWN_DETAIL)
-        if not self.env_exists(req.env_id):
-            return infra_error(f"no such environment {req.env_id}")
+        """Run one command to its end (``start_exec`` as a coroutine)."""
+        fut: asyncio.Future[ExecResult] = asyncio.get_running_loop().create_future()
+        self.start_exec(req, functools.partial(_resolve, fut))
+        return await fut
+
+    def start_exec(self, req: ExecRequest, done: ExecDone) -> None:
+        """Start one command now; ``done(result)`` is called once when it has ended.
+
+        The spawn request leaves before this returns, and on the usual path the result is
+        handed over within the loop turn that reads the exit report (the command's pipes
+        are drained then and its cgroup found empty): no task, no wake-up in between. What
+        takes longer (a timeout, leftovers still dying, pipes held by a descendant) goes on
+        in a task. ``done`` is never called from inside this method.
+        """
+        loop = asyncio.get_running_loop()
+        early = self._refusal(req)
+        if early is not None:
+            loop.call_soon(done, early)
+            return
         if req.session is not None:
-            return await self._session_run(req)
+            task = loop.create_task(self._session_run(req))
+            self._tasks.add(task)
+            task.add_done_callback(lambda t: self._session_done(t, done))
+            return
         user = self._user_for(req)
         if isinstance(user, str):
-            return infra_error(user)
+            loop.call_soon(done, infra_error(user))
+            return
         home = self.env_dir(req.env_id)
         try:
             cwd = confine(home, req.cwd) if req.cwd else home
         except PathEscape as e:
-            return ExecResult("rejected", detail=f"cwd {e}")
-        if not cwd.is_dir():
-            return ExecResult("failed", 1, stderr=f"tangram: cwd {req.cwd}: not a directory\n")
+            loop.call_soon(done, ExecResult("rejected", detail=f"cwd {e}"))
+            return
+        if req.cwd and not cwd.is_dir():
+            msg = f"tangram: cwd {req.cwd}: not a directory\n"
+            loop.call_soon(done, ExecResult("failed", 1, stderr=msg))
+            return
         cgroup: Path | None = None
         if self.cgroups is not None:
             try:
                 cgroup = self.cgroups.for_cores(req.cores)
             except OSError as e:
-                return infra_error(f"cannot create cpuset cgroup: {e}")
+                loop.call_soon(done, infra_error(f"cannot create cpuset cgroup: {e}"))
+                return
         argv = command_argv(rewrite_pytest(req.cmd, len(req.cores), req.elastic))
         marker = f"{self._token}.{next(self._exec_ids)}"
         request = {
@@ -412,48 +462,193 @@ class ProcessBackend:
         if req.stdin:
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
             stdio["stdin"] = in_r
-        started = time.monotonic()
-        try:
-            pid = await self._spawner.spawn(request, stdio)
-        except SpawnError as e:
-            for fd in (out_r, err_r, in_w):
-                if fd is not None:
-                    os.close(fd)
-            if e.errno in (errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR):
-                return _not_run(argv, e)
-            return infra_error(f"spawn failed: {e}")
-        finally:
-            for fd in stdio.values():  # the helper passed its copies to the child
-                os.close(fd)
-        loop = asyncio.get_running_loop()
-        out, err = OutputBuffer(req.max_output), OutputBuffer(req.max_output)
-        child = _Child(pid, self._spawner.exit_of(pid), (out_r, err_r), loop, out, err)
-        if in_w is not None:
-            threading.Thread(target=_feed, args=(in_w, req.stdin), daemon=True).start()
-        run = _Running(child, cgroup, marker, req.action_id)
+        run = _Running(
+            req=req,
+            argv=argv,
+            cgroup=cgroup,
+            marker=marker,
+            done=done,
+            started=time.monotonic(),
+            stdio=stdio,
+            pipes=(out_r, err_r),
+            stdin_w=in_w,
+            out=OutputBuffer(req.max_output),
+            err=OutputBuffer(req.max_output),
+        )
         self._running.add(run)
+        self._spawner.submit(request, stdio, lambda got: self._spawned(run, got))
+
+    def _refusal(self, req: ExecRequest) -> ExecResult | None:
+        if self._closing:
+            return infra_error(SHUTDOWN_DETAIL)
+        if not self.env_exists(req.env_id):
+            return infra_error(f"no such environment {req.env_id}")
+        return None
+
+    def _session_done(self, task: asyncio.Task[ExecResult], done: ExecDone) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            done(infra_error("the session run was cancelled"))
+        elif task.exception() is not None:
+            exc = task.exception()
+            done(infra_error(f"{type(exc).__name__}: {exc}"))
+        else:
+            done(task.result())
+
+    def _spawned(self, run: _Running, got: int | SpawnError) -> None:
+        """The helper's answer to a spawn request (a loop callback)."""
+        for fd in run.stdio.values():  # the helper passed its copies to the child
+            os.close(fd)
+        if isinstance(got, SpawnError):
+            for fd in run.pipes:
+                os.close(fd)
+            if run.stdin_w is not None:
+                os.close(run.stdin_w)
+            if got.errno in (errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR):
+                self._end(run, _not_run(run.argv, got))
+            else:
+                self._end(run, infra_error(f"spawn failed: {got}"))
+            return
+        loop = asyncio.get_running_loop()
+        run.child = _Child(got, run.pipes, loop, run.out, run.err)
+        self._spawner.watch(got, lambda rc: self._exited(run, rc))
+        if run.stdin_w is not None:
+            args = (run.stdin_w, run.req.stdin)
+            threading.Thread(target=_feed, args=args, daemon=True).start()
+        if self._closing or run.cancelled:
+            run.killed_for_shutdown = self._closing
+            self._kill_leftovers(run)  # its exit report ends it
+        elif run.req.timeout_s is not None:
+            run.timer = loop.call_later(run.req.timeout_s, self._timed_out, run)
+
+    def _timed_out(self, run: _Running) -> None:
+        """The timeout (counted from the spawn to the main process's exit): SIGTERM to the
+        group, SIGKILL to everything ``SIGTERM_GRACE_S`` later."""
+        run.timer = None
+        if run.exited or run.child is None:
+            return
+        run.timed_out = True
+        _killpg(run.child.pid, signal.SIGTERM)
+        run.timer = asyncio.get_running_loop().call_later(SIGTERM_GRACE_S, self._grace_over, run)
+
+    def _grace_over(self, run: _Running) -> None:
+        run.timer = None
+        if run.exited:
+            return
+        run.exec_s = time.monotonic() - run.started
+        self._kill_leftovers(run)  # SIGKILL; the exit report follows
+
+    def _exited(self, run: _Running, rc: int | None) -> None:
+        """The main process exited (``rc``; None: the spawner died before saying how).
+
+        The action ends now (not when its pipes close: a background descendant may hold
+        them): whatever it left is killed, then the pipes are drained. When the cgroup is
+        empty and the pipes closed at once, the result goes out in this turn."""
+        run.exited = True
+        if run.timer is not None:
+            run.timer.cancel()
+            run.timer = None
+        if rc is None:
+            run.lost = True
+        else:
+            run.returncode = rc
+        if run.exec_s is None:
+            run.exec_s = time.monotonic() - run.started
+        child = run.child
+        assert child is not None
         try:
-            if self._closing:
-                run.killed_for_shutdown = True
-                self._kill_leftovers(run)
-                await child.exited.wait()
-                child.close()
-                return infra_error(SHUTDOWN_DETAIL)
-            return await self._supervise(req, run, started, out, err)
+            self._kill_leftovers(run)
+            child.drain()
+            if child.pipes_closed.is_set() and not self._busy(run.cgroup):
+                self._end(run, self._result(run))
+                return
+        except Exception as exc:  # never leave an action without an answer
+            log.exception("exec_end_failed", marker=run.marker)
+            child.close()
+            self._end(run, infra_error(f"{type(exc).__name__}: {exc}"))
+            return
+        task = asyncio.get_running_loop().create_task(self._settle(run))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _busy(self, cgroup: Path | None) -> bool:
+        if cgroup is None or self.cgroups is None:
+            return False
+        me = os.getpid()
+        return any(p != me for p in self.cgroups.pids(cgroup))
+
+    async def _settle(self, run: _Running) -> None:
+        """The slow end of an exec: leftovers still dying, or pipes held open."""
+        child = run.child
+        assert child is not None
+        try:
+            if run.cgroup is not None and self.cgroups is not None:
+                await self.cgroups.empty(run.cgroup)  # the cgroup is reused by the next exec
+            if not child.pipes_closed.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(child.pipes_closed.wait(), DRAIN_AFTER_EXIT_S)
+            result = self._result(run)
+        except Exception as exc:
+            log.exception("exec_end_failed", marker=run.marker)
+            child.close()
+            result = infra_error(f"{type(exc).__name__}: {exc}")
+        self._end(run, result)
+
+    def _result(self, run: _Running) -> ExecResult:
+        child = run.child
+        assert child is not None
+        held = not child.pipes_closed.is_set()
+        child.close()  # our pipe ends: no fd outlives the exec
+        out, err = run.out, run.err
+        exec_s = run.exec_s if run.exec_s is not None else time.monotonic() - run.started
+        detail = "output pipes held open by an escaped descendant" if held else ""
+        if run.killed_for_shutdown:
+            return infra_error(SHUTDOWN_DETAIL, stdout=out.text(), stderr=err.text())
+        if run.lost:
+            return infra_error(
+                "the spawner process died: the command's exit status is unknown",
+                stdout=out.text(),
+                stderr=err.text(),
+                exec_s=exec_s,
+            )
+        rc = run.returncode
+        code = exit_code_from_returncode(rc if rc is not None else -9)
+        timeout = run.req.timeout_s
+        return ExecResult(
+            outcome_for(code, run.timed_out),
+            code,
+            out.text(),
+            err.text(),
+            exec_s,
+            out.truncated or err.truncated,
+            detail or (f"killed after {timeout} s" if run.timed_out else ""),
+        )
+
+    def _end(self, run: _Running, result: ExecResult) -> None:
+        if run.ended.is_set():
+            return
+        if run.child is not None:
+            self._spawner.forget(run.child.pid)
+        self._running.discard(run)
+        try:
+            run.done(result)
+        except Exception:
+            log.exception("exec_done_callback_failed", marker=run.marker)
         finally:
-            self._spawner.forget(pid)
-            self._running.discard(run)
-            run.done.set()
+            run.ended.set()
 
     async def cancel(self, action_id: str) -> bool:
         """SIGKILL the running exec of ``action_id`` and what it left (see Backend)."""
-        runs = [run for run in self._running if run.action_id == action_id]
+        runs = [run for run in self._running if run.req.action_id == action_id]
         for run in runs:
+            run.cancelled = True
             self._kill_leftovers(run)
         return bool(runs)
 
     def _kill_leftovers(self, run: _Running) -> None:
         """SIGKILL the exec's process group, and its cgroup or (without one) session."""
+        if run.child is None:
+            return  # not spawned yet: the spawn's answer sees ``_closing``
         _killpg(run.child.pid, signal.SIGKILL)
         if run.cgroup is not None and self.cgroups is not None:
             self.cgroups.kill_all(run.cgroup)
@@ -468,59 +663,6 @@ class ProcessBackend:
                         os.kill(pid, signal.SIGKILL)
                 if not pids:
                     break
-
-    async def _supervise(
-        self,
-        req: ExecRequest,
-        run: _Running,
-        started: float,
-        out: OutputBuffer,
-        err: OutputBuffer,
-    ) -> ExecResult:
-        child = run.child
-        timed_out = False
-        # The action ends when its main process exits (not when its pipes close: a
-        # background descendant may hold them); the timeout counts to that exit.
-        if not child.exited.is_set():
-            try:
-                await asyncio.wait_for(child.exited.wait(), req.timeout_s)
-            except asyncio.TimeoutError:
-                timed_out = True
-                _killpg(child.pid, signal.SIGTERM)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(child.exited.wait(), SIGTERM_GRACE_S)
-        exec_s = time.monotonic() - started
-        # The main process is gone: end whatever it left behind, then drain the pipes.
-        self._kill_leftovers(run)
-        await child.exited.wait()
-        if run.cgroup is not None and self.cgroups is not None:
-            await self.cgroups.empty(run.cgroup)  # the cgroup is reused by the next exec
-        if not child.pipes_closed.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(child.pipes_closed.wait(), DRAIN_AFTER_EXIT_S)
-        held = not child.pipes_closed.is_set()
-        child.close()  # our pipe ends: no fd outlives the exec
-        detail = "output pipes held open by an escaped descendant" if held else ""
-        if run.killed_for_shutdown:
-            return infra_error(SHUTDOWN_DETAIL, stdout=out.text(), stderr=err.text())
-        if child.lost:
-            return infra_error(
-                "the spawner process died: the command's exit status is unknown",
-                stdout=out.text(),
-                stderr=err.text(),
-                exec_s=exec_s,
-            )
-        rc = child.returncode
-        code = exit_code_from_returncode(rc if rc is not None else -9)
-        return ExecResult(
-            outcome_for(code, timed_out),
-            code,
-            out.text(),
-            err.text(),
-            exec_s,
-            out.truncated or err.truncated,
-            detail or (f"killed after {req.timeout_s} s" if timed_out else ""),
-        )
 
     # --- file transfer ----------------------------------------------------------------
 

@@ -18,7 +18,9 @@ the same work in a small single-threaded helper process instead:
   daemon starts a new one on the next exec.
 
 The daemon side (:class:`Spawner`) talks to it over a private socket pair: frames of a
-4-byte length and a JSON map, the child's pipe ends passed with ``SCM_RIGHTS``. When the
+4-byte length and a JSON map, the child's pipe ends passed with ``SCM_RIGHTS``. It is
+callback-based: the request leaves in the caller's turn of the event loop, and the pid and
+the exit status reach the backend within the turn that reads them. When the
 helper dies, what it had in flight fails (the backend ends those actions with
 ``infra_error`` and kills what they left by cgroup and process group) and the next exec
 starts a new one.
@@ -44,6 +46,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 _HEADER = struct.Struct(">I")
@@ -272,16 +275,28 @@ class SpawnerGone(SpawnError):
     """The helper died: what it had in flight has no answer."""
 
 
+SpawnReply = Callable[[int | SpawnError], None]
+"""Called once with the spawned pid, or the error that prevented the spawn."""
+ExitWatch = Callable[[int | None], None]
+"""Called once with a watched pid's returncode (as ``Popen.returncode``: -N for a signal),
+or None when the helper died before reporting it."""
+
+
 class Spawner:
-    """The daemon's end of one helper process; started on first use, restarted if it dies."""
+    """The daemon's end of one helper process; started on first use, restarted if it dies.
+
+    Callback-based, so that a spawn request leaves within the caller's turn of the event
+    loop and an exit report reaches its watcher within the turn that reads it (no task
+    wake-ups on the exec path). Callbacks run on the loop thread, never inside ``submit``.
+    """
 
     def __init__(self) -> None:
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = 0
-        self._pending: dict[int, asyncio.Future[int]] = {}
-        self._exits: dict[int, asyncio.Future[int]] = {}
+        self._pending: dict[int, SpawnReply] = {}
+        self._watch: dict[int, ExitWatch] = {}
         self._inbuf = bytearray()
         self._out: deque[tuple[bytes, list[int]]] = deque()  # unsent frames (and fds)
         self._sent = 0  # bytes of _out[0] already sent
@@ -306,9 +321,10 @@ class Spawner:
         loop.add_reader(ours.fileno(), self._on_readable)
         self._sock, self._loop = ours, loop
 
-    async def spawn(self, request: dict[str, Any], stdio: dict[str, int]) -> int:
-        """Spawn one command; return its pid. ``stdio`` maps "stdin"/"stdout"/"stderr" to
-        descriptors the helper gets copies of (the caller closes its own)."""
+    def submit(self, request: dict[str, Any], stdio: dict[str, int], reply: SpawnReply) -> None:
+        """Ask for one command to be spawned; ``reply(pid or SpawnError)`` follows. ``stdio``
+        maps "stdin"/"stdout"/"stderr" to descriptors the helper gets copies of: the caller
+        closes its own once ``reply`` is called (they travel when the request is sent)."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             self.close()  # a helper of an earlier event loop (tests run one per call)
@@ -317,18 +333,31 @@ class Spawner:
         rid = self._ids
         names = list(stdio)
         body = json.dumps({**request, "id": rid, "fds": names}).encode()
-        fut: asyncio.Future[int] = loop.create_future()
-        self._pending[rid] = fut
+        self._pending[rid] = reply
         self._out.append((_HEADER.pack(len(body)) + body, [stdio[n] for n in names]))
         self._flush()
-        return await fut
 
-    def exit_of(self, pid: int) -> asyncio.Future[int]:
-        """The returncode of a spawned pid (as ``Popen.returncode``: -N for a signal)."""
-        return self._exits[pid]
+    async def spawn(self, request: dict[str, Any], stdio: dict[str, int]) -> int:
+        """``submit`` as a coroutine: the pid (raises SpawnError)."""
+        fut: asyncio.Future[int | SpawnError] = asyncio.get_running_loop().create_future()
+
+        def reply(got: int | SpawnError) -> None:
+            if not fut.done():
+                fut.set_result(got)
+
+        self.submit(request, stdio, reply)
+        got = await fut
+        if isinstance(got, SpawnError):
+            raise got
+        return got
+
+    def watch(self, pid: int, on_exit: ExitWatch) -> None:
+        """Call ``on_exit`` when the helper reports ``pid``'s exit (register it from the
+        spawn's reply: the exit report comes after it)."""
+        self._watch[pid] = on_exit
 
     def forget(self, pid: int) -> None:
-        self._exits.pop(pid, None)
+        self._watch.pop(pid, None)
 
     def _flush(self) -> None:
         sock = self._sock
@@ -378,43 +407,47 @@ class Spawner:
             self._dispatch(msg)
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
-        assert self._loop is not None
         if "exit" in msg:
-            fut = self._exits.get(msg["exit"])
-            if fut is not None and not fut.done():
-                fut.set_result(msg["rc"])
+            on_exit = self._watch.pop(msg["exit"], None)
+            if on_exit is not None:
+                on_exit(msg["rc"])
             return
-        fut = self._pending.pop(msg["id"], None)
-        if fut is None or fut.done():
+        reply = self._pending.pop(msg["id"], None)
+        if reply is None:
             return
         if "pid" in msg:
-            self._exits[msg["pid"]] = self._loop.create_future()
-            fut.set_result(msg["pid"])
+            reply(msg["pid"])
         else:
-            fut.set_exception(SpawnError(msg["error"], msg.get("errno")))
+            reply(SpawnError(msg["error"], msg.get("errno")))
 
     def _gone(self) -> None:
         """The helper died or closed: fail what it had in flight; the next spawn restarts it."""
         self.close()
 
     def close(self) -> None:
-        """Stop the helper (its running commands are the backend's to end)."""
+        """Stop the helper (its running commands are the backend's to end). What it had in
+        flight is answered on the next turn of the loop: spawns with ``SpawnerGone``, exit
+        watchers with None."""
         sock, self._sock = self._sock, None
-        if sock is not None and self._loop is not None:
+        loop, self._loop = self._loop, None
+        if sock is not None and loop is not None:
             with contextlib.suppress(Exception):  # the loop may be closed already
-                self._loop.remove_reader(sock.fileno())
-                self._loop.remove_writer(sock.fileno())
+                loop.remove_reader(sock.fileno())
+                loop.remove_writer(sock.fileno())
+        if sock is not None:
             sock.close()
-        self._loop = None
         self._out.clear()
         self._sent = 0
         self._inbuf.clear()
-        for futs in (self._pending, self._exits):
-            for fut in futs.values():
-                if not fut.done():
-                    with contextlib.suppress(RuntimeError):  # its loop is closed
-                        fut.set_exception(SpawnerGone("the spawner process died"))
-            futs.clear()
+        pending, self._pending = self._pending, {}
+        watch, self._watch = self._watch, {}
+        if loop is not None:
+            gone = SpawnerGone("the spawner process died")
+            with contextlib.suppress(RuntimeError):  # its loop is closed
+                for reply in pending.values():
+                    loop.call_soon(reply, gone)
+                for on_exit in watch.values():
+                    loop.call_soon(on_exit, None)
         proc, self._proc = self._proc, None
         if proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
