@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+import docker
 import pytest
 
 from tangramd.backends.base import TRUNCATION_MARKER, ExecRequest, ExecResult
@@ -28,6 +31,51 @@ BOTH_CORES = tuple(sorted(os.sched_getaffinity(0)))[:2]
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
+
+
+def backend_fixtures(name: str) -> tuple[Any, Any]:
+    """A module's ``docker_client`` and ``backend`` fixtures: ``backend`` is a fresh process
+    backend, Docker with the agent and Docker with plain ``docker exec`` (the last two marked
+    ``docker``); containers carry a label of their own and are removed after the module.
+    Use as ``docker_client, backend = backend_fixtures("io")``."""
+    from tangramd.backends.docker import DockerBackend
+    from tangramd.backends.process import ProcessBackend
+
+    label = f"org.arl-tangram.test-{name}-{uuid.uuid4().hex[:8]}"
+
+    @pytest.fixture(scope="module")
+    def docker_client() -> Any:
+        client = docker.from_env(timeout=30)
+        yield client
+        for info in client.api.containers(all=True, filters={"label": label}):
+            client.api.remove_container(info["Id"], force=True)
+        client.close()
+
+    @pytest.fixture(
+        params=[
+            "process",
+            pytest.param("agent", marks=pytest.mark.docker),
+            pytest.param("docker_exec", marks=pytest.mark.docker),
+        ]
+    )
+    def backend(request: Any, tmp_path: Path) -> Any:
+        if request.param == "process":
+            b = ProcessBackend(tmp_path / "root")
+            yield b
+            run(b.shutdown())
+            return
+        client = request.getfixturevalue("docker_client")
+        state = Path(tempfile.mkdtemp(prefix=f"tg{name}-", dir="/tmp"))  # short socket paths
+        b = DockerBackend(
+            client=client, default_image="tangram-test:bookworm", label=label,
+            state_dir=state, owner_id=f"t{uuid.uuid4().hex[:8]}",
+            use_agent=request.param == "agent",
+        )  # fmt: skip
+        yield b
+        run(b.shutdown())
+        shutil.rmtree(state, ignore_errors=True)
+
+    return docker_client, backend
 
 
 def req(env_id: str, cmd: list[str] | str, cores: tuple[int, ...] = (0,), **kw: Any) -> ExecRequest:

@@ -5,54 +5,11 @@ test_cluster_faults for the node side). Each real backend: the process backend a
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
-import uuid
-from pathlib import Path
 
-import docker
-import pytest
-from backend_conformance import BOTH_CORES, new_env, req, run
+from backend_conformance import BOTH_CORES, backend_fixtures, new_env, req, run
 
-from tangramd.backends.docker import DockerBackend
-from tangramd.backends.process import ProcessBackend
-
-IMAGE = "tangram-test:bookworm"
-LABEL = f"org.arl-tangram.test-cancel-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(scope="module")
-def docker_client():
-    client = docker.from_env(timeout=30)
-    yield client
-    for info in client.api.containers(all=True, filters={"label": LABEL}):
-        client.api.remove_container(info["Id"], force=True)
-    client.close()
-
-
-@pytest.fixture(
-    params=[
-        "process",
-        pytest.param("agent", marks=pytest.mark.docker),
-        pytest.param("docker_exec", marks=pytest.mark.docker),
-    ]
-)
-def backend(request, tmp_path):
-    if request.param == "process":
-        b = ProcessBackend(tmp_path / "root")
-        yield b
-        run(b.shutdown())
-        return
-    client = request.getfixturevalue("docker_client")
-    state = Path(tempfile.mkdtemp(prefix="tgcn-", dir="/tmp"))  # short agent socket paths
-    b = DockerBackend(
-        client=client, default_image=IMAGE, label=LABEL, state_dir=state,
-        owner_id=f"t{uuid.uuid4().hex[:8]}", use_agent=request.param == "agent",
-    )  # fmt: skip
-    yield b
-    run(b.shutdown())
-    shutil.rmtree(state, ignore_errors=True)
+docker_client, backend = backend_fixtures("cn")
 
 
 def test_cancel_kills_a_running_exec_and_what_it_started(backend):

@@ -34,6 +34,7 @@ from typing import Any
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput, ConversationType
 
 from tangram.client import Client, ExecResult
+from tangram.integrations._common import render_result, result_metrics
 
 ENV_ID = "tangram_code"
 RUNNERS = {
@@ -107,7 +108,7 @@ class TangramCodeEnv(BaseTextEnv):  # type: ignore[misc]  # skyrl_gym is untyped
             source, argv = RUNNERS[match.group(1)]
             result = self._exec(argv, files={source: match.group(2)})
             observation = f"<output>{self._render(result)}</output>"
-            metadata = _metrics(result)
+            metadata = result_metrics(result)
         message = {"role": "user", "content": observation}
         self.chat_history.append(message)
         return BaseTextEnvStepOutput(
@@ -128,33 +129,11 @@ class TangramCodeEnv(BaseTextEnv):  # type: ignore[misc]  # skyrl_gym is untyped
         kw.setdefault("timeout_s", self.timeout_s)
         return self.client.exec(argv, env=self.env, cpus=self.cpus, task="skyrl", **kw)
 
+    def _render(self, result: ExecResult) -> str:
+        return render_result(result, timeout_s=self.timeout_s, max_chars=self.max_output_chars)
+
     def _reward(self) -> tuple[float, dict[str, Any]]:
         if self.tests is None or self.env is None:
             return 0.0, {}
         result = self._exec(self.tests, timeout_s=self.tests_timeout_s)
-        return (1.0 if result.ok else 0.0), {"tests": _metrics(result)}
-
-    def _render(self, result: ExecResult) -> str:
-        text = result.stdout
-        if result.stderr:
-            text += ("\n" if text and not text.endswith("\n") else "") + result.stderr
-        if result.outcome == "timeout":
-            text += f"\n[timed out after {self.timeout_s:g} s]"
-        elif result.outcome not in ("ok", "failed"):
-            text += f"\n[sandbox error: {result.detail or result.outcome}]"
-        elif result.exit_code:
-            text += f"\n[exit code {result.exit_code}]"
-        if len(text) > self.max_output_chars:
-            text = text[: self.max_output_chars] + "\n[output truncated]"
-        return text
-
-
-def _metrics(result: ExecResult) -> dict[str, Any]:
-    return {
-        "outcome": result.outcome,
-        "exit_code": result.exit_code,
-        "queue_s": result.queue_s,
-        "exec_s": result.exec_s,
-        "act_s": result.act_s,
-        "cores": len(result.cores),
-    }
+        return (1.0 if result.ok else 0.0), {"tests": result_metrics(result)}

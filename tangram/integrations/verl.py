@@ -30,6 +30,7 @@ from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 from tangram.client import AsyncClient, ExecResult
+from tangram.integrations._common import render_result, result_metrics
 
 RUNNERS = {"python": ("main.py", "python3 main.py"), "bash": ("main.sh", "/bin/bash main.sh")}
 
@@ -113,7 +114,10 @@ class TangramCodeTool(BaseTool):
             task=f"verl/{self.name}",
         )
         instance.last = result
-        return ToolResponse(text=self._render(result)), 0.0, _metrics(result)
+        return ToolResponse(text=self._render(result)), 0.0, result_metrics(result)
+
+    def _render(self, result: ExecResult) -> str:
+        return render_result(result, timeout_s=self.timeout_s, max_chars=self.max_output_chars)
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
         last = self._instances[instance_id].last
@@ -123,28 +127,3 @@ class TangramCodeTool(BaseTool):
         instance = self._instances.pop(instance_id, None)
         if instance is not None:
             await self._client().env_close(instance.env)
-
-    def _render(self, result: ExecResult) -> str:
-        text = result.stdout
-        if result.stderr:
-            text += ("\n" if text and not text.endswith("\n") else "") + result.stderr
-        if result.outcome == "timeout":
-            text += f"\n[timed out after {self.timeout_s:g} s]"
-        elif result.outcome not in ("ok", "failed"):
-            text += f"\n[sandbox error: {result.detail or result.outcome}]"
-        elif result.exit_code:
-            text += f"\n[exit code {result.exit_code}]"
-        if len(text) > self.max_output_chars:
-            text = text[: self.max_output_chars] + "\n[output truncated]"
-        return text
-
-
-def _metrics(result: ExecResult) -> dict[str, Any]:
-    return {
-        "outcome": result.outcome,
-        "exit_code": result.exit_code,
-        "queue_s": result.queue_s,
-        "exec_s": result.exec_s,
-        "act_s": result.act_s,
-        "cores": len(result.cores),
-    }
