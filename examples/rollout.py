@@ -339,7 +339,8 @@ def main() -> None:
         print(json.dumps(summary, indent=1))
         return
     print(
-        f"\n{len(rows)} actions from {args.trajectories} trajectories in {wall:.1f} s "
+        f"\n{len(rows)} actions from {args.trajectories + args.tail} trajectories "
+        f"({args.trajectories} crowded, {args.tail} tail) in {wall:.1f} s "
         f"({passes} scheduling passes)\n"
     )
     head = (
