@@ -22,9 +22,11 @@ from tangram import Client, EnvLost
 from tangram.protocol import OPS, BadRequest, InfraError, NotFound, UnknownOp
 from tangramd.cluster.testing import (
     Daemon,
+    check_clean,
     node_row,
     spawn_coordinator,
     spawn_node,
+    stop_all,
     wait_for,
     wait_node_state,
 )
@@ -44,12 +46,6 @@ CORES = sorted(os.sched_getaffinity(0))
 CPUS_A, CPUS_B = str(CORES[0]), str(CORES[-1])  # the same core on a one-core host
 
 
-def _check_clean(daemon: Daemon) -> None:
-    text = daemon.log()
-    assert "Traceback" not in text, text
-    assert "invariant_violated" not in text, text
-
-
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[dict[str, Daemon]]:
     """A coordinator and two joined nodes, ``a`` and ``b``; logs must stay clean."""
@@ -64,7 +60,7 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Daemon]]:
             if daemon.proc.poll() is None:
                 daemon.stop()
     for daemon in daemons.values():
-        _check_clean(daemon)
+        check_clean(daemon)
 
 
 def _env_on(c: Client, node: str, tries: int = 8) -> str:
@@ -201,7 +197,7 @@ def test_wrong_token_is_refused_on_both_sides(tmp_path: Path) -> None:
         assert node_row(coord, "x") is None
     finally:
         coord.stop()
-    _check_clean(coord)
+    check_clean(coord)
 
 
 def test_wrong_ca_hash_is_refused_before_the_token_is_sent(tmp_path: Path) -> None:
@@ -218,7 +214,7 @@ def test_wrong_ca_hash_is_refused_before_the_token_is_sent(tmp_path: Path) -> No
         assert "node_refused" not in coord.log()  # no hello (and so no token) ever arrived
     finally:
         coord.stop()
-    _check_clean(coord)
+    check_clean(coord)
 
 
 def test_killed_node_ends_its_actions_and_loses_its_envs(cluster: dict[str, Daemon]) -> None:
@@ -310,10 +306,8 @@ def test_rotated_token_keeps_joined_nodes(tmp_path: Path) -> None:
         coord.join = rotated
         daemons.append(spawn_node(tmp_path, coord, "c", cpus=CPUS_B, env=ENV))
     finally:
-        for daemon in reversed(daemons):
-            if daemon.proc.poll() is None:
-                daemon.stop()
-    _check_clean(coord)
+        stop_all(daemons)
+    check_clean(coord)
 
 
 def test_gateway_node_forwards_without_offering_cores(tmp_path: Path) -> None:
@@ -329,9 +323,7 @@ def test_gateway_node_forwards_without_offering_cores(tmp_path: Path) -> None:
             rows = {row["name"]: row for row in c.nodes()}
         assert rows["gw"]["cores"] == 0 and rows["gw"]["state"] == "ready"
     finally:
-        for daemon in reversed(daemons):
-            if daemon.proc.poll() is None:
-                daemon.stop()
+        stop_all(daemons)
 
 
 def test_node_reports_its_gpus(tmp_path: Path) -> None:
@@ -360,9 +352,7 @@ def test_node_reports_its_gpus(tmp_path: Path) -> None:
         ).stdout
         rows = {row["name"]: row for row in json.loads(out)["nodes"]}
     finally:
-        for daemon in reversed(daemons):
-            if daemon.proc.poll() is None:
-                daemon.stop()
+        stop_all(daemons)
     assert rows["g"]["gpus"] == 2 and rows["c"]["gpus"] == 0
     assert rows["g"]["gpu_list"] == [
         {"local": k, "name": "simulated", "mem_bytes": 16 * 10**9, "simulated": True}
@@ -381,7 +371,7 @@ def test_node_without_coordinator_answers_infra_error(tmp_path: Path) -> None:
             wait_for(lambda: _raises_infra(c), HEARTBEAT_TIMEOUT_S + 10, "infra_error")
     finally:
         node.stop()
-    _check_clean(node)
+    check_clean(node)
 
 
 def _raises_infra(c: Client) -> bool:
@@ -432,7 +422,7 @@ def test_garbage_on_the_node_port_never_crashes_the_coordinator(tmp_path: Path) 
             assert c.nodes() == []
     finally:
         coord.stop()
-    _check_clean(coord)
+    check_clean(coord)
 
 
 def test_insecure_is_refused_off_loopback(tmp_path: Path) -> None:
@@ -470,4 +460,4 @@ def test_insecure_mode_works_on_loopback(tmp_path: Path) -> None:
         if node is not None:
             node.stop()
         coord.stop()
-    _check_clean(coord)
+    check_clean(coord)

@@ -21,9 +21,11 @@ from tangramd.cluster.link import split_host_port
 from tangramd.cluster.testing import (
     Daemon,
     FaultProxy,
+    check_clean,
     node_row,
     spawn_coordinator,
     spawn_node,
+    stop_all,
     wait_for,
     wait_node_state,
 )
@@ -53,12 +55,8 @@ def partitioned(tmp_path: Path) -> Iterator[dict[str, Any]]:
         yield {"coord": coord, "far": far, "near": near, "proxy": proxy}
     finally:
         proxy.close()
-        for daemon in reversed(daemons):
-            if daemon.proc.poll() is None:
-                daemon.stop()
-    for daemon in daemons:
-        assert "Traceback" not in daemon.log(), daemon.log()
-        assert "invariant_violated" not in daemon.log(), daemon.log()
+        stop_all(daemons)
+    check_clean(*daemons)
 
 
 def _env_on(c: Client, node: str) -> str:

@@ -23,9 +23,11 @@ import pytest
 from tangram import Client, EnvLost, InfraError
 from tangramd.cluster.testing import (
     Daemon,
+    check_clean,
     node_row,
     spawn_coordinator,
     spawn_node,
+    stop_all,
     wait_for,
     wait_node_state,
 )
@@ -94,12 +96,8 @@ def test_coordinator_restart_keeps_nodes_envs_profiles_and_token(tmp_path: Path)
         for node in (a, b):
             assert "env_not_owned_removed" not in node.log()
     finally:
-        for daemon in reversed(daemons):
-            if daemon.proc.poll() is None:
-                daemon.stop()
-    for daemon in daemons:
-        assert "Traceback" not in daemon.log(), daemon.log()
-        assert "invariant_violated" not in daemon.log(), daemon.log()
+        stop_all(daemons)
+    check_clean(*daemons)
 
 
 def test_node_that_never_returns_after_a_restart_is_lost(tmp_path: Path) -> None:
@@ -125,9 +123,7 @@ def test_node_that_never_returns_after_a_restart_is_lost(tmp_path: Path) -> None
                 c.exec(["true"], env=env)
         assert node_row(coord, "a")["state"] == "lost"
     finally:
-        for daemon in reversed(daemons):
-            if daemon.proc.poll() is None:
-                daemon.stop()
+        stop_all(daemons)
 
 
 def test_node_restart_keeps_its_environments(tmp_path: Path) -> None:
@@ -167,9 +163,5 @@ def test_node_restart_keeps_its_environments(tmp_path: Path) -> None:
         assert "envs_readopted" in a.log() and "env_not_owned_removed" not in a.log()
         assert "node_lost" not in coord.log()
     finally:
-        for daemon in reversed(daemons):
-            if daemon.proc.poll() is None:
-                daemon.stop()
-    for daemon in daemons:
-        assert "Traceback" not in daemon.log(), daemon.log()
-        assert "invariant_violated" not in daemon.log(), daemon.log()
+        stop_all(daemons)
+    check_clean(*daemons)

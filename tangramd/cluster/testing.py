@@ -81,6 +81,21 @@ class Daemon:
             raise RuntimeError(f"daemon did not stop on SIGTERM:\n{self.log()}") from None
 
 
+def stop_all(daemons: Sequence[Daemon]) -> None:
+    """SIGTERM what still runs, newest first (nodes before their coordinator)."""
+    for daemon in reversed(daemons):
+        if daemon.proc.poll() is None:
+            daemon.stop()
+
+
+def check_clean(*daemons: Daemon) -> None:
+    """No traceback and no broken invariant in any of their logs."""
+    for daemon in daemons:
+        text = daemon.log()
+        assert "Traceback" not in text, text
+        assert "invariant_violated" not in text, text
+
+
 def _start(args: Sequence[str], work: Path, stem: str, env: dict[str, str] | None) -> Any:
     log_path = work / f"{stem}.log"
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
