@@ -422,6 +422,7 @@ class Core:
         load = {p.pool_id: self.meter.load(p.pool_id, now) for p in self.cpu.nodes}
         short = None
         affinity = self._affinity
+        cached = affinity is not None
         if affinity is None:
             affinity = self._affinity = self.envs.affinity()
         if self.cfg.short_passes:
@@ -443,7 +444,8 @@ class Core:
             else:
                 self.passes_short += 1
         if short is None:
-            affinity = self._affinity = self.envs.affinity()  # never a cached one here
+            if cached:  # never a cached one here (one read in this pass is fresh)
+                affinity = self._affinity = self.envs.affinity()
             running: dict[str, list[tuple[float, int]]] = {}
             for rec in self.actions.values():
                 if rec.state == "running" and rec.pool_id:
