@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -51,6 +52,16 @@ def verdict(res: dict[str, Any], k8s: bool) -> str:
     if k8s:
         out += f", {ratio(res['k8s']['avg_act_s'], t['avg_act_s'])} vs k8s"
     return out
+
+
+def per_policy(rows: list[Any], columns: Sequence[str], field: str, fmt: str, title: str) -> None:
+    """One markdown table: a row per (workload, batch, seed), a column per policy."""
+    print(f"\n{title}:\n")
+    print("| workload | batch | seed | " + " | ".join(columns) + " |")
+    print("|---|---|---|" + "---|" * len(columns))
+    for (wl, b, seed), res in rows:
+        cells = " | ".join(fmt.format(res[p][field]) for p in columns)
+        print(f"| {wl} | {b} | {seed} | {cells} |")
 
 
 def table(rows: list[tuple[tuple[str, int, int], dict]], title: str) -> None:
@@ -121,18 +132,14 @@ def main() -> None:
     mixed = [r for r in rows if r[0][0] != "ai-coding"]
     if mixed:
         table(mixed, "Mixed workloads, config/cluster-mixed.toml (4 × 64 cores); avg / p99 ACT (s)")
-    print("\nAll fixed DoPs, avg ACT (s):\n")
-    print("| workload | batch | seed | " + " | ".join(FIXED) + " |")
-    print("|---|---|---|" + "---|" * len(FIXED))
-    for (wl, b, seed), res in rows:
-        cells = " | ".join(f"{res[p]['avg_act_s']:.3f}" for p in FIXED)
-        print(f"| {wl} | {b} | {seed} | {cells} |")
-    print("\nWall time per simulated run (s, noisy: shared machine):\n")
-    print("| workload | batch | seed | " + " | ".join(policies) + " |")
-    print("|---|---|---|" + "---|" * len(policies))
-    for (wl, b, seed), res in rows:
-        cells = " | ".join(f"{res[p]['wall_s_not_deterministic']:.1f}" for p in policies)
-        print(f"| {wl} | {b} | {seed} | {cells} |")
+    per_policy(rows, FIXED, "avg_act_s", "{:.3f}", "All fixed DoPs, avg ACT (s)")
+    per_policy(
+        rows,
+        policies,
+        "wall_s_not_deterministic",
+        "{:.1f}",
+        "Wall time per simulated run (s, noisy: shared machine)",
+    )
     _plot([r for r in coding if r[0][2] == seeds[0]], policies)
     doc = {f"{wl}/{b}/seed{seed}": res for (wl, b, seed), res in rows}
     save("fig9", doc, started)
