@@ -15,8 +15,7 @@ itself failed → ``SandboxError``.
 
 from __future__ import annotations
 
-import base64
-import binascii
+import functools
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +29,8 @@ from tangramd.gateway.sandbox_fusion import (
     CommandRunStatus,
     RunStatus,
     command_result,
+    decode_files,
+    encode_files,
     mem_bytes,
     positive,
 )
@@ -66,6 +67,11 @@ class RunJupyterResponse(BaseModel):
     files: dict[str, str] = {}
 
 
+@functools.cache
+def _kernel_source() -> bytes:
+    return KERNEL.read_bytes()  # read once per gateway process, not once per request
+
+
 def _error(message: str, driver: CommandRunResult | None = None) -> RunJupyterResponse:
     return RunJupyterResponse(status=RunStatus.SandboxError, message=message, driver=driver)
 
@@ -74,14 +80,11 @@ async def run_jupyter(
     client: AsyncClient, request: RunJupyterRequest, *, cpus: int = 1
 ) -> tuple[RunJupyterResponse, ExecResult | None]:
     """Run the cells; return the response and the exec result behind it."""
-    files: dict[str, bytes] = {}
-    for path, content in request.files.items():
-        try:
-            files[path] = base64.b64decode(content, validate=True)
-        except (binascii.Error, ValueError):
-            return _error(f"files[{path!r}]: not valid base64"), None
+    files = decode_files(request.files)
+    if isinstance(files, str):
+        return _error(files), None
     config = {"cells": request.cells, "cell_timeout": request.cell_timeout}
-    files[KERNEL_FILE] = KERNEL.read_bytes()
+    files[KERNEL_FILE] = _kernel_source()
     files[INPUT_FILE] = json.dumps(config).encode()
     ops: Any = client  # the shared op methods return coroutines on an AsyncClient
     try:
@@ -114,7 +117,7 @@ async def run_jupyter(
             message="",
             driver=driver,
             cells=[CellRunResult(**cell) for cell in cells],
-            files={path: base64.b64encode(data).decode() for path, data in fetched.items()},
+            files=encode_files(fetched),
         ),
         result,
     )

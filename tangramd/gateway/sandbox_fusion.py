@@ -25,6 +25,7 @@ import base64
 import binascii
 import contextlib
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
@@ -177,11 +178,11 @@ def _respond(
     )
 
 
-def _decode_files(request: RunCodeRequest) -> dict[str, bytes] | str:
-    """The request's files as bytes (``None`` contents skipped, as SandboxFusion does), or
-    what is wrong with one."""
+def decode_files(files: Mapping[str, str | None]) -> dict[str, bytes] | str:
+    """A request's base64 files as bytes (``None`` contents skipped, as SandboxFusion does),
+    or what is wrong with one."""
     out: dict[str, bytes] = {}
-    for path, content in request.files.items():
+    for path, content in files.items():
         if content is None:
             continue
         try:
@@ -191,8 +192,9 @@ def _decode_files(request: RunCodeRequest) -> dict[str, bytes] | str:
     return out
 
 
-def _fetched(result: ExecResult) -> dict[str, str]:
-    return {path: base64.b64encode(data).decode() for path, data in result.files.items()}
+def encode_files(files: Mapping[str, bytes]) -> dict[str, str]:
+    """Fetched files as a response carries them (base64)."""
+    return {path: base64.b64encode(data).decode() for path, data in files.items()}
 
 
 async def run_code(
@@ -210,7 +212,7 @@ async def run_code(
     if recipe is None:
         served = ", ".join(sorted(RECIPES))
         return sandbox_error(f"language {request.language!r} is not served here ({served})"), []
-    decoded = _decode_files(request)
+    decoded = decode_files(request.files)
     if isinstance(decoded, str):
         return sandbox_error(decoded), []
     files = {**decoded, recipe.source: request.code.encode()}
@@ -230,7 +232,7 @@ async def run_code(
                 cpus=cpus,
                 task=task,
             )
-            return _respond(None, result, _fetched(result)), [result]
+            return _respond(None, result, encode_files(result.files)), [result]
         return await _compile_and_run(ops, request, recipe, files, fetch, stdin, cpus)
     except TangramError as exc:
         return sandbox_error(f"{exc.code}: {exc.message}"), []
@@ -268,7 +270,7 @@ async def _compile_and_run(
             cpus=cpus,
             task=task,
         )
-        return _respond(compile_res, run_res, _fetched(run_res)), [compile_res, run_res]
+        return _respond(compile_res, run_res, encode_files(run_res.files)), [compile_res, run_res]
     finally:
         with contextlib.suppress(TangramError):
             await ops.env_close(env_id)
