@@ -13,7 +13,7 @@
   before and after, and leftovers (live processes under the daemon, non-empty exec
   cgroups, environment directories);
 - and where the CPU went, in ms per exec (``cpu_ms_per_exec``): the daemon, its fork
-  server, the commands (``true``, reaped by the fork server), the clients (this process's
+  server and its lodgers, the commands (``true``, reaped by them), the clients (this process's
   event loop); for the bare run this process (its threads) and the commands. On a shared
   machine the throughputs move with the neighbours' load; these stay comparable.
 
@@ -60,8 +60,14 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def daemon_usage(daemon: SpawnedDaemon) -> dict[str, int]:
+    """The daemon's RSS and fds, and its fork server's lodgers (the daemon holds one socket
+    to each)."""
     proc = psutil.Process(daemon.proc.pid)
-    return {"rss_mib": proc.memory_info().rss >> 20, "fds": proc.num_fds()}
+    helper = spawner_of(daemon)
+    lodgers = 0
+    with contextlib.suppress(psutil.Error):
+        lodgers = sum(_is_spawner(c) for c in helper.children()) if helper else 0
+    return {"rss_mib": proc.memory_info().rss >> 20, "fds": proc.num_fds(), "lodgers": lodgers}
 
 
 def _is_spawner(proc: psutil.Process) -> bool:
@@ -84,9 +90,35 @@ def spawner_of(daemon: SpawnedDaemon) -> psutil.Process | None:
     return None
 
 
+def fork_server_cpu(daemon: SpawnedDaemon) -> tuple[float, float] | None:
+    """CPU seconds of the fork server and its lodgers, and of the commands they reaped."""
+    helper = spawner_of(daemon)  # started by the first exec: all its time is the run's
+    if helper is None:
+        return None
+    own = commands = 0.0
+    with contextlib.suppress(psutil.Error):
+        for p in [helper, *(c for c in helper.children() if _is_spawner(c))]:
+            t = p.cpu_times()
+            own += _cpu_s(t)
+            commands += t.children_user + t.children_system
+    return own, commands
+
+
+def _members(procs: Path) -> list[int]:
+    """The pids in a cgroup.procs file that are not the fork server's lodgers."""
+    pids = [int(p) for p in procs.read_text().split()]
+    out = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if _is_spawner(psutil.Process(pid)):
+                continue
+        out.append(pid)
+    return out
+
+
 def leftovers(daemon: SpawnedDaemon) -> dict[str, int]:
-    """Processes still under the daemon (its fork server aside), this daemon's exec cgroups
-    with members, env directories."""
+    """Processes still under the daemon (its fork server and lodgers aside), this daemon's
+    exec cgroups with members (lodgers aside), env directories."""
     proc = psutil.Process(daemon.proc.pid)
     alive = [
         p
@@ -99,7 +131,7 @@ def leftovers(daemon: SpawnedDaemon) -> dict[str, int]:
     for root in CGROUP_ROOTS:
         if (root / scope).is_dir():
             for procs in (root / scope).glob("*/cgroup.procs"):
-                if procs.read_text().split():
+                if _members(procs):
                     busy += 1
     envs = Path(daemon.state_dir) / "process" / "envs"
     return {
@@ -208,14 +240,11 @@ def run(n: int, clients: int, env_cycles: int, throwaway: bool = False) -> dict[
             daemon0, client0 = _cpu_s(proc.cpu_times()), _cpu_s(os.times())
             load = asyncio.run(drive(daemon.socket, n, clients, env_cycles, throwaway=throwaway))
             daemon1, client1 = _cpu_s(proc.cpu_times()), _cpu_s(os.times())
-            helper = spawner_of(daemon)  # started by the first exec: all its time is the run's
-            spawner = helper.cpu_times() if helper is not None else None
+            forks = fork_server_cpu(daemon)
             load["cpu_ms_per_exec"] = {
                 "daemon": round((daemon1 - daemon0) * 1e3 / n, 3),
-                "fork_server": round(_cpu_s(spawner) * 1e3 / n, 3) if spawner else None,
-                "commands": round((spawner.children_user + spawner.children_system) * 1e3 / n, 3)
-                if spawner
-                else None,
+                "fork_server": round(forks[0] * 1e3 / n, 3) if forks else None,
+                "commands": round(forks[1] * 1e3 / n, 3) if forks else None,
                 "clients": round((client1 - client0) * 1e3 / n, 3),
             }
             time.sleep(0.5)  # let the last closes settle

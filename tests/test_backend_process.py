@@ -68,14 +68,16 @@ def test_escaped_session_is_killed_through_the_cgroup(backend):
 
 
 def test_exec_runs_in_the_cpuset_cgroup_of_its_cores(backend):
-    """As root each exec runs in the cpuset cgroup of its core set, left empty afterwards."""
+    """As root each exec runs in the cpuset cgroup of its core set, left empty afterwards
+    (but for the fork server's lodger, which stays there for the next exec)."""
     assert backend.cgroups is not None, "CI runs as root with cgroup v1 cpuset"
     env = new_env(backend)
     result = ex(backend, env, ["cat", "/proc/self/cgroup"], (1,), action_id="act-42")
     line = next(ln for ln in result.stdout.splitlines() if re.match(r"\d+:cpuset:", ln))
     rel = line.split(":", 2)[2].lstrip("/")
     assert f"/{rel}" == f"/{backend.cgroups.base.relative_to(CPUSET_ROOT)}/c1"
-    assert (CPUSET_ROOT / rel / "cgroup.procs").read_text().split() == []
+    left = {int(p) for p in (CPUSET_ROOT / rel / "cgroup.procs").read_text().split()}
+    assert left <= backend.lodger_pids
 
 
 def test_daemon_thread_returns_home_after_spawn(backend):

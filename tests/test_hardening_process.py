@@ -111,6 +111,35 @@ def test_sandboxed_command_cannot_change_its_cgroup_or_widen_its_cores(tmp_path,
         run(b.shutdown())
 
 
+def test_sandboxed_command_cannot_touch_the_lodger_that_spawned_it(tmp_path, user):
+    """A command spawned by a lodger (its parent, root, living in the same cgroup) can
+    neither kill it nor stop it; the lodger spawns the next command as before."""
+    b = ProcessBackend(tmp_path, cgroup_version="v1", default_user=user.ids)
+
+    async def scenario() -> tuple[str, int, str]:
+        env = "e1"
+        await b.create_env(env, None, None, owner=user.ids)
+        assert (await b.exec(req(env, ["true"], (0,)))).outcome == "ok"
+        for _ in range(500):  # the lodger of c0 joins after the first exec
+            if b.lodger_pids and b.cgroups and set(b.cgroups.pids(b.cgroups.for_cores((0,)))):
+                break
+            await asyncio.sleep(0.01)
+        (lodger,) = b.lodger_pids
+        attack = "kill -9 $PPID || echo no-kill; kill -STOP $PPID || echo no-stop; echo $PPID"
+        hit = await b.exec(req(env, attack, (0,)))
+        after = await b.exec(req(env, "echo $PPID", (0,)))
+        return hit.stdout, lodger, after.stdout
+
+    try:
+        out, lodger, after = run(scenario())
+        assert "no-kill" in out and "no-stop" in out, out
+        assert out.split()[-1] == str(lodger)
+        assert after.strip() == str(lodger)
+        assert not gone(lodger)
+    finally:
+        run(b.shutdown())
+
+
 # --- item 3: commands run as the given user, never silently as root
 
 

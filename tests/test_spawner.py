@@ -97,3 +97,118 @@ def test_a_command_gets_only_its_three_descriptors(tmp_path):
         assert set(result.stdout.split()) <= {"0", "1", "2", "3"}  # 3: listdir's own
     finally:
         run(b.shutdown())
+
+
+# --- lodgers: pre-joined copies of the fork server, one per exec cgroup (cgroup v1)
+
+
+async def _lodger_for(b: ProcessBackend, cores: tuple[int, ...]) -> int:
+    """The pid of the lodger of ``cores``' cgroup once it has joined (waits up to 5 s)."""
+    assert b.cgroups is not None
+    key = str(b.cgroups.for_cores(cores))
+    for _ in range(500):
+        chan = b._spawner._lodgers.get(key)
+        if chan is not None and chan.ready:
+            assert chan.pid is not None
+            return chan.pid
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no lodger joined {key}")
+
+
+def _ppid(pid_text: str) -> int:
+    return int(pid_text.split()[0])
+
+
+def test_a_lodger_spawns_later_execs_in_place(tmp_path):
+    """After the first exec on a core set, a lodger lives in that cgroup (pinned, at the
+    exec OOM score, a child of the fork server) and is the parent of the next command,
+    which runs in the cgroup with only its cores; the cgroup keeps nothing else; the fork
+    server itself stays home."""
+    b = ProcessBackend(tmp_path)
+    assert b.cgroups is not None and b.cgroups.lodgers, "CI runs as root with cgroup v1"
+    env = new_env(b)
+
+    async def scenario() -> tuple[int, str, str, set[int]]:
+        first = await b.exec(req(env, ["true"], (1,)))
+        assert first.outcome == "ok", first
+        lodger = await _lodger_for(b, (1,))
+        probe = "echo $PPID; grep Cpus_allowed_list /proc/self/status; cat /proc/self/cgroup"
+        second = await b.exec(req(env, ["sh", "-c", probe], (1,)))
+        assert second.outcome == "ok", second
+        assert b.cgroups is not None
+        left = set(b.cgroups.pids(b.cgroups.for_cores((1,))))
+        return lodger, second.stdout, _cgroup_of(lodger), left
+
+    try:
+        lodger, out, lodger_cgroup, left = run(scenario())
+        ppid, allowed, *cgroup_lines = out.splitlines()
+        assert int(ppid) == lodger
+        assert allowed.split()[-1] == "1"
+        assert any(ln.endswith("/c1") and ":cpuset:" in ln for ln in cgroup_lines)
+        assert any(ln.endswith("/c1") and ":cpuset:" in ln for ln in lodger_cgroup.splitlines())
+        assert os.sched_getaffinity(lodger) == {1}
+        assert Path(f"/proc/{lodger}/oom_score_adj").read_text().strip() == str(
+            EXEC_OOM_SCORE_ADJ
+        )
+        status = Path(f"/proc/{lodger}/status").read_text()
+        assert f"PPid:\t{b._spawner.pid}" in status
+        assert left == {lodger}
+        helper = b._spawner.pid
+        assert helper is not None and _cgroup_of(helper) == _cgroup_of(os.getpid())
+    finally:
+        run(b.shutdown())
+    assert not Path(f"/proc/{lodger}").exists() or "zombie" in Path(
+        f"/proc/{lodger}/status"
+    ).read_text()
+
+
+def test_a_dead_lodger_fails_its_exec_and_is_replaced(tmp_path):
+    """Killing a lodger mid-exec ends that exec with infra_error (its command killed by
+    cgroup); the next exec on those cores succeeds and a new lodger takes the cgroup."""
+    b = ProcessBackend(tmp_path)
+    env = new_env(b)
+
+    async def scenario() -> tuple[str, str, str, int, int]:
+        await b.exec(req(env, ["true"], BOTH_CORES))
+        lodger = await _lodger_for(b, BOTH_CORES)
+        running = asyncio.ensure_future(b.exec(req(env, ["sleep", "30"], BOTH_CORES)))
+        await asyncio.sleep(0.5)
+        os.kill(lodger, signal.SIGKILL)
+        first = await asyncio.wait_for(running, 10)
+        again = await b.exec(req(env, ["echo", "again"], BOTH_CORES))
+        return first.outcome, first.detail, again.stdout, lodger, await _lodger_for(b, BOTH_CORES)
+
+    try:
+        outcome, detail, again, old, new = run(scenario())
+        assert outcome == "infra_error" and "spawner" in detail
+        assert again == "again\n"
+        assert new != old
+        assert b.cgroups is not None
+        assert set(b.cgroups.pids(b.cgroups.for_cores(BOTH_CORES))) <= {new}
+    finally:
+        run(b.shutdown())
+
+
+def test_lodgers_are_capped_and_can_be_turned_off(tmp_path):
+    """``lodgers=1``: execs on two core sets leave one lodger; ``lodgers=0``: none, and every
+    exec cgroup is empty between execs."""
+    capped = ProcessBackend(tmp_path / "capped", lodgers=1)
+    off = ProcessBackend(tmp_path / "off", lodgers=0)
+
+    async def scenario(b: ProcessBackend) -> list[int]:
+        env = "e1"
+        await b.create_env(env, None, None)
+        for cores in ((0,), (1,), (0,), (1,)):
+            assert (await b.exec(req(env, ["true"], cores))).outcome == "ok"
+            await asyncio.sleep(0.05)
+        assert b.cgroups is not None
+        return [len(b.cgroups.pids(b.cgroups.for_cores(c))) for c in ((0,), (1,))]
+
+    try:
+        assert sorted(run(scenario(capped))) == [0, 1]
+        assert len(capped.lodger_pids) == 1
+        assert run(scenario(off)) == [0, 0]
+        assert not off.lodger_pids
+    finally:
+        run(capped.shutdown())
+        run(off.shutdown())

@@ -4,9 +4,10 @@ Each exec runs in the cgroup of its core set ``<parent>/tangram/<scope>/c<cores>
 once, reused: the scheduler never gives a core to two running actions). The cgroup does two
 jobs: it pins (``cpuset.cpus``, so a command cannot widen its affinity with ``taskset``) and
 it tracks (every descendant, ``setsid`` or double-forked, stays in it, so the exec's end
-kills them all). With v1 a child is born inside (the spawning thread holds the cgroup for
-the instant of the fork); with v2 it is moved in by pid while it waits at a gate, before
-the command runs (see ``process.py``).
+kills them all). A command is born inside: the fork server (``spawner.py``) enters the
+cgroup for the instant of the spawn, or, on v1, a *lodger* of the fork server that lives in
+the cgroup spawns it without any move (a v1 move waits for an RCU grace period after an
+idle gap). Lodgers are not leftovers: cleaning a cgroup spares their pids.
 
 - **v1** (``cpuset`` hierarchy mounted, root): pins and tracks.
 - **v2** (a ``cgroup2`` mount whose subtree under our own cgroup is writable: root, or a
@@ -28,6 +29,7 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Collection
 from pathlib import Path
 
 import structlog
@@ -93,6 +95,9 @@ class Cgroups:
     kind = "none"
     pins = False  # whether the cgroup restricts cores (else affinity alone pins)
     by_thread = False  # whether one thread may join (v1 ``tasks``): children are born in it
+    # Whether the fork server keeps lodgers in the exec cgroups: v1 (where a move is slow
+    # after an idle gap); not v2, whose ``cgroup.kill`` would take them with the leftovers.
+    lodgers = False
 
     def __init__(self, parent: Path, scope: str) -> None:
         self.parent = parent
@@ -150,21 +155,24 @@ class Cgroups:
             return [int(p) for p in _read(f"{path}/cgroup.procs").split()]
         return []
 
-    def kill_all(self, path: Path) -> None:
+    def kill_all(self, path: Path, spare: Collection[int] = ()) -> None:
+        """SIGKILL every process in the cgroup but the daemon and ``spare`` (the fork
+        server's lodgers, which live there between execs)."""
         me = os.getpid()
         for pid in self.pids(path):
-            if pid == me:  # never the daemon (it never enters an exec cgroup anyway)
+            if pid == me or pid in spare:  # the daemon never enters an exec cgroup anyway
                 continue
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
 
-    async def empty(self, path: Path) -> bool:
-        """Kill everything left in the cgroup and wait until it is gone; False on a hang."""
+    async def empty(self, path: Path, spare: Collection[int] = ()) -> bool:
+        """Kill everything left in the cgroup (but ``spare``) and wait until it is gone;
+        False on a hang."""
         me = os.getpid()
         for _ in range(200):
-            if not [p for p in self.pids(path) if p != me]:
+            if not [p for p in self.pids(path) if p != me and p not in spare]:
                 return True
-            self.kill_all(path)
+            self.kill_all(path, spare)
             await asyncio.sleep(0.005)
         return False
 
@@ -197,6 +205,7 @@ class CpusetV1(Cgroups):
     kind = "v1-cpuset"
     pins = True
     by_thread = True
+    lodgers = True
 
     def __init__(self, parent: Path, scope: str) -> None:
         super().__init__(parent, scope)
@@ -253,13 +262,13 @@ class CgroupV2(Cgroups):
         if cores is not None and self.pins:
             self._write_cpus(path, cores)
 
-    def kill_all(self, path: Path) -> None:
+    def kill_all(self, path: Path, spare: Collection[int] = ()) -> None:
         kill = path / "cgroup.kill"  # Linux >= 5.14: atomic, forks cannot race it
-        if kill.exists():
+        if not spare and kill.exists():
             with contextlib.suppress(OSError):
                 kill.write_text("1")
                 return
-        super().kill_all(path)
+        super().kill_all(path, spare)
 
 
 def probe(scope: str, *, prefer: str = "auto") -> Cgroups | None:

@@ -17,7 +17,10 @@ No container engine needed; this is the embedded default (docs/design.md §5.2).
   the instant of the fork, so the child is born in place: the command never runs
   elsewhere, no wrapper shell, gate or ``preexec_fn`` is needed, the event loop never
   waits in the kernel for a cgroup join, and no daemon thread ever enters an exec's
-  cgroup. A list command is exec'd directly (a missing program is exit 127, as a shell
+  cgroup. On cgroup v1 the fork server also leaves a *lodger* in each exec cgroup it has
+  served (up to ``MAX_LODGERS``): a copy of itself that stays there, so later execs on
+  those cores are spawned with no cgroup move at all (a v1 move waits 5-15 ms for an RCU
+  grace period after an idle gap). A list command is exec'd directly (a missing program is exit 127, as a shell
   reports it); a string runs under ``/bin/sh -c``.
 - The exec ends when its main process exits (watched through a pidfd, not through its
   pipes: a background descendant may hold them); whatever it left is killed then — its
@@ -79,6 +82,9 @@ log = structlog.get_logger(__name__)
 DRAIN_AFTER_EXIT_S = 1.0  # how long to wait for pipes to close once the group is dead
 MARKER_VAR = "TANGRAM_EXEC_ID"
 EXEC_UMASK = 0o077
+# The most lodgers (pre-joined copies of the fork server, one per exec cgroup: spawner.py)
+# kept at once; each costs a few MiB of memory not shared with the fork server.
+MAX_LODGERS = 64
 _READ_CHUNK = 1 << 16
 INLINE_PUT_MAX = 64 << 10  # bytes a put writes on the event loop (more: in a thread)
 _ENV_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "TERM")
@@ -241,6 +247,7 @@ class ProcessBackend:
         cgroup_version: str = "auto",
         default_user: tuple[int, int] | None = None,
         oom_score_adj: int = EXEC_OOM_SCORE_ADJ,
+        lodgers: int | None = None,
     ) -> None:
         self.root = Path(root_dir)
         self.envs_dir = self.root / "envs"
@@ -271,9 +278,19 @@ class ProcessBackend:
         self._closing = False
         self._token = f"{scope}.{os.getpid()}"
         self._shells: dict[str, shell_mod.Shell] = {}
-        # The fork server: started on the first exec (and again if it dies).
-        self._spawner = Spawner()
+        # The fork server: started on the first exec (and again if it dies), with lodgers
+        # in the exec cgroups where they pay (see spawner.py).
+        if lodgers is None:
+            lodgers = min(MAX_LODGERS, 2 * len(os.sched_getaffinity(0)))
+        self._spawner = Spawner(
+            lodgers=lodgers if self.cgroups is not None and self.cgroups.lodgers else 0
+        )
         self._exec_ids = itertools.count(1)
+
+    @property
+    def lodger_pids(self) -> set[int]:
+        """The fork server's lodgers (one per exec cgroup it keeps warm): not leftovers."""
+        return self._spawner.lodger_pids
 
     # --- environments -----------------------------------------------------------------
 
@@ -335,8 +352,9 @@ class ProcessBackend:
             done.append(f"removed env dir {path}")
         if self.cgroups is not None:
             busy = {r.cgroup for r in self._running}
+            lodged = self._spawner.lodged()
             for cgroup in self.cgroups.leftovers():
-                if cgroup in busy:
+                if cgroup in busy or str(cgroup) in lodged:
                     continue
                 left = self.cgroups.pids(cgroup)
                 if left:
@@ -574,8 +592,8 @@ class ProcessBackend:
     def _busy(self, cgroup: Path | None) -> bool:
         if cgroup is None or self.cgroups is None:
             return False
-        me = os.getpid()
-        return any(p != me for p in self.cgroups.pids(cgroup))
+        me, spare = os.getpid(), self._spawner.lodger_pids
+        return any(p != me and p not in spare for p in self.cgroups.pids(cgroup))
 
     async def _settle(self, run: _Running) -> None:
         """The slow end of an exec: leftovers still dying, or pipes held open."""
@@ -583,7 +601,8 @@ class ProcessBackend:
         assert child is not None
         try:
             if run.cgroup is not None and self.cgroups is not None:
-                await self.cgroups.empty(run.cgroup)  # the cgroup is reused by the next exec
+                # the cgroup is reused by the next exec (and its lodger stays)
+                await self.cgroups.empty(run.cgroup, self._spawner.lodger_pids)
             if not child.pipes_closed.is_set():
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(child.pipes_closed.wait(), DRAIN_AFTER_EXIT_S)
@@ -651,7 +670,7 @@ class ProcessBackend:
             return  # not spawned yet: the spawn's answer sees ``_closing``
         _killpg(run.child.pid, signal.SIGKILL)
         if run.cgroup is not None and self.cgroups is not None:
-            self.cgroups.kill_all(run.cgroup)
+            self.cgroups.kill_all(run.cgroup, self._spawner.lodger_pids)
         else:
             # Scan until a pass finds nothing: a process in the middle of setsid/exec can be
             # unreadable in /proc for an instant, and one pass would miss it.

@@ -74,9 +74,16 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes | None:
     return buf
 
 
-def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
+def _send(sock: socket.socket, msg: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
     body = json.dumps(msg).encode()
-    sock.sendall(_HEADER.pack(len(body)) + body)
+    frame = _HEADER.pack(len(body)) + body
+    if fds:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        sent = sock.sendmsg([frame], anc)
+        if sent < len(frame):
+            sock.sendall(frame[sent:])
+    else:
+        sock.sendall(frame)
 
 
 def _write(path: str, text: str) -> None:
@@ -144,8 +151,12 @@ def _popen(msg: dict[str, Any], stdio: dict[str, int]) -> subprocess.Popen[bytes
 
 
 class _Helper:
-    def __init__(self, sock: socket.socket) -> None:
+    """The fork server, or (``lodger``) one of its pre-joined copies: a lodger lives in one
+    exec cgroup, pinned to its cores at the exec OOM score, and spawns there without moving."""
+
+    def __init__(self, sock: socket.socket, *, lodger: bool = False) -> None:
         self.sock = sock
+        self.lodger = lodger
         self.sel = selectors.DefaultSelector()
         # pidfd -> (pid, its Popen when spawned by one)
         self.children: dict[int, tuple[int, subprocess.Popen[bytes] | None]] = {}
@@ -171,8 +182,12 @@ class _Helper:
         if body is None:
             return False
         msg = json.loads(body)
+        op = msg.get("op")
+        if op == "lodger":
+            self._fork_lodger(msg)
+            return True
         try:
-            reply = self._spawn(msg, fds)
+            reply = self._join(msg) if op == "join" else self._spawn(msg, fds)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -187,6 +202,8 @@ class _Helper:
             return {"id": rid, "error": "descriptors lost in transit"}
         stdio = dict(zip(msg["fds"], fds, strict=True))
         cgroup, home = msg.get("cgroup"), msg.get("home")
+        if self.lodger:  # already in the cgroup, at the exec score: no move, no way home
+            cgroup = home = None
         try:
             if cgroup:
                 _write(os.path.join(cgroup, "cgroup.procs"), "0")  # 0: the writer itself
@@ -219,6 +236,8 @@ class _Helper:
 
     def _home(self, home: str | None) -> dict[str, Any]:
         """Back to our own cgroup, affinity and score; ``fatal`` if that fails."""
+        if self.lodger:
+            return {}
         try:
             if home:
                 _write(os.path.join(home, "cgroup.procs"), "0")
@@ -227,6 +246,55 @@ class _Helper:
         except OSError as e:
             return {"fatal": f"tangram spawner cannot return home: {e}"}
         return {}
+
+    def _fork_lodger(self, msg: dict[str, Any]) -> None:
+        """Fork a lodger for one exec cgroup and pass the daemon its end of a new socket
+        pair. The lodger enters the cgroup only when the daemon says ``join`` (by then the
+        daemon knows its pid, so cleaning the cgroup never mistakes it for a leftover)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            pid = os.fork()
+        except OSError as e:
+            ours.close()
+            theirs.close()
+            self._send({"id": msg["id"], "error": f"cannot fork a lodger: {e}"})
+            return
+        if pid == 0:  # the lodger: nothing of the fork server's but the code
+            code = 0
+            try:
+                theirs.close()
+                self.sock.close()
+                self.sel.close()
+                for pidfd in self.children:
+                    os.close(pidfd)
+                with contextlib.suppress(ConnectionError):
+                    _Helper(ours, lodger=True).run()
+            except BaseException:  # never back into the fork server's loop
+                code = 1
+            finally:
+                os._exit(code)
+        ours.close()
+        try:
+            self._send({"id": msg["id"], "lodger": pid}, (theirs.fileno(),))
+        finally:
+            theirs.close()
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            threading.Thread(target=self._wait, args=(pid, None), daemon=True).start()
+        else:
+            self.children[pidfd] = (pid, None)
+            self.sel.register(pidfd, selectors.EVENT_READ)
+
+    def _join(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """(A lodger) enter the exec cgroup, its cores and the exec OOM score, for good."""
+        try:
+            _write(os.path.join(msg["cgroup"], "cgroup.procs"), "0")
+            os.sched_setaffinity(0, msg["cores"])
+            _write("/proc/self/oom_score_adj", str(msg["oom_score_adj"]))
+        except OSError as e:
+            return {"id": msg["id"], "fatal": f"tangram lodger cannot join: {e}"}
+        return {"id": msg["id"], "joined": os.getpid()}
 
     def _reap(self, pidfd: int) -> None:
         pid, popen = self.children.pop(pidfd)
@@ -240,10 +308,10 @@ class _Helper:
         with contextlib.suppress(ConnectionError):  # the loop then reads EOF and exits
             self._send({"exit": pid, "rc": rc})
 
-    def _send(self, msg: dict[str, Any]) -> None:
+    def _send(self, msg: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
         with self.lock:  # waiting threads (no pidfd) answer too
             try:
-                _send(self.sock, msg)
+                _send(self.sock, msg, fds)
             except ConnectionError:  # the daemon is gone: stop serving
                 self.sock.shutdown(socket.SHUT_RDWR)
                 raise
@@ -282,28 +350,63 @@ ExitWatch = Callable[[int | None], None]
 or None when the helper died before reporting it."""
 
 
+class _Channel:
+    """One socket to a helper process (the fork server or a lodger) and its frame buffers."""
+
+    __slots__ = ("cgroup", "fd", "fds", "inbuf", "out", "pid", "ready", "sent", "sock")
+
+    def __init__(self, sock: socket.socket, pid: int | None, cgroup: str | None) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.pid = pid
+        self.cgroup = cgroup  # a lodger's cgroup (None: the fork server)
+        self.ready = cgroup is None  # a lodger takes spawns once it has joined
+        self.inbuf = bytearray()
+        self.fds: list[int] = []  # descriptors received and not yet claimed by a frame
+        self.out: deque[tuple[bytes, list[int]]] = deque()  # unsent frames (and fds)
+        self.sent = 0  # bytes of out[0] already sent
+
+
 class Spawner:
-    """The daemon's end of one helper process; started on first use, restarted if it dies.
+    """The daemon's end of the fork server; started on first use, restarted if it dies.
+
+    With ``lodgers`` > 0 (cgroup v1) it also keeps up to that many *lodgers*: copies of
+    the fork server that each live in one exec cgroup for good, pinned to its cores at the
+    exec OOM score. A spawn for a cgroup with a lodger goes to the lodger, whose child is
+    born in place: no cgroup move on the exec's path. (A v1 move waits for an RCU grace
+    period when no move happened in the last few tens of milliseconds: 5-15 ms here, most
+    of a lone action's latency after an idle gap.) The first spawn for a cgroup takes the
+    fork server's path (join, spawn, go home) and asks for a lodger there for the next one.
+    A lodger's pid is in ``lodger_pids`` before it enters its cgroup, so the backend never
+    takes it for a command's leftover; it exits when its socket closes.
 
     Callback-based, so that a spawn request leaves within the caller's turn of the event
     loop and an exit report reaches its watcher within the turn that reads it (no task
     wake-ups on the exec path). Callbacks run on the loop thread, never inside ``submit``.
     """
 
-    def __init__(self) -> None:
-        self._sock: socket.socket | None = None
+    def __init__(self, *, lodgers: int = 0) -> None:
+        self.lodgers = lodgers
         self._proc: subprocess.Popen[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._helper: _Channel | None = None
+        self._lodgers: dict[str, _Channel] = {}  # cgroup -> its lodger
+        self._asked: dict[int, dict[str, Any]] = {}  # request id -> a lodger's join order
         self._ids = 0
-        self._pending: dict[int, SpawnReply] = {}
+        # request id -> (reply, the channel it went to, the frame and descriptors it sent)
+        self._pending: dict[int, tuple[SpawnReply, _Channel, bytes, list[int]]] = {}
+        self._origin: dict[int, _Channel] = {}  # spawned pid -> the channel that spawned it
         self._watch: dict[int, ExitWatch] = {}
-        self._inbuf = bytearray()
-        self._out: deque[tuple[bytes, list[int]]] = deque()  # unsent frames (and fds)
-        self._sent = 0  # bytes of _out[0] already sent
+        self.lodger_pids: set[int] = set()
+        """Pids of the lodgers (live or starting): not leftovers of any command."""
+
+    def lodged(self) -> set[str]:
+        """The cgroups that have a lodger (live or joining)."""
+        return set(self._lodgers)
 
     @property
     def pid(self) -> int | None:
-        """The helper's pid while it runs."""
+        """The fork server's pid while it runs."""
         return self._proc.pid if self._proc is not None else None
 
     def _start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -317,9 +420,15 @@ class Spawner:
             )
         finally:
             theirs.close()
-        ours.setblocking(False)
-        loop.add_reader(ours.fileno(), self._on_readable)
-        self._sock, self._loop = ours, loop
+        self._loop = loop
+        self._helper = self._open(ours, self._proc.pid, None)
+
+    def _open(self, sock: socket.socket, pid: int | None, cgroup: str | None) -> _Channel:
+        assert self._loop is not None
+        sock.setblocking(False)
+        chan = _Channel(sock, pid, cgroup)
+        self._loop.add_reader(chan.fd, self._on_readable, chan)
+        return chan
 
     def submit(self, request: dict[str, Any], stdio: dict[str, int], reply: SpawnReply) -> None:
         """Ask for one command to be spawned; ``reply(pid or SpawnError)`` follows. ``stdio``
@@ -329,13 +438,37 @@ class Spawner:
         if self._loop is not loop:
             self.close()  # a helper of an earlier event loop (tests run one per call)
             self._start(loop)
+        elif self._helper is None:
+            self._start(loop)
+        cgroup = request.get("cgroup")
+        chan = self._lodgers.get(cgroup) if cgroup else None
+        ask = False
+        if chan is None or not chan.ready:
+            chan = self._helper
+            assert chan is not None
+            ask = bool(cgroup) and self.lodgers > 0 and cgroup not in self._lodgers
         self._ids += 1
         rid = self._ids
         names = list(stdio)
-        body = json.dumps({**request, "id": rid, "fds": names}).encode()
-        self._pending[rid] = reply
-        self._out.append((_HEADER.pack(len(body)) + body, [stdio[n] for n in names]))
-        self._flush()
+        fds = [stdio[n] for n in names]
+        frame = self._frame({**request, "id": rid, "fds": names})
+        self._pending[rid] = (reply, chan, frame, fds)
+        chan.out.append((frame, fds))
+        self._flush(chan)
+        if ask:
+            self._ask_lodger(request)
+
+    def _ask_lodger(self, request: dict[str, Any]) -> None:
+        """Ask the fork server for a lodger in ``request``'s cgroup (after its spawn)."""
+        if len(self._lodgers) + len(self._asked) >= self.lodgers:
+            return
+        cgroup = request["cgroup"]
+        if any(join["cgroup"] == cgroup for join in self._asked.values()):
+            return
+        assert self._helper is not None
+        self._ids += 1
+        self._asked[self._ids] = {k: request[k] for k in ("cgroup", "cores", "oom_score_adj")}
+        self._send(self._helper, {"op": "lodger", "id": self._ids}, [])
 
     async def spawn(self, request: dict[str, Any], stdio: dict[str, int]) -> int:
         """``submit`` as a coroutine: the pid (raises SpawnError)."""
@@ -358,45 +491,62 @@ class Spawner:
 
     def forget(self, pid: int) -> None:
         self._watch.pop(pid, None)
+        self._origin.pop(pid, None)
 
-    def _flush(self) -> None:
-        sock = self._sock
-        assert sock is not None and self._loop is not None
-        while self._out:
-            frame, fds = self._out[0]
+    @staticmethod
+    def _frame(msg: dict[str, Any]) -> bytes:
+        body = json.dumps(msg).encode()
+        return _HEADER.pack(len(body)) + body
+
+    def _send(self, chan: _Channel, msg: dict[str, Any], fds: list[int]) -> None:
+        chan.out.append((self._frame(msg), fds))
+        self._flush(chan)
+
+    def _flush(self, chan: _Channel) -> None:
+        loop = self._loop
+        assert loop is not None
+        sock = chan.sock
+        while chan.out:
+            frame, fds = chan.out[0]
             try:
-                if self._sent == 0:
+                if chan.sent == 0:
                     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
                     n = sock.sendmsg([frame], anc if fds else [])
                 else:
-                    n = sock.send(frame[self._sent :])
+                    n = sock.send(frame[chan.sent :])
             except (BlockingIOError, InterruptedError):
-                self._loop.add_writer(sock.fileno(), self._flush)
+                loop.add_writer(chan.fd, self._flush, chan)
                 return
             except OSError:
-                self._gone()
+                loop.call_soon(self._gone, chan)  # never a callback inside ``submit``
                 return
-            self._sent += n
-            if self._sent < len(frame):
-                self._loop.add_writer(sock.fileno(), self._flush)
+            chan.sent += n
+            if chan.sent < len(frame):
+                loop.add_writer(chan.fd, self._flush, chan)
                 return
-            self._out.popleft()
-            self._sent = 0
-        self._loop.remove_writer(sock.fileno())
+            chan.out.popleft()
+            chan.sent = 0
+        loop.remove_writer(chan.fd)
 
-    def _on_readable(self) -> None:
-        sock = self._sock
-        assert sock is not None
+    def _on_readable(self, chan: _Channel) -> None:
+        fds = chan.fds
         try:
-            data = sock.recv(1 << 16)
+            data, anc, _flags, _addr = chan.sock.recvmsg(
+                1 << 16, socket.CMSG_SPACE(_MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC
+            )
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
+            data, anc = b"", []
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+                fds.extend(got)
         if not data:
-            self._gone()
+            self._gone(chan)
             return
-        buf = self._inbuf
+        buf = chan.inbuf
         buf += data
         while len(buf) >= _HEADER.size:
             (n,) = _HEADER.unpack_from(buf)
@@ -404,50 +554,119 @@ class Spawner:
                 break
             msg = json.loads(bytes(buf[_HEADER.size : _HEADER.size + n]))
             del buf[: _HEADER.size + n]
-            self._dispatch(msg)
+            self._dispatch(chan, msg, fds)
 
-    def _dispatch(self, msg: dict[str, Any]) -> None:
+    def _dispatch(self, chan: _Channel, msg: dict[str, Any], fds: list[int]) -> None:
         if "exit" in msg:
+            self._origin.pop(msg["exit"], None)
             on_exit = self._watch.pop(msg["exit"], None)
             if on_exit is not None:
                 on_exit(msg["rc"])
             return
-        reply = self._pending.pop(msg["id"], None)
-        if reply is None:
+        rid = msg["id"]
+        if rid in self._asked:
+            self._lodger_born(rid, msg, fds)
             return
+        if "joined" in msg:
+            chan.ready = True
+            return
+        if "fatal" in msg and chan.cgroup is not None:
+            return  # a lodger that cannot join: it exits, and its EOF ends the channel
+        entry = self._pending.pop(rid, None)
+        if entry is None:
+            return
+        reply = entry[0]
         if "pid" in msg:
+            self._origin[msg["pid"]] = chan
             reply(msg["pid"])
         else:
             reply(SpawnError(msg["error"], msg.get("errno")))
 
-    def _gone(self) -> None:
-        """The helper died or closed: fail what it had in flight; the next spawn restarts it."""
-        self.close()
+    def _lodger_born(self, rid: int, msg: dict[str, Any], fds: list[int]) -> None:
+        join = self._asked.pop(rid)
+        pid = msg.get("lodger")
+        if pid is None or not fds:
+            return  # the fork server could not fork one: the fork server's path serves
+        sock = socket.socket(fileno=fds.pop(0))
+        if self._loop is None:
+            sock.close()
+            return
+        self.lodger_pids.add(pid)
+        chan = self._lodgers[join["cgroup"]] = self._open(sock, pid, join["cgroup"])
+        self._ids += 1
+        self._send(chan, {"op": "join", "id": self._ids, **join}, [])
+
+    def _gone(self, chan: _Channel) -> None:
+        """A helper died or closed: fail what it had in flight. The fork server's end closes
+        everything (the next spawn restarts it); a lodger's only its own."""
+        if chan is self._helper or self._helper is None:
+            self.close()
+            return
+        self._drop(chan)
+        # Spawns it had not answered never started: the fork server's path takes them
+        # (their descriptors are still the caller's until the reply).
+        helper = self._helper
+        for rid, (reply, via, frame, fds) in list(self._pending.items()):
+            if via is chan:
+                self._pending[rid] = (reply, helper, frame, fds)
+                helper.out.append((frame, fds))
+        self._flush(helper)
+        self._fail(chan)
+
+    def _drop(self, chan: _Channel) -> None:
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(Exception):  # the loop may be closed already
+                loop.remove_reader(chan.fd)
+                loop.remove_writer(chan.fd)
+        chan.sock.close()
+        chan.out.clear()
+        for fd in chan.fds:
+            os.close(fd)
+        chan.fds.clear()
+        if chan.cgroup is not None and self._lodgers.get(chan.cgroup) is chan:
+            del self._lodgers[chan.cgroup]
+        if chan.pid is not None:
+            self.lodger_pids.discard(chan.pid)
+
+    def _fail(self, chan: _Channel | None) -> None:
+        """Answer what ``chan`` (None: every channel) had in flight, on the next turn of
+        the loop: spawns with ``SpawnerGone``, exit watchers with None."""
+        loop = self._loop
+        pending = [rid for rid, entry in self._pending.items() if chan is None or entry[1] is chan]
+        replies = [self._pending.pop(rid)[0] for rid in pending]
+        pids = [pid for pid, c in self._origin.items() if chan is None or c is chan]
+        watchers = []
+        for pid in pids:
+            del self._origin[pid]
+            on_exit = self._watch.pop(pid, None)
+            if on_exit is not None:
+                watchers.append(on_exit)
+        if chan is None:  # watchers registered for pids of no known channel
+            watchers.extend(self._watch.values())
+            self._watch.clear()
+        if loop is None:
+            return
+        gone = SpawnerGone("the spawner process died")
+        with contextlib.suppress(RuntimeError):  # its loop is closed
+            for reply in replies:
+                loop.call_soon(reply, gone)
+            for on_exit in watchers:
+                loop.call_soon(on_exit, None)
 
     def close(self) -> None:
-        """Stop the helper (its running commands are the backend's to end). What it had in
-        flight is answered on the next turn of the loop: spawns with ``SpawnerGone``, exit
-        watchers with None."""
-        sock, self._sock = self._sock, None
-        loop, self._loop = self._loop, None
-        if sock is not None and loop is not None:
-            with contextlib.suppress(Exception):  # the loop may be closed already
-                loop.remove_reader(sock.fileno())
-                loop.remove_writer(sock.fileno())
-        if sock is not None:
-            sock.close()
-        self._out.clear()
-        self._sent = 0
-        self._inbuf.clear()
-        pending, self._pending = self._pending, {}
-        watch, self._watch = self._watch, {}
-        if loop is not None:
-            gone = SpawnerGone("the spawner process died")
-            with contextlib.suppress(RuntimeError):  # its loop is closed
-                for reply in pending.values():
-                    loop.call_soon(reply, gone)
-                for on_exit in watch.values():
-                    loop.call_soon(on_exit, None)
+        """Stop the fork server and the lodgers (their running commands are the backend's
+        to end). What they had in flight is answered on the next turn of the loop: spawns
+        with ``SpawnerGone``, exit watchers with None."""
+        chans = [c for c in (self._helper, *self._lodgers.values()) if c is not None]
+        for chan in chans:
+            self._drop(chan)
+        self._helper = None
+        self._lodgers.clear()
+        self._asked.clear()
+        self._fail(None)
+        self._loop = None
+        self.lodger_pids.clear()
         proc, self._proc = self._proc, None
         if proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
