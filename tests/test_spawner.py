@@ -11,6 +11,7 @@ from backend_conformance import BOTH_CORES, new_env, req, run
 
 from tangramd.backends.base import EXEC_OOM_SCORE_ADJ
 from tangramd.backends.process import ProcessBackend
+from tangramd.backends.spawner import Spawner, SpawnError
 
 
 def _cgroup_of(pid: int) -> str:
@@ -147,9 +148,7 @@ def test_a_lodger_spawns_later_execs_in_place(tmp_path):
         assert any(ln.endswith("/c1") and ":cpuset:" in ln for ln in cgroup_lines)
         assert any(ln.endswith("/c1") and ":cpuset:" in ln for ln in lodger_cgroup.splitlines())
         assert os.sched_getaffinity(lodger) == {1}
-        assert Path(f"/proc/{lodger}/oom_score_adj").read_text().strip() == str(
-            EXEC_OOM_SCORE_ADJ
-        )
+        assert Path(f"/proc/{lodger}/oom_score_adj").read_text().strip() == str(EXEC_OOM_SCORE_ADJ)
         status = Path(f"/proc/{lodger}/status").read_text()
         assert f"PPid:\t{b._spawner.pid}" in status
         assert left == {lodger}
@@ -157,9 +156,10 @@ def test_a_lodger_spawns_later_execs_in_place(tmp_path):
         assert helper is not None and _cgroup_of(helper) == _cgroup_of(os.getpid())
     finally:
         run(b.shutdown())
-    assert not Path(f"/proc/{lodger}").exists() or "zombie" in Path(
-        f"/proc/{lodger}/status"
-    ).read_text()
+    assert (
+        not Path(f"/proc/{lodger}").exists()
+        or "zombie" in Path(f"/proc/{lodger}/status").read_text()
+    )
 
 
 def test_a_dead_lodger_fails_its_exec_and_is_replaced(tmp_path):
@@ -212,3 +212,52 @@ def test_lodgers_are_capped_and_can_be_turned_off(tmp_path):
     finally:
         run(capped.shutdown())
         run(off.shutdown())
+
+
+def test_a_lodger_that_cannot_join_is_not_asked_for_again(tmp_path):
+    """A lodger whose join fails (here: the cgroup does not exist) exits; the spawner
+    remembers the cgroup and forks no second lodger for it on the next spawn."""
+    bogus = str(tmp_path / "no-such-cgroup")
+    request = {
+        "argv": ["true"],
+        "cwd": "/",
+        "env": {},
+        "umask": 0o077,
+        "user": None,
+        "cores": [0],
+        "cgroup": bogus,
+        "home": None,
+        "oom_score_adj": EXEC_OOM_SCORE_ADJ,
+    }
+
+    async def scenario() -> tuple[str, str, set[str], int, set[int]]:
+        spawner = Spawner(lodgers=4)
+        try:
+            errors = []
+            for attempt in range(2):
+                with open(os.devnull, "wb") as out:
+                    stdio = {"stdout": out.fileno(), "stderr": out.fileno()}
+                    try:
+                        await spawner.spawn(request, stdio)
+                    except SpawnError as e:
+                        errors.append(str(e))
+                if attempt == 0:
+                    for _ in range(500):  # the lodger is forked, told to join, and refused
+                        if bogus in spawner._refused and not spawner.lodger_pids:
+                            break
+                        await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            return (
+                errors[0],
+                errors[1],
+                set(spawner._refused),
+                len(spawner._asked),
+                set(spawner.lodger_pids),
+            )
+        finally:
+            spawner.close()
+
+    first, second, refused, asked, lodgers = run(scenario())
+    assert "no-such-cgroup" in first and "no-such-cgroup" in second
+    assert refused == {bogus}
+    assert asked == 0 and lodgers == set()

@@ -392,6 +392,7 @@ class Spawner:
         self._helper: _Channel | None = None
         self._lodgers: dict[str, _Channel] = {}  # cgroup -> its lodger
         self._asked: dict[int, dict[str, Any]] = {}  # request id -> a lodger's join order
+        self._refused: set[str] = set()  # cgroups a lodger could not join: not asked again
         self._ids = 0
         # request id -> (reply, the channel it went to, the frame and descriptors it sent)
         self._pending: dict[int, tuple[SpawnReply, _Channel, bytes, list[int]]] = {}
@@ -446,7 +447,12 @@ class Spawner:
         if chan is None or not chan.ready:
             chan = self._helper
             assert chan is not None
-            ask = bool(cgroup) and self.lodgers > 0 and cgroup not in self._lodgers
+            ask = (
+                bool(cgroup)
+                and self.lodgers > 0
+                and cgroup not in self._lodgers
+                and cgroup not in self._refused
+            )
         self._ids += 1
         rid = self._ids
         names = list(stdio)
@@ -571,7 +577,10 @@ class Spawner:
             chan.ready = True
             return
         if "fatal" in msg and chan.cgroup is not None:
-            return  # a lodger that cannot join: it exits, and its EOF ends the channel
+            # A lodger that cannot join exits (its EOF ends the channel); the fork
+            # server's path keeps serving that cgroup, without asking again.
+            self._refused.add(chan.cgroup)
+            return
         entry = self._pending.pop(rid, None)
         if entry is None:
             return
