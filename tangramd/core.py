@@ -80,7 +80,8 @@ class CoreConfig:
     max_output: int = 1 << 20
     default_image: str | None = None
     exec_as_peer: bool = False  # commands run as the connecting client (cpu.exec_user="peer")
-    record_envs: bool = True  # emit PersistEnvs (tangramd up; a coordinator keeps its registry)
+    # emit RecordEnv / PersistEnvs (tangramd up; a coordinator keeps its own registry)
+    record_envs: bool = True
     max_transfer: int = 8 << 20  # bytes one env.get may return (env.put: the op table's cap)
     call_timeout_s: float = 300.0  # a service call's handler limit when the call gives none
     # Short-cut passes that provably decide what the full pass would (``Core._short_waiting``);
@@ -651,8 +652,9 @@ class Core:
         env = answer.env
         token, env.open_token = env.open_token, None
         if isinstance(answer, Ready):
-            if not env.throwaway:
-                self._persist_envs(out)
+            if not env.throwaway and self.cfg.record_envs:
+                record = self.envs.record(env)
+                out.append(ev.RecordEnv(env_id=env.id, record=record, cause=self.stimulus))
             if token is not None:
                 out.append(self._reply(token, result={"id": env.id, "node": env.node}))
             for aid in answer.pending:
@@ -676,8 +678,8 @@ class Core:
         if gone is None:
             return
         self._forget_sessions(gone.env.id, now, out)
-        if not gone.env.throwaway and not self.shutting_down:
-            self._persist_envs(out)
+        if not gone.env.throwaway and not self.shutting_down and self.cfg.record_envs:
+            out.append(ev.RecordEnv(env_id=gone.env.id, record=None, cause=self.stimulus))
         if gone.env.close_token is not None:
             out.insert(0, self._reply(gone.env.close_token, result={"closed": True}))
 

@@ -123,17 +123,22 @@ class EnvBook:
     def records(self) -> tuple[dict[str, Any], ...]:
         """What a restarted daemon needs to re-adopt the persistent environments."""
         return tuple(
-            {
-                "id": e.id,
-                "trajectory": e.trajectory,
-                "node": e.node,
-                "image": e.image,
-                "mem": e.mem,
-                "owner": list(e.owner) if e.owner is not None else None,
-            }
+            self.record(e)
             for e in self._envs.values()
             if not e.throwaway and e.state in ("ready", "lost")
         )
+
+    @staticmethod
+    def record(e: EnvRec) -> dict[str, Any]:
+        """One persistent environment's record (see ``records``)."""
+        return {
+            "id": e.id,
+            "trajectory": e.trajectory,
+            "node": e.node,
+            "image": e.image,
+            "mem": e.mem,
+            "owner": list(e.owner) if e.owner is not None else None,
+        }
 
     # ------------------------------------------------------------------ changes
     def adopt(self, records: Iterable[Mapping[str, Any]], now: float) -> list[EnvRec]:

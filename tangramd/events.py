@@ -346,6 +346,16 @@ class PersistEnvs(Command):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RecordEnv(Command):
+    """Record one persistent environment's change in the state dir before the reply that
+    acknowledges it: ``record`` is its new record, None when it is gone. One change costs
+    the same however many environments are open (``PersistEnvs`` rewrites all of them)."""
+
+    env_id: str
+    record: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunTransfer(Command):
     """Put or get a file in an environment (``direction`` "put" or "get")."""
 

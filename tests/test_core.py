@@ -39,7 +39,7 @@ def make_core(cores: int = 2, **cfg) -> Core:
 
 def acting(commands: list[ev.Command]) -> list[ev.Command]:
     """The commands other than writing the environment records (tested on their own)."""
-    return [c for c in commands if not isinstance(c, ev.PersistEnvs)]
+    return [c for c in commands if not isinstance(c, ev.PersistEnvs | ev.RecordEnv)]
 
 
 def ready_env(core: Core, now: float = 0.0) -> str:
@@ -251,17 +251,25 @@ def test_shutdown_goes_through_the_core_and_keeps_persistent_envs():
 
 
 def test_persistent_envs_are_recorded_and_readopted():
-    """Opening and closing a persistent env rewrites the records; a new core adopts them,
-    reserves their memory and never reuses their ids."""
+    """Opening and closing a persistent env records that one change (before the reply to
+    the open); a new core adopts the records, reserves their memory and never reuses
+    their ids."""
     core = make_core()
     (create,) = core.handle(ev.OpenEnv(token=1, trajectory="t1"), 0.0)
     persist, reply = core.handle(ev.EnvCreated(env_id=create.env_id), 0.1)
-    assert isinstance(persist, ev.PersistEnvs) and reply.result["id"] == create.env_id
-    (record,) = persist.envs
+    assert isinstance(persist, ev.RecordEnv) and reply.result["id"] == create.env_id
+    record = persist.record
+    assert record is not None and persist.env_id == create.env_id
     assert record["trajectory"] == "t1" and record["node"] == "local"
+    (other,) = core.handle(ev.OpenEnv(token=2, trajectory="t2"), 0.2)
+    core.handle(ev.EnvCreated(env_id=other.env_id), 0.3)
+    (remove,) = core.handle(ev.CloseEnv(token=3, env_id=other.env_id), 0.4)
+    reply, forget = core.handle(ev.EnvRemoved(env_id=remove.env_id), 0.5)
+    assert isinstance(forget, ev.RecordEnv) and forget.env_id == other.env_id
+    assert forget.record is None and reply.result == {"closed": True}
 
     fresh = make_core()
-    assert fresh.handle(ev.EnvsRecovered(envs=persist.envs), 5.0) == []
+    assert fresh.handle(ev.EnvsRecovered(envs=(record,)), 5.0) == []
     assert fresh.env_ids() == [create.env_id]
     assert fresh.cpu.pool("local").mem_reserved == record["mem"]
     (run_create,) = fresh.handle(submit(2, "true"), 5.1)  # a new env: a new id

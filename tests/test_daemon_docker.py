@@ -99,9 +99,13 @@ def test_containers_of_a_killed_daemon_are_readopted_or_reconciled(tmp_path):
             assert c.exec("echo state > f", env=env).outcome == "ok"
         d.stop(signal.SIGKILL)
         assert len(ours(env)) == 1 and len(ours(orphan)) == 1  # left behind by the dead daemon
-    records = tmp_path / "state" / "envs.json"
-    kept = [r for r in json.loads(records.read_text()) if r["id"] != orphan]
-    records.write_text(json.dumps(kept))  # the orphan's record is lost: nobody owns it now
+    # The orphan's record is lost: nobody owns it now. (Opens since the last compaction
+    # are lines of the journal, replayed over envs.json by the next daemon.)
+    journal = tmp_path / "state" / "envs.journal"
+    lines = journal.read_text().splitlines()
+    kept = [ln for ln in lines if json.loads(ln)["id"] != orphan]
+    assert len(kept) == len(lines) - 1
+    journal.write_text("".join(ln + "\n" for ln in kept))
     with running_daemon(tmp_path, "--cpu-backend", "docker") as d2:
         with d2.client() as c:
             assert [e["id"] for e in c.env_list()] == [env]

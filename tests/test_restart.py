@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import tempfile
@@ -119,3 +120,60 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_environment_records_are_a_journal_replayed_on_restart(tmp_path) -> None:
+    """Each persistent open and close appends one line to ``envs.journal`` (the records are
+    not rewritten whole); after a SIGKILL the journal is replayed over ``envs.json`` (a
+    torn last line skipped, with a warning); a graceful stop compacts it into envs.json."""
+    state = tmp_path / "state"
+    with running_daemon(tmp_path) as d:
+        with d.client() as c:
+            a, b, gone = (c.env_open(trajectory=f"t{i}") for i in range(3))
+            c.env_close(gone)
+        journal = (state / "envs.journal").read_text().splitlines()
+        d.stop(signal.SIGKILL)
+    assert len(journal) == 4  # three opens and a close, one line each
+    with open(state / "envs.journal", "a") as f:
+        f.write('{"id": "torn-by-a-cra')  # a crash in the middle of an append
+    with running_daemon(tmp_path) as d2:
+        with d2.client() as c:
+            assert sorted(e["id"] for e in c.env_list()) == sorted([a, b])
+        d2.stop(signal.SIGTERM)
+    assert "env_journal_lines_skipped" in d2.log()
+    assert not (state / "envs.journal").exists()
+    records = json.loads((state / "envs.json").read_text())
+    assert sorted(r["id"] for r in records) == sorted([a, b])
+    assert {r["trajectory"] for r in records} == {"t0", "t1"}
+
+
+def test_environment_journal_is_compacted_when_it_outgrows_the_records(tmp_path) -> None:
+    """A long run of opens and closes keeps the journal under max(JOURNAL_MIN_LINES, twice
+    the records): it is folded into envs.json, and a new daemon reads the same records."""
+    from tangram.pools.cpu import CpuCluster, CpuNodePool
+    from tangramd import ops
+    from tangramd.backends.process import ProcessBackend
+    from tangramd.core import Core, CoreConfig
+    from tangramd.executor import JOURNAL_MIN_LINES, Executor
+
+    def executor() -> Executor:
+        core = Core(CpuCluster([CpuNodePool("local", [[0]], 1 << 30)]), {}, CoreConfig())
+        backend = ProcessBackend(tmp_path / "backend", use_cgroups=False)
+        return Executor(
+            core, backend, str(tmp_path / "s.sock"), state_dir=str(tmp_path / "st"), handlers=ops
+        )
+
+    ex = executor()
+    ex._read_env_records()
+    keep = {f"keep{i}": {"id": f"keep{i}", "trajectory": None, "mem": 1} for i in range(10)}
+    for env_id, record in keep.items():
+        ex._journal_env(env_id, record)
+    most = 0
+    for i in range(JOURNAL_MIN_LINES):
+        ex._journal_env(f"e{i}", {"id": f"e{i}", "trajectory": "t", "mem": 1})
+        ex._journal_env(f"e{i}", None)
+        journal = tmp_path / "st" / "envs.journal"  # gone right after a compaction
+        most = max(most, len(journal.read_bytes().splitlines()) if journal.exists() else 0)
+    assert most <= JOURNAL_MIN_LINES
+    assert (tmp_path / "st" / "envs.json").exists()  # compacted at least once
+    assert {r["id"] for r in executor()._read_env_records()} == set(keep)

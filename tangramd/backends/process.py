@@ -20,8 +20,8 @@ No container engine needed; this is the embedded default (docs/design.md §5.2).
   cgroup. On cgroup v1 the fork server also leaves a *lodger* in each exec cgroup it has
   served (up to ``MAX_LODGERS``): a copy of itself that stays there, so later execs on
   those cores are spawned with no cgroup move at all (a v1 move waits 5-15 ms for an RCU
-  grace period after an idle gap). A list command is exec'd directly (a missing program is exit 127, as a shell
-  reports it); a string runs under ``/bin/sh -c``.
+  grace period after an idle gap). A list command is exec'd directly (a missing program
+  is exit 127, as a shell reports it); a string runs under ``/bin/sh -c``.
 - The exec ends when its main process exits (watched through a pidfd, not through its
   pipes: a background descendant may hold them); whatever it left is killed then — its
   process group and its cgroup, or, without a usable cgroup, its session and every process
