@@ -9,16 +9,15 @@ carries out and reports. Requests from clients arrive through the op handlers
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import json
 import os
 import tarfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -28,13 +27,13 @@ from tangramd import events as ev
 from tangramd.backends.base import Backend, ExecRequest, PathEscape
 from tangramd.backends.files import TooLarge, exec_with_files
 from tangramd.core import Core
+from tangramd.records import RecordJournal
 from tangramd.services import ServiceHost, ServiceLoadError, ServiceNotFound
 from tangramd.transport import ConnInfo, Later, UnixServer
 
 log = structlog.get_logger("tangramd")
 
 STOP_GRACE_S = 10.0  # how long a graceful stop waits for in-flight work to report back
-JOURNAL_MIN_LINES = 1024  # envs.journal is compacted past max(this, 2 x the records)
 
 
 class OpHandlers(Protocol):
@@ -86,10 +85,10 @@ class Executor:
         self._ticking = False  # feeding an inline Tick (a due pass runs once, not recursively)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._running_execs: dict[str, ev.RunExec] = {}  # handed to the backend, not ended
-        # the persistent environments' records as written (envs.json + envs.journal)
-        self._env_records: dict[str, dict[str, Any]] = {}
-        self._journal: BinaryIO | None = None
-        self._journal_lines = 0
+        # the persistent environments' records (envs.json + envs.journal)
+        self._env_records = RecordJournal(
+            self.state_dir / "envs.json", valid=_is_env_record, problem="env_records_unreadable"
+        )
         # TANGRAM_VALIDATE=1 (tests): check the core's invariants after every event
         self._validate = os.environ.get("TANGRAM_VALIDATE") == "1"
 
@@ -285,10 +284,9 @@ class Executor:
         elif isinstance(cmd, ev.PersistProfiles):
             self._write_json(self._profiles_path(), dict(cmd.profiles))
         elif isinstance(cmd, ev.RecordEnv):
-            self._journal_env(cmd.env_id, cmd.record)
+            self._env_records.put(cmd.env_id, cmd.record)  # one line, however many are open
         elif isinstance(cmd, ev.PersistEnvs):
-            self._env_records = {str(r["id"]): dict(r) for r in cmd.envs}
-            self._compact_envs()
+            self._env_records.replace(cmd.envs)
         elif isinstance(cmd, ev.RunCall):
             log.info(
                 "action_placed",
@@ -545,75 +543,13 @@ class Executor:
         )
         return loaded if loaded is not None else {}
 
-    # The persistent environments' records: a snapshot (``envs.json``, a JSON list) and a
-    # journal of the changes since (``envs.journal``, one JSON line per change: ``{"id",
-    # "record"}``, record null when the environment is gone). A change appends one line
-    # (the snapshot was rewritten whole on every open and close: quadratic in the open
-    # environments); the snapshot is rewritten and the journal emptied once the journal
-    # outgrows twice the records (at least JOURNAL_MIN_LINES). Replaying is idempotent,
-    # so a crash between the two steps of a compaction loses nothing, and a torn last line
-    # (a crash mid-append) is skipped.
-
     def _envs_path(self) -> Path:
         return self.state_dir / "envs.json"
 
-    def _journal_path(self) -> Path:
-        return self.state_dir / "envs.journal"
-
     def _read_env_records(self) -> list[dict[str, Any]]:
-        loaded = _read_json(
-            self._envs_path(),
-            "env_records_unreadable",
-            lambda data: isinstance(data, list) and all(_is_env_record(r) for r in data),
-            "not a list of records",
-        )
-        records = {str(r["id"]): r for r in loaded or []}
-        bad = 0
-        with contextlib.suppress(FileNotFoundError), open(self._journal_path(), "rb") as f:
-            for line in f:
-                try:
-                    change = json.loads(line)
-                    env_id, record = str(change["id"]), change["record"]
-                except (ValueError, TypeError, KeyError):
-                    bad += 1
-                    continue
-                if record is None:
-                    records.pop(env_id, None)
-                elif _is_env_record(record) and str(record["id"]) == env_id:
-                    records[env_id] = record
-                else:
-                    bad += 1
-        if bad:
-            log.warning("env_journal_lines_skipped", path=str(self._journal_path()), lines=bad)
-        self._env_records = records
-        return list(records.values())
-
-    def _journal_env(self, env_id: str, record: Mapping[str, Any] | None) -> None:
-        """Append one change to the journal (compacting it when it has grown)."""
-        if record is None:
-            self._env_records.pop(env_id, None)
-        else:
-            self._env_records[env_id] = dict(record)
-        if self._journal is None:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self._journal_path(), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            self._journal = os.fdopen(fd, "ab")
-        line = {"id": env_id, "record": None if record is None else dict(record)}
-        self._journal.write(json.dumps(line, sort_keys=True).encode() + b"\n")
-        self._journal.flush()
-        self._journal_lines += 1
-        if self._journal_lines > max(JOURNAL_MIN_LINES, 2 * len(self._env_records)):
-            self._compact_envs()
-
-    def _compact_envs(self) -> None:
-        """Rewrite the snapshot from the records held, then empty the journal."""
-        self._write_json(self._envs_path(), list(self._env_records.values()), indent=None)
-        if self._journal is not None:
-            self._journal.close()
-            self._journal = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._journal_path())
-        self._journal_lines = 0
+        """The persistent environments' records: ``envs.json`` with ``envs.journal``
+        replayed over it (``records.RecordJournal``)."""
+        return list(self._env_records.load().values())
 
     def _write_json(self, path: Path, data: Any, indent: int | None = 1) -> None:
         """Atomically replace ``path`` (private to the daemon's user) before anyone relies
@@ -659,7 +595,7 @@ async def run_transfer(
 
 
 def _is_env_record(r: Any) -> bool:
-    return isinstance(r, dict) and {"id", "trajectory", "mem"} <= set(r)
+    return {"id", "trajectory", "mem"} <= set(r)
 
 
 def _read_json(path: Path, problem: str, valid: Callable[[Any], bool], expected: str) -> Any | None:
