@@ -9,7 +9,6 @@ re-adopts them and they keep their files.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sqlite3
@@ -31,6 +30,7 @@ from tangramd.cluster.testing import (
     wait_for,
     wait_node_state,
 )
+from tangramd.records import RecordJournal
 
 CONFIG = """
 [cluster]
@@ -141,9 +141,9 @@ def test_node_restart_keeps_its_environments(tmp_path: Path) -> None:
             assert c.exec(["sh", "-c", "echo kept > f"], env=env).outcome == "ok"
             throwaway = c.exec(["true"])
             assert throwaway.outcome == "ok"
-        record = Path(a.state_dir) / "envs.json"
+        records = RecordJournal(Path(a.state_dir) / "envs.json", valid=bool, problem="bad")
         wait_for(  # throwaway environments come and go (removed after the answer)
-            lambda: [r["id"] for r in json.loads(record.read_text())] == [env], 10, "envs.json"
+            lambda: list(records.load()) == [env], 10, "envs.json + envs.journal"
         )
         box: dict[str, Any] = {}
         thread = threading.Thread(

@@ -14,7 +14,8 @@ The node has no core: the coordinator decides. It
   coordinator, so ``Client``, ``AsyncClient`` and ``tangramctl`` work unchanged;
 - reconnects with backoff when the link drops, and when the coordinator has been silent
   for the heartbeat timeout;
-- records the environments it holds in ``<state_dir>/envs.json``, so that after a crash
+- records the environments it holds in ``<state_dir>/envs.json`` (one journal line per
+  change: ``records.RecordJournal``), so that after a crash
   and restart it re-adopts them (the coordinator keeps those it still gives the node: all
   of them when the node is back within the heartbeat timeout).
 """
@@ -46,6 +47,7 @@ from tangramd.backends.files import exec_with_files
 from tangramd.cluster.link import Link, LinkClosed
 from tangramd.cluster.pki import CertInvalid, PinMismatch, client_context, verify_server
 from tangramd.executor import run_transfer
+from tangramd.records import RecordJournal
 from tangramd.services.inventory import Gpu
 from tangramd.transport import ConnInfo, UnixServer
 
@@ -90,6 +92,9 @@ class NodeAgent:
         self.socket_path = socket_path
         self.state_path = Path(state_dir) / "node.json"
         self.envs_path = Path(state_dir) / "envs.json"  # environments held, for a restart
+        self._records = RecordJournal(
+            self.envs_path, valid=lambda row: True, problem="envs_record_unreadable"
+        )
         self.cores_by_numa = cores_by_numa
         self.mem_bytes = mem_bytes
         self.gpus = gpus
@@ -128,7 +133,10 @@ class NodeAgent:
         self._envs = set(self._owners)
         if records:
             log.info("envs_readopted", node=self.name, envs=sorted(self._envs))
-            self._write_envs()
+            try:
+                self._records.replace(_row(e, o) for e, o in self._owners.items())
+            except OSError as exc:
+                log.warning("envs_record_not_written", path=str(self.envs_path), error=str(exc))
         await self.server.start()
         self._loop_task = asyncio.get_running_loop().create_task(self._run_link())
         log.info(
@@ -354,7 +362,7 @@ class NodeAgent:
             )
             self._envs.add(env_id)
             self._owners[env_id] = _pair(msg.get("owner"))
-            self._write_envs()
+            self._record_env(env_id, _row(env_id, self._owners[env_id]))
             log.info("env_created", node=self.name, env=env_id)
         except Exception as exc:  # backend failure of any kind is an infra error
             error = f"{type(exc).__name__}: {exc}"
@@ -377,7 +385,7 @@ class NodeAgent:
     async def _close_env_quietly(self, env_id: str) -> None:
         self._envs.discard(env_id)
         if self._owners.pop(env_id, False) is not False:
-            self._write_envs()
+            self._record_env(env_id, None)
         try:
             await self.backend.close_env(env_id)
         except Exception as exc:
@@ -520,37 +528,20 @@ class NodeAgent:
         os.replace(tmp, self.state_path)
 
     def _read_envs(self) -> dict[str, tuple[int, int] | None]:
-        """``envs.json``: [{"id", "owner": [uid, gid] | null}]; unreadable: nothing held."""
-        try:
-            rows = json.loads(self.envs_path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            log.warning("envs_record_unreadable", path=str(self.envs_path), error=str(exc))
-            return {}
-        if not isinstance(rows, list):
-            return {}
+        """``envs.json`` (+ ``envs.journal``): {"id", "owner": [uid, gid] | null} records;
+        what cannot be read is skipped (logged)."""
         out: dict[str, tuple[int, int] | None] = {}
-        for row in rows:
-            if isinstance(row, dict) and isinstance(row.get("id"), str):
-                try:
-                    out[row["id"]] = _pair(row.get("owner"))
-                except (TypeError, ValueError):
-                    continue
+        for env_id, row in self._records.load().items():
+            try:
+                out[env_id] = _pair(row.get("owner"))
+            except (TypeError, ValueError):
+                continue
         return out
 
-    def _write_envs(self) -> None:
-        """Rewrite ``envs.json`` (atomically) after every change to what the node holds."""
-        rows = [
-            {"id": env_id, "owner": list(owner) if owner else None}
-            for env_id, owner in sorted(self._owners.items())
-        ]
-        tmp = self.envs_path.with_suffix(".tmp")
+    def _record_env(self, env_id: str, record: dict[str, Any] | None) -> None:
+        """One change to what the node holds (``None``: gone), one journal line."""
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                json.dump(rows, fh)
-            os.replace(tmp, self.envs_path)
+            self._records.put(env_id, record)
         except OSError as exc:
             log.warning("envs_record_not_written", path=str(self.envs_path), error=str(exc))
 
@@ -564,6 +555,10 @@ def _positive(value: Any, default: float) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
         return float(value)
     return default
+
+
+def _row(env_id: str, owner: tuple[int, int] | None) -> dict[str, Any]:
+    return {"id": env_id, "owner": list(owner) if owner else None}
 
 
 def _pair(value: Any) -> tuple[int, int] | None:
