@@ -248,3 +248,15 @@ class BackendConformance:
         assert (result.outcome, result.detail) == ("infra_error", "daemon shutting down")
         assert not backend.env_exists(env)
         assert ex(backend, env, ["true"]).outcome == "infra_error"
+
+
+async def lodger_of(b: Any, cores: tuple[int, ...]) -> int:
+    """The pid of the process backend's lodger for ``cores``' cgroup once it has joined and
+    takes spawns (waits up to 5 s)."""
+    key = str(b.cgroups.for_cores(cores))
+    for _ in range(500):
+        chan = b._spawner._lodgers.get(key)
+        if chan is not None and chan.ready:
+            return int(chan.pid)
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no lodger joined {key}")

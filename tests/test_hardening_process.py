@@ -14,7 +14,15 @@ from tangramd.backends.base import EXEC_OOM_SCORE_ADJ
 from tangramd.backends.process import ProcessBackend
 
 pytest.register_assert_rewrite("backend_conformance")
-from backend_conformance import BOTH_CORES, allowed_list, ex, new_env, req, run  # noqa: E402
+from backend_conformance import (  # noqa: E402
+    BOTH_CORES,
+    allowed_list,
+    ex,
+    lodger_of,
+    new_env,
+    req,
+    run,
+)
 from hostile_user import local_user  # noqa: E402
 
 CGROUP_MODES = ["v1", "v2", "none"]
@@ -120,11 +128,7 @@ def test_sandboxed_command_cannot_touch_the_lodger_that_spawned_it(tmp_path, use
         env = "e1"
         await b.create_env(env, None, None, owner=user.ids)
         assert (await b.exec(req(env, ["true"], (0,)))).outcome == "ok"
-        for _ in range(500):  # the lodger of c0 joins after the first exec
-            if b.lodger_pids and b.cgroups and set(b.cgroups.pids(b.cgroups.for_cores((0,)))):
-                break
-            await asyncio.sleep(0.01)
-        (lodger,) = b.lodger_pids
+        lodger = await lodger_of(b, (0,))  # it joins after the first exec
         attack = "kill -9 $PPID || echo no-kill; kill -STOP $PPID || echo no-stop; echo $PPID"
         hit = await b.exec(req(env, attack, (0,)))
         after = await b.exec(req(env, "echo $PPID", (0,)))

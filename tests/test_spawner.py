@@ -7,7 +7,7 @@ import os
 import signal
 from pathlib import Path
 
-from backend_conformance import BOTH_CORES, new_env, req, run
+from backend_conformance import BOTH_CORES, lodger_of, new_env, req, run
 
 from tangramd.backends.base import EXEC_OOM_SCORE_ADJ
 from tangramd.backends.process import ProcessBackend
@@ -103,23 +103,6 @@ def test_a_command_gets_only_its_three_descriptors(tmp_path):
 # --- lodgers: pre-joined copies of the fork server, one per exec cgroup (cgroup v1)
 
 
-async def _lodger_for(b: ProcessBackend, cores: tuple[int, ...]) -> int:
-    """The pid of the lodger of ``cores``' cgroup once it has joined (waits up to 5 s)."""
-    assert b.cgroups is not None
-    key = str(b.cgroups.for_cores(cores))
-    for _ in range(500):
-        chan = b._spawner._lodgers.get(key)
-        if chan is not None and chan.ready:
-            assert chan.pid is not None
-            return chan.pid
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"no lodger joined {key}")
-
-
-def _ppid(pid_text: str) -> int:
-    return int(pid_text.split()[0])
-
-
 def test_a_lodger_spawns_later_execs_in_place(tmp_path):
     """After the first exec on a core set, a lodger lives in that cgroup (pinned, at the
     exec OOM score, a child of the fork server) and is the parent of the next command,
@@ -132,7 +115,7 @@ def test_a_lodger_spawns_later_execs_in_place(tmp_path):
     async def scenario() -> tuple[int, str, str, set[int]]:
         first = await b.exec(req(env, ["true"], (1,)))
         assert first.outcome == "ok", first
-        lodger = await _lodger_for(b, (1,))
+        lodger = await lodger_of(b, (1,))
         probe = "echo $PPID; grep Cpus_allowed_list /proc/self/status; cat /proc/self/cgroup"
         second = await b.exec(req(env, ["sh", "-c", probe], (1,)))
         assert second.outcome == "ok", second
@@ -170,13 +153,13 @@ def test_a_dead_lodger_fails_its_exec_and_is_replaced(tmp_path):
 
     async def scenario() -> tuple[str, str, str, int, int]:
         await b.exec(req(env, ["true"], BOTH_CORES))
-        lodger = await _lodger_for(b, BOTH_CORES)
+        lodger = await lodger_of(b, BOTH_CORES)
         running = asyncio.ensure_future(b.exec(req(env, ["sleep", "30"], BOTH_CORES)))
         await asyncio.sleep(0.5)
         os.kill(lodger, signal.SIGKILL)
         first = await asyncio.wait_for(running, 10)
         again = await b.exec(req(env, ["echo", "again"], BOTH_CORES))
-        return first.outcome, first.detail, again.stdout, lodger, await _lodger_for(b, BOTH_CORES)
+        return first.outcome, first.detail, again.stdout, lodger, await lodger_of(b, BOTH_CORES)
 
     try:
         outcome, detail, again, old, new = run(scenario())
