@@ -10,7 +10,10 @@ lowest avg ACT on that very trace, picked in hindsight. ``--mixed`` adds the mix
 (``coding+search``, ``mixed``) on ``config/cluster-mixed.toml`` (4 × 64 cores) at those
 batch sizes. ``--only P,Q`` runs just those policies and takes every other one's numbers
 from the previous ``bench/paper/out/fig9.json`` (same workload, batch and seed; the traces are
-deterministic), e.g. ``--only tangram`` after a change to the priced rule alone. Paper:
+deterministic), e.g. ``--only tangram`` after a change to the priced rule alone; the rows run
+are merged into that file (rows not run keep their numbers). ``--batches ''`` runs no AI-coding
+row (e.g. only the mixed workloads, over more seeds); ``--out NAME`` writes just the rows run
+to ``bench/paper/out/NAME.json`` instead of ``fig9.json`` (and skips the plot). Paper:
 tangram is 3.0× faster than DoP=16 at batch 1280 (avg ACT).
 """
 
@@ -93,6 +96,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="worker processes")
     ap.add_argument("--fixed", default="1,2,4,8,16", help="the fixed DoPs K to run")
     ap.add_argument("--only", default="", help="run these policies, reuse the rest (doc)")
+    ap.add_argument("--out", default="fig9", help="output name under bench/paper/out (doc)")
     args = ap.parse_args()
     global FIXED
     FIXED = tuple(f"fixed-dop:{k}" for k in args.fixed.split(","))
@@ -108,6 +112,7 @@ def main() -> None:
         ("paper", "ai-coding", int(b), seed, to_run)
         for seed in seeds
         for b in args.batches.split(",")
+        if b
     ]
     if args.mixed:
         work += [
@@ -128,7 +133,8 @@ def main() -> None:
     key = lambda k: (k[0] != "ai-coding", k[0], k[2], k[1])  # noqa: E731
     rows = sorted(done.items(), key=lambda kv: key(kv[0]))
     coding = [r for r in rows if r[0][0] == "ai-coding"]
-    table(coding, "AI coding, config/cluster-paper.toml (15 × 256 cores); avg / p99 ACT (s)")
+    if coding:
+        table(coding, "AI coding, config/cluster-paper.toml (15 × 256 cores); avg / p99 ACT (s)")
     mixed = [r for r in rows if r[0][0] != "ai-coding"]
     if mixed:
         table(mixed, "Mixed workloads, config/cluster-mixed.toml (4 × 64 cores); avg / p99 ACT (s)")
@@ -140,9 +146,12 @@ def main() -> None:
         "{:.1f}",
         "Wall time per simulated run (s, noisy: shared machine)",
     )
-    _plot([r for r in coding if r[0][2] == seeds[0]], policies)
-    doc = {f"{wl}/{b}/seed{seed}": res for (wl, b, seed), res in rows}
-    save("fig9", doc, started)
+    if args.out == "fig9" and coding:
+        _plot([r for r in coding if r[0][2] == seeds[0]], policies)
+    # --only: the rows not run keep their numbers in fig9.json
+    doc = {k: v for k, v in previous.items() if k != "wall_s" and args.out == "fig9"}
+    doc.update({f"{wl}/{b}/seed{seed}": res for (wl, b, seed), res in rows})
+    save(args.out, doc, started)
 
 
 def _plot(rows: list[tuple[tuple[str, int, int], dict]], policies: tuple[str, ...]) -> None:
