@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import socket
 import ssl
@@ -43,7 +44,7 @@ from tangramd.cluster.registry import NodeRecord, Refused, Registry
 from tangramd.cluster.store import Store, StoredEnv
 from tangramd.core import Core
 from tangramd.executor import Executor, OpHandlers
-from tangramd.transport import NOT_SYNC, ConnInfo
+from tangramd.transport import NOT_SYNC, ConnInfo, Later
 
 log = structlog.get_logger("tangramd")
 
@@ -469,19 +470,25 @@ class CoordinatorExecutor(Executor):
             self.feed(ev.EnvRemoved(env_id=env_id))
 
     def _remote_inline(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> bool:
-        """Answer a forwarded view (status, nodes, ...) at once, as the Unix socket's fast
-        path does; False for ops that wait (they run as tasks)."""
+        """Answer a forwarded view (status, nodes, ...) at once, and submit an ``exec`` at
+        once, as the Unix socket's inline path does: its answer goes out in the loop turn
+        that produces it (the node's outcome, whose ``ack`` it shares a write with); False
+        for ops that wait otherwise (they run as tasks)."""
         op, args = msg.get("op"), msg.get("args") or {}
         if not isinstance(op, str) or not isinstance(args, dict) or op in LOCAL_ONLY_OPS:
             return False
+        request_id = msg.get("id")
         try:
             conn = self._remote_conn(rec, int(msg["conn"]))
-            result = self.handlers.handle_sync(self, op, args, conn)
+            result = self.handlers.handle_inline(self, op, args, conn)
             if result is NOT_SYNC:
                 return False
-            reply: dict[str, Any] = {"t": "resp", "id": msg.get("id"), "ok": True, "result": result}
+            if isinstance(result, Later):
+                result.then(functools.partial(_answer_later, link, request_id))
+                return True
+            reply: dict[str, Any] = {"t": "resp", "id": request_id, "ok": True, "result": result}
         except Exception as exc:  # every failure is an answer, never a dead link
-            reply = {"t": "resp", "id": msg.get("id"), "ok": False, "error": error_to_wire(exc)}
+            reply = {"t": "resp", "id": request_id, "ok": False, "error": error_to_wire(exc)}
         link.send(reply)
         return True
 
@@ -635,6 +642,15 @@ def _row_without_pool(rec: NodeRecord) -> dict[str, Any]:
         "busy_cores": [],
         "gpus": 0,
     }
+
+
+def _answer_later(link: Link, request_id: Any, later: Later) -> None:
+    """Send the answer to a forwarded request that came later (an exec's end)."""
+    if later.error is None:
+        link.send({"t": "resp", "id": request_id, "ok": True, "result": later.result})
+    else:
+        error = error_to_wire(later.error)
+        link.send({"t": "resp", "id": request_id, "ok": False, "error": error})
 
 
 async def _drain_quietly(link: Link) -> None:
