@@ -1444,6 +1444,14 @@ class Core:
         env = self.envs.get(env_id)
         return env.node if env is not None and env.node else None
 
+    def exec_reply(self, action_id: str) -> tuple[int, float] | None:
+        """A running exec's reply token and time queued: what a cluster node needs to answer
+        the client itself as this core's reply would (None: no reply pending)."""
+        rec = self.actions.get(ActionId(action_id))
+        if rec is None or rec.state != "running" or rec.token is None or rec.call is not None:
+            return None
+        return rec.token, (rec.started_at or rec.submitted_at) - rec.submitted_at
+
     def action_node(self, action_id: str) -> str | None:
         """The node a running exec action runs on (None: not running)."""
         rec = self.actions.get(ActionId(action_id))

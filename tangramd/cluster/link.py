@@ -11,7 +11,10 @@ Every message is a map with a ``"t"`` (type) key. In the order of a link's life:
   environments the node still owns; it removes the rest, cancel: the running actions the
   coordinator has ended; it kills them (``Backend.cancel``)};
 - both ``hb``: heartbeats (the coordinator answers each one);
-- coordinator ``create_env`` / ``remove_env`` / ``run_exec``: what the core decided;
+- coordinator ``create_env`` / ``remove_env`` / ``run_exec``: what the core decided (a
+  ``run_exec`` for an exec from this node's own client carries ``reply`` {id, queue_s}: the
+  node answers that request itself when the exec ends, and says so in ``exec_done``
+  {answered}, which it sends in the same turn, before it reads anything else);
 - node ``env_created`` / ``env_removed`` / ``exec_done`` {key, ...}: outcomes, kept by
   the node until the coordinator's ``ack`` {key};
 - node ``req`` {id, conn, op, args} / ``conn_closed`` {conn}: clients of its socket;

@@ -438,12 +438,16 @@ class NodeAgent:
         action_id = str(msg["action_id"])
         env_id = str(msg.get("env_id"))
         self._running.add(action_id)
-        done = functools.partial(self._exec_ended, action_id, env_id)
+        try:
+            cores = tuple(int(c) for c in msg["cores"])
+        except (KeyError, TypeError, ValueError):
+            cores = ()
+        done = functools.partial(self._exec_ended, action_id, env_id, cores, msg.get("reply"))
         try:
             req = ExecRequest.for_action(
                 ExecSpec.from_wire(msg["spec"]),
                 env_id=env_id,
-                cores=tuple(int(c) for c in msg["cores"]),
+                cores=cores,
                 max_output=int(msg["max_output"]),
                 action_id=action_id,
                 run_as=_pair(msg.get("run_as")),
@@ -468,12 +472,23 @@ class NodeAgent:
             res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
         done(res)
 
-    def _exec_ended(self, action_id: str, env_id: str, res: ExecResult) -> None:
+    def _exec_ended(
+        self, action_id: str, env_id: str, cores: tuple[int, ...], reply: Any, res: ExecResult
+    ) -> None:
         self._running.discard(action_id)
         lost = res.outcome == "infra_error" and not self.backend.env_exists(env_id)
+        answered = self._answer_exec(reply, action_id, cores, res)
+        # after the answer, before this turn ends: the coordinator has the outcome before
+        # whatever that client sends next reaches it over the same link
         self._report(
             f"x:{action_id}",
-            {"t": "exec_done", "action_id": action_id, "result": res.to_wire(), "env_lost": lost},
+            {
+                "t": "exec_done",
+                "action_id": action_id,
+                "result": res.to_wire(),
+                "env_lost": lost,
+                "answered": answered,
+            },
         )
         # formatting a log line is a tenth of a millisecond: after the outcome is on its way
         asyncio.get_running_loop().call_soon(
@@ -487,6 +502,27 @@ class NodeAgent:
                 exec_s=round(res.exec_s, 6),
             )
         )
+
+    def _answer_exec(
+        self, reply: Any, action_id: str, cores: tuple[int, ...], res: ExecResult
+    ) -> bool:
+        """Answer the client whose request this exec is, when the coordinator said so
+        (``reply``) and it still waits: the core's answer, built from the same facts."""
+        if not isinstance(reply, dict):
+            return False
+        try:
+            request_id, queue_s = int(reply["id"]), float(reply["queue_s"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        owed = self._pending.pop(request_id, None)
+        if owed is None or owed.done():
+            return False
+        final = res.placed(action_id=action_id, queue_s=queue_s, cores=cores, node=self.name)
+        if isinstance(owed, Later):
+            owed.resolve(final.to_wire())
+        else:
+            owed.set_result(final.to_wire())
+        return True
 
     # ------------------------------------------------------------------ client requests
     def _forward_later(self, op: str, args: dict[str, Any], conn: ConnInfo) -> Later:
