@@ -58,6 +58,7 @@ from tangramd.entities import (
     SESSION_EDGES,
     ActionRec,
     EnvRec,
+    Placed,
     SessionRec,
     Stories,
     note,
@@ -495,18 +496,11 @@ class Core:
                 elastic = rec.action.elastic
                 self.meter.started(p.pool_id, p.action_id, now, elastic, p.amount, p.expected_s)
             env = self.envs.get(rec.env) if rec.env else None
-            note(
-                rec,
-                now,
-                "placed",
-                f"pool={p.pool_id} units={list(p.units)}"
-                + (f" node={env.node}" if env else "")
-                + f" expected_s={p.expected_s:.3g}",
-                self.stimulus,
-            )
+            node = env.node if env else None
+            note(rec, now, "placed", Placed(p.pool_id, p.units, node, p.expected_s), self.stimulus)
             if rec.action.kind == "exec":
                 self._transition(rec, "running", now, "exec sent to the backend")
-                self._start_exec(rec, out)
+                self._start_exec(rec, out, env)
             elif rec.action.kind == "service":
                 self._start_call(rec, now, out)
             else:
@@ -585,8 +579,7 @@ class Core:
             picked.append(action)
         return picked
 
-    def _start_exec(self, rec: ActionRec, out: list[ev.Command]) -> None:
-        env = self.envs.get(rec.env or "")
+    def _start_exec(self, rec: ActionRec, out: list[ev.Command], env: EnvRec | None) -> None:
         assert env is not None and rec.spec is not None, "exec actions have an env and a spec"
         out.append(
             ev.RunExec(
@@ -1345,7 +1338,7 @@ class Core:
                     "t": t - origin,
                     "event": "finished" if new == "done" else new,
                     "from": old,
-                    "detail": why,
+                    "detail": str(why),  # a placement's is formatted now (entities.Placed)
                     "cause": cause,
                 }
                 for t, old, new, why, cause in log
