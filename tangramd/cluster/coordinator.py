@@ -249,7 +249,8 @@ class CoordinatorExecutor(Executor):
             super()._execute(cmd)
             return
         self._send_run_exec(cmd)
-        self._log_soon(
+        # a debug line, as in `tangramd up`: its node logs action_finished (with its cores)
+        log.debug(
             "action_placed",
             action_id=cmd.action_id,
             node=cmd.node,

@@ -500,6 +500,7 @@ class NodeAgent:
                 env=env_id,
                 outcome=res.outcome,
                 exec_s=round(res.exec_s, 6),
+                cores=list(cores),
             )
         )
 
