@@ -441,7 +441,10 @@ class CoordinatorExecutor(Executor):
                 conn = rec.remote_conns.pop(int(msg["conn"]), None)
                 if conn is not None:
                     conn._fire()
-            elif kind in ("exec_done", "env_created", "env_removed"):
+            elif kind == "exec_done":
+                self._outcome(rec, kind, msg)
+                link.defer({"t": "ack", "key": str(msg["key"])})  # see Link.defer
+            elif kind in ("env_created", "env_removed"):
                 self._outcome(rec, kind, msg)
                 link.send({"t": "ack", "key": str(msg["key"])})
             elif kind == "transfer_done":
