@@ -103,7 +103,8 @@ def test_exec_results_through_a_node_carry_the_cores_facts(
 ) -> None:
     """An exec's answer through a node, run on that node or another, carries the facts the
     core adds (action id, time queued, cores, node); the coordinator has its outcome before
-    the next op on the same socket."""
+    the next op on the same socket. The node answers its own client's exec itself (one link
+    round trip less); an exec on another node is answered through the coordinator."""
     with cluster["a"].client() as c:
         env_a, env_b = _env_on(c, "a"), _env_on(c, "b")
         local = c.exec(["sh", "-c", "echo hi; exit 3"], env=env_a)
@@ -118,6 +119,16 @@ def test_exec_results_through_a_node_carry_the_cores_facts(
             assert story["outcome"] == "failed", story
         assert {row["name"]: row["running"] for row in c.nodes()} == {"a": 0, "b": 0}
     assert "exit=3" in str(story)
+    answered = {
+        name: {
+            line["action_id"]: line["answered"]
+            for text in cluster[name].log().splitlines()
+            if text.startswith("{") and (line := json.loads(text))["event"] == "action_finished"
+        }
+        for name in ("a", "b")
+    }
+    assert answered["a"][local.action_id] is True
+    assert answered["b"][remote.action_id] is False
 
 
 def test_execs_through_a_node_each_get_their_own_answer(cluster: dict[str, Daemon]) -> None:

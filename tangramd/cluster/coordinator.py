@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import socket
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -99,6 +100,7 @@ class CoordinatorExecutor(Executor):
         # that node answers its client itself, see _reply_on_node)
         self._forwarded: dict[Later, tuple[Link, Any, str | None]] = {}
         self._node_answers: dict[str, Later] = {}  # action id: its forwarded exec
+        self._forwarding: tuple[Link, Any] | None = None  # the request handle_inline serves
         self.port = listen[1]
 
     # ------------------------------------------------------------------ life cycle
@@ -291,8 +293,10 @@ class CoordinatorExecutor(Executor):
             return None
         token, queue_s = answer
         later = self._futures.get(token)
-        target = self._forwarded.get(later) if isinstance(later, Later) else None
-        if later is None or target is None or target[0] is not self.registry.link_of(cmd.node):
+        if not isinstance(later, Later):
+            return None
+        target = self._forwarded.get(later)
+        if target is None or target[0] is not self.registry.link_of(cmd.node):
             return None
         self._forwarded[later] = (target[0], target[1], cmd.action_id)
         self._node_answers[cmd.action_id] = later
@@ -511,18 +515,34 @@ class CoordinatorExecutor(Executor):
         request_id = msg.get("id")
         try:
             conn = self._remote_conn(rec, int(msg["conn"]))
-            result = self.handlers.handle_inline(self, op, args, conn)
+            self._forwarding = (link, request_id)
+            try:
+                result = self.handlers.handle_inline(self, op, args, conn)
+            finally:
+                self._forwarding = None
             if result is NOT_SYNC:
                 return False
             if isinstance(result, Later):
-                self._forwarded[result] = (link, request_id, None)
-                result.then(self._answer_forwarded)
-                return True
+                return True  # wired in request_later, answered when the core answers
             reply: dict[str, Any] = {"t": "resp", "id": request_id, "ok": True, "result": result}
         except Exception as exc:  # every failure is an answer, never a dead link
             reply = {"t": "resp", "id": request_id, "ok": False, "error": error_to_wire(exc)}
         link.send(reply)
         return True
+
+    def request_later(self, make_event: Callable[[int], ev.Event]) -> Later:
+        """As the executor's, and an exec forwarded by a node is known as such before the
+        core sees it: the pass that event runs may place it at once (_reply_on_node)."""
+        origin, self._forwarding = self._forwarding, None
+        if origin is None:
+            return super().request_later(make_event)
+        token = next(self._tokens)
+        later = Later()
+        self._futures[token] = later
+        self._forwarded[later] = (origin[0], origin[1], None)
+        later.then(self._answer_forwarded)
+        self.feed(make_event(token))
+        return later
 
     def _answer_forwarded(self, later: Later) -> None:
         """Send the answer to a forwarded exec when the core gives it (unless its node

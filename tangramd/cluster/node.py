@@ -501,6 +501,7 @@ class NodeAgent:
                 outcome=res.outcome,
                 exec_s=round(res.exec_s, 6),
                 cores=list(cores),
+                answered=answered,  # this node answered its client (else the coordinator)
             )
         )
 
