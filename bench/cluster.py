@@ -1,6 +1,7 @@
 """Cluster mode benchmarks: real daemons on loopback, plus the core's pass in-process.
 
-Usage: python bench/cluster.py [--json] [--acts N] [--clients N] [--skip a,b,c,d]
+Usage: python bench/cluster.py [--json] [--acts N] [--rounds N] [--clients N]
+                                [--skip a,b,c,d] [--against TREE]
 
 (a) ACT overhead of ``true``: the client-measured round trip of one exec in an open
     environment through node → coordinator → node, against ``tangramd up``, both running,
@@ -14,6 +15,11 @@ Usage: python bench/cluster.py [--json] [--acts N] [--clients N] [--skip a,b,c,d
     ``infra_error``; coordinator restart: SIGKILL, restart, until every node is ready.
 
 On a small host all daemons share its cores: absolute numbers are upper bounds.
+``--against TREE`` (another checkout, e.g. main) pairs (a) and (c) with it in the same run:
+(a) adds a second coordinator and node running that tree's code, in the same rotation of
+rounds, and reports each side's CPU per exec; (c) runs each pass alternately here and in a
+worker process on that tree (same seeds) and reports the paired CPU ratio. On a loaded host
+these paired figures are the ones to compare.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import os
 import random
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -88,37 +95,75 @@ def _act_loop(client: Client, env: str, n: int) -> list[float]:
     return times
 
 
-def bench_act(work: Path, n: int, rounds: int = 6) -> dict[str, Any]:
-    """Both daemons up at once, ``rounds`` alternating runs of ``n / rounds`` execs each, so
-    that a change in the host's load reaches both sides alike."""
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (Linux /proc)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def bench_act(work: Path, n: int, rounds: int = 6, against: str | None = None) -> dict[str, Any]:
+    """The daemons up at once, ``rounds`` rotating runs of ``n / rounds`` execs each, so
+    that a change in the host's load reaches every side alike."""
     up = spawn_daemon(work / "up", UP_CONFIG)
-    coord = spawn_coordinator(work / "act", CONFIG)
-    node = spawn_node(work / "act", coord, "n1", cpus=",".join(map(str, CORES)))
-    times: dict[str, list[float]] = {"up": [], "node": []}
+    daemons = [up]
+    pids = {"up": [up.proc.pid]}
+    sockets = {"up": up.socket}
+    trees = {"node": None} if against is None else {"node": None, "against": against}
+    times: dict[str, list[float]] = {"up": []}
     try:
-        with Client(up.socket) as cu, Client(node.socket) as cn:
-            sides = {"up": (cu, cu.env_open()), "node": (cn, cn.env_open())}
-            for client, env in sides.values():
-                _act_loop(client, env, 20)  # warm-up
-            for _ in range(rounds):
-                for side, (client, env) in sides.items():
-                    times[side] += _act_loop(client, env, max(1, n // rounds))
-            for client, env in sides.values():
-                client.env_close(env)
+        for side, tree in trees.items():
+            # PYTHONSAFEPATH: `python -m` would put the working directory (this tree, when
+            # run from it) before PYTHONPATH
+            env = None if tree is None else {"PYTHONPATH": tree, "PYTHONSAFEPATH": "1"}
+            coord = spawn_coordinator(work / side, CONFIG, env=env)
+            daemons.append(coord)
+            node = spawn_node(work / side, coord, "n1", cpus=",".join(map(str, CORES)), env=env)
+            daemons.append(node)
+            pids[side] = [coord.proc.pid, node.proc.pid]
+            sockets[side], times[side] = node.socket, []
+        clients = {side: Client(path) for side, path in sockets.items()}
+        sides = {side: (c, c.env_open()) for side, c in clients.items()}
+        for client, env in sides.values():
+            _act_loop(client, env, 20)  # warm-up
+        names = list(sides)
+        cpu = dict.fromkeys(names, 0.0)
+        for r in range(rounds):
+            for side in names[r % len(names) :] + names[: r % len(names)]:
+                client, env = sides[side]
+                c0 = _cpu_s(pids[side])
+                times[side] += _act_loop(client, env, max(1, n // rounds))
+                cpu[side] += _cpu_s(pids[side]) - c0
+        for client, env in sides.values():
+            client.env_close(env)
+            client.close()
     finally:
-        node.stop()
-        coord.stop()
-        up.stop()
-    a, b = _stats_ms(times["up"]), _stats_ms(times["node"])
-    return {
+        for daemon in reversed(daemons):
+            daemon.stop()
+    stats = {side: _stats_ms(t) for side, t in times.items()}
+    a, b = stats["up"], stats["node"]
+    out: dict[str, Any] = {
         "actions": len(times["up"]),
         "rounds": rounds,
         "tangramd_up": a,
         "through_node": b,
         "extra_p50_ms": round(b["p50_ms"] - a["p50_ms"], 3),
         "extra_p99_ms": round(b["p99_ms"] - a["p99_ms"], 3),
+        # the daemons' CPU per exec (the up daemon; the coordinator and node together)
+        "cpu_ms_per_exec": {side: round(cpu[side] / len(times[side]) * 1e3, 3) for side in cpu},
         "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
+    if against is not None:
+        c = stats["against"]
+        out["against"] = {
+            "tree": against,
+            "through_node": c,
+            "extra_p50_ms": round(c["p50_ms"] - a["p50_ms"], 3),
+            "extra_p99_ms": round(c["p99_ms"] - a["p99_ms"], 3),
+        }
+    return out
 
 
 def bench_throughput(work: Path, clients: int, per_client: int) -> dict[str, Any]:
@@ -196,7 +241,62 @@ def _core_pass(nodes: int, cores: int, repeat: int) -> dict[str, Any]:
     }
 
 
-def bench_pass(repeat: int) -> dict[str, Any]:
+_PASS_WORKER = """
+import gc, sys, time
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/bench"]
+import cluster as B
+from tangramd import events as ev
+for line in sys.stdin:
+    core = B._queued_core(16, 64, 1024, int(line))
+    gc.collect()
+    c0 = time.thread_time()
+    out = core.handle(ev.Tick(), 1.0)
+    placed = sum(isinstance(c, ev.RunExec) for c in out)
+    print(time.thread_time() - c0, placed, flush=True)
+"""
+
+
+def _paired_pass(repeat: int, against: str) -> dict[str, Any]:
+    """The 16 x 64 pass here and in a worker on ``against``, alternating, the same seeds."""
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _PASS_WORKER, against],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=against, PYTHONSAFEPATH="1"),
+    )
+    assert worker.stdin is not None and worker.stdout is not None
+    here, there = [], []
+    try:
+        for seed in range(repeat):
+            for side in ("here", "there") if seed % 2 == 0 else ("there", "here"):
+                if side == "there":
+                    worker.stdin.write(f"{seed}\n")
+                    worker.stdin.flush()
+                    cpu, placed = worker.stdout.readline().split()
+                    there.append((float(cpu), int(placed)))
+                else:
+                    core = _queued_core(16, 64, 1024, seed)
+                    gc.collect()
+                    c0 = time.thread_time()
+                    out = core.handle(ev.Tick(), 1.0)
+                    placed_here = sum(isinstance(c, ev.RunExec) for c in out)
+                    here.append((time.thread_time() - c0, placed_here))
+    finally:
+        worker.stdin.close()
+        worker.wait(30)
+    return {
+        "tree": against,
+        "cpu_p50_ms": round(statistics.median(c for c, _ in there) * 1e3, 3),
+        "cpu_p50_ms_here": round(statistics.median(c for c, _ in here) * 1e3, 3),
+        "paired_cpu_ratio_p50": round(
+            statistics.median(h[0] / t[0] for h, t in zip(here, there, strict=True)), 3
+        ),
+        "same_placement_counts": [p for _, p in here] == [p for _, p in there],
+    }
+
+
+def bench_pass(repeat: int, against: str | None = None) -> dict[str, Any]:
     cluster = _core_pass(16, 64, repeat)
     # the same queue and the same free cores in one pool: what "inside the single-node
     # targets" compares against (bench/sched.py times the scheduler alone, not the core)
@@ -208,7 +308,7 @@ def bench_pass(repeat: int) -> dict[str, Any]:
         for c in single_node(max(20, repeat), "fcfs")["cases"]
         if (c["queued"], c["units"]) == (1024, 256)
     )
-    return {
+    out = {
         "nodes": 16,
         "cores_per_node": 64,
         "queued": 1024,
@@ -220,6 +320,9 @@ def bench_pass(repeat: int) -> dict[str, Any]:
             k: reference[k] for k in ("queued", "units", "p50_ms", "p99_ms", "placed")
         },
     }
+    if against is not None:
+        out["against"] = _paired_pass(max(repeat, 20), against)
+    return out
 
 
 def _free_port() -> int:
@@ -290,20 +393,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--acts", type=int, default=300, help="(a) sequential execs per side")
+    ap.add_argument("--rounds", type=int, default=6, help="(a) rotations of the sides")
     ap.add_argument("--clients", type=int, default=256, help="(b) concurrent clients")
     ap.add_argument("--per-client", type=int, default=4, help="(b) execs per client")
     ap.add_argument("--repeat", type=int, default=3, help="(c), (d) repetitions")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c,d")
+    ap.add_argument("--against", help="another checkout to pair (a) and (c) with (e.g. main)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     work = Path(tempfile.mkdtemp(prefix="tangram-bench-cluster-"))
     result: dict[str, Any] = {"host_cores": len(CORES)}
     if "a" not in skip:
-        result["a_act_overhead"] = bench_act(work, args.acts)
+        result["a_act_overhead"] = bench_act(work, args.acts, args.rounds, args.against)
     if "b" not in skip:
         result["b_throughput"] = bench_throughput(work, args.clients, args.per_client)
     if "c" not in skip:
-        result["c_pass"] = bench_pass(args.repeat)
+        result["c_pass"] = bench_pass(args.repeat, args.against)
     if "d" not in skip:
         result["d_failures"] = bench_failures(work, args.repeat)
     print(json.dumps(result, indent=None if args.json else 1))

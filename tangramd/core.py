@@ -58,6 +58,7 @@ from tangramd.entities import (
     SESSION_EDGES,
     ActionRec,
     EnvRec,
+    Placed,
     SessionRec,
     Stories,
     note,
@@ -496,18 +497,11 @@ class Core:
                 elastic = rec.action.elastic
                 self.meter.started(p.pool_id, p.action_id, now, elastic, p.amount, p.expected_s)
             env = self.envs.get(rec.env) if rec.env else None
-            note(
-                rec,
-                now,
-                "placed",
-                f"pool={p.pool_id} units={list(p.units)}"
-                + (f" node={env.node}" if env else "")
-                + f" expected_s={p.expected_s:.3g}",
-                self.stimulus,
-            )
+            node = env.node if env else None
+            note(rec, now, "placed", Placed(p.pool_id, p.units, node, p.expected_s), self.stimulus)
             if rec.action.kind == "exec":
                 self._transition(rec, "running", now, "exec sent to the backend")
-                self._start_exec(rec, out)
+                self._start_exec(rec, out, env)
             elif rec.action.kind == "service":
                 self._start_call(rec, now, out)
             else:
@@ -586,8 +580,7 @@ class Core:
             picked.append(action)
         return picked
 
-    def _start_exec(self, rec: ActionRec, out: list[ev.Command]) -> None:
-        env = self.envs.get(rec.env or "")
+    def _start_exec(self, rec: ActionRec, out: list[ev.Command], env: EnvRec | None) -> None:
         assert env is not None and rec.spec is not None, "exec actions have an env and a spec"
         out.append(
             ev.RunExec(
@@ -1347,7 +1340,7 @@ class Core:
                     "t": t - origin,
                     "event": "finished" if new == "done" else new,
                     "from": old,
-                    "detail": why,
+                    "detail": str(why),  # a placement's is formatted now (entities.Placed)
                     "cause": cause,
                 }
                 for t, old, new, why, cause in log
@@ -1445,6 +1438,14 @@ class Core:
         """The node holding an environment (None: unknown or not placed)."""
         env = self.envs.get(env_id)
         return env.node if env is not None and env.node else None
+
+    def exec_reply(self, action_id: str) -> tuple[int, float] | None:
+        """A running exec's reply token and time queued: what a cluster node needs to answer
+        the client itself as this core's reply would (None: no reply pending)."""
+        rec = self.actions.get(ActionId(action_id))
+        if rec is None or rec.state != "running" or rec.token is None or rec.call is not None:
+            return None
+        return rec.token, (rec.started_at or rec.submitted_at) - rec.submitted_at
 
     def action_node(self, action_id: str) -> str | None:
         """The node a running exec action runs on (None: not running)."""

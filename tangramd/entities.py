@@ -173,7 +173,27 @@ class Stories:
         return self._logs.get(action_id)
 
 
-def note(rec: ActionRec, now: float, what: str, detail: str, cause: int) -> None:
+def note(rec: ActionRec, now: float, what: str, detail: str | Placed, cause: int) -> None:
     """Write a story entry that is not a state change (submission, placement)."""
     if len(rec.history) < STORY_ENTRIES:
-        rec.history.append((now, rec.state, what, detail, cause))
+        rec.history.append((now, rec.state, what, detail, cause))  # type: ignore[arg-type]
+
+
+class Placed:
+    """A placement's story detail, as text only when a story is read: a pass places
+    hundreds of actions, and formatting each one's detail was a twentieth of the pass."""
+
+    __slots__ = ("expected_s", "node", "pool_id", "units")
+
+    def __init__(
+        self, pool_id: str, units: tuple[int, ...], node: str | None, expected_s: float
+    ) -> None:
+        self.pool_id, self.units, self.node, self.expected_s = pool_id, units, node, expected_s
+
+    def __str__(self) -> str:
+        node = f" node={self.node}" if self.node is not None else ""
+        units = list(self.units)
+        return f"pool={self.pool_id} units={units}{node} expected_s={self.expected_s:.3g}"
+
+    def __repr__(self) -> str:  # as the text would be (in an illegal transition's message)
+        return repr(str(self))

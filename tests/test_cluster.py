@@ -6,6 +6,7 @@ fast so failures show within seconds. Every wait is bounded.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tangram import Client, EnvLost
+from tangram import AsyncClient, Client, EnvLost
 from tangram.protocol import OPS, BadRequest, InfraError, NotFound, UnknownOp
 from tangramd.cluster.testing import (
     Daemon,
@@ -102,7 +103,8 @@ def test_exec_results_through_a_node_carry_the_cores_facts(
 ) -> None:
     """An exec's answer through a node, run on that node or another, carries the facts the
     core adds (action id, time queued, cores, node); the coordinator has its outcome before
-    the next op on the same socket."""
+    the next op on the same socket. The node answers its own client's exec itself (one link
+    round trip less); an exec on another node is answered through the coordinator."""
     with cluster["a"].client() as c:
         env_a, env_b = _env_on(c, "a"), _env_on(c, "b")
         local = c.exec(["sh", "-c", "echo hi; exit 3"], env=env_a)
@@ -117,6 +119,50 @@ def test_exec_results_through_a_node_carry_the_cores_facts(
             assert story["outcome"] == "failed", story
         assert {row["name"]: row["running"] for row in c.nodes()} == {"a": 0, "b": 0}
     assert "exit=3" in str(story)
+    answered = {
+        name: {
+            line["action_id"]: line["answered"]
+            for text in cluster[name].log().splitlines()
+            if text.startswith("{") and (line := json.loads(text))["event"] == "action_finished"
+        }
+        for name in ("a", "b")
+    }
+    assert answered["a"][local.action_id] is True
+    assert answered["b"][remote.action_id] is False
+
+
+def test_execs_through_a_node_each_get_their_own_answer(cluster: dict[str, Daemon]) -> None:
+    """Execs a node forwards are answered without a task on either side: many at once on
+    one connection each get their own answer, on both nodes; an exec with files runs in a
+    task on its node and brings its files back; refusals and errors are answered too."""
+    with cluster["a"].client() as c:
+        envs = {node: _env_on(c, node) for node in ("a", "b")}
+
+    async def run() -> list[Any]:
+        async with AsyncClient(cluster["a"].socket) as ac:
+            execs = [
+                ac.exec(["sh", "-c", f"echo {k}"], env=envs["ab"[k % 2]], cpus=1) for k in range(12)
+            ]
+            return await asyncio.gather(*execs)
+
+    for k, result in enumerate(asyncio.run(run())):
+        assert result.outcome == "ok" and result.stdout == f"{k}\n", result
+        assert result.node == "ab"[k % 2]
+    with cluster["a"].client() as c:
+        for node, env in envs.items():
+            result = c.exec(
+                ["sh", "-c", "cat in.txt > out.txt; echo more >> out.txt"],
+                env=env,
+                files={"in.txt": f"from {node}\n"},
+                fetch=["out.txt"],
+            )
+            assert result.outcome == "ok" and result.node == node, result
+            assert result.files == {"out.txt": f"from {node}\nmore\n".encode()}
+            no_dir = c.exec(["true"], env=env, cwd="no-such-dir")  # the backend refuses
+            assert no_dir.outcome == "failed" and "not a directory" in no_dir.stderr, no_dir
+        with pytest.raises(NotFound):
+            c.exec(["true"], env="no-such-env")
+        assert {row["name"]: row["running"] for row in c.nodes()} == {"a": 0, "b": 0}
 
 
 def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, Daemon]) -> None:

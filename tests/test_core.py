@@ -197,7 +197,7 @@ def test_story_records_every_transition_and_the_placement():
         (0.5, "finished"),
     ]
     placed = story["events"][3]["detail"]
-    assert "units=[0, 1]" in placed and "node=local" in placed
+    assert placed == "pool=cpu:local units=[0, 1] node=local expected_s=1"  # text when read
     assert (story["state"], story["outcome"]) == ("done", "ok")
 
 

@@ -139,6 +139,37 @@ def test_pick_units_is_a_pure_sequential_plan() -> None:
     pool.validate()
 
 
+@given(
+    sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_pick_units_is_pick_cores_one_by_one(sizes: list[int], data: st.DataObject) -> None:
+    """The plan is exactly what pick_cores gives each request in turn, on the cores left
+    by the ones before (pick_units inlines its single-NUMA best fit)."""
+    layout = [range(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))]
+    pool, reference = CpuNodePool("n", layout, GiB), CpuNodePool("r", layout, GiB)
+    for k, core in enumerate(data.draw(st.sets(st.sampled_from(range(sum(sizes)))))):
+        for p in (pool, reference):
+            p.allocate(ActionId(f"held{k}"), (core,))
+    amounts = data.draw(st.lists(st.integers(0, 8), max_size=12))
+    requests = [(exec_action(f"a{k}", max(1, n)), n) for k, n in enumerate(amounts)]
+    expected: list[tuple[int, ...]] | str = []
+    for action, amount in requests:
+        try:
+            cores = pick_cores(reference.free_by_numa(), amount)
+        except ValueError:
+            expected = "raises"
+            break
+        assert isinstance(expected, list)
+        expected.append(cores)
+        reference.allocate(action.id, cores)
+    if expected == "raises":
+        with pytest.raises(ValueError):
+            pool.pick_units(requests)
+    else:
+        assert pool.pick_units(requests) == expected
+
+
 def test_pick_units_that_do_not_fit_raise() -> None:
     """A plan that does not fit together is a ValueError naming the action."""
     pool = two_numa()

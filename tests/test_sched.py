@@ -76,6 +76,33 @@ TABLE = [
 ]
 
 
+@pytest.mark.parametrize("rule", ["priced", "wait-eft", "wait", "paper"])
+def test_a_full_pool_places_nothing_and_the_others_are_scheduled_alike(rule: str) -> None:
+    """A pool with no free unit leaves its whole queue waiting (no bands, no replay for
+    it); another pool in the same pass decides as it would alone."""
+    full, free = cpu_node(4, "full"), cpu_node(4, "free")
+    for core in range(4):
+        full.allocate(ActionId(f"busy{core}"), (core,))
+    queue_full = [ex(0, 2), elastic(1, 4, 40.0, POOR), ex(2)]
+    queue_free = [elastic(3, 4, 40.0, POOR), ex(4), elastic(5, 4, 40.0, LINEAR)]
+    affinity = {TrajectoryId(a.trajectory): full.pool_id for a in queue_full}
+    affinity |= {TrajectoryId(a.trajectory): free.pool_id for a in queue_free}
+    cfg = SchedConfig(rule=rule)  # type: ignore[arg-type]
+    both = schedule(
+        Snapshot(
+            waiting=[*queue_full, *queue_free],
+            pools={full.pool_id: full, free.pool_id: free},
+            affinity=affinity,
+        ),
+        0.0,
+        cfg,
+    )
+    alone = schedule(snap_for(free, queue_free), 0.0, cfg)
+    assert both.placements == alone.placements and both.placements
+    assert set(both.waiting) == {"a0", "a1", "a2", *alone.waiting}
+    assert not both.infeasible and both.objective == alone.objective
+
+
 @pytest.mark.parametrize(("name", "actions", "placed", "waiting"), TABLE, ids=[t[0] for t in TABLE])
 def test_table(name, actions, placed, waiting):
     """Each named case places exactly the expected amounts and leaves the rest waiting.

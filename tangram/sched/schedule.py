@@ -319,6 +319,8 @@ def _schedule_pool(
     pool: SchedPool, queue: Sequence[Action], snap: Snapshot, now: float, cfg: SchedConfig
 ) -> _PoolResult:
     op = pool.operator()
+    if op.units(op.start()) == 0:  # a full pool starts nothing: no bands, no replay
+        return _PoolResult([], [], 0.0, 0)  # (both candidate scans stop at once on 0 free)
     priced = cfg.rule == "priced" and isinstance(op, BaseOperator)
     load = snap.load.get(pool.pool_id, NO_LOAD)
     dur = Durations(pool, snap.estimate)

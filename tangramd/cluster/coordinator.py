@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import socket
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -43,7 +44,7 @@ from tangramd.cluster.registry import NodeRecord, Refused, Registry
 from tangramd.cluster.store import Store, StoredEnv
 from tangramd.core import Core
 from tangramd.executor import Executor, OpHandlers
-from tangramd.transport import NOT_SYNC, ConnInfo
+from tangramd.transport import NOT_SYNC, ConnInfo, Later
 
 log = structlog.get_logger("tangramd")
 
@@ -95,6 +96,11 @@ class CoordinatorExecutor(Executor):
         self._remote_ids = itertools.count(REMOTE_CONN_BASE)
         self._transfers: dict[str, ev.RunTransfer] = {}  # sent to a node, not answered yet
         self._transfer_ids = itertools.count(1)
+        # forwarded execs owed an answer: (link, the node's request id, the action when
+        # that node answers its client itself, see _reply_on_node)
+        self._forwarded: dict[Later, tuple[Link, Any, str | None]] = {}
+        self._node_answers: dict[str, Later] = {}  # action id: its forwarded exec
+        self._forwarding: tuple[Link, Any] | None = None  # the request handle_inline serves
         self.port = listen[1]
 
     # ------------------------------------------------------------------ life cycle
@@ -245,7 +251,8 @@ class CoordinatorExecutor(Executor):
             super()._execute(cmd)
             return
         self._send_run_exec(cmd)
-        self._log_soon(
+        # a debug line, as in `tangramd up`: its node logs action_finished (with its cores)
+        log.debug(
             "action_placed",
             action_id=cmd.action_id,
             node=cmd.node,
@@ -268,9 +275,32 @@ class CoordinatorExecutor(Executor):
             "max_output": cmd.max_output,
             "run_as": list(cmd.run_as) if cmd.run_as else None,
         }
+        reply = self._reply_on_node(cmd)
+        if reply is not None:
+            msg["reply"] = reply
         if not self._send(cmd.node, msg):
             detail = f"node {cmd.node} is not connected"
             self.feed(ev.ExecFinished(cmd.action_id, ExecResult("infra_error", detail=detail)))
+
+    def _reply_on_node(self, cmd: ev.RunExec) -> dict[str, Any] | None:
+        """When the exec came from a client of the node it runs on, that node answers the
+        client itself as soon as it ends (``reply``: the request and its time queued, the
+        one fact the core adds that the node lacks), then reports the outcome: one link
+        round trip less per action. The core's reply to it then goes nowhere (see
+        :meth:`_outcome`); the answer is the same ``ExecResult.placed``."""
+        answer = self.core.exec_reply(cmd.action_id)
+        if answer is None:
+            return None
+        token, queue_s = answer
+        later = self._futures.get(token)
+        if not isinstance(later, Later):
+            return None
+        target = self._forwarded.get(later)
+        if target is None or target[0] is not self.registry.link_of(cmd.node):
+            return None
+        self._forwarded[later] = (target[0], target[1], cmd.action_id)
+        self._node_answers[cmd.action_id] = later
+        return {"id": target[1], "queue_s": queue_s}
 
     async def _run_transfer(self, cmd: ev.RunTransfer) -> None:
         self._transfers[key := f"t{next(self._transfer_ids)}"] = cmd
@@ -415,7 +445,10 @@ class CoordinatorExecutor(Executor):
                 conn = rec.remote_conns.pop(int(msg["conn"]), None)
                 if conn is not None:
                     conn._fire()
-            elif kind in ("exec_done", "env_created", "env_removed"):
+            elif kind == "exec_done":
+                self._outcome(rec, kind, msg)
+                link.defer({"t": "ack", "key": str(msg["key"])})  # see Link.defer
+            elif kind in ("env_created", "env_removed"):
                 self._outcome(rec, kind, msg)
                 link.send({"t": "ack", "key": str(msg["key"])})
             elif kind == "transfer_done":
@@ -454,6 +487,9 @@ class CoordinatorExecutor(Executor):
         """A node's outcome becomes the core's event, if it is about that node's work."""
         if kind == "exec_done":
             action_id = str(msg["action_id"])
+            later = self._node_answers.pop(action_id, None)
+            if later is not None and msg.get("answered") is True:
+                self._forwarded.pop(later, None)  # its client has the answer
             if self.core.action_node(action_id) != rec.name:
                 return  # already ended (node lost, resumed) or not this node's: ignore
             result = ExecResult.from_wire(msg["result"])
@@ -469,21 +505,59 @@ class CoordinatorExecutor(Executor):
             self.feed(ev.EnvRemoved(env_id=env_id))
 
     def _remote_inline(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> bool:
-        """Answer a forwarded view (status, nodes, ...) at once, as the Unix socket's fast
-        path does; False for ops that wait (they run as tasks)."""
+        """Answer a forwarded view (status, nodes, ...) at once, and submit an ``exec`` at
+        once, as the Unix socket's inline path does: its answer goes out in the loop turn
+        that produces it (the node's outcome, whose ``ack`` it shares a write with); False
+        for ops that wait otherwise (they run as tasks)."""
         op, args = msg.get("op"), msg.get("args") or {}
         if not isinstance(op, str) or not isinstance(args, dict) or op in LOCAL_ONLY_OPS:
             return False
+        request_id = msg.get("id")
         try:
             conn = self._remote_conn(rec, int(msg["conn"]))
-            result = self.handlers.handle_sync(self, op, args, conn)
+            self._forwarding = (link, request_id)
+            try:
+                result = self.handlers.handle_inline(self, op, args, conn)
+            finally:
+                self._forwarding = None
             if result is NOT_SYNC:
                 return False
-            reply: dict[str, Any] = {"t": "resp", "id": msg.get("id"), "ok": True, "result": result}
+            if isinstance(result, Later):
+                return True  # wired in request_later, answered when the core answers
+            reply: dict[str, Any] = {"t": "resp", "id": request_id, "ok": True, "result": result}
         except Exception as exc:  # every failure is an answer, never a dead link
-            reply = {"t": "resp", "id": msg.get("id"), "ok": False, "error": error_to_wire(exc)}
+            reply = {"t": "resp", "id": request_id, "ok": False, "error": error_to_wire(exc)}
         link.send(reply)
         return True
+
+    def request_later(self, make_event: Callable[[int], ev.Event]) -> Later:
+        """As the executor's, and an exec forwarded by a node is known as such before the
+        core sees it: the pass that event runs may place it at once (_reply_on_node)."""
+        origin, self._forwarding = self._forwarding, None
+        if origin is None:
+            return super().request_later(make_event)
+        token = next(self._tokens)
+        later = Later()
+        self._futures[token] = later
+        self._forwarded[later] = (origin[0], origin[1], None)
+        later.then(self._answer_forwarded)
+        self.feed(make_event(token))
+        return later
+
+    def _answer_forwarded(self, later: Later) -> None:
+        """Send the answer to a forwarded exec when the core gives it (unless its node
+        answered its client itself)."""
+        target = self._forwarded.pop(later, None)
+        if target is None:
+            return
+        link, request_id, action_id = target
+        if action_id is not None:
+            self._node_answers.pop(action_id, None)
+        if later.error is None:
+            link.send({"t": "resp", "id": request_id, "ok": True, "result": later.result})
+        else:
+            error = error_to_wire(later.error)
+            link.send({"t": "resp", "id": request_id, "ok": False, "error": error})
 
     async def _remote_request(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         """A client request from a node's socket, through the same op handlers."""

@@ -11,9 +11,14 @@ Every message is a map with a ``"t"`` (type) key. In the order of a link's life:
   environments the node still owns; it removes the rest, cancel: the running actions the
   coordinator has ended; it kills them (``Backend.cancel``)};
 - both ``hb``: heartbeats (the coordinator answers each one);
-- coordinator ``create_env`` / ``remove_env`` / ``run_exec``: what the core decided;
+- coordinator ``create_env`` / ``remove_env`` / ``run_exec``: what the core decided (a
+  ``run_exec`` for an exec from this node's own client carries ``reply`` {id, queue_s}: the
+  node answers that request itself when the exec ends, and says so in ``exec_done``
+  {answered}, which it sends in the same turn, before it reads anything else);
 - node ``env_created`` / ``env_removed`` / ``exec_done`` {key, ...}: outcomes, kept by
-  the node until the coordinator's ``ack`` {key};
+  the node until the coordinator's ``ack`` {key} (an exec's ack is deferred: it rides
+  with the next message to that node, or leaves on its own within ``DEFER_S``; an outcome
+  resent after a reconnect whose action has ended is ignored);
 - node ``req`` {id, conn, op, args} / ``conn_closed`` {conn}: clients of its socket;
   coordinator ``resp`` {id, ok, result | error: {code, message}};
 - node ``bye``: it is stopping (lost at once rather than after the timeout).
@@ -34,6 +39,7 @@ from typing import Any
 from tangram.protocol.codec import DEFAULT_MAX_FRAME, FrameDecoder, encode
 
 READ_CHUNK = 1 << 16
+DEFER_S = 0.05  # how long a deferred message (an acknowledgement) waits for company
 
 
 class LinkClosed(Exception):
@@ -56,6 +62,8 @@ class Link:
         self._decoder = FrameDecoder(max_frame)
         self.closed = False
         self._corked: list[bytes] | None = None
+        self._deferred: list[bytes] = []  # sent with the next write, or after DEFER_S
+        self._defer_timer: asyncio.TimerHandle | None = None
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
 
@@ -66,9 +74,32 @@ class Link:
         data = encode(msg, max_frame=self.max_frame)
         if self._corked is not None:
             self._corked.append(data)
+        elif self._deferred:
+            self._deferred.append(data)
+            self._flush_deferred()
         else:
             self.writer.write(data)
         return True
+
+    def defer(self, msg: Mapping[str, Any]) -> bool:
+        """Queue a message that need not leave at once (an acknowledgement): it goes out in
+        the same write as the next message sent, or on its own after ``DEFER_S``, so a
+        busy link carries it without a write (and a wake-up of the peer) of its own."""
+        if self.closed or self.writer.is_closing():
+            return False
+        self._deferred.append(encode(msg, max_frame=self.max_frame))
+        if self._defer_timer is None:
+            loop = asyncio.get_running_loop()
+            self._defer_timer = loop.call_later(DEFER_S, self._flush_deferred)
+        return True
+
+    def _flush_deferred(self) -> None:
+        held, self._deferred = self._deferred, []
+        if self._defer_timer is not None:
+            self._defer_timer.cancel()
+            self._defer_timer = None
+        if held and not self.closed and not self.writer.is_closing():
+            self.writer.write(held[0] if len(held) == 1 else b"".join(held))
 
     def cork(self) -> None:
         """Hold what is sent until :meth:`uncork`, then write it at once: one TLS record
@@ -79,8 +110,12 @@ class Link:
 
     def uncork(self) -> None:
         held, self._corked = self._corked, None
-        if held and not self.closed and not self.writer.is_closing():
-            self.writer.write(held[0] if len(held) == 1 else b"".join(held))
+        if held:
+            if self._deferred:
+                self._deferred.extend(held)
+                self._flush_deferred()
+            elif not self.closed and not self.writer.is_closing():
+                self.writer.write(held[0] if len(held) == 1 else b"".join(held))
 
     async def drain(self) -> None:
         try:
@@ -109,12 +144,16 @@ class Link:
 
     def close(self) -> None:
         if not self.closed:
+            self._flush_deferred()  # (a goodbye still carries what was deferred)
             self.closed = True
             self.writer.close()
 
     def abort(self) -> None:
         """Close at once, without a TLS goodbye (the peer may be unreachable)."""
         self.closed = True
+        if self._defer_timer is not None:
+            self._defer_timer.cancel()
+            self._defer_timer = None
         self.writer.transport.abort()
 
     async def wait_closed(self) -> None:

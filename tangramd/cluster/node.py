@@ -49,7 +49,7 @@ from tangramd.cluster.pki import CertInvalid, PinMismatch, client_context, verif
 from tangramd.executor import run_transfer
 from tangramd.records import RecordJournal
 from tangramd.services.inventory import Gpu
-from tangramd.transport import ConnInfo, UnixServer
+from tangramd.transport import ConnInfo, Later, UnixServer
 
 log = structlog.get_logger("tangramd")
 
@@ -100,7 +100,9 @@ class NodeAgent:
         self.gpus = gpus
         self.max_frame = int(server_options.get("max_frame", 16 << 20))
         self.clock = clock
-        self.server = UnixServer(socket_path, self._forward, **server_options)
+        self.server = UnixServer(
+            socket_path, self._forward, sync_handler=self._forward_later, **server_options
+        )
         self.link: Link | None = None
         self.failed: str | None = None  # why the node gave up joining
         self.gave_up = asyncio.Event()
@@ -108,7 +110,7 @@ class NodeAgent:
         self.heartbeat_timeout_s = 10.0
         self._last_rx = 0.0
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._pending: dict[int, asyncio.Future[Any] | Later] = {}  # requests forwarded
         self._watched: set[int] = set()
         self._outbox: dict[str, dict[str, Any]] = {}  # outcomes not yet acknowledged
         self._envs: set[str] = set()
@@ -305,9 +307,9 @@ class NodeAgent:
         self.link = None
         self._watched.clear()
         pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(
+        for owed in pending.values():
+            if not owed.done():
+                owed.set_exception(
                     InfraError(f"node {self.name}: link to the coordinator {self.addr} dropped")
                 )
 
@@ -321,8 +323,7 @@ class NodeAgent:
             elif kind == "ack":
                 self._outbox.pop(str(msg["key"]), None)
             elif kind == "run_exec":
-                self._running.add(str(msg["action_id"]))
-                self._spawn(self._run_exec(msg))
+                self._start_exec(msg)
             elif kind == "create_env":
                 self._spawn(self._create_env(msg))
             elif kind == "remove_env":
@@ -437,27 +438,65 @@ class NodeAgent:
             log.warning("session_close_failed", node=self.name, session=session_id, error=str(exc))
         self._report(f"sc:{session_id}", {"t": "session_closed", "session_id": session_id})
 
-    async def _run_exec(self, msg: dict[str, Any]) -> None:
+    def _start_exec(self, msg: dict[str, Any]) -> None:
+        """Hand a placement to the backend as the all-in-one executor does: a backend with
+        ``start_exec`` (the process backend) spawns within this call and reports the end
+        from the loop turn that sees it, with no task in between; other backends, and execs
+        with ``files`` to write or ``fetch`` to read back, run in a task."""
         action_id = str(msg["action_id"])
         env_id = str(msg.get("env_id"))
+        self._running.add(action_id)
+        try:
+            cores = tuple(int(c) for c in msg["cores"])
+        except (KeyError, TypeError, ValueError):
+            cores = ()
+        done = functools.partial(self._exec_ended, action_id, env_id, cores, msg.get("reply"))
         try:
             req = ExecRequest.for_action(
                 ExecSpec.from_wire(msg["spec"]),
                 env_id=env_id,
-                cores=tuple(int(c) for c in msg["cores"]),
+                cores=cores,
                 max_output=int(msg["max_output"]),
                 action_id=action_id,
                 run_as=_pair(msg.get("run_as")),
             )
+        except Exception as exc:  # a malformed placement ends as an infra error
+            done(ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}"))
+            return
+        start = getattr(self.backend, "start_exec", None)
+        if start is None or req.files or req.fetch:
+            self._spawn(self._run_exec(req, done))
+            return
+        try:
+            start(req, done)
+        except Exception as exc:  # a backend failure of any kind is an infra error
+            res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
+            asyncio.get_running_loop().call_soon(done, res)
+
+    async def _run_exec(self, req: ExecRequest, done: Callable[[ExecResult], None]) -> None:
+        try:
             res = await exec_with_files(self.backend, req)
         except Exception as exc:
             res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
-        finally:
-            self._running.discard(action_id)
+        done(res)
+
+    def _exec_ended(
+        self, action_id: str, env_id: str, cores: tuple[int, ...], reply: Any, res: ExecResult
+    ) -> None:
+        self._running.discard(action_id)
         lost = res.outcome == "infra_error" and not self.backend.env_exists(env_id)
+        answered = self._answer_exec(reply, action_id, cores, res)
+        # after the answer, before this turn ends: the coordinator has the outcome before
+        # whatever that client sends next reaches it over the same link
         self._report(
             f"x:{action_id}",
-            {"t": "exec_done", "action_id": action_id, "result": res.to_wire(), "env_lost": lost},
+            {
+                "t": "exec_done",
+                "action_id": action_id,
+                "result": res.to_wire(),
+                "env_lost": lost,
+                "answered": answered,
+            },
         )
         # formatting a log line is a tenth of a millisecond: after the outcome is on its way
         asyncio.get_running_loop().call_soon(
@@ -469,12 +508,53 @@ class NodeAgent:
                 env=env_id,
                 outcome=res.outcome,
                 exec_s=round(res.exec_s, 6),
+                cores=list(cores),
+                answered=answered,  # this node answered its client (else the coordinator)
             )
         )
 
+    def _answer_exec(
+        self, reply: Any, action_id: str, cores: tuple[int, ...], res: ExecResult
+    ) -> bool:
+        """Answer the client whose request this exec is, when the coordinator said so
+        (``reply``) and it still waits: the core's answer, built from the same facts."""
+        if not isinstance(reply, dict):
+            return False
+        try:
+            request_id, queue_s = int(reply["id"]), float(reply["queue_s"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        owed = self._pending.pop(request_id, None)
+        if owed is None or owed.done():
+            return False
+        final = res.placed(action_id=action_id, queue_s=queue_s, cores=cores, node=self.name)
+        if isinstance(owed, Later):
+            owed.resolve(final.to_wire())
+        else:
+            owed.set_result(final.to_wire())
+        return True
+
     # ------------------------------------------------------------------ client requests
+    def _forward_later(self, op: str, args: dict[str, Any], conn: ConnInfo) -> Later:
+        """Every client op goes to the coordinator; the socket's inline path: no task, the
+        coordinator's answer (or error) is written to the client in the loop turn that
+        reads it."""
+        later = Later()
+        self._send_request(op, args, conn, later)
+        return later
+
     async def _forward(self, op: str, args: dict[str, Any], conn: ConnInfo) -> Any:
-        """Every client op goes to the coordinator; its answer (or error) comes back."""
+        """As :meth:`_forward_later`, for the socket's task path (a slow reader)."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        request_id = self._send_request(op, args, conn, fut)
+        try:
+            return await fut
+        finally:
+            self._pending.pop(request_id, None)
+
+    def _send_request(
+        self, op: str, args: dict[str, Any], conn: ConnInfo, owed: asyncio.Future[Any] | Later
+    ) -> int:
         link = self.link
         if link is None:
             raise InfraError(f"node {self.name}: not connected to the coordinator {self.addr}")
@@ -482,23 +562,22 @@ class NodeAgent:
             self._watched.add(conn.id)
             conn.on_close(self._conn_closed)
         request_id = next(self._ids)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = fut
+        self._pending[request_id] = owed
         link.send({"t": "req", "id": request_id, "conn": conn.id, "op": op, "args": args})
-        try:
-            return await fut
-        finally:
-            self._pending.pop(request_id, None)
+        return request_id
 
     def _answer(self, msg: dict[str, Any]) -> None:
-        fut = self._pending.pop(int(msg["id"]), None)
-        if fut is None or fut.done():
+        owed = self._pending.pop(int(msg["id"]), None)
+        if owed is None or owed.done():
             return
         if msg.get("ok"):
-            fut.set_result(msg.get("result"))
+            if isinstance(owed, Later):
+                owed.resolve(msg.get("result"))
+            else:
+                owed.set_result(msg.get("result"))
         else:
             error = msg.get("error") or {}
-            fut.set_exception(
+            owed.set_exception(
                 error_from_wire(str(error.get("code", "internal")), str(error.get("message")))
             )
 
