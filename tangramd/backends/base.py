@@ -15,6 +15,7 @@ every exec ends with one `ExecResult` whose `outcome` says what happened —
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from collections.abc import Collection, Mapping
@@ -47,13 +48,17 @@ def confine(root: Path, path: str) -> Path:
     """``path`` inside the directory ``root``, symlinks resolved; raise PathEscape if the
     result is not ``root`` or below it. Relative paths start at ``root``; an absolute one
     must already lie inside it. The last part need not exist yet."""
+    return Path(confine_real(os.path.realpath(root), path))
+
+
+def confine_real(base: str, path: str) -> str:
+    """:func:`confine` for a ``base`` that is already a real path (``os.path.realpath``:
+    absolute, no symlink, no ``..``), as a string: one ``realpath`` of the target, for
+    callers that resolved their root once."""
     if "\0" in path or ".." in path.split("/"):
         raise PathEscape(f"{path!r}: '..' and NUL are not allowed")
-    base = root.resolve()
-    target = Path(path)
-    candidate = target if target.is_absolute() else base / target
-    resolved = candidate.resolve()  # follows every symlink that exists
-    if resolved != base and base not in resolved.parents:
+    resolved = os.path.realpath(os.path.join(base, path))  # follows every symlink that exists
+    if resolved != base and not resolved.startswith(base.rstrip("/") + "/"):
         raise PathEscape(f"{path!r} leaves the environment")
     return resolved
 
