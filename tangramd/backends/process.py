@@ -183,19 +183,28 @@ def _remove_env_dir(path: str, tomb: str) -> None:
     subdirectory (a throwaway environment's source file) is emptied through its descriptor,
     without shutil.rmtree's walk; no link is followed."""
     gone = os.path.join(tomb, f"{os.path.basename(path)}.{threading.get_ident()}")
-    try:
-        os.makedirs(tomb, mode=0o700, exist_ok=True)
-        os.rename(path, gone)
-        path = gone
-    except FileNotFoundError:
-        if not os.path.lexists(path):
-            return
-    except OSError:
-        pass  # removed where it is
+    for _ in range(2):
+        try:
+            os.rename(path, gone)
+            path = gone
+            break
+        except FileNotFoundError:
+            if not os.path.lexists(path):
+                return
+            try:  # the first removal: no tomb yet
+                os.mkdir(tomb, 0o700)
+            except OSError:
+                break  # removed where it is
+        except OSError:
+            break
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
         fd = None
+        if os.path.islink(path):  # never made by us: the link goes, not what it points to
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return
     if fd is not None:
         try:
             with os.scandir(fd) as it:
