@@ -25,7 +25,7 @@ from tangram.protocol.errors import InfraError, UnknownOp, error_from_wire
 from tangram.protocol.results import ExecResult
 from tangramd import events as ev
 from tangramd.backends.base import Backend, ExecRequest, PathEscape
-from tangramd.backends.files import TooLarge, exec_with_files
+from tangramd.backends.files import NotAFile, TooLarge, exec_with_files
 from tangramd.core import Core
 from tangramd.records import RecordJournal
 from tangramd.services import ServiceHost, ServiceLoadError, ServiceNotFound
@@ -33,6 +33,10 @@ from tangramd.transport import ConnInfo, Later, UnixServer
 
 log = structlog.get_logger("tangramd")
 
+# what a put or get refuses as the caller's mistake (a bad path, size, kind or tar stream)
+BAD_TRANSFER = (
+    PathEscape, TooLarge, NotAFile, IsADirectoryError, NotADirectoryError, tarfile.TarError
+)  # fmt: skip
 STOP_GRACE_S = 10.0  # how long a graceful stop waits for in-flight work to report back
 
 
@@ -323,11 +327,14 @@ class Executor:
         error = None
         try:
             await self.backend.create_env(cmd.env_id, cmd.image, cmd.mem, owner=cmd.owner)
-            log.info("env_created", env=cmd.env_id, node=cmd.node, image=cmd.image, cause=cmd.cause)
         except Exception as exc:  # backend failure of any kind is an infra error
             error = f"{type(exc).__name__}: {exc}"
             log.warning("env_create_failed", env=cmd.env_id, error=error, cause=cmd.cause)
         self.feed(ev.EnvCreated(env_id=cmd.env_id, error=error))
+        if error is None:  # after the exec that waited for it is on its way
+            self._log_soon(
+                "env_created", env=cmd.env_id, node=cmd.node, image=cmd.image, cause=cmd.cause
+            )
 
     async def _remove_env(self, cmd: ev.RemoveEnv) -> None:
         try:
@@ -586,7 +593,7 @@ async def run_transfer(
             return {"path": path, "bytes": size}, None
         got, is_tar = await backend.get(env_id, path, max_bytes=max_bytes)
         return {"path": path, "data": got, "tar": is_tar}, None
-    except (PathEscape, TooLarge, IsADirectoryError, NotADirectoryError, tarfile.TarError) as e:
+    except BAD_TRANSFER as e:
         return None, ("bad_request", f"{path}: {e}")
     except FileNotFoundError as e:
         return None, ("not_found", f"{path}: {e.strerror or e}")

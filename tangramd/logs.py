@@ -14,6 +14,7 @@ the I/O of writing the line.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from typing import Any, Final, TextIO
@@ -75,21 +76,21 @@ def configure_logging(
         renderer = structlog.processors.JSONRenderer(sort_keys=False)
     else:
         renderer = structlog.dev.ConsoleRenderer(colors=_isatty(stream))
-    structlog.configure(
-        processors=[
-            *shared,
-            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.stdlib.LoggerFactory(),
-        cache_logger_on_first_use=False,
-    )
     handler = logging.StreamHandler(stream)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=shared,
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
         )
+    )
+    # Our own events skip the standard library (a LogRecord, the handler chain, a second
+    # processor pass: three quarters of the cost of a line): the same processors render
+    # them and the line goes to the same stream under the handler's lock.
+    structlog.configure(
+        processors=[*shared, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=functools.partial(_LineWriter, stream, handler),
+        cache_logger_on_first_use=False,
     )
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, "_tangram", False)]:
@@ -98,6 +99,30 @@ def configure_logging(
     root.addHandler(handler)
     root.setLevel(numeric)
     return resolved
+
+
+class _LineWriter:
+    """The logger behind structlog's: writes each rendered event as one line to the
+    stream, under the standard library handler's lock (no line interleaves with a record
+    of ``logging``). ``name`` is the one given to ``structlog.get_logger`` (the ``logger``
+    key)."""
+
+    __slots__ = ("_handler", "_stream", "name")
+
+    def __init__(self, stream: TextIO, handler: logging.Handler, name: str | None = None) -> None:
+        self._stream = stream
+        self._handler = handler
+        self.name = name
+
+    def msg(self, message: str) -> None:
+        self._handler.acquire()
+        try:
+            self._stream.write(message + "\n")
+            self._stream.flush()
+        finally:
+            self._handler.release()
+
+    debug = info = warning = warn = error = err = critical = fatal = exception = log = msg
 
 
 _LEAD_KEYS: Final = ("timestamp", "level", "event", "logger")

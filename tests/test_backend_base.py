@@ -1,6 +1,9 @@
-"""The backend-independent pieces: the pytest -n rewrite, output capping, agent framing."""
+"""The backend-independent pieces: the pytest -n rewrite, output capping, agent framing,
+path confinement."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -9,7 +12,9 @@ from tangramd.backends.base import (
     TRUNCATION_MARKER,
     ExecRequest,
     OutputBuffer,
+    PathEscape,
     cap_output,
+    confine_real,
     exit_code_from_returncode,
     rewrite_pytest,
 )
@@ -154,3 +159,34 @@ def test_exec_request_validates(kwargs):
     base = {"env_id": "e", "cmd": ["true"], "cores": (0,)}
     with pytest.raises(ValueError):
         ExecRequest(**{**base, **kwargs})
+
+
+def test_confine_real_agrees_with_realpath(tmp_path):
+    """confine_real (an lstat per part below a real root, realpath once a part is a link)
+    gives what realpath gives, and refuses what leaves the root, links included."""
+    base = os.path.realpath(tmp_path / "env")
+    os.makedirs(f"{base}/a/b")
+    open(f"{base}/f", "w").close()
+    links = {"out": "/etc", "in": "a", "root": "/", "abs_in": f"{base}/a", "gone": "missing"}
+    for name, target in links.items():
+        os.symlink(target, f"{base}/{name}")
+    os.symlink("../..", f"{base}/a/up")
+
+    def reference(path: str) -> str:
+        resolved = os.path.realpath(os.path.join(base, path))
+        if resolved != base and not resolved.startswith(base + "/"):
+            return "escape"
+        return resolved
+
+    paths = ["main.py", "", ".", "./a", "a/b", "a/b/", "a//b", "a/./b", "f/x", "new/deeper/x",
+             "in", "in/b/c", "abs_in/b", "gone", "gone/x", "out", "out/passwd", "root/etc",
+             "a/up", "a/up/x", "/etc/passwd", f"{base}/a", base]  # fmt: skip
+    for path in paths:
+        try:
+            got = confine_real(base, path)
+        except PathEscape:
+            got = "escape"
+        assert got == reference(path), path
+    for bad in ("..", "a/../b", "a/b/..", "x\0y"):
+        with pytest.raises(PathEscape):
+            confine_real(base, bad)

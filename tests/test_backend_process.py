@@ -109,6 +109,19 @@ def test_reconcile_removes_leftovers_of_a_previous_run(tmp_path):
     run(fresh.shutdown())
 
 
+def test_closing_environments_leaves_nothing(backend):
+    """A closed environment's directory is gone, the short way (a few files) and the long
+    way (subdirectories, many files) alike, and nothing is left where it was moved to."""
+    small, big = new_env(backend), new_env(backend)
+    run(backend.put(small, "main.py", b"print(1)"))
+    assert ex(backend, big, "mkdir -p a/b && touch a/b/c $(seq 1 50)").outcome == "ok"
+    run(backend.close_env(small))
+    run(backend.close_env(big))
+    assert sorted(p.name for p in backend.envs_dir.iterdir()) in ([], [".removing"])
+    assert not any(backend.envs_dir.glob(".removing/*"))
+    run(backend.close_env(small))  # closing twice is harmless
+
+
 def test_memory_limit_is_advisory(backend):
     """The process backend accepts a memory size without enforcing it."""
     run(backend.create_env("big", None, 1 << 40))

@@ -121,6 +121,15 @@ def test_transfers_are_confined(c, env):
         c.put(env, "dir", b"x")  # a file over a directory
 
 
+def test_a_fifo_is_refused_not_waited_on(c, env):
+    """Reading a FIFO would wait for a writer forever: get refuses it, fetch leaves it out."""
+    assert c.exec("mkfifo pipe", env=env).outcome == "ok"
+    with pytest.raises(BadRequest, match="not a regular file"):
+        c.get(env, "pipe")
+    r = c.exec("true", env=env, fetch=["pipe"], timeout_s=5)
+    assert r.outcome == "ok" and r.files == {} and "pipe" in r.detail
+
+
 def test_transfer_size_cap(c, env):
     """env.put over the cap is refused by the op table; env.get over it by the daemon."""
     with pytest.raises(BadRequest, match="at most"):

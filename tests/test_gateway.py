@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import re
 import threading
 import time
@@ -134,6 +135,41 @@ def test_bad_requests_get_422_and_the_gateway_stays_up(stack):
     r = httpx.get(f"{stack.url}/no/such/route")
     assert r.status_code == 404
     assert run(stack, code="print(1)", language="python")["status"] == "Success"
+
+
+def test_served_alike_on_the_fast_path_and_through_fastapi(stack):
+    """A JSON body Gate serves itself and the same body FastAPI serves (sent as a +json
+    media type, which only FastAPI takes) get the same answer; both are counted as
+    /run_code. A chunked body and a charset parameter take the fast path too."""
+    body = {
+        "code": "import sys\nprint(open('in.txt').read(), sys.stdin.read())\n"
+        "open('o', 'w').write('x')",
+        "language": "python",
+        "stdin": "piped",
+        "files": {"in.txt": base64.b64encode(b"given").decode()},
+        "fetch_files": ["o", "missing"],
+        "extra_field": "ignored",
+    }
+    raw = json.dumps(body).encode()
+    answers = []
+    for content_type in ("application/json", "application/vnd.test+json",
+                         "Application/JSON; charset=utf-8"):  # fmt: skip
+        r = httpx.post(f"{stack.url}/run_code", content=raw,
+                       headers={"Content-Type": content_type}, timeout=60)  # fmt: skip
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        answer = r.json()
+        answer["run_result"]["execution_time"] = None
+        answers.append(answer)
+    chunked = httpx.post(f"{stack.url}/run_code", content=iter([raw[:10], raw[10:]]),
+                         headers={"Content-Type": "application/json"}, timeout=60)  # fmt: skip
+    answer = chunked.json()
+    answer["run_result"]["execution_time"] = None
+    answers.append(answer)
+    assert answers[0]["run_result"]["stdout"] == "given piped\n", answers[0]
+    assert answers[0]["files"] == {"o": base64.b64encode(b"x").decode()}
+    assert all(a == answers[0] for a in answers), answers
+    text = httpx.get(f"{stack.url}/metrics").text
+    assert 'tangram_gateway_requests_total{code="200",route="/run_code"}' in text
 
 
 def test_metrics_expose_pools_queues_and_action_histograms(stack):

@@ -15,8 +15,10 @@ every exec ends with one `ExecResult` whose `outcome` says what happened —
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import stat
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,13 +49,31 @@ def confine(root: Path, path: str) -> Path:
     """``path`` inside the directory ``root``, symlinks resolved; raise PathEscape if the
     result is not ``root`` or below it. Relative paths start at ``root``; an absolute one
     must already lie inside it. The last part need not exist yet."""
+    return Path(confine_real(os.path.realpath(root), path))
+
+
+def confine_real(base: str, path: str) -> str:
+    """:func:`confine` for a ``base`` that is already a real path (``os.path.realpath``:
+    absolute, no symlink, no ``..``), as a string: only the parts of ``path`` below
+    ``base`` are looked at (one ``lstat`` each; a full ``realpath`` as soon as one is a
+    symlink), for callers that resolved their root once."""
     if "\0" in path or ".." in path.split("/"):
         raise PathEscape(f"{path!r}: '..' and NUL are not allowed")
-    base = root.resolve()
-    target = Path(path)
-    candidate = target if target.is_absolute() else base / target
-    resolved = candidate.resolve()  # follows every symlink that exists
-    if resolved != base and base not in resolved.parents:
+    top = base.rstrip("/")
+    if not os.path.isabs(path):
+        parts = [part for part in path.split("/") if part and part != "."]
+        here = top
+        for part in parts:
+            here = f"{here}/{part}"
+            try:
+                if stat.S_ISLNK(os.lstat(here).st_mode):
+                    break  # resolve it all, below
+            except OSError:  # missing (or not a directory): nothing below is a link
+                return f"{top}/{'/'.join(parts)}" if parts else base
+        else:  # no symlink on the way: the path is real as it is
+            return f"{top}/{'/'.join(parts)}" if parts else base
+    resolved = os.path.realpath(os.path.join(base, path))  # follows every symlink that exists
+    if resolved != base and not resolved.startswith(top + "/"):
         raise PathEscape(f"{path!r} leaves the environment")
     return resolved
 

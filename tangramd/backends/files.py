@@ -21,18 +21,23 @@ on every backend.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
+import stat
 import tarfile
 from dataclasses import replace
-from pathlib import Path
 
 from tangram.protocol.results import MAX_FILES_BYTES, ExecResult
-from tangramd.backends.base import Backend, ExecRequest, PathEscape, confine
+from tangramd.backends.base import Backend, ExecRequest, PathEscape, confine_real
 
 
 class TooLarge(ValueError):
     """What would be transferred is over the size cap."""
+
+
+class NotAFile(ValueError):
+    """What was asked for is neither a regular file nor a directory (a FIFO, a socket)."""
 
 
 def _extract_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
@@ -48,57 +53,118 @@ def _extract_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | Non
 
 
 def put_local(
-    root: Path, path: str, data: bytes, *, tar: bool, owner: tuple[int, int] | None
+    base: str, path: str, data: bytes, *, tar: bool, owner: tuple[int, int] | None
 ) -> int:
-    """Write ``data`` at ``path`` inside ``root``; return the bytes written."""
-    target = confine(root, path)
+    """Write ``data`` at ``path`` inside the directory ``base`` (a real path: see
+    ``base.confine_real``); return the bytes written."""
+    target = confine_real(base, path)
     if tar:
-        target.mkdir(parents=True, exist_ok=True)
+        os.makedirs(target, exist_ok=True)
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
             for member in archive.getmembers():
-                confine(target, member.name)  # a link written earlier may point out
+                confine_real(target, member.name)  # a link written earlier may point out
                 archive.extract(member, target, filter=_extract_filter)
         if owner is not None:
             for dirpath, dirnames, filenames in os.walk(target):
                 for name in [*dirnames, *filenames]:
                     os.lchown(os.path.join(dirpath, name), *owner)
         return len(data)
-    if target.is_dir():
+    if target == base:
         raise IsADirectoryError(f"{path}: is a directory (send a tar stream)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    confine(root, str(target.parent))  # created parents stay inside
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    if owner is not None:
-        os.chown(target, *owner)
+    parent = os.path.dirname(target)
+    if parent != base:  # a file in a subdirectory: create the parents, check they stay inside
+        os.makedirs(parent, exist_ok=True)
+        confine_real(base, parent)
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    except IsADirectoryError:
+        raise IsADirectoryError(f"{path}: is a directory (send a tar stream)") from None
+    try:
+        if owner is not None:
+            os.fchown(fd, *owner)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
     return len(data)
 
 
-def get_local(root: Path, path: str, *, max_bytes: int) -> tuple[bytes, bool]:
-    """Read ``path`` inside ``root``: ``(bytes, False)`` for a file, ``(tar, True)`` for a
-    directory. Raise FileNotFoundError, PathEscape or TooLarge."""
-    target = confine(root, path)
-    if target.is_dir():
-        total = 0
-        for dirpath, _dirs, files in os.walk(target):
-            for name in files:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-                if total > max_bytes:
-                    raise TooLarge(f"{path}: more than {max_bytes} bytes")
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as archive:
-            for entry in sorted(target.iterdir()):
-                archive.add(entry, arcname=entry.name)  # symlinks stored as links
-        if buf.tell() > max_bytes:
-            raise TooLarge(f"{path}: more than {max_bytes} bytes as a tar stream")
-        return buf.getvalue(), True
-    fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise TooLarge(f"{path}: more than {max_bytes} bytes")
+def get_local(base: str, path: str, *, max_bytes: int) -> tuple[bytes, bool]:
+    """Read ``path`` inside the directory ``base`` (a real path): ``(bytes, False)`` for a
+    file, ``(tar, True)`` for a directory. Raise FileNotFoundError, PathEscape, TooLarge or
+    NotAFile (a FIFO, a socket, a device)."""
+    target = confine_real(base, path)
+    fd = _open_read(target, path)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            return _tar_dir(target, path, max_bytes=max_bytes), True
+        return _read_file(fd, path, st, max_bytes), False
+    finally:
+        os.close(fd)
+
+
+def get_small(base: str, path: str, *, max_bytes: int, limit: int) -> tuple[bytes, bool] | None:
+    """:func:`get_local` for a regular file of at most ``limit`` bytes (read at once, where
+    a thread would cost more than the read); None for anything else (a directory, a larger
+    file), which the caller reads with :func:`get_local`. Never blocks: a FIFO is opened
+    non-blocking and refused."""
+    target = confine_real(base, path)
+    fd = _open_read(target, path)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_size > limit):
+            return None
+        data = _read_file(fd, path, st, min(max_bytes, limit))
+    except TooLarge:
+        if limit >= max_bytes:
+            raise
+        return None  # over what is read at once, maybe not over max_bytes: the slow path
+    finally:
+        os.close(fd)
     return data, False
+
+
+def _open_read(target: str, path: str) -> int:
+    try:  # non-blocking: opening a FIFO must not wait for a writer
+        return os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # the last part is a symlink (replaced since confine)
+            raise PathEscape(f"{path!r} is a symlink") from None
+        raise
+
+
+def _read_file(fd: int, path: str, st: os.stat_result, max_bytes: int) -> bytes:
+    if not stat.S_ISREG(st.st_mode):
+        raise NotAFile(f"{path}: not a regular file or directory")
+    chunks: list[bytes] = []
+    size = 0
+    while True:  # up to max_bytes + 1 (the file may grow while it is read)
+        chunk = os.read(fd, max_bytes + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > max_bytes:
+            raise TooLarge(f"{path}: more than {max_bytes} bytes")
+    return b"".join(chunks)
+
+
+def _tar_dir(target: str, path: str, *, max_bytes: int) -> bytes:
+    total = 0
+    for dirpath, _dirs, names in os.walk(target):
+        for name in names:
+            total += os.lstat(os.path.join(dirpath, name)).st_size
+            if total > max_bytes:
+                raise TooLarge(f"{path}: more than {max_bytes} bytes")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as archive:
+        for name in sorted(os.listdir(target)):
+            archive.add(os.path.join(target, name), arcname=name)  # symlinks stored as links
+    if buf.tell() > max_bytes:
+        raise TooLarge(f"{path}: more than {max_bytes} bytes as a tar stream")
+    return buf.getvalue()
 
 
 def single_file_tar(name: str, data: bytes, mode: int = 0o644) -> bytes:
@@ -164,7 +230,7 @@ async def exec_with_files(backend: Backend, req: ExecRequest) -> ExecResult:
             data, is_tar = await backend.get(req.env_id, path, max_bytes=budget)
         except FileNotFoundError:
             continue
-        except (TooLarge, PathEscape, OSError, tarfile.TarError) as e:
+        except (TooLarge, NotAFile, PathEscape, OSError, tarfile.TarError) as e:
             left_out.append(f"{path} ({e})")
             continue
         if is_tar:

@@ -87,6 +87,10 @@ EXEC_UMASK = 0o077
 MAX_LODGERS = 64
 _READ_CHUNK = 1 << 16
 INLINE_PUT_MAX = 64 << 10  # bytes a put writes on the event loop (more: in a thread)
+INLINE_GET_MAX = 64 << 10  # bytes of a file a get reads on the event loop (more: in a thread)
+TOMB = ".removing"  # in the envs dir: closed environments on their way out (not an env id)
+SMALL_DIR_ENTRIES = 32  # a closed environment with at most this many files, no subdirectory,
+# is removed without shutil.rmtree's walk
 _ENV_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "TERM")
 
 
@@ -175,6 +179,54 @@ def _feed(fd: int, data: bytes) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _remove_env_dir(path: str, tomb: str) -> None:
+    """``shutil.rmtree(path, ignore_errors=True)`` (in a thread), the directory moved into
+    ``tomb`` first: an rmdir can hold its parent directory's lock for milliseconds (ext4
+    with discard), and the next environment's mkdir in the envs directory, on the event
+    loop, would wait for it. A directory of at most ``SMALL_DIR_ENTRIES`` entries and no
+    subdirectory (a throwaway environment's source file) is emptied through its descriptor,
+    without shutil.rmtree's walk; no link is followed."""
+    gone = os.path.join(tomb, f"{os.path.basename(path)}.{threading.get_ident()}")
+    for _ in range(2):
+        try:
+            os.rename(path, gone)
+            path = gone
+            break
+        except FileNotFoundError:
+            if not os.path.lexists(path):
+                return
+            try:  # the first removal: no tomb yet
+                os.mkdir(tomb, 0o700)
+            except OSError:
+                break  # removed where it is
+        except OSError:
+            break
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        fd = None
+        if os.path.islink(path):  # never made by us: the link goes, not what it points to
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return
+    if fd is not None:
+        try:
+            with os.scandir(fd) as it:
+                entries = list(itertools.islice(it, SMALL_DIR_ENTRIES + 1))
+            if len(entries) <= SMALL_DIR_ENTRIES and not any(
+                e.is_dir(follow_symlinks=False) for e in entries
+            ):
+                for entry in entries:
+                    os.unlink(entry.name, dir_fd=fd)
+                os.rmdir(path)
+                return
+        except OSError:
+            pass  # what is left goes the long way
+        finally:
+            os.close(fd)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 ExecDone = Callable[[ExecResult], None]
@@ -297,8 +349,19 @@ class ProcessBackend:
     def env_dir(self, env_id: str) -> Path:
         return self.envs_dir / check_env_id(env_id)
 
+    @functools.cached_property
+    def _envs_path(self) -> str:
+        return os.fspath(self.envs_dir)
+
+    @functools.cached_property
+    def _real_envs_path(self) -> str:
+        """The envs directory as a real path, resolved once: an environment's files are
+        confined to ``<this>/<env_id>`` (``base.confine_real``)."""
+        return os.path.realpath(self.envs_dir)
+
     def env_exists(self, env_id: str) -> bool:
-        return env_id in self._envs and self.env_dir(env_id).is_dir()
+        # an id in ``_envs`` is a checked name (create_env) or an entry of the envs dir
+        return env_id in self._envs and os.path.isdir(os.path.join(self._envs_path, env_id))
 
     async def create_env(
         self,
@@ -312,13 +375,15 @@ class ProcessBackend:
         `image` is ignored, `mem_bytes` advisory."""
         if self._closing:
             raise EnvError(SHUTDOWN_DETAIL)
-        path = self.env_dir(env_id)
+        path = os.path.join(self._envs_path, check_env_id(env_id))
         if env_id in self._envs:
             raise EnvError(f"environment {env_id} exists")
-        if path.exists():  # a leftover of a previous run that reconcile did not see
-            shutil.rmtree(path)
         owner = owner or self.default_user
-        path.mkdir(mode=0o700)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:  # a leftover of a previous run that reconcile did not see
+            shutil.rmtree(path)
+            os.mkdir(path, 0o700)
         os.chmod(path, 0o700)  # whatever the umask
         if owner is not None and self._is_root:
             os.chown(path, *owner)
@@ -329,8 +394,9 @@ class ProcessBackend:
         self._end_sessions(env_id)
         self._envs.pop(env_id, None)
         self._owners.pop(env_id, None)
-        path = self.env_dir(env_id)
-        await asyncio.to_thread(shutil.rmtree, path, True)
+        path = os.path.join(self._envs_path, check_env_id(env_id))
+        # in a thread: an rmdir can wait milliseconds for the filesystem (ext4 with discard)
+        await asyncio.to_thread(_remove_env_dir, path, os.path.join(self._envs_path, TOMB))
 
     async def reconcile(
         self, keep: Mapping[str, tuple[int, int] | None] | None = None
@@ -690,18 +756,27 @@ class ProcessBackend:
             raise EnvError(f"no such environment {env_id}")
         return self.env_dir(env_id)
 
+    def _env_base(self, env_id: str) -> str:
+        """The environment's directory as a real path, for ``files`` (which confine to it)."""
+        if not self.env_exists(env_id):
+            raise EnvError(f"no such environment {env_id}")
+        return os.path.join(self._real_envs_path, env_id)
+
     async def put(self, env_id: str, path: str, data: bytes, *, tar: bool = False) -> int:
         """Write a file (or extract a tar stream into a directory) inside the environment."""
-        root = self._env_root(env_id)
+        base = self._env_base(env_id)
         owner = self._owners.get(env_id) if self._is_root else None
         if not tar and len(data) <= INLINE_PUT_MAX:  # a source file: a thread hop costs more
-            return files.put_local(root, path, data, tar=False, owner=owner)
-        return await asyncio.to_thread(files.put_local, root, path, data, tar=tar, owner=owner)
+            return files.put_local(base, path, data, tar=False, owner=owner)
+        return await asyncio.to_thread(files.put_local, base, path, data, tar=tar, owner=owner)
 
     async def get(self, env_id: str, path: str, *, max_bytes: int) -> tuple[bytes, bool]:
         """A file's bytes, or a directory as a tar stream: ``(data, is_tar)``."""
-        root = self._env_root(env_id)
-        return await asyncio.to_thread(files.get_local, root, path, max_bytes=max_bytes)
+        base = self._env_base(env_id)
+        got = files.get_small(base, path, max_bytes=max_bytes, limit=INLINE_GET_MAX)
+        if got is not None:  # a small file, read at once: a thread hop costs more
+            return got
+        return await asyncio.to_thread(files.get_local, base, path, max_bytes=max_bytes)
 
     # --- shell sessions ---------------------------------------------------------------
 

@@ -22,12 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tangram.client import AsyncClient, ExecResult
@@ -43,15 +46,34 @@ API_KEY_LOWER = API_KEY_HEADER.lower().encode()  # ASGI header names are lower-c
 SCRAPE_TIMEOUT_S = 2.0
 
 
-class Gate:
-    """The API key check and the request counters, as a plain ASGI middleware (Starlette's
-    ``BaseHTTPMiddleware`` costs a task, two memory streams and a wrapped body per request,
-    about as much as the rest of the HTTP layer together)."""
+@dataclass(frozen=True, slots=True)
+class FastRoute:
+    """A JSON POST route Gate serves itself when the body is a valid ``model`` (the usual
+    case: FastAPI's request machinery, its dependency solving and its middleware below Gate
+    cost more than the route's own work); any other body goes to FastAPI unchanged, so
+    its 422 and every other answer stay FastAPI's own."""
 
-    def __init__(self, app: ASGIApp, *, key: bytes | None, metrics: Metrics) -> None:
+    model: type[BaseModel]
+    serve: Callable[[Any], Awaitable[Response]]
+
+
+class Gate:
+    """The API key check, the request counters and the fast routes, as a plain ASGI
+    middleware (Starlette's ``BaseHTTPMiddleware`` costs a task, two memory streams and a
+    wrapped body per request, about as much as the rest of the HTTP layer together)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        key: bytes | None,
+        metrics: Metrics,
+        fast: Mapping[str, FastRoute] | None = None,
+    ) -> None:
         self.app = app
         self.key = key
         self.metrics = metrics
+        self.fast = dict(fast or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -61,7 +83,7 @@ class Gate:
         if self.key is not None:
             given = next((v for k, v in scope["headers"] if k == API_KEY_LOWER), b"")
             if not hmac.compare_digest(given, self.key):
-                metrics.requests.labels("unauthorized", "401").inc()
+                metrics.request_done("unauthorized", 401)
                 denied = JSONResponse({"detail": "missing or wrong X-API-Key"}, status_code=401)
                 await denied(scope, receive, send)
                 return
@@ -73,13 +95,82 @@ class Gate:
                 status = message["status"]
             await send(message)
 
+        route_path: str | None = None
         metrics.in_flight.inc()
         try:
+            fast = self.fast.get(scope["path"]) if scope["method"] == "POST" else None
+            if fast is not None and not scope.get("root_path"):
+                received: list[Message] = []
+                request = await _fast_request(fast, scope, receive, received)
+                if request is not None:
+                    route_path = scope["path"]
+                    response = await _serve_fast(fast, request)
+                    await response(scope, receive, send_and_note)
+                    return
+                receive = _replay(received, receive)  # FastAPI reads the same messages
             await self.app(scope, receive, send_and_note)
         finally:
             metrics.in_flight.dec()
-            route = scope.get("route")  # the router records the matched route in the scope
-            metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
+            if route_path is None:
+                route = scope.get("route")  # the router records the matched route in the scope
+                route_path = getattr(route, "path", "unmatched")
+            metrics.request_done(route_path, status)
+
+
+def _json_body(scope: Scope) -> bool:
+    """Whether the request says its body is JSON (``application/json``, any parameters)."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            media = value.split(b";", 1)[0].strip().lower()
+            return bool(media == b"application/json")
+    return False
+
+
+async def _fast_request(
+    fast: FastRoute, scope: Scope, receive: Receive, received: list[Message]
+) -> Any | None:
+    """The body of a fast route's request as its model, or None (then FastAPI serves it,
+    from the messages kept in ``received``): not JSON, not valid, or cut short."""
+    if not _json_body(scope):
+        return None
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        received.append(message)
+        if message["type"] != "http.request":
+            return None  # the client left: FastAPI sees the same disconnect
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    try:
+        return fast.model.model_validate(json.loads(b"".join(chunks)))
+    except (ValueError, ValidationError):  # JSONDecodeError, UnicodeDecodeError among them
+        return None
+
+
+async def _serve_fast(fast: FastRoute, request: Any) -> Response:
+    try:
+        return await fast.serve(request)
+    except TangramError as exc:  # as the app's handler answers it on FastAPI's path
+        return refusal_response(exc)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """``receive`` that first hands out ``messages`` again."""
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replayed
+
+
+def refusal_response(exc: TangramError) -> JSONResponse:
+    """A refusal of the daemon outside the SWE-ReX routes, as JSON."""
+    status = 404 if exc.code == "not_found" else 400 if exc.code == "bad_request" else 502
+    return JSONResponse({"detail": f"{exc.code}: {exc.message}"}, status_code=status)
 
 
 def build_app(socket: str, *, api_key: str | None = None, cpus: int = 1) -> FastAPI:
@@ -97,21 +188,7 @@ def build_app(socket: str, *, api_key: str | None = None, cpus: int = 1) -> Fast
         yield
         await client.close()
 
-    app = FastAPI(title="ARL-Tangram gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(Gate, key=api_key.encode() if api_key else None, metrics=metrics)
-
-    @app.exception_handler(swerex.RemoteError)
-    async def remote_error(request: Request, exc: swerex.RemoteError) -> JSONResponse:
-        return swerex.exception_response(exc)
-
-    @app.exception_handler(TangramError)
-    async def daemon_refused(request: Request, exc: TangramError) -> JSONResponse:
-        # /envs and the like: the daemon's refusal, as JSON (the SWE-ReX routes guard theirs)
-        status = 404 if exc.code == "not_found" else 400 if exc.code == "bad_request" else 502
-        return JSONResponse({"detail": f"{exc.code}: {exc.message}"}, status_code=status)
-
-    @app.post("/run_code", response_model=sf.RunCodeResponse)
-    async def run_code(request: sf.RunCodeRequest) -> Response:
+    async def serve_run_code(request: sf.RunCodeRequest) -> Response:
         response, results = await sf.run_code(client, request, cpus=cpus)
         for result in results:
             metrics.observe(f"run_code/{request.language}", result)
@@ -120,14 +197,39 @@ def build_app(socket: str, *, api_key: str | None = None, cpus: int = 1) -> Fast
         # built by the model itself: FastAPI would validate it a second time
         return Response(response.model_dump_json(), media_type="application/json")
 
-    @app.post("/run_jupyter", response_model=jupyter.RunJupyterResponse)
-    async def run_jupyter(request: jupyter.RunJupyterRequest) -> Response:
+    async def serve_run_jupyter(request: jupyter.RunJupyterRequest) -> Response:
         response, result = await jupyter.run_jupyter(client, request, cpus=cpus)
         if result is not None:
             metrics.observe("run_jupyter/python3", result)
         elif response.status == sf.RunStatus.SandboxError:
             metrics.actions.labels("run_jupyter/python3", "sandbox_error").inc()
         return Response(response.model_dump_json(), media_type="application/json")
+
+    app = FastAPI(title="ARL-Tangram gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    fast = {
+        "/run_code": FastRoute(sf.RunCodeRequest, serve_run_code),
+        "/run_jupyter": FastRoute(jupyter.RunJupyterRequest, serve_run_jupyter),
+    }
+    app.add_middleware(Gate, key=api_key.encode() if api_key else None, metrics=metrics, fast=fast)
+
+    @app.exception_handler(swerex.RemoteError)
+    async def remote_error(request: Request, exc: swerex.RemoteError) -> JSONResponse:
+        return swerex.exception_response(exc)
+
+    @app.exception_handler(TangramError)
+    async def daemon_refused(request: Request, exc: TangramError) -> JSONResponse:
+        # /envs and the like: the daemon's refusal, as JSON (the SWE-ReX routes guard theirs)
+        return refusal_response(exc)
+
+    # Gate serves well-formed JSON bodies of these two itself (FastRoute); FastAPI's routes
+    # answer the rest (422s) and describe them in the OpenAPI schema.
+    @app.post("/run_code", response_model=sf.RunCodeResponse)
+    async def run_code(request: sf.RunCodeRequest) -> Response:
+        return await serve_run_code(request)
+
+    @app.post("/run_jupyter", response_model=jupyter.RunJupyterResponse)
+    async def run_jupyter(request: jupyter.RunJupyterRequest) -> Response:
+        return await serve_run_jupyter(request)
 
     @app.get("/metrics")
     async def scrape() -> Response:

@@ -72,12 +72,32 @@ class Metrics:
             buckets=BUCKETS, registry=r,
         )  # fmt: skip
 
+        # labelled children, looked up once per label set (``labels`` validates and locks)
+        self._kinds: dict[str, tuple[Histogram, Histogram, Histogram]] = {}
+        self._counts: dict[tuple[Counter, tuple[str, ...]], Counter] = {}
+
     def observe(self, kind: str, result: ExecResult) -> None:
         """Count one exec action the gateway ran and record its times."""
-        self.actions.labels(kind, result.outcome).inc()
-        self.act.labels(kind).observe(result.act_s)
-        self.queue.labels(kind).observe(result.queue_s)
-        self.exec.labels(kind).observe(result.exec_s)
+        self._count(self.actions, kind, result.outcome).inc()
+        times = self._kinds.get(kind)
+        if times is None:
+            times = (self.act.labels(kind), self.queue.labels(kind), self.exec.labels(kind))
+            self._kinds[kind] = times
+        act, queue, exec_ = times
+        act.observe(result.act_s)
+        queue.observe(result.queue_s)
+        exec_.observe(result.exec_s)
+
+    def request_done(self, route: str, status: int) -> None:
+        """Count one HTTP request by route and status code."""
+        self._count(self.requests, route, str(status)).inc()
+
+    def _count(self, counter: Counter, *labels: str) -> Counter:
+        key = (counter, labels)
+        child = self._counts.get(key)
+        if child is None:
+            child = self._counts[key] = counter.labels(*labels)
+        return child
 
     def daemon(self, status: dict[str, Any] | None, queue: dict[str, Any] | None) -> None:
         """Set the daemon-wide gauges from its ``status`` and ``queue`` (None: unreachable)."""

@@ -26,7 +26,7 @@ import binascii
 import contextlib
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
 
@@ -89,6 +89,13 @@ class Recipe:
     source: str
     run: str
     compile: str | None = None
+    run_argv: tuple[str, ...] = field(init=False)  # ``run`` and ``compile`` split once
+    compile_argv: tuple[str, ...] | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "run_argv", tuple(shlex.split(self.run)))
+        argv = None if self.compile is None else tuple(shlex.split(self.compile))
+        object.__setattr__(self, "compile_argv", argv)
 
 
 RECIPES: dict[str, Recipe] = {
@@ -223,7 +230,7 @@ async def run_code(
     try:
         if recipe.compile is None:
             result: ExecResult = await ops.exec(
-                shlex.split(recipe.run),
+                recipe.run_argv,
                 files=files,
                 fetch=fetch,
                 stdin=stdin,
@@ -247,12 +254,12 @@ async def _compile_and_run(
     stdin: bytes | None,
     cpus: int,
 ) -> tuple[RunCodeResponse, list[ExecResult]]:
-    assert recipe.compile is not None
+    assert recipe.compile_argv is not None
     env_id: str = await ops.env_open(mem=mem_bytes(request.memory_limit_MB))
     task = f"run_code/{request.language}"
     try:
         compile_res: ExecResult = await ops.exec(
-            shlex.split(recipe.compile),
+            recipe.compile_argv,
             env=env_id,
             files=files,
             timeout_s=positive(request.compile_timeout),
@@ -262,7 +269,7 @@ async def _compile_and_run(
         if not compile_res.ok:
             return _respond(compile_res, None, {}), [compile_res]
         run_res: ExecResult = await ops.exec(
-            shlex.split(recipe.run),
+            recipe.run_argv,
             env=env_id,
             fetch=fetch,
             stdin=stdin,
