@@ -44,6 +44,7 @@ import psutil
 
 from tangram.client import AsyncClient
 from tangram.testing import SpawnedDaemon, spawn_daemon
+from tangramd.backends.process import TOMB
 
 ENV_MEM = "16MiB"  # per environment: 256 clients' environments fit any host
 CGROUP_ROOTS = (Path("/sys/fs/cgroup/cpuset/tangram"), Path("/sys/fs/cgroup/unified/tangram"))
@@ -134,11 +135,10 @@ def leftovers(daemon: SpawnedDaemon) -> dict[str, int]:
                 if _members(procs):
                     busy += 1
     envs = Path(daemon.state_dir) / "process" / "envs"
-    return {
-        "processes": len(alive),
-        "busy_cgroups": busy,
-        "env_dirs": len(list(envs.iterdir())) if envs.is_dir() else 0,
-    }
+    tomb = envs / TOMB  # the backend's own: closed environments on their way out
+    dirs = [p for p in envs.iterdir() if p != tomb] if envs.is_dir() else []
+    dirs += list(tomb.iterdir()) if tomb.is_dir() else []
+    return {"processes": len(alive), "busy_cgroups": busy, "env_dirs": len(dirs)}
 
 
 async def drive(
