@@ -2,5 +2,6 @@
 
 SandboxFusion's ``POST /run_code``, SWE-ReX's remote runtime at ``/swerex/{env}`` and
 Prometheus ``GET /metrics``, in front of a running ``tangramd up`` (see ``app.py``). Needs
-the optional extra ``arl-tangram[http]`` (FastAPI, uvicorn, prometheus-client).
+the optional extra ``arl-tangram[http]`` (FastAPI, uvicorn with httptools and uvloop,
+prometheus-client).
 """
