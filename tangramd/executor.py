@@ -349,16 +349,7 @@ class Executor:
         so neither the start nor the answer waits for a task's turn; other backends, and
         execs with ``files`` to write or ``fetch`` to read back, run in a task.
         Logged once, when it ends (``action_finished``; ``action_placed`` at debug level)."""
-        trajectory = self.core.trajectory_of(cmd.action_id)
-        log.debug(
-            "action_placed",
-            action_id=cmd.action_id,
-            node=cmd.node,
-            env=cmd.env_id,
-            cores=list(cmd.cores),
-            trajectory=trajectory,
-            cause=cmd.cause,
-        )
+        trajectory = self._log_placed(cmd)
         start = getattr(self.backend, "start_exec", None)
         if start is None or cmd.spec.files or cmd.spec.fetch:  # files move in a task
             self._spawn(self._run_exec(cmd))
@@ -370,6 +361,21 @@ class Executor:
         except Exception as exc:  # a backend failure of any kind is an infra error
             res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
             asyncio.get_running_loop().call_soon(done, res)
+
+    def _log_placed(self, cmd: ev.RunExec) -> str | None:
+        """``action_placed`` at debug level (its end, ``action_finished``, is the info
+        line); returns the action's trajectory."""
+        trajectory = self.core.trajectory_of(cmd.action_id)
+        log.debug(
+            "action_placed",
+            action_id=cmd.action_id,
+            node=cmd.node,
+            env=cmd.env_id,
+            cores=list(cmd.cores),
+            trajectory=trajectory,
+            cause=cmd.cause,
+        )
+        return trajectory
 
     @staticmethod
     def _exec_request(cmd: ev.RunExec) -> ExecRequest:
