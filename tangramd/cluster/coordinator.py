@@ -251,19 +251,7 @@ class CoordinatorExecutor(Executor):
             super()._execute(cmd)
             return
         self._send_run_exec(cmd)
-        # a debug line, as in `tangramd up`: its node logs action_finished (with its cores)
-        log.debug(
-            "action_placed",
-            action_id=cmd.action_id,
-            node=cmd.node,
-            env=cmd.env_id,
-            cores=list(cmd.cores),
-            trajectory=self.core.trajectory_of(cmd.action_id),
-            cause=cmd.cause,
-        )
-
-    async def _run_exec(self, cmd: ev.RunExec) -> None:
-        self._send_run_exec(cmd)
+        self._log_placed(cmd)  # its node logs action_finished (with its cores)
 
     def _send_run_exec(self, cmd: ev.RunExec) -> None:
         msg = {
