@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import json
 import os
 import tarfile
 import time
@@ -27,7 +26,7 @@ from tangramd import events as ev
 from tangramd.backends.base import Backend, ExecRequest, PathEscape
 from tangramd.backends.files import NotAFile, TooLarge, exec_with_files
 from tangramd.core import Core
-from tangramd.records import RecordJournal
+from tangramd.records import RecordJournal, read_json, write_json
 from tangramd.services import ServiceHost, ServiceLoadError, ServiceNotFound
 from tangramd.transport import ConnInfo, Later, UnixServer
 
@@ -286,7 +285,8 @@ class Executor:
         elif isinstance(cmd, ev.EndShell):
             self._spawn(self._end_shell(cmd))
         elif isinstance(cmd, ev.PersistProfiles):
-            self._write_json(self._profiles_path(), dict(cmd.profiles))
+            # before the reply that acknowledges the change
+            write_json(self._profiles_path(), dict(cmd.profiles), indent=1)
         elif isinstance(cmd, ev.RecordEnv):
             self._env_records.put(cmd.env_id, cmd.record)  # one line, however many are open
         elif isinstance(cmd, ev.PersistEnvs):
@@ -548,7 +548,7 @@ class Executor:
         return self.state_dir / "profiles.json"
 
     def _read_profiles(self) -> dict[str, Any]:
-        loaded = _read_json(
+        loaded = read_json(
             self._profiles_path(),
             "profiles_unreadable",
             lambda data: isinstance(data, dict),
@@ -556,23 +556,10 @@ class Executor:
         )
         return loaded if loaded is not None else {}
 
-    def _envs_path(self) -> Path:
-        return self.state_dir / "envs.json"
-
     def _read_env_records(self) -> list[dict[str, Any]]:
         """The persistent environments' records: ``envs.json`` with ``envs.journal``
         replayed over it (``records.RecordJournal``)."""
         return list(self._env_records.load().values())
-
-    def _write_json(self, path: Path, data: Any, indent: int | None = 1) -> None:
-        """Atomically replace ``path`` (private to the daemon's user) before anyone relies
-        on it: the command that asks for it comes before the reply that acknowledges."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, indent=indent, sort_keys=True))
-        os.replace(tmp, path)
 
 
 def _owner(value: Any) -> tuple[int, int] | None:
@@ -609,19 +596,3 @@ async def run_transfer(
 
 def _is_env_record(r: Any) -> bool:
     return {"id", "trajectory", "mem"} <= set(r)
-
-
-def _read_json(path: Path, problem: str, valid: Callable[[Any], bool], expected: str) -> Any | None:
-    """What the state dir's JSON file holds, or None when it is missing; an unreadable or
-    ill-shaped file is logged as ``problem`` and treated as missing (never a crash)."""
-    try:
-        loaded = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        log.warning(problem, path=str(path), error=str(exc))
-        return None
-    if not valid(loaded):
-        log.warning(problem, path=str(path), error=expected)
-        return None
-    return loaded

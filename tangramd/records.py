@@ -28,6 +28,32 @@ log = structlog.get_logger(__name__)
 JOURNAL_MIN_LINES = 1024
 
 
+def read_json(path: Path, problem: str, valid: Callable[[Any], bool], expected: str) -> Any | None:
+    """What the state dir's JSON file holds, or None when it is missing; an unreadable or
+    ill-shaped file is logged as ``problem`` and treated as missing (never a crash)."""
+    try:
+        loaded = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning(problem, path=str(path), error=str(exc))
+        return None
+    if not valid(loaded):
+        log.warning(problem, path=str(path), error=expected)
+        return None
+    return loaded
+
+
+def write_json(path: Path, data: Any, indent: int | None = None) -> None:
+    """Atomically replace ``path`` (private to the daemon's user) with ``data``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data, indent=indent, sort_keys=True))
+    os.replace(tmp, path)
+
+
 class RecordJournal:
     """The records of one kind in a state dir (see the module doc); not thread-safe."""
 
@@ -54,19 +80,13 @@ class RecordJournal:
     def load(self) -> dict[str, dict[str, Any]]:
         """Read the snapshot and replay the journal over it; unreadable parts are logged as
         ``problem`` and skipped (never a crash)."""
-        records: dict[str, dict[str, Any]] = {}
-        try:
-            rows = json.loads(self.snapshot.read_text())
-        except FileNotFoundError:
-            rows = []
-        except (OSError, ValueError) as exc:
-            log.warning(self.problem, path=str(self.snapshot), error=str(exc))
-            rows = []
-        if not isinstance(rows, list) or not all(self._ok(r) for r in rows):
-            log.warning(self.problem, path=str(self.snapshot), error="not a list of records")
-            rows = []
-        for row in rows:
-            records[row["id"]] = row
+        rows = read_json(
+            self.snapshot,
+            self.problem,
+            lambda data: isinstance(data, list) and all(self._ok(r) for r in data),
+            "not a list of records",
+        )
+        records: dict[str, dict[str, Any]] = {row["id"]: row for row in rows or []}
         bad = lines = 0
         with contextlib.suppress(FileNotFoundError), open(self.journal, "rb") as f:
             for line in f:
@@ -113,12 +133,7 @@ class RecordJournal:
 
     def compact(self) -> None:
         """Rewrite the snapshot atomically from the records held, then empty the journal."""
-        self.snapshot.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.snapshot.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(list(self.records.values()), sort_keys=True))
-        os.replace(tmp, self.snapshot)
+        write_json(self.snapshot, list(self.records.values()))
         self.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.journal)
