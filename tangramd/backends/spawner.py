@@ -386,7 +386,7 @@ class Spawner:
     """
 
     def __init__(self, *, lodgers: int = 0) -> None:
-        self.lodgers = lodgers
+        self.max_lodgers = lodgers
         self._proc: subprocess.Popen[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._helper: _Channel | None = None
@@ -439,8 +439,6 @@ class Spawner:
         if self._loop is not loop:
             self.close()  # a helper of an earlier event loop (tests run one per call)
             self._start(loop)
-        elif self._helper is None:
-            self._start(loop)
         cgroup = request.get("cgroup")
         chan = self._lodgers.get(cgroup) if cgroup else None
         ask = False
@@ -449,7 +447,7 @@ class Spawner:
             assert chan is not None
             ask = (
                 bool(cgroup)
-                and self.lodgers > 0
+                and self.max_lodgers > 0
                 and cgroup not in self._lodgers
                 and cgroup not in self._refused
             )
@@ -466,7 +464,7 @@ class Spawner:
 
     def _ask_lodger(self, request: dict[str, Any]) -> None:
         """Ask the fork server for a lodger in ``request``'s cgroup (after its spawn)."""
-        if len(self._lodgers) + len(self._asked) >= self.lodgers:
+        if len(self._lodgers) + len(self._asked) >= self.max_lodgers:
             return
         cgroup = request["cgroup"]
         if any(join["cgroup"] == cgroup for join in self._asked.values()):
