@@ -107,12 +107,18 @@ class CoordinatorExecutor(Executor):
     async def start(self) -> None:
         self.feed(ev.ProfilesLoaded(profiles=self._read_profiles()))
         self._restore()
-        await self.server.start()
+        # The nodes' port first: a local client that reaches the socket can be told it
+        # (cluster.join), so it must be bound, and known, by then.
         tls = self.pki.server_context() if self.pki is not None else None
         host, port = self.listen
         handshake = {"ssl": tls, "ssl_handshake_timeout": HELLO_TIMEOUT_S} if tls else {}
         self._link_server = await asyncio.start_server(self._serve_link, host, port, **handshake)
         self.port = self._link_server.sockets[0].getsockname()[1]
+        try:
+            await self.server.start()
+        except BaseException:
+            self._link_server.close()
+            raise
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         log.info(
             "coordinator_ready",
