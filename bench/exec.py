@@ -51,9 +51,10 @@ def interleaved(fns: dict[str, Callable[[], None]], n: int, warmup: int) -> dict
     return out
 
 
-def bench_process(n: int, warmup: int) -> dict[str, object]:
+def bench_process(n: int, warmup: int, event_loop: str = "auto") -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="tangram-bench-") as tmp:
-        d = spawn_daemon(tmp, "")  # the default config: adaptive 1 ms coalescing
+        # the default config (adaptive 1 ms coalescing) but for the event loop
+        d = spawn_daemon(tmp, f'[daemon]\nevent_loop = "{event_loop}"\n')
         try:
             with d.client() as c:
                 env = c.env_open()
@@ -79,7 +80,7 @@ def bench_process(n: int, warmup: int) -> dict[str, object]:
     }
 
 
-def bench_docker(n: int, warmup: int) -> dict[str, object]:
+def bench_docker(n: int, warmup: int, event_loop: str = "auto") -> dict[str, object]:
     import docker
 
     client = docker.from_env()
@@ -102,6 +103,7 @@ def bench_docker(n: int, warmup: int) -> dict[str, object]:
         "update_plus_docker_exec": "[cpu]\nexec_agent = false\n",
         "agent": "[cpu]\nexec_agent = true\n",
     }
+    cfgs = {name: f'[daemon]\nevent_loop = "{event_loop}"\n{cfg}' for name, cfg in cfgs.items()}
     out: dict[str, object] = {"backend": "docker", "n": n}
     base: list[float] = []
     try:
@@ -138,12 +140,19 @@ def main() -> None:
     ap.add_argument("--backend", choices=["process", "docker"], default="process")
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument(
+        "--event-loop",
+        choices=["auto", "uvloop", "asyncio"],
+        default="auto",
+        help="the daemon's [daemon] event_loop (default: auto, uvloop where installed)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.backend == "process":
-        result = bench_process(args.n, args.warmup)
+        result = bench_process(args.n, args.warmup, args.event_loop)
     else:
-        result = bench_docker(max(50, args.n // 3), args.warmup)
+        result = bench_docker(max(50, args.n // 3), args.warmup, args.event_loop)
+    result["event_loop"] = args.event_loop
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
 
 

@@ -231,9 +231,12 @@ def bare(n: int, clients: int) -> dict[str, Any]:
     }
 
 
-def run(n: int, clients: int, env_cycles: int, throwaway: bool = False) -> dict[str, Any]:
+def run(
+    n: int, clients: int, env_cycles: int, throwaway: bool = False, event_loop: str = "auto"
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tgload-", dir="/tmp") as work:
-        daemon = spawn_daemon(work, "[daemon]\nmax_connections = 4096\n")
+        config = f'[daemon]\nmax_connections = 4096\nevent_loop = "{event_loop}"\n'
+        daemon = spawn_daemon(work, config)
         try:
             before = daemon_usage(daemon)
             proc = psutil.Process(daemon.proc.pid)
@@ -286,9 +289,16 @@ def main() -> None:
         action="store_true",
         help="a fresh environment per exec (default: one per client)",
     )
+    ap.add_argument(
+        "--event-loop",
+        choices=["auto", "uvloop", "asyncio"],
+        default="auto",
+        help="the daemon's [daemon] event_loop (default: auto, uvloop where installed)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
-    report = run(args.n, args.clients, args.env_cycles, args.throwaway)
+    report = run(args.n, args.clients, args.env_cycles, args.throwaway, args.event_loop)
+    report["event_loop"] = args.event_loop
     if args.json:
         print(json.dumps(report, indent=2))
         return

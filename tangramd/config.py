@@ -40,6 +40,7 @@ GIB: Final = 1 << 30
 SYSTEM_STATE_DIR: Final = "/var/lib/tangram"
 LOG_FORMATS: Final = ("auto", "json", "console")
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
+EVENT_LOOPS: Final = ("auto", "uvloop", "asyncio")
 CPU_BACKENDS: Final = ("process", "docker")
 OVERFLOW_POLICIES: Final = ("wait", "reject", "deadline")
 SERVICE_RUNTIMES: Final = ("simulated", "torch", "http")
@@ -324,6 +325,7 @@ class DaemonConfig:
     state_dir: str = _key(_path, factory=default_state_dir)
     log_format: str = _key(_choice(*LOG_FORMATS), "auto")
     log_level: str = _key(_choice(*LOG_LEVELS), "info")
+    event_loop: str = _key(_choice(*EVENT_LOOPS), "auto")
     max_frame_bytes: int = _key(_size(1024), 16 * MIB)
     idle_timeout_s: float = _key(_number(0.0, exclusive=True), 300.0)
     frame_timeout_s: float = _key(_number(0.0, exclusive=True), 30.0)

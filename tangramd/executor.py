@@ -26,6 +26,7 @@ from tangramd import events as ev
 from tangramd.backends.base import Backend, ExecRequest, PathEscape
 from tangramd.backends.files import NotAFile, TooLarge, exec_with_files
 from tangramd.core import Core
+from tangramd.lifecycle import loop_name
 from tangramd.records import RecordJournal, read_json, write_json
 from tangramd.services import ServiceHost, ServiceLoadError, ServiceNotFound
 from tangramd.transport import ConnInfo, Later, UnixServer
@@ -117,6 +118,7 @@ class Executor:
             socket=self.socket_path,
             backend=self.backend.name,
             cores=self.core.total_cores(),
+            event_loop=loop_name(),
         )
 
     async def stop(self) -> None:

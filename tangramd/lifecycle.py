@@ -21,15 +21,19 @@ import os
 import signal
 import socket
 import stat
-from collections.abc import Callable, Iterable
-from typing import Final
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, Final, TypeVar
 
 import structlog
+
+from tangram.model import TangramError
 
 log = structlog.get_logger(__name__)
 
 NOTIFY_ENV: Final = "NOTIFY_SOCKET"
 STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
+
+T = TypeVar("T")
 
 
 def _notify_address(value: str) -> str | bytes:
@@ -174,3 +178,27 @@ def lock_state_dir(state_dir: str, *, shared: bool = False) -> StateDirLock:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return StateDirLock(fd, path)
+
+
+def run_loop(main: Coroutine[Any, Any, T], event_loop: str = "auto") -> T:
+    """Run the daemon's main coroutine on ``event_loop``: ``uvloop`` (libuv; less CPU per
+    message and per exec, see docs/results.md), ``asyncio`` (the standard library's), or
+    ``auto``: uvloop where it is installed, else asyncio."""
+    if event_loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if event_loop == "uvloop":
+                raise TangramError(
+                    "daemon.event_loop = 'uvloop' but uvloop is not installed "
+                    "(pip install uvloop, or event_loop = 'auto')"
+                ) from None
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
+
+
+def loop_name() -> str:
+    """The running event loop's kind, for the daemons' ready lines: uvloop or asyncio."""
+    module = type(asyncio.get_running_loop()).__module__
+    return "uvloop" if module.startswith("uvloop") else "asyncio"

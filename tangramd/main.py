@@ -13,7 +13,13 @@ import structlog
 
 from tangram.model import TangramError
 from tangramd.config import ConfigError, load_config
-from tangramd.lifecycle import StateDirBusy, install_stop_handlers, lock_state_dir, sd_notify
+from tangramd.lifecycle import (
+    StateDirBusy,
+    install_stop_handlers,
+    lock_state_dir,
+    run_loop,
+    sd_notify,
+)
 from tangramd.logs import configure_logging
 from tangramd.transport import check_socket_free
 
@@ -71,7 +77,7 @@ def up(
         sys.exit(1)
     try:
         check_socket_free(config.daemon.socket)  # fail before touching any state
-        asyncio.run(_serve(config))
+        run_loop(_serve(config), config.daemon.event_loop)
     except TangramError as exc:
         click.echo(f"tangramd: {exc}", err=True)
         sys.exit(1)

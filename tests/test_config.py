@@ -190,6 +190,7 @@ BAD_CONFIGS = [
     ("unknown key", "[cpu]\nbakend = 'docker'\n", "cpu.bakend", "backend"),
     ("bad backend", "[cpu]\nbackend = 'podman'\n", "cpu.backend", "'process', 'docker'"),
     ("bad log format", "[daemon]\nlog_format = 'xml'\n", "daemon.log_format", "'console'"),
+    ("bad event loop", "[daemon]\nevent_loop = 'trio'\n", "daemon.event_loop", "'uvloop'"),
     ("bad log level", "[daemon]\nlog_level = 'loud'\n", "daemon.log_level", "'warning'"),
     ("frame too small", "[daemon]\nmax_frame_bytes = 10\n", "daemon.max_frame_bytes", "1024"),
     ("negative timeout", "[daemon]\nidle_timeout_s = -1\n", "daemon.idle_timeout_s", "> 0"),

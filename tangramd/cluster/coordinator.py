@@ -44,6 +44,7 @@ from tangramd.cluster.registry import NodeRecord, Refused, Registry
 from tangramd.cluster.store import Store, StoredEnv
 from tangramd.core import Core
 from tangramd.executor import Executor, OpHandlers
+from tangramd.lifecycle import loop_name
 from tangramd.transport import NOT_SYNC, ConnInfo, Later
 
 log = structlog.get_logger("tangramd")
@@ -126,6 +127,7 @@ class CoordinatorExecutor(Executor):
             listen=f"{host}:{self.port}",
             tls=tls is not None,
             ca_sha256=self.pki.ca_sha256() if self.pki else None,
+            event_loop=loop_name(),
         )
 
     def _restore(self) -> None:

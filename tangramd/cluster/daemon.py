@@ -23,7 +23,13 @@ from tangramd import ops
 from tangramd.cluster import config as cluster_config
 from tangramd.cluster.link import is_loopback, split_host_port
 from tangramd.config import ConfigError, parse_cores
-from tangramd.lifecycle import StateDirBusy, install_stop_handlers, lock_state_dir, sd_notify
+from tangramd.lifecycle import (
+    StateDirBusy,
+    install_stop_handlers,
+    lock_state_dir,
+    run_loop,
+    sd_notify,
+)
 from tangramd.logs import configure_logging
 from tangramd.transport import check_socket_free
 
@@ -66,7 +72,7 @@ def _run(config: Any, serve: Any) -> None:
     code = 0
     try:
         check_socket_free(config.daemon.socket)
-        code = asyncio.run(serve())
+        code = run_loop(serve(), config.daemon.event_loop)
     except TangramError as exc:
         _fail(str(exc))
     except OSError as exc:

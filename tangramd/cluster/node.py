@@ -47,6 +47,7 @@ from tangramd.backends.files import exec_with_files
 from tangramd.cluster.link import Link, LinkClosed
 from tangramd.cluster.pki import CertInvalid, PinMismatch, client_context, verify_server
 from tangramd.executor import run_transfer
+from tangramd.lifecycle import loop_name
 from tangramd.records import RecordJournal
 from tangramd.services.inventory import Gpu
 from tangramd.transport import ConnInfo, Later, UnixServer
@@ -148,6 +149,7 @@ class NodeAgent:
             coordinator=self.addr,
             cores=sum(len(n) for n in self.cores_by_numa),
             backend=self.backend.name,
+            event_loop=loop_name(),
         )
 
     async def stop(self) -> None:
