@@ -149,6 +149,28 @@ def test_container_died_during_exec(client, backend):
     assert not backend.env_exists(env)
 
 
+def test_sequential_execs_reuse_one_agent_connection(agent_backend):
+    """Sequential execs in an environment share one connection to its agent (no connect
+    and no agent thread per exec); closing the environment lets it go."""
+    env = new_env(agent_backend)
+    live = agent_backend._envs[env]
+    assert live.keepalive
+
+    async def three_then_close():
+        kept = []
+        for i in range(3):
+            result = await agent_backend.exec(req(env, ["sh", "-c", f"echo {i}"]))
+            assert (result.outcome, result.stdout) == ("ok", f"{i}\n"), result
+            ((_, writer),) = live.idle
+            kept.append(writer)
+        await agent_backend.close_env(env)
+        return kept
+
+    kept = run(three_then_close())
+    assert kept[0] is kept[1] is kept[2]
+    assert live.idle == [] and kept[0].is_closing()
+
+
 def test_agent_socket_gone_falls_back_to_docker_exec(agent_backend):
     """If the agent cannot be reached the exec still runs, through docker exec."""
     env = new_env(agent_backend)

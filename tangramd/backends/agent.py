@@ -4,10 +4,12 @@ Started as the container's main process (under docker-init) as
 ``python3 agent.py /run/tangram-agent/agent.sock``; the directory is bind-mounted from the
 host, which is the only way the daemon reaches it (containers have no network).
 
-Protocol, one request per connection: a frame is a 4-byte big-endian length followed by
-that many bytes of UTF-8 JSON (never pickle).
+Protocol: requests answered in turn on one connection, which stays open until the host
+closes it (the host keeps an idle one for its next exec); a frame is a 4-byte big-endian
+length followed by that many bytes of UTF-8 JSON (never pickle). A frame that cannot be
+read is answered with an error and the connection closed.
 
-    {"op": "ping"}                                  -> {"ok": true, "pid": ..., "python": ...}
+    {"op": "ping"}               -> {"ok": true, "pid": ..., "python": ..., "keepalive": true}
     {"op": "exec", "cmd": [..] | "sh string", "env": {..}, "cores": [0, 1],
      "timeout_s": 1.5 | null, "max_output": 1048576, "exec_id": "..", "cwd": null,
      "stdin_b64": null | "<base64 of the command's input>"}
@@ -440,26 +442,47 @@ def session_op(op: str, req: dict) -> dict:
 
 
 class _Handler(socketserver.BaseRequestHandler):
+    """One connection: requests answered in turn until the host closes it (the host keeps
+    an idle connection for its next exec, ``keepalive`` in the ping reply)."""
+
     def handle(self) -> None:
+        while True:
+            try:
+                req = recv_frame(self.request)
+            except (EOFError, OSError):
+                return
+            except Exception as e:  # a broken frame: answer, then close (the stream is lost)
+                self._send({"ok": False, "error": f"{type(e).__name__}: {e}"})
+                return
+            try:
+                reply = self._answer(req)
+            except Exception as e:  # report, keep serving
+                reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            if not self._send(reply):
+                return
+
+    @staticmethod
+    def _answer(req: object) -> dict:
+        if not isinstance(req, dict):
+            raise ValueError("request must be a JSON object")
+        op = req.get("op")
+        if op == "ping":
+            return {
+                "ok": True, "pid": os.getpid(), "python": sys.version.split()[0],
+                "keepalive": True,
+            }  # fmt: skip
+        if op == "exec":
+            return run_command(req)
+        if op in ("session_open", "session_run", "session_interrupt", "session_close"):
+            return session_op(op, req)
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def _send(self, reply: dict) -> bool:
         try:
-            req = recv_frame(self.request)
-            if not isinstance(req, dict):
-                raise ValueError("request must be a JSON object")
-            op = req.get("op")
-            if op == "ping":
-                reply = {"ok": True, "pid": os.getpid(), "python": sys.version.split()[0]}
-            elif op == "exec":
-                reply = run_command(req)
-            elif op in ("session_open", "session_run", "session_interrupt", "session_close"):
-                reply = session_op(op, req)
-            else:
-                reply = {"ok": False, "error": f"unknown op {op!r}"}
-        except EOFError:
-            return
-        except Exception as e:  # report, keep serving
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        with contextlib.suppress(OSError):
             self.request.sendall(encode_frame(reply))
+        except OSError:
+            return False
+        return True
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
