@@ -1,13 +1,16 @@
 """Load on a real `tangramd up`: many short execs from many clients, and nothing left over.
 
-    python bench/load.py [--n 10000] [--clients 256] [--env-cycles 200] [--json]
+    python bench/load.py [--n 10000] [--clients 256] [--env-cycles 200] [--rounds 4] [--json]
 
 - ``--n`` execs of ``true`` (1 core) from ``--clients`` concurrent clients, one connection
   each (asyncio), each client in an environment of its own (``--throwaway``: a fresh
   environment per exec);
 - meanwhile ``--env-cycles`` environment cycles (open, exec, close) spread over the clients;
-- then the same count of bare ``subprocess.run(["true"])`` calls at the same concurrency
-  (a thread pool of ``--clients`` workers), in the same run, for the throughput ratio;
+- and the same count of bare ``subprocess.run(["true"])`` calls at the same concurrency
+  (a thread pool of ``--clients`` workers), in the same run, for the throughput ratio: the
+  two alternate in ``--rounds`` parts (default 4; the daemon idles during the bare parts),
+  so a host whose speed drifts during the run moves both sides alike (the per-exec CPU of
+  one command varied by 30% between runs on the shared VM this was built on);
 - reports: answers (each request must get exactly one), outcomes, throughput, p50/p99 of
   the client-observed ACT and of the daemon's ``act_s``, the daemon's RSS and open fds
   before and after, and leftovers (live processes under the daemon, non-empty exec
@@ -34,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -142,47 +146,90 @@ def leftovers(daemon: SpawnedDaemon) -> dict[str, int]:
 
 
 async def drive(
-    path: str, n: int, clients: int, env_cycles: int, *, throwaway: bool = False
-) -> dict[str, Any]:
-    """Run the load; returns counts, latencies and wall time.
+    path: str,
+    n: int,
+    clients: int,
+    env_cycles: int,
+    *,
+    throwaway: bool = False,
+    rounds: int = 1,
+    between: Callable[[int], dict[str, Any]] | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run the load; returns counts, latencies and wall time, and what ``between`` returned.
 
     Each client runs its execs in one environment of its own (a trajectory's sandbox), or
-    with ``throwaway`` in a fresh environment per exec."""
-    todo = iter(range(n))
-    cycles = iter(range(env_cycles))
+    with ``throwaway`` in a fresh environment per exec. The execs go in ``rounds`` parts;
+    after each part ``between(execs of that part)`` runs in a thread while the clients
+    wait, connected, their environments open (the bare run's part). The wall time counts
+    the parts only: the first includes connecting and opening the environments, the last
+    closing them."""
     latencies: list[float] = []
     act: list[float] = []
     outcomes: dict[str, int] = {}
     errors: dict[str, int] = {}
     answered = 0
     env_done = 0
+    counts, cycle_counts = _split(n, rounds), _split(env_cycles, rounds)
+    todo: Iterator[int] = iter(())
+    cycles: Iterator[int] = iter(())
+    go = [asyncio.Event() for _ in range(rounds)]
+    walls: list[float] = []
+    done_round: list[int] = [0] * rounds
+    round_over = [asyncio.Event() for _ in range(rounds)]
+    failure: list[BaseException] = []
 
     async def one_client() -> None:
+        try:
+            await client_rounds()
+        except BaseException as exc:  # ends the run: no round waits for this client
+            failure.append(exc)
+            for event in round_over:
+                event.set()
+            raise
+
+    async def client_rounds() -> None:
         nonlocal answered, env_done
         async with AsyncClient(path) as client:
             home = None if throwaway else await client.env_open(mem=ENV_MEM)
-            for _ in todo:
-                started = time.perf_counter()
-                try:
-                    result = await client.exec(["true"], cpus=1, env=home)
-                except Exception as exc:  # a typed error is an answer too: count it
-                    errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-                else:
-                    outcomes[result.outcome] = outcomes.get(result.outcome, 0) + 1
-                    act.append(result.act_s)
-                latencies.append(time.perf_counter() - started)
-                answered += 1
-                if next(cycles, None) is not None:
-                    env = await client.env_open(mem=ENV_MEM)
-                    result = await client.exec("echo x > f && cat f", env=env)
-                    await client.env_close(env)
-                    env_done += result.stdout == "x\n"
-            if home is not None:
-                await client.env_close(home)
+            for r in range(rounds):
+                await go[r].wait()
+                for _ in todo:
+                    started = time.perf_counter()
+                    try:
+                        result = await client.exec(["true"], cpus=1, env=home)
+                    except Exception as exc:  # a typed error is an answer too: count it
+                        errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                    else:
+                        outcomes[result.outcome] = outcomes.get(result.outcome, 0) + 1
+                        act.append(result.act_s)
+                    latencies.append(time.perf_counter() - started)
+                    answered += 1
+                    if next(cycles, None) is not None:
+                        env = await client.env_open(mem=ENV_MEM)
+                        result = await client.exec("echo x > f && cat f", env=env)
+                        await client.env_close(env)
+                        env_done += result.stdout == "x\n"
+                if r == rounds - 1 and home is not None:
+                    await client.env_close(home)
+                done_round[r] += 1
+                if done_round[r] == clients:
+                    round_over[r].set()
 
-    started = time.perf_counter()
-    await asyncio.gather(*(one_client() for _ in range(clients)))
-    wall = time.perf_counter() - started
+    extra: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(one_client()) for _ in range(clients)]
+    for r in range(rounds):
+        todo, cycles = iter(range(counts[r])), iter(range(cycle_counts[r]))
+        started = time.perf_counter()
+        go[r].set()
+        await round_over[r].wait()
+        if failure:
+            raise failure[0]
+        walls.append(time.perf_counter() - started)
+        if between is not None:
+            extra.append(await loop.run_in_executor(None, between, counts[r]))
+    await asyncio.gather(*tasks)
+    wall = sum(walls)
     return {
         "answered": answered,
         "outcomes": outcomes,
@@ -190,13 +237,15 @@ async def drive(
         "env_cycles_ok": env_done,
         "wall_s": round(wall, 3),
         "throughput_per_s": round(n / wall, 1),
+        "throughput_per_round": [round(c / w, 1) for c, w in zip(counts, walls, strict=True)],
         "client_act": percentiles(latencies),
         "daemon_act": percentiles(act),
-    }
+    }, extra
 
 
 def bare(n: int, clients: int) -> dict[str, Any]:
-    """The same count of bare subprocess.run(["true"]) at the same concurrency."""
+    """The same count of bare subprocess.run(["true"]) at the same concurrency (one round;
+    :func:`_merge_bare` pools rounds)."""
     latencies: list[float] = []
 
     def one(_: int) -> None:
@@ -214,6 +263,8 @@ def bare(n: int, clients: int) -> dict[str, Any]:
         "wall_s": round(wall, 3),
         "throughput_per_s": round(n / wall, 1),
         "act": percentiles(latencies),
+        "_latencies": latencies,
+        "_n": n,
         "cpu_ms_per_exec": {
             "caller": round((_cpu_s(cpu1) - _cpu_s(cpu0)) * 1e3 / n, 3),
             "commands": round(
@@ -231,34 +282,78 @@ def bare(n: int, clients: int) -> dict[str, Any]:
     }
 
 
+def _merge_bare(parts: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    latencies = [x for p in parts for x in p.pop("_latencies")]
+    wall = sum(p["wall_s"] for p in parts)
+
+    def cpu(key: str) -> float:  # the rounds' per-exec figures, weighted by their execs
+        return round(sum(p["cpu_ms_per_exec"][key] * p["_n"] for p in parts) / n, 3)
+
+    return {
+        "wall_s": round(wall, 3),
+        "throughput_per_s": round(n / wall, 1),
+        "throughput_per_round": [p["throughput_per_s"] for p in parts],
+        "act": percentiles(latencies),
+        "cpu_ms_per_exec": {"caller": cpu("caller"), "commands": cpu("commands")},
+    }
+
+
+def _split(total: int, rounds: int) -> list[int]:
+    return [total // rounds + (i < total % rounds) for i in range(rounds)]
+
+
 def run(
-    n: int, clients: int, env_cycles: int, throwaway: bool = False, event_loop: str = "auto"
+    n: int,
+    clients: int,
+    env_cycles: int,
+    throwaway: bool = False,
+    event_loop: str = "auto",
+    rounds: int = 1,
 ) -> dict[str, Any]:
+    """The load through one daemon and the bare run, in ``rounds`` alternating parts (a
+    host whose speed drifts during the run then moves both sides alike); the daemon idles
+    during the bare parts."""
+    rounds = max(1, min(rounds, n))
     with tempfile.TemporaryDirectory(prefix="tgload-", dir="/tmp") as work:
         config = f'[daemon]\nmax_connections = 4096\nevent_loop = "{event_loop}"\n'
         daemon = spawn_daemon(work, config)
         try:
             before = daemon_usage(daemon)
             proc = psutil.Process(daemon.proc.pid)
+            bare_caller_s = [0.0]
+
+            def bare_part(count: int) -> dict[str, Any]:  # in a thread, after each round
+                part = bare(count, clients)
+                bare_caller_s[0] += part["cpu_ms_per_exec"]["caller"] * count / 1e3
+                return part
+
             daemon0, client0 = _cpu_s(proc.cpu_times()), _cpu_s(os.times())
-            load = asyncio.run(drive(daemon.socket, n, clients, env_cycles, throwaway=throwaway))
-            daemon1, client1 = _cpu_s(proc.cpu_times()), _cpu_s(os.times())
+            load, bares = asyncio.run(
+                drive(
+                    daemon.socket, n, clients, env_cycles, throwaway=throwaway,
+                    rounds=rounds, between=bare_part,
+                )
+            )  # fmt: skip
+            # this process's CPU, less its bare parts' (the bare callers run here too)
+            daemon_s = _cpu_s(proc.cpu_times()) - daemon0
+            client_s = _cpu_s(os.times()) - client0 - bare_caller_s[0]
             forks = fork_server_cpu(daemon)
             load["cpu_ms_per_exec"] = {
-                "daemon": round((daemon1 - daemon0) * 1e3 / n, 3),
+                "daemon": round(daemon_s * 1e3 / n, 3),
                 "fork_server": round(forks[0] * 1e3 / n, 3) if forks else None,
                 "commands": round(forks[1] * 1e3 / n, 3) if forks else None,
-                "clients": round((client1 - client0) * 1e3 / n, 3),
+                "clients": round(client_s * 1e3 / n, 3),
             }
             time.sleep(0.5)  # let the last closes settle
             after = daemon_usage(daemon)
             left = leftovers(daemon)
         finally:
             daemon.stop()
-        baseline = bare(n, clients)
+        baseline = _merge_bare(bares, n)
     ratio = load["throughput_per_s"] / baseline["throughput_per_s"]
     return {
         "n": n,
+        "rounds": rounds,
         "clients": clients,
         "env_cycles": env_cycles,
         "throwaway_envs": throwaway,
@@ -295,9 +390,17 @@ def main() -> None:
         default="auto",
         help="the daemon's [daemon] event_loop (default: auto, uvloop where installed)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="alternate the tangram and bare runs in this many parts (default 4)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
-    report = run(args.n, args.clients, args.env_cycles, args.throwaway, args.event_loop)
+    report = run(
+        args.n, args.clients, args.env_cycles, args.throwaway, args.event_loop, args.rounds
+    )
     report["event_loop"] = args.event_loop
     if args.json:
         print(json.dumps(report, indent=2))
