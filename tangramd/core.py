@@ -34,6 +34,7 @@ from tangram.model import (
     ActionId,
     HistoryEstimator,
     InvalidDemand,
+    Shortfall,
     TangramError,
     TrajectoryId,
     make_action,
@@ -50,7 +51,7 @@ from tangram.protocol.errors import (
     ShuttingDown,
 )
 from tangram.protocol.results import CallResult, ExecResult
-from tangram.sched import LoadMeter, SchedConfig, Snapshot, schedule
+from tangram.sched import Decision, Infeasible, LoadMeter, SchedConfig, Snapshot, schedule
 from tangramd import events as ev
 from tangramd.entities import (
     ACTION_EDGES,
@@ -163,6 +164,7 @@ class Core:
         self._seen_pools: tuple[tuple[str, int], ...] = ()
         self._seen_plain = False  # every action that pass left queued: an exec with a node
         self.passes_short = 0  # passes that read only a prefix of the queue
+        self.passes_full_pools = 0  # short passes with no free core: no scheduler run
         # next_wakeup's shortcuts: queued API actions, and a lower bound of the earliest
         # idle deadline (None: scan the environments; see ``handle``)
         self._queued_api = 0
@@ -430,7 +432,7 @@ class Core:
         if self.cfg.short_passes:
             short = self._short_waiting(affinity)
         if short is not None:
-            decision = schedule(
+            decision = self._nothing_fits(short, affinity) or schedule(
                 Snapshot(
                     waiting=short,
                     pools=self.pools,
@@ -507,6 +509,37 @@ class Core:
             else:
                 self._transition(rec, "running", now, "lease granted")
                 self._grant_lease(rec, now, out)
+
+    def _nothing_fits(
+        self, short: list[Action], affinity: dict[TrajectoryId, str]
+    ) -> Decision | None:
+        """What ``schedule`` decides on a short pass's actions when none of their pools has
+        a free unit (an arrival under a flood): nothing is placed, and those that can never
+        fit their pool are infeasible, found as ``schedule`` finds them; None when one has a
+        free unit or an action is not an exec on a known CPU pool (``schedule`` decides)."""
+        infeasible: list[Infeasible] = []
+        memo: dict[tuple[Any, ...], Shortfall | None] = {}
+        full: set[str] = set()
+        for action in short:
+            pid = affinity.get(action.trajectory)
+            if action.kind != "exec" or pid is None:
+                return None
+            pool = self.pools.get(pid)
+            if pid not in full:
+                if not isinstance(pool, CpuNodePool) or pool.free_units():
+                    return None
+                full.add(pid)
+            sig = (pid, action.min_units, action.demand.get("mem"))
+            if sig in memo:
+                shortfall = memo[sig]
+            else:
+                shortfall = memo[sig] = pool.never_fits(action)
+            if shortfall is not None:
+                infeasible.append(Infeasible(action.id, shortfall))
+        self.passes_full_pools += 1
+        bad = {i.action_id for i in infeasible}
+        waiting = tuple(a.id for a in short if a.id not in bad)
+        return Decision((), waiting, tuple(infeasible), 0.0, 0)
 
     def _pool_identity(self) -> tuple[tuple[str, int], ...]:
         return tuple((pid, id(pool)) for pid, pool in self.pools.items())

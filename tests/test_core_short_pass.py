@@ -160,3 +160,69 @@ def test_short_pass_under_a_flood_of_one_core_execs() -> None:
         world.feed(ev.ExecFinished(action_id=aid, result=ExecResult("ok", 0, exec_s=0.001)))
     assert not world.a.queue and not world.b.queue
     assert world.a.passes_short >= 0.8 * world.a.passes, (world.a.passes_short, world.a.passes)
+    assert world.b.passes_full_pools == 0
+
+
+def test_arrivals_at_full_nodes_run_no_scheduler_and_decide_the_same() -> None:
+    """The load benchmark's rhythm: each completion's pass places one queued exec, and
+    the next arrival finds every core busy. That arrival's pass runs no scheduler
+    (``_nothing_fits``) yet decides as the full pass does, and rejects at once an exec that
+    can never fit its environment's node (4 cores asked on the 2-core node)."""
+    cores = {
+        short: Core(
+            CpuCluster(
+                [
+                    CpuNodePool("n1", [[0, 1]], 64 * GIB),
+                    CpuNodePool("n2", [[0, 1], [2, 3]], 64 * GIB),
+                ]
+            ),
+            {},
+            CoreConfig(short_passes=short),
+        )
+        for short in (True, False)
+    }
+    now = 0.0
+    running: list[str] = []
+    tokens = iter(range(1, 10**6))
+
+    def feed(event: ev.Event) -> list[ev.Command]:
+        outs = [core.handle(event, now) for core in cores.values()]
+        assert outs[0] == outs[1], event
+        for core in cores.values():
+            core.validate()
+        running.extend(c.action_id for c in outs[0] if isinstance(c, ev.RunExec))
+        if (due := cores[True].next_wakeup(now)) is not None and due <= now:
+            outs[0] += feed(ev.Tick())
+        return outs[0]
+
+    envs: list[str] = []
+    for _ in range(16):
+        feed(ev.OpenEnv(token=next(tokens), mem=GIB))
+        env_id = next(e.id for e in cores[True].envs if e.id not in envs)
+        feed(ev.EnvCreated(env_id=env_id))
+        envs.append(env_id)
+    small = [e for e in envs if cores[True].envs.get(e).node == "n1"]
+    assert small and len(small) < len(envs)  # environments on both nodes
+    for i in range(60):  # a deep queue, as 256 clients make it
+        feed(ev.SubmitExec(spec=ExecSpec(cmd="true", env=envs[i % 16], cpus=1), token=next(tokens)))
+    rejected = 0
+    for i in range(300):
+        now += 0.002
+        feed(ev.ExecFinished(action_id=running.pop(0), result=ExecResult("ok", 0, exec_s=0.001)))
+        now += 0.0003  # its client asks again: every core is busy by then
+        if i % 50 == 7:  # now and then one that can never fit its node
+            spec = ExecSpec(cmd="true", env=small[i % len(small)], cpus=4)
+        else:
+            spec = ExecSpec(cmd="true", env=envs[i % 16], cpus=1)
+        out = feed(ev.SubmitExec(spec=spec, token=next(tokens)))
+        now += 0.0011  # past the coalescing window: the arrival's pass is due
+        out += feed(ev.Tick())
+        rejected += sum(
+            isinstance(c, ev.Reply) and c.error is not None and c.error[0] == "unschedulable"
+            for c in out
+        )
+    short, full = cores[True], cores[False]
+    assert rejected == 6
+    assert short.passes == full.passes
+    assert short.passes_full_pools >= 0.4 * short.passes, (short.passes_full_pools, short.passes)
+    assert full.passes_full_pools == 0

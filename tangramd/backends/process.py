@@ -94,6 +94,15 @@ SMALL_DIR_ENTRIES = 32  # a closed environment with at most this many files, no 
 _ENV_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "TERM")
 
 
+def _base_env() -> dict[str, str]:
+    """What every command's environment starts from: a few of the daemon's variables (read
+    once, at start-up), its interpreter's directory first on ``PATH`` so `python -m pytest`
+    finds the same packages."""
+    env = {k: os.environ[k] for k in _ENV_PASSTHROUGH if k in os.environ}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', os.defpath)}"
+    return env
+
+
 def command_argv(cmd: list[str] | str) -> list[str]:
     """The argv to spawn: a list as it is, a string under ``/bin/sh -c``."""
     if isinstance(cmd, str):
@@ -301,6 +310,7 @@ class ProcessBackend:
         oom_score_adj: int = EXEC_OOM_SCORE_ADJ,
         lodgers: int | None = None,
     ) -> None:
+        self._base_env = _base_env()
         self.root = Path(root_dir)
         self.envs_dir = self.root / "envs"
         self._is_root = os.geteuid() == 0
@@ -455,10 +465,7 @@ class ProcessBackend:
     # --- execs ------------------------------------------------------------------------
 
     def _child_env(self, req: ExecRequest, home: Path, marker: str) -> dict[str, str]:
-        env = {k: os.environ[k] for k in _ENV_PASSTHROUGH if k in os.environ}
-        env.setdefault("PATH", os.defpath)
-        # The daemon's interpreter first, so `python -m pytest` finds the same packages.
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+        env = dict(self._base_env)
         env.update(HOME=str(home), TMPDIR=str(home))
         env.update(req.env_vars)
         env["TANGRAM_CPUS"] = str(len(req.cores))
