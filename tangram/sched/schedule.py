@@ -349,8 +349,8 @@ def _schedule_pool(
         else:
             fixed.append(a)
     if not elastic:  # the placement is fixed: no DP, no eviction, objective 0 (see below)
-        placed = [(a, a.min_units) for a in fixed]
-        return _PoolResult(placed, [dur(a, amount) for a, amount in placed], 0.0, 0)
+        at_min = [(a, a.min_units) for a in fixed]
+        return _PoolResult(at_min, [dur(a, amount) for a, amount in at_min], 0.0, 0)
     state = op.start()
     for a in fixed:
         nxt = op.take(state, a.min_units)
