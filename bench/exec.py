@@ -44,6 +44,12 @@ def stats(ms: list[float]) -> dict[str, float]:
     }
 
 
+def _loop_config(event_loop: str) -> str:
+    """The default config but for the event loop (the default, auto: no key at all, so the
+    daemon of an older tree runs too)."""
+    return "" if event_loop == "auto" else f'[daemon]\nevent_loop = "{event_loop}"\n'
+
+
 def interleaved(
     fns: dict[str, Callable[[], None]], n: int, warmup: int, block: int = 1
 ) -> dict[str, list[float]]:
@@ -67,7 +73,7 @@ def interleaved(
 def bench_process(n: int, warmup: int, event_loop: str = "auto") -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="tangram-bench-") as tmp:
         # the default config (adaptive 1 ms coalescing) but for the event loop
-        d = spawn_daemon(tmp, f'[daemon]\nevent_loop = "{event_loop}"\n')
+        d = spawn_daemon(tmp, _loop_config(event_loop))
         try:
             with d.client() as c:
                 env = c.env_open()
@@ -116,7 +122,7 @@ def bench_docker(n: int, warmup: int, event_loop: str = "auto") -> dict[str, obj
         "update_plus_docker_exec": "[cpu]\nexec_agent = false\n",
         "agent": "[cpu]\nexec_agent = true\n",
     }
-    cfgs = {name: f'[daemon]\nevent_loop = "{event_loop}"\n{cfg}' for name, cfg in cfgs.items()}
+    cfgs = {name: _loop_config(event_loop) + cfg for name, cfg in cfgs.items()}
     out: dict[str, object] = {"backend": "docker", "n": n}
     base: list[float] = []
     try:

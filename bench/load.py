@@ -315,7 +315,9 @@ def run(
     during the bare parts."""
     rounds = max(1, min(rounds, n))
     with tempfile.TemporaryDirectory(prefix="tgload-", dir="/tmp") as work:
-        config = f'[daemon]\nmax_connections = 4096\nevent_loop = "{event_loop}"\n'
+        config = "[daemon]\nmax_connections = 4096\n"
+        if event_loop != "auto":  # (the default: no key, so an older tree's daemon runs too)
+            config += f'event_loop = "{event_loop}"\n'
         daemon = spawn_daemon(work, config)
         try:
             before = daemon_usage(daemon)
