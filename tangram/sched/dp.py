@@ -112,9 +112,10 @@ class DPTable:
         for options in self._choices:
             nxt: dict[Hashable, float] = {}
             parent: dict[Hashable, tuple[Hashable, int]] = {}
+            take = self._op.take
             for state, base in layer.items():
                 for amount, dur in options:
-                    new = self._op.take(state, amount)
+                    new = take(state, amount)
                     if new is None:
                         continue
                     c = base + dur
@@ -164,9 +165,13 @@ class DPTable:
             raise InfeasibleArrangement(f"the first {t} candidates do not fit at their minimum")
         start_units = self._op.units(self._start)
         # min total; ties broken by fewer units used (more free units left), then encoding
-        state = min(
-            layer,
-            key=lambda s: (layer[s], start_units - self._op.units(s), self._op.encode(s)),
+        # (the tie-break key is only built for the states at the least total)
+        least = min(layer.values())
+        tied = [s for s, c in layer.items() if c == least]
+        state = (
+            tied[0]
+            if len(tied) == 1
+            else min(tied, key=lambda s: (start_units - self._op.units(s), self._op.encode(s)))
         )
         total = layer[state]
         amounts = [0] * t

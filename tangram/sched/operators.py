@@ -78,6 +78,7 @@ def chunk_level(k: int) -> int:
 
 
 ChunkState = tuple[int, int, int, int]
+_MISSING = object()  # take() memo: not computed yet (None is a memoised "does not fit")
 
 
 class ChunkOperator:
@@ -115,11 +116,11 @@ class ChunkOperator:
 
     def take(self, state: ChunkState, k: int) -> ChunkState | None:
         key = (state, k)
-        if key in self._memo:
-            return self._memo[key]
-        result = self._take(state, k)
-        self._memo[key] = result
-        return result
+        memo = self._memo
+        result = memo.get(key, _MISSING)
+        if result is _MISSING:
+            result = memo[key] = self._take(state, k)
+        return result  # type: ignore[return-value]
 
     def _take(self, state: ChunkState, k: int) -> ChunkState | None:
         need = chunk_level(k)

@@ -54,6 +54,9 @@ class ReplayConfig(Protocol):
 
 NEVER = 1e9  # replay penalty (seconds) for an action that cannot start at all
 
+# (amount, duration, options) of an action in the EFT replay (``Replay._entry``)
+Entry = tuple[int, float, list[tuple[int, float]] | None]
+
 
 def elastic_amounts(action: Action, max_single: int) -> tuple[int, ...]:
     return _at_or_below(action.allowed, max_single)
@@ -115,7 +118,14 @@ class Durations:
 
     def table(self, action: Action, amounts: tuple[int, ...]) -> dict[int, float]:
         """Durations at each of ``amounts`` (the DP's choices for one candidate)."""
-        return {u: self._compute(action, u) for u in amounts}
+        cache, aid = self._cache, action.id
+        out: dict[int, float] = {}
+        for u in amounts:  # through the per-pass cache: pricing already read some of them
+            d = cache.get((aid, u))
+            if d is None:
+                d = cache[aid, u] = self._compute(action, u)
+            out[u] = d
+        return out
 
     def minimum(self, action: Action) -> float:
         """Duration at the lowest amount the action may take in this pass."""
@@ -204,10 +214,21 @@ class Replay:
         # measured worse than "wait" (MOPD+Search teacher ACT +7%, DeepSearch judge +18%)
         self.eft = cfg.rule in ("wait-eft", "priced") and self.plain
         self._options: dict[ActionId, list[tuple[int, float]]] = {}
-        self._entries: dict[ActionId, tuple[int, float, list[tuple[int, float]] | None]] = {}
+        self._entries: dict[ActionId, Entry] = {}
 
     def run(self, waiting: Sequence[Action], state: Any, heap: list[tuple[float, int]]) -> float:
-        return self._run(waiting, 0, len(waiting), state, heap, 0.0, self.cfg.depth)
+        ents = self._entries_of(waiting) if self.fast and self.eft else None
+        return self._run(waiting, 0, len(waiting), state, heap, 0.0, self.cfg.depth, ents)
+
+    def _entries_of(self, waiting: Sequence[Action]) -> list[Entry]:
+        """The EFT entries of ``waiting``, position by position: looked up once per run and
+        shared by every branch's replay of the same list."""
+        entries, entry = self._entries, self._entry
+        out = []
+        for w in waiting:
+            e = entries.get(w.id)
+            out.append(entry(w) if e is None else e)
+        return out
 
     def _run(
         self,
@@ -218,10 +239,11 @@ class Replay:
         heap: list[tuple[float, int]],
         clock: float,
         depth: int,
+        ents: list[Entry] | None = None,
     ) -> float:
         if depth <= 1 and self.fast:  # no branching left: the specialised replays
             if self.eft:
-                return self._eft(waiting, i, end, state, heap, clock)
+                return self._eft(waiting, i, end, state, heap, clock, ents)
             return self._plain(waiting, i, end, state, heap, clock)
         total = 0.0
         dur = self.dur
@@ -232,7 +254,7 @@ class Replay:
                 state, clock, ok = self._wait_for(state, heap, clock, dur.lowest(w))
                 if not ok:
                     return total + NEVER * (end - i)
-                return total + self._branch(waiting, i, end, state, heap, clock, depth)
+                return total + self._branch(waiting, i, end, state, heap, clock, depth, ents)
             if self.eft and w.elastic:
                 u, d = self._eft_pick(w, state, heap, clock)
             else:
@@ -294,6 +316,7 @@ class Replay:
         free: int,
         heap: list[tuple[float, int]],
         clock: float,
+        ents: list[Entry] | None = None,
     ) -> float:
         """``_run`` at depth 1 on plain unit counts with EFT amounts.
 
@@ -302,15 +325,12 @@ class Replay:
         harmless (equal finishes pop in any order with the same clock and unit sum).
         """
         total = 0.0
-        entries, entry = self._entries, self._entry
+        if ents is None:
+            ents = self._entries_of(waiting)
         order = sorted(heap)
         head, size, insort = 0, len(order), bisect.insort
         for k in range(i, end):
-            w = waiting[k]
-            e = entries.get(w.id)
-            if e is None:
-                e = entry(w)
-            u, d, opts = e
+            u, d, opts = ents[k]
             if opts is not None:
                 u, d = eft_amount(opts, free, order, head, clock)
             while free < u:
@@ -327,7 +347,7 @@ class Replay:
             free -= u
         return total
 
-    def _entry(self, w: Action) -> tuple[int, float, list[tuple[int, float]] | None]:
+    def _entry(self, w: Action) -> Entry:
         """(amount, duration, options) of ``w`` in the EFT replay, cached per pass: the
         options are None unless the amount is chosen per replay (elastic, >= 2 options)."""
         if w.elastic:
@@ -378,6 +398,7 @@ class Replay:
         heap: list[tuple[float, int]],
         clock: float,
         depth: int,
+        ents: list[Entry] | None = None,
     ) -> float:
         w = waiting[i]
         take = self.op.take
@@ -395,7 +416,7 @@ class Replay:
                 return NEVER
             d = self.dur(w, u)
             heapq.heappush(h, (clk + d, u))
-            rest = self._run(waiting, i + 1, stop, take(s, u), h, clk, depth - 1)
+            rest = self._run(waiting, i + 1, stop, take(s, u), h, clk, depth - 1, ents)
             return clk + d + rest
 
         if len(options) == 1:

@@ -410,7 +410,12 @@ def _schedule_pool(
             placed.append((a, chosen[a.id]))
         elif a.id in fixed_ids:
             placed.append((a, a.min_units))
-    durs = [dur(a, amount) for a, amount in placed]
+    low, minimum = dur.low, dur.minimum
+    # at the lowest amount the duration is the cached minimum (the same computation)
+    durs = [
+        minimum(a) if amount == low.get(a.id, a.min_units) else dur(a, amount)
+        for a, amount in placed
+    ]
     return _PoolResult(placed, durs, best, n - best_t)
 
 
