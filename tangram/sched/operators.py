@@ -17,7 +17,7 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 S = TypeVar("S")
 
@@ -78,7 +78,7 @@ def chunk_level(k: int) -> int:
 
 
 ChunkState = tuple[int, int, int, int]
-_MISSING = object()  # take() memo: not computed yet (None is a memoised "does not fit")
+_MISSING: Any = object()  # take() memo: not computed yet (None is a memoised "does not fit")
 
 
 class ChunkOperator:
@@ -117,10 +117,10 @@ class ChunkOperator:
     def take(self, state: ChunkState, k: int) -> ChunkState | None:
         key = (state, k)
         memo = self._memo
-        result = memo.get(key, _MISSING)
+        result: ChunkState | None = memo.get(key, _MISSING)
         if result is _MISSING:
             result = memo[key] = self._take(state, k)
-        return result  # type: ignore[return-value]
+        return result
 
     def _take(self, state: ChunkState, k: int) -> ChunkState | None:
         need = chunk_level(k)
