@@ -43,7 +43,7 @@ class BuddyChunks:
 
     def has_chunk(self, size: int) -> bool:
         """Whether a free chunk of at least ``size`` GPUs exists."""
-        return any(starts for s, starts in self._free.items() if s >= size)
+        return any([s >= size for s, starts in self._free.items() if starts])
 
     def chunks(self) -> list[tuple[int, int]]:
         """Free chunks as sorted ``(start, size)`` pairs."""

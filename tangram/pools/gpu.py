@@ -252,7 +252,8 @@ class GpuNodePool:
 
     def holds(self, key: ServiceKey) -> bool:
         """Whether variant ``key`` is resident on any GPU of this node (a cheap pre-check)."""
-        return any(key in entries for entries in self._resident)
+        # a list, not a generator: asked per variant on every scheduling pass (8 GPUs)
+        return any([key in entries for entries in self._resident])
 
     def resident_gpus(self, key: ServiceKey, start: int, size: int) -> int:
         """How many GPUs of ``[start, start + size)`` hold variant ``key``."""
@@ -447,7 +448,11 @@ class GpuCluster:
         return sum(node.free_gpus() for node in self._nodes)
 
     def max_single(self) -> int:
-        return max((node.n_gpus for node in self._nodes), default=0)
+        most = 0  # a loop: asked for every queued service action's amounts on every pass
+        for node in self._nodes:
+            if node.n_gpus > most:
+                most = node.n_gpus
+        return most
 
     def chunk_counts(self) -> dict[int, int]:
         totals = dict.fromkeys(CHUNK_SIZES, 0)
@@ -513,12 +518,13 @@ class GpuCluster:
         if not fitting:
             return math.inf
         key = (action.service, size)
-        if any(node.holds(key) for node in self._nodes) and (
-            fully_resident(self._choices(action.service, size), size) is not None
-        ):
-            return 0.0
+        for node in self._nodes:
+            if node.holds(key):
+                if fully_resident(self._choices(action.service, size), size) is not None:
+                    return 0.0
+                break
         with_room = [n for n in fitting if n.buddy.has_chunk(size)]
-        return min(node.restore_time_s(spec, size) for node in with_room or fitting)
+        return min([node.restore_time_s(spec, size) for node in with_room or fitting])
 
     def pick_units(self, requests: Sequence[tuple[Action, int]]) -> list[tuple[int, ...]]:
         """Global GPU ids of one aligned chunk per request, taken in order on a copy.
