@@ -67,6 +67,11 @@ class ServiceSpec:
         return -(-self.mem_bytes // dop)
 
 
+def _nowhere(start: int, size: int) -> int:
+    """``resident_score`` of a variant that is resident on no GPU of the node."""
+    return 0
+
+
 class Eviction(NamedTuple):
     """One GPU copy dropped: ``service`` variant ``dop`` leaves ``gpu``."""
 
@@ -257,13 +262,20 @@ class GpuNodePool:
 
     def resident_gpus(self, key: ServiceKey, start: int, size: int) -> int:
         """How many GPUs of ``[start, start + size)`` hold variant ``key``."""
-        return sum(1 for gpu in range(start, start + size) if key in self._resident[gpu])
+        resident = self._resident
+        return len([gpu for gpu in range(start, start + size) if key in resident[gpu]])
 
     def resident_score(self, service: str | None, size: int) -> ResidentScore | None:
-        """Scoring function for ``choose_chunk``: resident GPUs of ``(service, size)``."""
+        """Scoring function for ``choose_chunk``: resident GPUs of ``(service, size)``.
+
+        For use at once: a variant resident nowhere on the node scores 0 everywhere without
+        looking (the common case, asked for every chunk the scheduler picks).
+        """
         if service is None:
             return None
         key = (service, size)
+        if not self.holds(key):
+            return _nowhere
         return lambda start, span: self.resident_gpus(key, start, span)
 
     def resident(self, gpu: int) -> tuple[ServiceKey, ...]:

@@ -298,9 +298,10 @@ def _assign_nodes(
             mem_free[pid] -= need_mem
             mem_used[pid] += need_mem
             cores = cores_free[pid]
-            cores_free[pid] = max(0, cores - need)
+            left = cores - need
+            cores_free[pid] = left if left > 0 else 0
             if cores == most_free:  # only the node with the most free cores moves the max
-                most_free = max(cores_free.values())
+                most_free = max(cores_free.values()) if len(cores_free) > 1 else cores_free[pid]
             assigned.append((action, pid))
         elif starving:
             # pinned but memory not free yet: queue it there so it blocks later work (FCFS)
@@ -349,7 +350,8 @@ def _schedule_pool(
     running_at = snap.running.get(pool.pool_id, ())
 
     def running() -> list[tuple[float, int]]:  # expected finishes from now, built on demand
-        return [(max(f - now, 0.0), u) for f, u in running_at]
+        # max(f - now, 0.0) written out (same value, NaN included; built every pass)
+        return [(0.0 if f - now < 0.0 else f - now, u) for f, u in running_at]
 
     if priced and cfg.order == "fcfs":
         cands, rest = _candidates_easy(op.start(), queue, dur, running, now - cfg.starvation_s)
