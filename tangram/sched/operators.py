@@ -149,10 +149,12 @@ class ChunkOperator:
         return (counts[0], counts[1], counts[2], counts[3])
 
     def units(self, state: ChunkState) -> int:
-        return sum(n * s for n, s in zip(state, CHUNK_SIZES, strict=True))
+        n1, n2, n4, n8 = state  # sum over CHUNK_SIZES (1, 2, 4, 8), unrolled
+        return n1 + 2 * n2 + 4 * n4 + 8 * n8
 
     def encode(self, state: ChunkState) -> int:
-        return sum(n * b for n, b in zip(state, self._bases, strict=True))
+        b1, b2, b4, b8 = self._bases
+        return state[0] * b1 + state[1] * b2 + state[2] * b4 + state[3] * b8
 
     def decode(self, index: int) -> ChunkState:
         out = []

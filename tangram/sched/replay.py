@@ -56,6 +56,8 @@ NEVER = 1e9  # replay penalty (seconds) for an action that cannot start at all
 
 # (amount, duration, options) of an action in the EFT replay (``Replay._entry``)
 Entry = tuple[int, float, list[tuple[int, float]] | None]
+# where an EFT replay stopped: (free units, finishes, head into them, clock, total)
+_EftState = tuple[int, list[tuple[float, int]], int, float, float]
 
 
 def elastic_amounts(action: Action, max_single: int) -> tuple[int, ...]:
@@ -324,11 +326,26 @@ class Replay:
         action's look-up scans it in order without re-sorting; ties in the heap order are
         harmless (equal finishes pop in any order with the same clock and unit sum).
         """
-        total = 0.0
         if ents is None:
             ents = self._entries_of(waiting)
-        order = sorted(heap)
-        head, size, insort = 0, len(order), bisect.insort
+        return self._eft_from(ents, i, end, free, sorted(heap), 0, clock, 0.0, None)
+
+    def _eft_from(
+        self,
+        ents: list[Entry],
+        i: int,
+        end: int,
+        free: int,
+        order: list[tuple[float, int]],
+        head: int,
+        clock: float,
+        total: float,
+        keep: list[_EftState] | None,
+    ) -> float:
+        """``_eft``'s loop from position ``i`` with the pending finishes ``order[head:]``
+        (sorted) and ``total`` so far; when it reaches ``end`` it appends its state to
+        ``keep``, from which a later call resumes exactly where it stopped."""
+        size, insort = len(order), bisect.insort
         for k in range(i, end):
             u, d, opts = ents[k]
             if opts is not None:
@@ -345,6 +362,8 @@ class Replay:
             insort(order, (clock + d, u), lo=head)  # finishes never precede the clock
             size += 1
             free -= u
+        if keep is not None:
+            keep.append((free, order, head, clock, total))
         return total
 
     def _entry(self, w: Action) -> Entry:
@@ -355,7 +374,10 @@ class Replay:
             u, d = opts[0]
             e = (u, d, opts if len(opts) > 1 else None)
         else:
-            e = (self.dur.lowest(w), self.dur.minimum(w), None)
+            dur = self.dur
+            at_min = dur.at_min.get(w.id)
+            low = dur.low.get(w.id, w.min_units)
+            e = (low, dur.minimum(w) if at_min is None else at_min, None)
         self._entries[w.id] = e
         return e
 
@@ -408,6 +430,10 @@ class Replay:
         else:
             options = list(amounts)
         look = min(end, i + 1 + self.branch_window)
+        # the look-ahead replays below are the EFT loop: each keeps its state at ``look`` so
+        # the chosen option's full replay resumes there instead of replaying the look-ahead
+        resumable = ents is not None and self.fast and self.eft and depth - 1 <= 1
+        saved: dict[int, tuple[float, float, _EftState]] = {}
 
         def cost(u: int, stop: int) -> float:
             h = list(heap)
@@ -416,12 +442,26 @@ class Replay:
                 return NEVER
             d = self.dur(w, u)
             heapq.heappush(h, (clk + d, u))
-            rest = self._run(waiting, i + 1, stop, take(s, u), h, clk, depth - 1, ents)
+            if resumable and stop < end:
+                assert ents is not None
+                keep: list[_EftState] = []
+                # plain unit counts: take(s, u) is s - u (s >= u once _wait_for is ok)
+                rest = self._eft_from(ents, i + 1, stop, s - u, sorted(h), 0, clk, 0.0, keep)
+                if keep:
+                    saved[u] = (clk, d, keep[0])
+            else:
+                rest = self._run(waiting, i + 1, stop, take(s, u), h, clk, depth - 1, ents)
             return clk + d + rest
 
         if len(options) == 1:
             return cost(options[0], end)
         costs = {u: cost(u, look) for u in options}
         best_u = min(options, key=costs.__getitem__)
-        # the look-ahead already covered the whole window when it is short: reuse it
-        return cost(best_u, end) if look < end else costs[best_u]
+        if look >= end:  # the look-ahead already covered the whole window: reuse it
+            return costs[best_u]
+        resume = saved.get(best_u)
+        if resume is None:
+            return cost(best_u, end)
+        clk, d, (free, order, head, at, total) = resume
+        assert ents is not None
+        return clk + d + self._eft_from(ents, look, end, free, order, head, at, total, None)
