@@ -93,6 +93,11 @@ class BuddyChunks:
 ResidentScore = Callable[[int, int], int]  # (start, size) -> resident GPUs of the variant
 
 
+def resident_nowhere(start: int, size: int) -> int:
+    """The score of a variant resident on no GPU of a node (chunk choice then skips it)."""
+    return 0
+
+
 def choose_chunk(
     nodes: Sequence[tuple[BuddyChunks, ResidentScore | None]], size: int
 ) -> tuple[int, int] | None:
@@ -107,6 +112,8 @@ def choose_chunk(
         return resident
     best: tuple[int, int, int, int] | None = None  # (outer size, -score, node, start)
     for index, (buddy, score) in enumerate(nodes):
+        if score is resident_nowhere:
+            score = None  # scores 0 everywhere, as no score does
         for start, outer in buddy.chunks():
             if outer < size:
                 continue
@@ -117,6 +124,8 @@ def choose_chunk(
         return None
     outer, _, index, start = best
     score = nodes[index][1]
+    if score is resident_nowhere:
+        score = None
     while outer > size:
         outer //= 2
         low, high = start, start + outer
@@ -131,7 +140,7 @@ def fully_resident(
     (smallest enclosing free chunk, then node, then start), or None."""
     best: tuple[int, int, int] | None = None  # (outer size, node, start)
     for index, (buddy, score) in enumerate(nodes):
-        if score is None:
+        if score is None or score is resident_nowhere:  # no chunk is fully resident
             continue
         for outer_start, outer in buddy.chunks():
             if outer < size:

@@ -38,6 +38,7 @@ from tangram.pools.buddy import (
     check_chunk,
     choose_chunk,
     fully_resident,
+    resident_nowhere,
 )
 from tangram.sched.operators import CHUNK_SIZES, ChunkOperator, chunk_level
 
@@ -65,11 +66,6 @@ class ServiceSpec:
         if dop <= 0:
             raise ValueError(f"DoP must be positive, got {dop}")
         return -(-self.mem_bytes // dop)
-
-
-def _nowhere(start: int, size: int) -> int:
-    """``resident_score`` of a variant that is resident on no GPU of the node."""
-    return 0
 
 
 class Eviction(NamedTuple):
@@ -275,7 +271,7 @@ class GpuNodePool:
             return None
         key = (service, size)
         if not self.holds(key):
-            return _nowhere
+            return resident_nowhere
         return lambda start, span: self.resident_gpus(key, start, span)
 
     def resident(self, gpu: int) -> tuple[ServiceKey, ...]:
@@ -526,7 +522,8 @@ class GpuCluster:
         if spec is None or amount > self.max_single():
             return math.inf
         size = chunk_level(amount)
-        fitting = [node for node in self._nodes if node.fits_memory(spec, size)]
+        per_gpu = spec.mem_per_gpu(size)  # node.fits_memory(spec, size), inlined
+        fitting = [n for n in self._nodes if size <= n.n_gpus and per_gpu <= n.mem_per_gpu]
         if not fitting:
             return math.inf
         key = (action.service, size)
