@@ -234,7 +234,7 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
             )
     placed = {p.action_id for p in placements}
     bad = {i.action_id for i in infeasible}
-    waiting = tuple(a.id for a in snapshot.waiting if a.id not in placed and a.id not in bad)
+    waiting = tuple([a.id for a in snapshot.waiting if a.id not in placed and a.id not in bad])
     return Decision(tuple(placements), waiting, tuple(infeasible), objective, evicted)
 
 
@@ -285,15 +285,20 @@ def _assign_nodes(
             )
             never.append(Infeasible(action.id, Shortfall("cpu", action.min_units, 0, cap, reason)))
             continue
-        room = [
-            p
-            for p in fits_ever
-            if mem_free[p.pool_id] >= need_mem and cores_free[p.pool_id] >= need
-        ]
-        if not room and not starving:
-            continue  # waits; no node has room now
-        among = room or fits_ever
-        pid = among[0].pool_id if len(among) == 1 else _least_loaded(among, mem_free, mem_used)
+        if len(fits_ever) == 1:  # one node it can ever fit: no choice to make
+            pid = fits_ever[0].pool_id
+            if not starving and (mem_free[pid] < need_mem or cores_free[pid] < need):
+                continue  # waits; the node has no room now
+        else:
+            room = [
+                p
+                for p in fits_ever
+                if mem_free[p.pool_id] >= need_mem and cores_free[p.pool_id] >= need
+            ]
+            if not room and not starving:
+                continue  # waits; no node has room now
+            among = room or fits_ever
+            pid = among[0].pool_id if len(among) == 1 else _least_loaded(among, mem_free, mem_used)
         if mem_free[pid] >= need_mem:
             mem_free[pid] -= need_mem
             mem_used[pid] += need_mem
