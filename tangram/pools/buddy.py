@@ -34,7 +34,8 @@ class BuddyChunks:
         self._free[n_gpus].add(0)
 
     def copy(self) -> BuddyChunks:
-        other = BuddyChunks(self.n_gpus)
+        other = BuddyChunks.__new__(BuddyChunks)  # no __init__: its free map is replaced
+        other.n_gpus = self.n_gpus
         other._free = {size: set(starts) for size, starts in self._free.items()}
         return other
 
@@ -47,14 +48,14 @@ class BuddyChunks:
 
     def chunks(self) -> list[tuple[int, int]]:
         """Free chunks as sorted ``(start, size)`` pairs."""
-        return sorted((start, size) for size, starts in self._free.items() for start in starts)
+        return sorted([(start, size) for size, starts in self._free.items() for start in starts])
 
     def free_gpus(self) -> int:
         return sum(size * len(starts) for size, starts in self._free.items())
 
     def containing(self, start: int, size: int) -> tuple[int, int] | None:
         """The free chunk that contains the aligned chunk ``(start, size)``, if any."""
-        for big in sorted(self._free):
+        for big in self._free:  # sizes ascending: the map is built in CHUNK_SIZES order
             if big < size:
                 continue
             outer = start - start % big
