@@ -17,7 +17,8 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol, TypeVar
+from functools import lru_cache
+from typing import Protocol, TypeVar
 
 S = TypeVar("S")
 
@@ -78,7 +79,27 @@ def chunk_level(k: int) -> int:
 
 
 ChunkState = tuple[int, int, int, int]
-_MISSING: Any = object()  # take() memo: not computed yet (None is a memoised "does not fit")
+
+
+# A pure function of two small values, asked for every DP state and amount on every pass
+# (memoised across passes and operators, bounded).
+@lru_cache(maxsize=4096)
+def _chunk_take(state: ChunkState, k: int) -> ChunkState | None:
+    """``ChunkOperator.take``: the smallest free chunk of at least ``chunk_level(k)`` GPUs,
+    split buddy-wise, or None when there is none."""
+    need = chunk_level(k)
+    counts = list(state)
+    idx = CHUNK_SIZES.index(need)
+    src = idx
+    while src < len(CHUNK_SIZES) and counts[src] == 0:
+        src += 1
+    if src == len(CHUNK_SIZES):
+        return None
+    counts[src] -= 1
+    # split: a chunk of size 2^src leaves one free buddy at every level idx..src-1
+    for level in range(idx, src):
+        counts[level] += 1
+    return (counts[0], counts[1], counts[2], counts[3])
 
 
 class ChunkOperator:
@@ -89,7 +110,7 @@ class ChunkOperator:
     a 4 free). States are mixed-radix encoded over the counts reachable from the start.
     """
 
-    __slots__ = ("_bases", "_caps", "_memo", "counts")
+    __slots__ = ("_bases", "_caps", "counts")
 
     def __init__(self, counts: Mapping[int, int]) -> None:
         for size in counts:
@@ -109,33 +130,12 @@ class ChunkOperator:
         cap1 = n1 + cap2 * 2
         self._caps = (cap1, cap2, cap4, cap8)
         self._bases = (1, cap1 + 1, (cap1 + 1) * (cap2 + 1), (cap1 + 1) * (cap2 + 1) * (cap4 + 1))
-        self._memo: dict[tuple[ChunkState, int], ChunkState | None] = {}  # take() results
 
     def start(self) -> ChunkState:
         return self.counts
 
     def take(self, state: ChunkState, k: int) -> ChunkState | None:
-        key = (state, k)
-        memo = self._memo
-        result: ChunkState | None = memo.get(key, _MISSING)
-        if result is _MISSING:
-            result = memo[key] = self._take(state, k)
-        return result
-
-    def _take(self, state: ChunkState, k: int) -> ChunkState | None:
-        need = chunk_level(k)
-        counts = list(state)
-        idx = CHUNK_SIZES.index(need)
-        src = idx
-        while src < len(CHUNK_SIZES) and counts[src] == 0:
-            src += 1
-        if src == len(CHUNK_SIZES):
-            return None
-        counts[src] -= 1
-        # split: a chunk of size 2^src leaves one free buddy at every level idx..src-1
-        for level in range(idx, src):
-            counts[level] += 1
-        return (counts[0], counts[1], counts[2], counts[3])
+        return _chunk_take(state, k)
 
     def give(self, state: ChunkState, k: int) -> ChunkState:
         """Return a chunk and merge equal pairs upwards (optimistic: assumes they are buddies)."""
