@@ -434,23 +434,38 @@ class Replay:
         # the chosen option's full replay resumes there instead of replaying the look-ahead
         resumable = ents is not None and self.fast and self.eft and depth - 1 <= 1
         saved: dict[int, tuple[float, float, _EftState]] = {}
+        # there the heap is sorted once: _wait_for pops it in that order, and the EFT loop
+        # wants the rest sorted, so each option slices it instead of copying and re-sorting
+        ordered = sorted(heap) if resumable else heap
 
         def cost(u: int, stop: int) -> float:
+            if resumable:
+                assert ents is not None
+                s, clk, j, n = state, clock, 0, len(ordered)
+                while s < u:  # _wait_for over the sorted heap
+                    if j == n:
+                        return NEVER
+                    finish, units = ordered[j]
+                    j += 1
+                    if finish > clk:
+                        clk = finish
+                    s += units
+                d = self.dur(w, u)
+                rest_heap = ordered[j:]
+                bisect.insort(rest_heap, (clk + d, u))
+                keep: list[_EftState] | None = [] if stop < end else None
+                # plain unit counts: take(s, u) is s - u
+                rest = self._eft_from(ents, i + 1, stop, s - u, rest_heap, 0, clk, 0.0, keep)
+                if keep:
+                    saved[u] = (clk, d, keep[0])
+                return clk + d + rest
             h = list(heap)
             s, clk, ok = self._wait_for(state, h, clock, u)  # "wait": start when u are free
             if not ok:
                 return NEVER
             d = self.dur(w, u)
             heapq.heappush(h, (clk + d, u))
-            if resumable and stop < end:
-                assert ents is not None
-                keep: list[_EftState] = []
-                # plain unit counts: take(s, u) is s - u (s >= u once _wait_for is ok)
-                rest = self._eft_from(ents, i + 1, stop, s - u, sorted(h), 0, clk, 0.0, keep)
-                if keep:
-                    saved[u] = (clk, d, keep[0])
-            else:
-                rest = self._run(waiting, i + 1, stop, take(s, u), h, clk, depth - 1, ents)
+            rest = self._run(waiting, i + 1, stop, take(s, u), h, clk, depth - 1, ents)
             return clk + d + rest
 
         if len(options) == 1:
