@@ -171,7 +171,10 @@ def eft_amount(
     clock: float,
 ) -> tuple[int, float]:
     """(amount, duration) of ``opts`` (ascending amounts) with the earliest finish, given
-    ``free`` units now and expected finishes ``order[head:]`` (ascending)."""
+    ``free`` units now and expected finishes ``order[head:]`` (ascending).
+
+    Durations are >= 0 and a larger amount never starts earlier, so once the start clock
+    reaches the best finish so far no later option can beat it: the scan stops there."""
     best, pick = NEVER, opts[0]
     if free >= opts[-1][0]:  # all start now: the shortest duration wins
         for opt in opts:
@@ -186,6 +189,8 @@ def eft_amount(
             j += 1
             if finish > clk:
                 clk = finish
+                if clk >= best:
+                    return pick
             s += units
         if s < amount:
             break
