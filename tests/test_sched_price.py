@@ -9,7 +9,7 @@ import pytest
 from tangram.model import ActionId, TrajectoryId, make_action
 from tangram.pools.cpu import CpuNodePool
 from tangram.sched import LoadMeter, PoolLoad, SchedConfig, Snapshot, schedule
-from tangram.sched.price import band, priced_dop, probe, short_reserve
+from tangram.sched.price import band, price_bands, priced_dop, probe, short_reserve
 
 GIB = 1 << 30
 PROFILE = (1, 2, 4, 8, 16, 32)
@@ -78,6 +78,24 @@ def test_priced_dop_follows_square_root_law_under_load() -> None:
         k = priced_dop(PROFILE, amdahl_dur(300.0, f), sharing(n, units))
         exact = math.sqrt((1 - f) * units / (f * n))
         assert k / 2 <= exact <= k * 2, (n, k, exact)
+
+
+def test_price_bands_is_band_of_priced_dop() -> None:
+    """price_bands (priced_dop inlined for speed) bands every elastic action of a queue at
+    priced_dop's amount with the pool's sharing term N / C."""
+    queue = [suite_run(i, t1=60.0 + 37.0 * i, f=0.02 * (i % 7)) for i in range(12)]
+    queue += [tool(100 + i) for i in range(5)]
+    for load in (
+        PoolLoad(),
+        PoolLoad(short_units=3.0, elastic_starts_per_s=0.4, elastic_mean_s=50.0),
+    ):
+        bands = price_bands(queue, 64, load, lambda a: a.allowed, lambda a, k: a.duration(k, 1.0))
+        units = max(1.0, 64 - short_reserve(load))
+        n = 12 + max(load.elastic_running, load.elastic_starts_per_s * load.elastic_mean_s)
+        for a in queue[:12]:
+            k = priced_dop(a.allowed, lambda u, a=a: a.duration(u, 1.0), lambda u, s=n / units: s)
+            assert bands[a.id] == band(a.allowed, k), a.id
+        assert set(bands) == {a.id for a in queue[:12]}
 
 
 def test_band_and_probe() -> None:

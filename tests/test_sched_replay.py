@@ -11,7 +11,7 @@ from tangram.model import make_action
 from tangram.pools.cpu import CpuNodePool
 from tangram.sched import SchedConfig
 from tangram.sched.operators import BaseOperator
-from tangram.sched.replay import Durations, Replay, elastic_amounts
+from tangram.sched.replay import NEVER, Durations, Replay, eft_amount, elastic_amounts
 
 GIB = 1 << 30
 CORES = 16
@@ -100,3 +100,39 @@ def test_durations_follow_action_duration(action, amount, estimate) -> None:
     assert dur.minimum(action) == action.duration(
         lowest, history.get(action.klass, 1.0)
     ) + p.extra_cost(action, lowest)
+
+
+def _eft_reference(opts, free, order, head, clock):
+    """eft_amount without its early stop: every option's finish, the first earliest wins."""
+    best, pick = NEVER, opts[0]
+    if free >= opts[-1][0]:  # all start now: compared by duration alone
+        return min(opts, key=lambda o: o[1]) if min(d for _, d in opts) < NEVER else pick
+    for amount, dur in opts:
+        s, clk, j = free, clock, head
+        while s < amount and j < len(order):
+            clk = max(clk, order[j][0])
+            s += order[j][1]
+            j += 1
+        if s >= amount and clk + dur < best:
+            best, pick = clk + dur, (amount, dur)
+    return pick
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 32), st.floats(0.0, 100.0)), min_size=1, max_size=5),
+    st.integers(0, 32),
+    st.lists(st.tuples(st.floats(0.0, 100.0), st.integers(1, 16)), max_size=12),
+    st.integers(0, 3),
+    st.floats(0.0, 20.0),
+)
+def test_eft_amount_stops_early_without_changing_the_pick(opts, free, busy, head, clock) -> None:
+    """eft_amount's early stop (a later start cannot beat the best finish) picks exactly what
+    scanning every option picks."""
+    amounts = sorted({a for a, _ in opts})
+    opts = [(a, next(d for b, d in opts if b == a)) for a in amounts]
+    order = sorted(busy)
+    head = min(head, len(order))
+    assert eft_amount(opts, free, order, head, clock) == _eft_reference(
+        opts, free, order, head, clock
+    )

@@ -34,7 +34,8 @@ class BuddyChunks:
         self._free[n_gpus].add(0)
 
     def copy(self) -> BuddyChunks:
-        other = BuddyChunks(self.n_gpus)
+        other = BuddyChunks.__new__(BuddyChunks)  # no __init__: its free map is replaced
+        other.n_gpus = self.n_gpus
         other._free = {size: set(starts) for size, starts in self._free.items()}
         return other
 
@@ -43,18 +44,18 @@ class BuddyChunks:
 
     def has_chunk(self, size: int) -> bool:
         """Whether a free chunk of at least ``size`` GPUs exists."""
-        return any(starts for s, starts in self._free.items() if s >= size)
+        return any([s >= size for s, starts in self._free.items() if starts])
 
     def chunks(self) -> list[tuple[int, int]]:
         """Free chunks as sorted ``(start, size)`` pairs."""
-        return sorted((start, size) for size, starts in self._free.items() for start in starts)
+        return sorted([(start, size) for size, starts in self._free.items() for start in starts])
 
     def free_gpus(self) -> int:
         return sum(size * len(starts) for size, starts in self._free.items())
 
     def containing(self, start: int, size: int) -> tuple[int, int] | None:
         """The free chunk that contains the aligned chunk ``(start, size)``, if any."""
-        for big in sorted(self._free):
+        for big in self._free:  # sizes ascending: the map is built in CHUNK_SIZES order
             if big < size:
                 continue
             outer = start - start % big
@@ -93,6 +94,11 @@ class BuddyChunks:
 ResidentScore = Callable[[int, int], int]  # (start, size) -> resident GPUs of the variant
 
 
+def resident_nowhere(start: int, size: int) -> int:
+    """The score of a variant resident on no GPU of a node (chunk choice then skips it)."""
+    return 0
+
+
 def choose_chunk(
     nodes: Sequence[tuple[BuddyChunks, ResidentScore | None]], size: int
 ) -> tuple[int, int] | None:
@@ -107,6 +113,8 @@ def choose_chunk(
         return resident
     best: tuple[int, int, int, int] | None = None  # (outer size, -score, node, start)
     for index, (buddy, score) in enumerate(nodes):
+        if score is resident_nowhere:
+            score = None  # scores 0 everywhere, as no score does
         for start, outer in buddy.chunks():
             if outer < size:
                 continue
@@ -117,6 +125,8 @@ def choose_chunk(
         return None
     outer, _, index, start = best
     score = nodes[index][1]
+    if score is resident_nowhere:
+        score = None
     while outer > size:
         outer //= 2
         low, high = start, start + outer
@@ -131,7 +141,7 @@ def fully_resident(
     (smallest enclosing free chunk, then node, then start), or None."""
     best: tuple[int, int, int] | None = None  # (outer size, node, start)
     for index, (buddy, score) in enumerate(nodes):
-        if score is None:
+        if score is None or score is resident_nowhere:  # no chunk is fully resident
             continue
         for outer_start, outer in buddy.chunks():
             if outer < size:

@@ -212,7 +212,8 @@ class CpuNodePool:
 
     def free_by_numa(self) -> tuple[tuple[int, ...], ...]:
         """Free core ids of each NUMA node, sorted."""
-        return tuple(tuple(c for c in cores if c not in self._holder) for cores in self.numa)
+        holder = self._holder  # lists, not generators: read on every scheduling pass
+        return tuple([tuple([c for c in cores if c not in holder]) for cores in self.numa])
 
     def free_cores(self) -> tuple[int, ...]:
         return tuple(sorted(c for c in self._numa_of if c not in self._holder))

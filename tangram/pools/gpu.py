@@ -38,6 +38,7 @@ from tangram.pools.buddy import (
     check_chunk,
     choose_chunk,
     fully_resident,
+    resident_nowhere,
 )
 from tangram.sched.operators import CHUNK_SIZES, ChunkOperator, chunk_level
 
@@ -252,17 +253,25 @@ class GpuNodePool:
 
     def holds(self, key: ServiceKey) -> bool:
         """Whether variant ``key`` is resident on any GPU of this node (a cheap pre-check)."""
-        return any(key in entries for entries in self._resident)
+        # a list, not a generator: asked per variant on every scheduling pass (8 GPUs)
+        return any([key in entries for entries in self._resident])
 
     def resident_gpus(self, key: ServiceKey, start: int, size: int) -> int:
         """How many GPUs of ``[start, start + size)`` hold variant ``key``."""
-        return sum(1 for gpu in range(start, start + size) if key in self._resident[gpu])
+        resident = self._resident
+        return len([gpu for gpu in range(start, start + size) if key in resident[gpu]])
 
     def resident_score(self, service: str | None, size: int) -> ResidentScore | None:
-        """Scoring function for ``choose_chunk``: resident GPUs of ``(service, size)``."""
+        """Scoring function for ``choose_chunk``: resident GPUs of ``(service, size)``.
+
+        For use at once: a variant resident nowhere on the node scores 0 everywhere without
+        looking (the common case, asked for every chunk the scheduler picks).
+        """
         if service is None:
             return None
         key = (service, size)
+        if not self.holds(key):
+            return resident_nowhere
         return lambda start, span: self.resident_gpus(key, start, span)
 
     def resident(self, gpu: int) -> tuple[ServiceKey, ...]:
@@ -447,7 +456,11 @@ class GpuCluster:
         return sum(node.free_gpus() for node in self._nodes)
 
     def max_single(self) -> int:
-        return max((node.n_gpus for node in self._nodes), default=0)
+        most = 0  # a loop: asked for every queued service action's amounts on every pass
+        for node in self._nodes:
+            if node.n_gpus > most:
+                most = node.n_gpus
+        return most
 
     def chunk_counts(self) -> dict[int, int]:
         totals = dict.fromkeys(CHUNK_SIZES, 0)
@@ -509,16 +522,18 @@ class GpuCluster:
         if spec is None or amount > self.max_single():
             return math.inf
         size = chunk_level(amount)
-        fitting = [node for node in self._nodes if node.fits_memory(spec, size)]
+        per_gpu = spec.mem_per_gpu(size)  # node.fits_memory(spec, size), inlined
+        fitting = [n for n in self._nodes if size <= n.n_gpus and per_gpu <= n.mem_per_gpu]
         if not fitting:
             return math.inf
         key = (action.service, size)
-        if any(node.holds(key) for node in self._nodes) and (
-            fully_resident(self._choices(action.service, size), size) is not None
-        ):
-            return 0.0
+        for node in self._nodes:
+            if node.holds(key):
+                if fully_resident(self._choices(action.service, size), size) is not None:
+                    return 0.0
+                break
         with_room = [n for n in fitting if n.buddy.has_chunk(size)]
-        return min(node.restore_time_s(spec, size) for node in with_room or fitting)
+        return min([node.restore_time_s(spec, size) for node in with_room or fitting])
 
     def pick_units(self, requests: Sequence[tuple[Action, int]]) -> list[tuple[int, ...]]:
         """Global GPU ids of one aligned chunk per request, taken in order on a copy.

@@ -32,6 +32,7 @@ from tangram.model import TangramError
 from tangram.sched.operators import BaseOperator, Operator
 
 INF = float("inf")
+_MISSING: Any = object()  # successor not taken yet (None: the amount does not fit)
 
 
 class InfeasibleArrangement(TangramError):
@@ -87,18 +88,25 @@ class DPTable:
         cost[0] = 0.0
         self._vec_cost: list[npt.NDArray[np.float64]] = [cost]
         self._vec_pick: list[npt.NDArray[np.int16]] = []
+        cols = np.arange(width)
         for options in self._choices:
             fits = [(u, d) for u, d in options if u < width]
-            grid = np.full((max(1, len(fits)), width), INF)
-            for idx, (amount, dur) in enumerate(fits):
-                np.add(cost[: width - amount], dur, out=grid[idx, amount:])
-            pick = grid.argmin(axis=0).astype(np.int16)  # first minimum: smallest amount
-            best = grid[pick, np.arange(width)]
-            # map grid rows back to indices into the candidate's full option list
-            if len(fits) != len(options):
-                index_of = np.array([options.index(f) for f in fits] or [0], dtype=np.int16)
-                pick = index_of[pick]
-            pick[~np.isfinite(best)] = -1
+            if len(fits) == 1:  # one row: it is the minimum (no grid, no argmin)
+                amount, dur = fits[0]
+                best = np.full(width, INF)
+                np.add(cost[: width - amount], dur, out=best[amount:])
+                pick = np.full(width, options.index(fits[0]), dtype=np.int16)
+            else:
+                grid = np.full((max(1, len(fits)), width), INF)
+                for idx, (amount, dur) in enumerate(fits):
+                    np.add(cost[: width - amount], dur, out=grid[idx, amount:])
+                pick = grid.argmin(axis=0).astype(np.int16)  # first minimum: smallest amount
+                best = grid[pick, cols]
+                # map grid rows back to indices into the candidate's full option list
+                if len(fits) != len(options):
+                    index_of = np.array([options.index(f) for f in fits] or [0], dtype=np.int16)
+                    pick = index_of[pick]
+            pick[best == INF] = -1  # durations are finite or inf, never NaN (checked)
             self._vec_pick.append(pick)
             self._vec_cost.append(best)
             cost = best
@@ -109,12 +117,21 @@ class DPTable:
         layer: dict[Hashable, float] = {self._start: 0.0}
         self._layers: list[dict[Hashable, float]] = [layer]
         self._parents: list[dict[Hashable, tuple[Hashable, int]]] = []
+        take = self._op.take
+        # each state's successor per amount, taken once per table (a state recurs in many
+        # layers and candidates mostly share their amounts)
+        moves: dict[Hashable, dict[int, Hashable | None]] = {}
         for options in self._choices:
             nxt: dict[Hashable, float] = {}
             parent: dict[Hashable, tuple[Hashable, int]] = {}
             for state, base in layer.items():
+                succ = moves.get(state)
+                if succ is None:
+                    succ = moves[state] = {}
                 for amount, dur in options:
-                    new = self._op.take(state, amount)
+                    new = succ.get(amount, _MISSING)
+                    if new is _MISSING:
+                        new = succ[amount] = take(state, amount)
                     if new is None:
                         continue
                     c = base + dur
@@ -164,9 +181,13 @@ class DPTable:
             raise InfeasibleArrangement(f"the first {t} candidates do not fit at their minimum")
         start_units = self._op.units(self._start)
         # min total; ties broken by fewer units used (more free units left), then encoding
-        state = min(
-            layer,
-            key=lambda s: (layer[s], start_units - self._op.units(s), self._op.encode(s)),
+        # (the tie-break key is only built for the states at the least total)
+        least = min(layer.values())
+        tied = [s for s, c in layer.items() if c == least]
+        state = (
+            tied[0]
+            if len(tied) == 1
+            else min(tied, key=lambda s: (start_units - self._op.units(s), self._op.encode(s)))
         )
         total = layer[state]
         amounts = [0] * t

@@ -17,6 +17,7 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Protocol, TypeVar
 
 S = TypeVar("S")
@@ -80,6 +81,27 @@ def chunk_level(k: int) -> int:
 ChunkState = tuple[int, int, int, int]
 
 
+# A pure function of two small values, asked for every DP state and amount on every pass
+# (memoised across passes and operators, bounded).
+@lru_cache(maxsize=4096)
+def _chunk_take(state: ChunkState, k: int) -> ChunkState | None:
+    """``ChunkOperator.take``: the smallest free chunk of at least ``chunk_level(k)`` GPUs,
+    split buddy-wise, or None when there is none."""
+    need = chunk_level(k)
+    counts = list(state)
+    idx = CHUNK_SIZES.index(need)
+    src = idx
+    while src < len(CHUNK_SIZES) and counts[src] == 0:
+        src += 1
+    if src == len(CHUNK_SIZES):
+        return None
+    counts[src] -= 1
+    # split: a chunk of size 2^src leaves one free buddy at every level idx..src-1
+    for level in range(idx, src):
+        counts[level] += 1
+    return (counts[0], counts[1], counts[2], counts[3])
+
+
 class ChunkOperator:
     """GPU buddy chunks (Alg. 4): state = free chunk counts (n1, n2, n4, n8).
 
@@ -88,7 +110,7 @@ class ChunkOperator:
     a 4 free). States are mixed-radix encoded over the counts reachable from the start.
     """
 
-    __slots__ = ("_bases", "_caps", "_memo", "counts")
+    __slots__ = ("_bases", "_caps", "counts")
 
     def __init__(self, counts: Mapping[int, int]) -> None:
         for size in counts:
@@ -108,33 +130,12 @@ class ChunkOperator:
         cap1 = n1 + cap2 * 2
         self._caps = (cap1, cap2, cap4, cap8)
         self._bases = (1, cap1 + 1, (cap1 + 1) * (cap2 + 1), (cap1 + 1) * (cap2 + 1) * (cap4 + 1))
-        self._memo: dict[tuple[ChunkState, int], ChunkState | None] = {}  # take() results
 
     def start(self) -> ChunkState:
         return self.counts
 
     def take(self, state: ChunkState, k: int) -> ChunkState | None:
-        key = (state, k)
-        if key in self._memo:
-            return self._memo[key]
-        result = self._take(state, k)
-        self._memo[key] = result
-        return result
-
-    def _take(self, state: ChunkState, k: int) -> ChunkState | None:
-        need = chunk_level(k)
-        counts = list(state)
-        idx = CHUNK_SIZES.index(need)
-        src = idx
-        while src < len(CHUNK_SIZES) and counts[src] == 0:
-            src += 1
-        if src == len(CHUNK_SIZES):
-            return None
-        counts[src] -= 1
-        # split: a chunk of size 2^src leaves one free buddy at every level idx..src-1
-        for level in range(idx, src):
-            counts[level] += 1
-        return (counts[0], counts[1], counts[2], counts[3])
+        return _chunk_take(state, k)
 
     def give(self, state: ChunkState, k: int) -> ChunkState:
         """Return a chunk and merge equal pairs upwards (optimistic: assumes they are buddies)."""
@@ -148,10 +149,12 @@ class ChunkOperator:
         return (counts[0], counts[1], counts[2], counts[3])
 
     def units(self, state: ChunkState) -> int:
-        return sum(n * s for n, s in zip(state, CHUNK_SIZES, strict=True))
+        n1, n2, n4, n8 = state  # sum over CHUNK_SIZES (1, 2, 4, 8), unrolled
+        return n1 + 2 * n2 + 4 * n4 + 8 * n8
 
     def encode(self, state: ChunkState) -> int:
-        return sum(n * b for n, b in zip(state, self._bases, strict=True))
+        b1, b2, b4, b8 = self._bases
+        return state[0] * b1 + state[1] * b2 + state[2] * b4 + state[3] * b8
 
     def decode(self, index: int) -> ChunkState:
         out = []

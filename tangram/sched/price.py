@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from functools import lru_cache, partial
+from functools import lru_cache
 
 from tangram.model import Action, ActionId
 from tangram.sched.load import PoolLoad
@@ -122,12 +122,18 @@ def price_bands(
     units = max(1.0, capacity - short_reserve(load))
     in_service = max(load.elastic_running, load.elastic_starts_per_s * load.elastic_mean_s)
     share = (len(elastic) + in_service) / units  # N / C, the same for every k and action
-
-    def sharing(k: int) -> float:
-        return share
-
+    # priced_dop() inlined with its sharing term per amount computed once (same arithmetic)
+    factor: dict[int, float] = {}
     out: dict[ActionId, tuple[int, ...]] = {}
     for a, amounts in elastic:
         if len(amounts) > 1:
-            out[a.id] = band(amounts, priced_dop(amounts, partial(dur, a), sharing))
+            best, pick = math.inf, amounts[-1]
+            for k in probe(amounts):
+                f = factor.get(k)
+                if f is None:
+                    f = factor[k] = max(1.0, (1.0 + k * share) / 2.0)
+                cost = dur(a, k) * f
+                if cost < best:
+                    best, pick = cost, k
+            out[a.id] = band(amounts, pick)
     return out

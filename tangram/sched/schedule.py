@@ -66,6 +66,7 @@ ORDERS: tuple[str, ...] = ("fcfs", "backfill")
 Rule = Literal["paper", "wait", "wait-eft", "priced"]
 RULES: tuple[str, ...] = ("paper", "wait", "wait-eft", "priced")
 _SEQ = attrgetter("seq")  # FCFS sort key (a C-level getter: queues are sorted every pass)
+_UNKNOWN: Any = object()  # memo miss marker (None is a memoised "fits")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,25 +178,36 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
     new_nodes: set[ActionId] = set()
     unplaced_new: list[Action] = []
     never_memo: dict[tuple[Any, ...], Shortfall | None] = {}
+    affinity, pools = snapshot.affinity, snapshot.pools
     for action in snapshot.waiting:
-        pid = pool_of(action, snapshot.affinity)
+        kind = action.kind  # pool_of(), inlined (once per queued action and pass)
+        pid = (
+            affinity.get(action.trajectory)
+            if kind == "exec"
+            else "gpu"
+            if kind == "service"
+            else action.key
+        )
         if pid is None:
             unplaced_new.append(action)
             continue
-        pool = snapshot.pools.get(pid)
+        pool = pools.get(pid)
         if pool is None:
             infeasible.append(Infeasible(action.id, _no_pool(action, pid)))
             continue
         # never_fits depends only on these fields; memoised because queues are long
-        sig = (pid, action.kind, action.service, action.min_units, action.demand.get("mem"))
-        if sig in never_memo:
-            short = never_memo[sig]
-        else:
+        sig = (pid, kind, action.service, action.min_units, action.demand.get("mem"))
+        short: Shortfall | None = never_memo.get(sig, _UNKNOWN)
+        if short is _UNKNOWN:
             short = never_memo[sig] = pool.never_fits(action)
         if short is not None:
             infeasible.append(Infeasible(action.id, short))
             continue
-        queues.setdefault(pid, []).append(action)
+        queue = queues.get(pid)
+        if queue is None:
+            queues[pid] = [action]
+        else:
+            queue.append(action)
     if unplaced_new:
         assigned, never = _assign_nodes(unplaced_new, snapshot, now, cfg)
         infeasible.extend(never)
@@ -222,7 +234,7 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
             )
     placed = {p.action_id for p in placements}
     bad = {i.action_id for i in infeasible}
-    waiting = tuple(a.id for a in snapshot.waiting if a.id not in placed and a.id not in bad)
+    waiting = tuple([a.id for a in snapshot.waiting if a.id not in placed and a.id not in bad])
     return Decision(tuple(placements), waiting, tuple(infeasible), objective, evicted)
 
 
@@ -247,12 +259,14 @@ def _assign_nodes(
     never: list[Infeasible] = []
     memo: dict[tuple[Any, ...], list[Any]] = {}
     most_free = max(cores_free.values(), default=0)
+    starvation_s, env_mem = cfg.starvation_s, snap.env_mem
     for action in actions:
-        starving = now - action.submitted_at >= cfg.starvation_s
-        if action.min_units > most_free and not starving:
+        starving = now - action.submitted_at >= starvation_s
+        need = action.min_units
+        if need > most_free and not starving:
             continue  # no node has the cores now: it waits (cheap exit for long queues)
-        need_mem = snap.env_mem(action)
-        sig = (action.min_units, action.demand.get("mem"), need_mem)
+        need_mem = env_mem(action)
+        sig = (need, action.demand.get("mem"), need_mem)
         fits_ever = memo.get(sig)
         if fits_ever is None:
             fits_ever = memo[sig] = [
@@ -271,19 +285,28 @@ def _assign_nodes(
             )
             never.append(Infeasible(action.id, Shortfall("cpu", action.min_units, 0, cap, reason)))
             continue
-        room = [
-            p
-            for p in fits_ever
-            if mem_free[p.pool_id] >= need_mem and cores_free[p.pool_id] >= action.min_units
-        ]
-        if not room and not starving:
-            continue  # waits; no node has room now
-        pid = _least_loaded(room or fits_ever, mem_free, mem_used)
+        if len(fits_ever) == 1:  # one node it can ever fit: no choice to make
+            pid = fits_ever[0].pool_id
+            if not starving and (mem_free[pid] < need_mem or cores_free[pid] < need):
+                continue  # waits; the node has no room now
+        else:
+            room = [
+                p
+                for p in fits_ever
+                if mem_free[p.pool_id] >= need_mem and cores_free[p.pool_id] >= need
+            ]
+            if not room and not starving:
+                continue  # waits; no node has room now
+            among = room or fits_ever
+            pid = among[0].pool_id if len(among) == 1 else _least_loaded(among, mem_free, mem_used)
         if mem_free[pid] >= need_mem:
             mem_free[pid] -= need_mem
             mem_used[pid] += need_mem
-            cores_free[pid] = max(0, cores_free[pid] - action.min_units)
-            most_free = max(cores_free.values())
+            cores = cores_free[pid]
+            left = cores - need
+            cores_free[pid] = left if left > 0 else 0
+            if cores == most_free:  # only the node with the most free cores moves the max
+                most_free = max(cores_free.values()) if len(cores_free) > 1 else cores_free[pid]
             assigned.append((action, pid))
         elif starving:
             # pinned but memory not free yet: queue it there so it blocks later work (FCFS)
@@ -332,7 +355,8 @@ def _schedule_pool(
     running_at = snap.running.get(pool.pool_id, ())
 
     def running() -> list[tuple[float, int]]:  # expected finishes from now, built on demand
-        return [(max(f - now, 0.0), u) for f, u in running_at]
+        # max(f - now, 0.0) written out (same value, NaN included; built every pass)
+        return [(0.0 if f - now < 0.0 else f - now, u) for f, u in running_at]
 
     if priced and cfg.order == "fcfs":
         cands, rest = _candidates_easy(op.start(), queue, dur, running, now - cfg.starvation_s)
@@ -413,7 +437,12 @@ def _schedule_pool(
             placed.append((a, chosen[a.id]))
         elif a.id in fixed_ids:
             placed.append((a, a.min_units))
-    durs = [dur(a, amount) for a, amount in placed]
+    low, minimum = dur.low, dur.minimum
+    # at the lowest amount the duration is the cached minimum (the same computation)
+    durs = [
+        minimum(a) if amount == low.get(a.id, a.min_units) else dur(a, amount)
+        for a, amount in placed
+    ]
     return _PoolResult(placed, durs, best, n - best_t)
 
 
