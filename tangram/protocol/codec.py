@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import msgpack
 
@@ -34,18 +34,51 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise FrameError(f"msgpack ext type {code} is not allowed")
 
 
-def _check_keys(value: Any, path: str) -> None:
-    """Reject non-``str`` map keys anywhere in the message (they cannot be field names)."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise FrameError(f"{path}: map key {key!r} is {type(key).__name__}, expected str")
-            if isinstance(item, dict | list):
-                _check_keys(item, f"{path}.{key}")
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            if isinstance(item, dict | list):
-                _check_keys(item, f"{path}[{index}]")
+def _check_keys(msg: dict[str, Any]) -> None:
+    """Reject non-``str`` map keys anywhere in the message (they cannot be field names).
+
+    Every frame passes here, so the walk builds no paths (msgpack gives plain ``dict`` and
+    ``list``, never subclasses) and needs no recursion; the path to a bad key is looked up
+    only once one is found."""
+    stack: list[Any] = [msg]
+    pop, push = stack.pop, stack.append
+    while stack:
+        value = pop()
+        if type(value) is dict:
+            for key, item in value.items():
+                if type(key) is not str:
+                    _raise_bad_key(msg)
+                kind = type(item)
+                if kind is dict or kind is list:
+                    push(item)
+        else:
+            for item in value:
+                kind = type(item)
+                if kind is dict or kind is list:
+                    push(item)
+
+
+def _raise_bad_key(msg: dict[str, Any]) -> NoReturn:
+    """Raise FrameError naming the first non-``str`` key's path (``$.a[0]``), depth first
+    in the message's order (the same tests as :func:`_check_keys`)."""
+    stack: list[tuple[Any, str]] = [(msg, "$")]
+    while stack:
+        value, path = stack.pop()
+        children: list[tuple[Any, str]] = []
+        if type(value) is dict:
+            for key, item in value.items():
+                if type(key) is not str:
+                    raise FrameError(
+                        f"{path}: map key {key!r} is {type(key).__name__}, expected str"
+                    )
+                if type(item) is dict or type(item) is list:
+                    children.append((item, f"{path}.{key}"))
+        else:
+            for index, item in enumerate(value):
+                if type(item) is dict or type(item) is list:
+                    children.append((item, f"{path}[{index}]"))
+        stack.extend(reversed(children))  # first child on top: the order of the message
+    raise FrameError("a map key is not a str")  # unreachable: _check_keys found one
 
 
 def decode_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
@@ -65,7 +98,7 @@ def decode_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     if not isinstance(msg, dict):
         raise FrameError(f"frame payload is {type(msg).__name__}, expected a map")
     try:
-        _check_keys(msg, "$")
+        _check_keys(msg)
     except FrameError as exc:
         request_id = msg.get("id")
         if type(request_id) is int:

@@ -78,24 +78,23 @@ class ExecSpec:
     @classmethod
     def from_wire(cls, args: Mapping[str, Any]) -> ExecSpec:
         """The spec of validated ``exec`` args (``validate_args`` has checked the types)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(args) - known)
-        if unknown:
+        if not _SPEC_NAMES.issuperset(args):
+            unknown = sorted(set(args) - _SPEC_NAMES)
             raise BadRequest(f"exec: unknown arg(s) {unknown}")
         return cls(**{key: value for key, value in args.items() if value is not None})
 
     def to_wire(self) -> dict[str, Any]:
         """The ``exec`` args (``None`` fields left out, tuples as lists)."""
         out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name in _SPEC_FIELDS:
+            value = getattr(self, name)
             if value is None:
                 continue
             if isinstance(value, tuple):
                 value = list(value)
             elif isinstance(value, Mapping):
                 value = dict(value)
-            out[f.name] = value
+            out[name] = value
         return out
 
     @property
@@ -153,6 +152,10 @@ def _seconds(result: Mapping[str, Any], key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise MalformedResponse(f"exec result: {key} must be a number")
     return float(value)
+
+
+_SPEC_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ExecSpec))  # in declared order
+_SPEC_NAMES: frozenset[str] = frozenset(_SPEC_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
