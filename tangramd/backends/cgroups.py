@@ -155,22 +155,23 @@ class Cgroups:
             return [int(p) for p in _read(f"{path}/cgroup.procs").split()]
         return []
 
-    def kill_all(self, path: Path, spare: Collection[int] = ()) -> None:
-        """SIGKILL every process in the cgroup but the daemon and ``spare`` (the fork
-        server's lodgers, which live there between execs)."""
+    def others(self, path: Path, spare: Collection[int] = ()) -> list[int]:
+        """The processes in the cgroup but the daemon (which never enters an exec cgroup
+        anyway) and ``spare`` (the fork server's lodgers, which live there between execs)."""
         me = os.getpid()
-        for pid in self.pids(path):
-            if pid == me or pid in spare:  # the daemon never enters an exec cgroup anyway
-                continue
+        return [pid for pid in self.pids(path) if pid != me and pid not in spare]
+
+    def kill_all(self, path: Path, spare: Collection[int] = ()) -> None:
+        """SIGKILL every process in the cgroup but the daemon and ``spare``."""
+        for pid in self.others(path, spare):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
 
     async def empty(self, path: Path, spare: Collection[int] = ()) -> bool:
         """Kill everything left in the cgroup (but ``spare``) and wait until it is gone;
         False on a hang."""
-        me = os.getpid()
         for _ in range(200):
-            if not [p for p in self.pids(path) if p != me and p not in spare]:
+            if not self.others(path, spare):
                 return True
             self.kill_all(path, spare)
             await asyncio.sleep(0.005)

@@ -665,8 +665,7 @@ class ProcessBackend:
     def _busy(self, cgroup: Path | None) -> bool:
         if cgroup is None or self.cgroups is None:
             return False
-        me, spare = os.getpid(), self._spawner.lodger_pids
-        return any(p != me and p not in spare for p in self.cgroups.pids(cgroup))
+        return bool(self.cgroups.others(cgroup, self._spawner.lodger_pids))
 
     async def _settle(self, run: _Running) -> None:
         """The slow end of an exec: leftovers still dying, or pipes held open."""
