@@ -34,7 +34,6 @@ from tangram.model import (
     ActionId,
     HistoryEstimator,
     InvalidDemand,
-    Shortfall,
     TangramError,
     TrajectoryId,
     make_action,
@@ -518,22 +517,14 @@ class Core:
         fit their pool are infeasible, found as ``schedule`` finds them; None when one has a
         free unit or an action is not an exec on a known CPU pool (``schedule`` decides)."""
         infeasible: list[Infeasible] = []
-        memo: dict[tuple[Any, ...], Shortfall | None] = {}
-        full: set[str] = set()
         for action in short:
             pid = affinity.get(action.trajectory)
             if action.kind != "exec" or pid is None:
                 return None
             pool = self.pools.get(pid)
-            if pid not in full:
-                if not isinstance(pool, CpuNodePool) or pool.free_units():
-                    return None
-                full.add(pid)
-            sig = (pid, action.min_units, action.demand.get("mem"))
-            if sig in memo:
-                shortfall = memo[sig]
-            else:
-                shortfall = memo[sig] = pool.never_fits(action)
+            if not isinstance(pool, CpuNodePool) or pool.free_units():
+                return None
+            shortfall = pool.never_fits(action)  # (two comparisons: not worth a memo here)
             if shortfall is not None:
                 infeasible.append(Infeasible(action.id, shortfall))
         self.passes_full_pools += 1
