@@ -24,7 +24,7 @@ from tangram.protocol.errors import InfraError, UnknownOp, error_from_wire
 from tangram.protocol.results import ExecResult
 from tangramd import events as ev
 from tangramd.backends.base import Backend, ExecRequest, PathEscape
-from tangramd.backends.files import NotAFile, TooLarge, exec_with_files
+from tangramd.backends.files import NotAFile, TooLarge, start_exec
 from tangramd.core import Core
 from tangramd.lifecycle import loop_name
 from tangramd.records import RecordJournal, read_json, write_json
@@ -346,23 +346,20 @@ class Executor:
         self.feed(ev.EnvRemoved(env_id=cmd.env_id))
 
     def _start_exec(self, cmd: ev.RunExec) -> None:
-        """Hand an exec to the backend. A backend with ``start_exec`` (the process backend)
-        sends it off within this call and reports its end from the loop turn that sees it,
-        so neither the start nor the answer waits for a task's turn; other backends, and
-        execs with ``files`` to write or ``fetch`` to read back, run in a task.
-        Logged once, when it ends (``action_finished``; ``action_placed`` at debug level)."""
+        """Hand an exec to the backend (``files.start_exec``: a backend with ``start_exec``
+        sends it off within this call and reports its end from the loop turn that sees it;
+        other backends, and execs with files to move, run in a task). Logged once, when it
+        ends (``action_finished``; ``action_placed`` at debug level)."""
         trajectory = self._log_placed(cmd)
-        start = getattr(self.backend, "start_exec", None)
-        if start is None or cmd.spec.files or cmd.spec.fetch:  # files move in a task
-            self._spawn(self._run_exec(cmd))
-            return
         self._running_execs[cmd.action_id] = cmd
         done = functools.partial(self._exec_ended, cmd, trajectory)
         try:
-            start(self._exec_request(cmd), done)
-        except Exception as exc:  # a backend failure of any kind is an infra error
+            req = self._exec_request(cmd)
+        except Exception as exc:  # a malformed placement ends as an infra error
             res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
             asyncio.get_running_loop().call_soon(done, res)
+            return
+        start_exec(self.backend, req, done, self._spawn)
 
     def _log_placed(self, cmd: ev.RunExec) -> str | None:
         """``action_placed`` at debug level (its end, ``action_finished``, is the info
@@ -389,15 +386,6 @@ class Executor:
             action_id=cmd.action_id,
             run_as=cmd.run_as,
         )
-
-    async def _run_exec(self, cmd: ev.RunExec) -> None:
-        trajectory = self.core.trajectory_of(cmd.action_id)
-        self._running_execs[cmd.action_id] = cmd
-        try:
-            res = await exec_with_files(self.backend, self._exec_request(cmd))
-        except Exception as exc:
-            res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
-        self._exec_ended(cmd, trajectory, res)
 
     def _exec_ended(self, cmd: ev.RunExec, trajectory: str | None, res: ExecResult) -> None:
         self._running_execs.pop(cmd.action_id, None)

@@ -21,15 +21,18 @@ on every backend.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import io
 import os
 import stat
 import tarfile
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
+from typing import Any
 
 from tangram.protocol.results import MAX_FILES_BYTES, ExecResult
-from tangramd.backends.base import Backend, ExecRequest, PathEscape, confine_real
+from tangramd.backends.base import Backend, ExecRequest, PathEscape, confine_real, infra_error
 
 
 class TooLarge(ValueError):
@@ -203,6 +206,41 @@ def only_file(data: bytes) -> tuple[bytes, bool] | None:
             assert stream is not None
             return stream.read(), False
     return None
+
+
+def start_exec(
+    backend: Backend,
+    req: ExecRequest,
+    done: Callable[[ExecResult], None],
+    spawn: Callable[[Coroutine[Any, Any, None]], None],
+) -> None:
+    """Run ``req`` on ``backend`` and call ``done`` with its result, once, on the loop. A
+    backend with ``start_exec`` (the process backend) spawns within this call and reports
+    the end from the loop turn that sees it, with no task in between; other backends, and
+    execs with ``files`` to write or ``fetch`` to read back, run in a task (``spawn``). A
+    failure of any kind is an ``infra_error`` result, never an exception here."""
+    start = getattr(backend, "start_exec", None)
+    if start is None or req.files or req.fetch:
+        spawn(_exec_then(backend, req, done))
+        return
+    try:
+        start(req, done)
+    except Exception as exc:  # a backend failure of any kind is an infra error
+        asyncio.get_running_loop().call_soon(done, _failed(exc))
+
+
+async def _exec_then(
+    backend: Backend, req: ExecRequest, done: Callable[[ExecResult], None]
+) -> None:
+    try:
+        res = await exec_with_files(backend, req)
+    except Exception as exc:
+        res = _failed(exc)
+    done(res)
+
+
+def _failed(exc: Exception) -> ExecResult:
+    return infra_error(f"{type(exc).__name__}: {exc}")
 
 
 async def exec_with_files(backend: Backend, req: ExecRequest) -> ExecResult:

@@ -43,7 +43,7 @@ from tangram.protocol.errors import InfraError, error_from_wire
 from tangram.protocol.results import ExecResult, ExecSpec
 from tangram.version import __version__
 from tangramd.backends.base import Backend, ExecRequest
-from tangramd.backends.files import exec_with_files
+from tangramd.backends.files import start_exec
 from tangramd.cluster.link import Link, LinkClosed
 from tangramd.cluster.pki import CertInvalid, PinMismatch, client_context, verify_server
 from tangramd.executor import run_transfer
@@ -441,10 +441,8 @@ class NodeAgent:
         self._report(f"sc:{session_id}", {"t": "session_closed", "session_id": session_id})
 
     def _start_exec(self, msg: dict[str, Any]) -> None:
-        """Hand a placement to the backend as the all-in-one executor does: a backend with
-        ``start_exec`` (the process backend) spawns within this call and reports the end
-        from the loop turn that sees it, with no task in between; other backends, and execs
-        with ``files`` to write or ``fetch`` to read back, run in a task."""
+        """Hand a placement to the backend as the all-in-one executor does
+        (``files.start_exec``: inline where the backend can, else in a task)."""
         action_id = str(msg["action_id"])
         env_id = str(msg.get("env_id"))
         self._running.add(action_id)
@@ -465,22 +463,7 @@ class NodeAgent:
         except Exception as exc:  # a malformed placement ends as an infra error
             done(ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}"))
             return
-        start = getattr(self.backend, "start_exec", None)
-        if start is None or req.files or req.fetch:
-            self._spawn(self._run_exec(req, done))
-            return
-        try:
-            start(req, done)
-        except Exception as exc:  # a backend failure of any kind is an infra error
-            res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
-            asyncio.get_running_loop().call_soon(done, res)
-
-    async def _run_exec(self, req: ExecRequest, done: Callable[[ExecResult], None]) -> None:
-        try:
-            res = await exec_with_files(self.backend, req)
-        except Exception as exc:
-            res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
-        done(res)
+        start_exec(self.backend, req, done, self._spawn)
 
     def _exec_ended(
         self, action_id: str, env_id: str, cores: tuple[int, ...], reply: Any, res: ExecResult
