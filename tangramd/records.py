@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -45,13 +46,19 @@ def read_json(path: Path, problem: str, valid: Callable[[Any], bool], expected: 
 
 
 def write_json(path: Path, data: Any, indent: int | None = None) -> None:
-    """Atomically replace ``path`` (private to the daemon's user) with ``data``."""
+    """Replace ``path`` with ``data`` so that a crash leaves either the old file or the new
+    one, never half: a private (0600) temporary file beside it, synced, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(data, indent=indent, sort_keys=True))
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(data, indent=indent, sort_keys=True))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class RecordJournal:
@@ -111,15 +118,16 @@ class RecordJournal:
     def put(self, key: str, record: Mapping[str, Any] | None) -> None:
         """Record one change (None: the record is gone); compact when the journal has grown.
         Raises OSError when the state dir cannot be written."""
-        if record is None:
+        copy = None if record is None else dict(record)
+        if copy is None:
             self.records.pop(key, None)
         else:
-            self.records[key] = dict(record)
+            self.records[key] = copy
         if self._file is None:
             self.journal.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             self._file = os.fdopen(fd, "ab")
-        line = {"id": key, "record": None if record is None else dict(record)}
+        line = {"id": key, "record": copy}
         self._file.write(json.dumps(line, sort_keys=True).encode() + b"\n")
         self._file.flush()
         self._lines += 1

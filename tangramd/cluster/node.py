@@ -28,7 +28,6 @@ import datetime
 import functools
 import itertools
 import json
-import os
 import random
 import ssl
 import time
@@ -48,7 +47,7 @@ from tangramd.cluster.link import Link, LinkClosed
 from tangramd.cluster.pki import CertInvalid, PinMismatch, client_context, verify_server
 from tangramd.executor import run_transfer
 from tangramd.lifecycle import loop_name
-from tangramd.records import RecordJournal
+from tangramd.records import RecordJournal, write_json
 from tangramd.services.inventory import Gpu
 from tangramd.transport import ConnInfo, Later, UnixServer
 
@@ -585,11 +584,7 @@ class NodeAgent:
 
     def _store_credential(self, credential: str) -> None:
         data = {"name": self.name, "credential": credential, "coordinator_ca": self.pin}
-        tmp = self.state_path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, self.state_path)
+        write_json(self.state_path, data)
 
     def _read_envs(self) -> dict[str, tuple[int, int] | None]:
         """``envs.json`` (+ ``envs.journal``): {"id", "owner": [uid, gid] | null} records;

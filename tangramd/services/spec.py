@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shlex
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any, Final
 
 from tangram.pools.gpu import ALLOWED_GPU_COUNTS
 from tangram.pools.gpu import ServiceSpec as PoolServiceSpec
+from tangramd.records import write_json
 
 GB: Final = 1_000_000_000  # decimal gigabytes, as the simulator's cluster files use
 RUNTIMES: Final = ("torch", "http")
@@ -182,19 +182,4 @@ class Registry:
         return len(self._specs)
 
     def _save(self) -> None:
-        write_json_atomic(self.path, {"services": [s.to_json() for s in self._specs.values()]})
-
-
-def write_json_atomic(path: Path, data: object) -> None:
-    """Write ``data`` so a crash leaves either the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(data, out, indent=1, sort_keys=True)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        write_json(self.path, {"services": [s.to_json() for s in self._specs.values()]}, indent=1)
