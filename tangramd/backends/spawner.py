@@ -74,9 +74,14 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes | None:
     return buf
 
 
-def _send(sock: socket.socket, msg: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+def _frame(msg: dict[str, Any]) -> bytes:
+    """One message as the fork server's protocol frames it (both directions)."""
     body = json.dumps(msg).encode()
-    frame = _HEADER.pack(len(body)) + body
+    return _HEADER.pack(len(body)) + body
+
+
+def _send(sock: socket.socket, msg: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+    frame = _frame(msg)
     if fds:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         sent = sock.sendmsg([frame], anc)
@@ -455,7 +460,7 @@ class Spawner:
         rid = self._ids
         names = list(stdio)
         fds = [stdio[n] for n in names]
-        frame = self._frame({**request, "id": rid, "fds": names})
+        frame = _frame({**request, "id": rid, "fds": names})
         self._pending[rid] = (reply, chan, frame, fds)
         chan.out.append((frame, fds))
         self._flush(chan)
@@ -497,13 +502,8 @@ class Spawner:
         self._watch.pop(pid, None)
         self._origin.pop(pid, None)
 
-    @staticmethod
-    def _frame(msg: dict[str, Any]) -> bytes:
-        body = json.dumps(msg).encode()
-        return _HEADER.pack(len(body)) + body
-
     def _send(self, chan: _Channel, msg: dict[str, Any], fds: list[int]) -> None:
-        chan.out.append((self._frame(msg), fds))
+        chan.out.append((_frame(msg), fds))
         self._flush(chan)
 
     def _flush(self, chan: _Channel) -> None:
