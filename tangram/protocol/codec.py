@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 import msgpack
 
@@ -35,50 +35,39 @@ def _ext_hook(code: int, data: bytes) -> Any:
 
 
 def _check_keys(msg: dict[str, Any]) -> None:
-    """Reject non-``str`` map keys anywhere in the message (they cannot be field names).
+    """Reject non-``str`` map keys anywhere in the message (they cannot be field names),
+    naming the first one's path (``$.a[0]``), depth first in the message's order.
 
-    Every frame passes here, so the walk builds no paths (msgpack gives plain ``dict`` and
-    ``list``, never subclasses) and needs no recursion; the path to a bad key is looked up
-    only once one is found."""
-    stack: list[Any] = [msg]
-    pop, push = stack.pop, stack.append
+    Every frame passes here, so the walk needs no recursion and formats no path until it
+    finds a bad key: each nested map or list carries its place as a (parent's place, key
+    or index) pair. msgpack gives plain ``dict`` and ``list``, never subclasses."""
+    stack: list[tuple[Any, Any]] = [(msg, None)]
     while stack:
-        value = pop()
-        if type(value) is dict:
-            for key, item in value.items():
-                if type(key) is not str:
-                    _raise_bad_key(msg)
-                kind = type(item)
-                if kind is dict or kind is list:
-                    push(item)
-        else:
-            for item in value:
-                kind = type(item)
-                if kind is dict or kind is list:
-                    push(item)
-
-
-def _raise_bad_key(msg: dict[str, Any]) -> NoReturn:
-    """Raise FrameError naming the first non-``str`` key's path (``$.a[0]``), depth first
-    in the message's order (the same tests as :func:`_check_keys`)."""
-    stack: list[tuple[Any, str]] = [(msg, "$")]
-    while stack:
-        value, path = stack.pop()
-        children: list[tuple[Any, str]] = []
+        value, where = stack.pop()
+        nested: list[tuple[Any, Any]] = []
         if type(value) is dict:
             for key, item in value.items():
                 if type(key) is not str:
                     raise FrameError(
-                        f"{path}: map key {key!r} is {type(key).__name__}, expected str"
+                        f"{_path(where)}: map key {key!r} is {type(key).__name__}, expected str"
                     )
                 if type(item) is dict or type(item) is list:
-                    children.append((item, f"{path}.{key}"))
+                    nested.append((item, (where, key)))
         else:
             for index, item in enumerate(value):
                 if type(item) is dict or type(item) is list:
-                    children.append((item, f"{path}[{index}]"))
-        stack.extend(reversed(children))  # first child on top: the order of the message
-    raise FrameError("a map key is not a str")  # unreachable: _check_keys found one
+                    nested.append((item, (where, index)))
+        if nested:
+            stack.extend(reversed(nested))  # the first on top: the message's order
+
+
+def _path(where: Any) -> str:
+    """``$.a[0]`` from a place of :func:`_check_keys` (None: the message itself)."""
+    parts: list[str] = []
+    while where is not None:
+        where, step = where
+        parts.append(f"[{step}]" if isinstance(step, int) else f".{step}")
+    return "$" + "".join(reversed(parts))
 
 
 def decode_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
