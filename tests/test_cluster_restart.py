@@ -156,6 +156,9 @@ def test_node_restart_keeps_its_environments(tmp_path: Path) -> None:
         daemons.append(a)
         thread.join(30)
         assert box["r"].outcome == "infra_error", box  # the restarted node never ran it
+        # The node answers infra_error at once until it has joined again (no waiting):
+        # the coordinator still lists it ready, so wait for the new process's own join.
+        wait_for(lambda: a.log().count("node_joined") >= 2, 30, "a joined again")
         with a.client() as c:
             result = c.exec(["cat", "f"], env=env)
         assert (result.outcome, result.stdout, result.node) == ("ok", "kept\n", "a"), result
