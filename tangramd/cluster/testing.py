@@ -216,7 +216,11 @@ def wait_node_state(
         if node is not None and state != "lost" and node.proc.poll() is not None:
             raise DaemonExited(f"node {name} exited ({node.proc.returncode}):\n{node.log()}")
         row = node_row(coordinator, name)
-        return row if row is not None and row["state"] == state else None
+        if row is None or row["state"] != state:
+            return None
+        if node is not None and state == "ready":
+            node_row(node, name)  # the node's side of the link is up too (else InfraError)
+        return row
 
     return _wait_alive(check, None, timeout_s, f"node {name} {state}", node or coordinator)
 
