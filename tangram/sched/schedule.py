@@ -180,14 +180,7 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
     never_memo: dict[tuple[Any, ...], Shortfall | None] = {}
     affinity, pools = snapshot.affinity, snapshot.pools
     for action in snapshot.waiting:
-        kind = action.kind  # pool_of(), inlined (once per queued action and pass)
-        pid = (
-            affinity.get(action.trajectory)
-            if kind == "exec"
-            else "gpu"
-            if kind == "service"
-            else action.key
-        )
+        pid = pool_of(action, affinity)
         if pid is None:
             unplaced_new.append(action)
             continue
@@ -196,7 +189,7 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
             infeasible.append(Infeasible(action.id, _no_pool(action, pid)))
             continue
         # never_fits depends only on these fields; memoised because queues are long
-        sig = (pid, kind, action.service, action.min_units, action.demand.get("mem"))
+        sig = (pid, action.kind, action.service, action.min_units, action.demand.get("mem"))
         short: Shortfall | None = never_memo.get(sig, _UNKNOWN)
         if short is _UNKNOWN:
             short = never_memo[sig] = pool.never_fits(action)
