@@ -119,15 +119,9 @@ class Durations:
         return self.low.get(action.id, action.min_units)
 
     def table(self, action: Action, amounts: tuple[int, ...]) -> dict[int, float]:
-        """Durations at each of ``amounts`` (the DP's choices for one candidate)."""
-        cache, aid = self._cache, action.id
-        out: dict[int, float] = {}
-        for u in amounts:  # through the per-pass cache: pricing already read some of them
-            d = cache.get((aid, u))
-            if d is None:
-                d = cache[aid, u] = self._compute(action, u)
-            out[u] = d
-        return out
+        """Durations at each of ``amounts`` (the DP's choices for one candidate), through
+        the per-pass cache: pricing already read some of them."""
+        return {u: self(action, u) for u in amounts}
 
     def minimum(self, action: Action) -> float:
         """Duration at the lowest amount the action may take in this pass."""
