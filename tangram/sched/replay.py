@@ -373,10 +373,7 @@ class Replay:
             u, d = opts[0]
             e = (u, d, opts if len(opts) > 1 else None)
         else:
-            dur = self.dur
-            at_min = dur.at_min.get(w.id)
-            low = dur.low.get(w.id, w.min_units)
-            e = (low, dur.minimum(w) if at_min is None else at_min, None)
+            e = (self.dur.lowest(w), self.dur.minimum(w), None)
         self._entries[w.id] = e
         return e
 
