@@ -88,6 +88,12 @@ def probe(amounts: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+def price_factor(k: int, sharing: float) -> float:
+    """What ``t(k)`` is multiplied by in the price: ``max(1, (1 + k · N / C) / 2)`` with
+    ``sharing = N / C`` (module doc)."""
+    return max(1.0, (1.0 + k * sharing) / 2.0)
+
+
 def priced_dop(
     amounts: tuple[int, ...], dur: Callable[[int], float], sharing: Callable[[int], float]
 ) -> int:
@@ -95,7 +101,7 @@ def priced_dop(
     where ``sharing(k) = N(k) / C`` (module doc)."""
     best, pick = math.inf, amounts[-1]
     for k in probe(amounts):
-        cost = dur(k) * max(1.0, (1.0 + k * sharing(k)) / 2.0)
+        cost = dur(k) * price_factor(k, sharing(k))
         if cost < best:
             best, pick = cost, k
     return pick
@@ -122,7 +128,7 @@ def price_bands(
     units = max(1.0, capacity - short_reserve(load))
     in_service = max(load.elastic_running, load.elastic_starts_per_s * load.elastic_mean_s)
     share = (len(elastic) + in_service) / units  # N / C, the same for every k and action
-    # priced_dop() inlined with its sharing term per amount computed once (same arithmetic)
+    # priced_dop()'s loop, with each amount's price factor computed once for the queue
     factor: dict[int, float] = {}
     out: dict[ActionId, tuple[int, ...]] = {}
     for a, amounts in elastic:
@@ -131,7 +137,7 @@ def price_bands(
             for k in probe(amounts):
                 f = factor.get(k)
                 if f is None:
-                    f = factor[k] = max(1.0, (1.0 + k * share) / 2.0)
+                    f = factor[k] = price_factor(k, share)
                 cost = dur(a, k) * f
                 if cost < best:
                     best, pick = cost, k
