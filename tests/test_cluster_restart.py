@@ -156,9 +156,10 @@ def test_node_restart_keeps_its_environments(tmp_path: Path) -> None:
         daemons.append(a)
         thread.join(30)
         assert box["r"].outcome == "infra_error", box  # the restarted node never ran it
-        # The node answers infra_error at once until it has joined again (no waiting):
-        # the coordinator still lists it ready, so wait for the new process's own join.
-        wait_for(lambda: a.log().count("node_joined") >= 2, 30, "a joined again")
+        # The node answers infra_error at once until it has joined again (no waiting), and
+        # the coordinator still lists the old process ready: wait_node_state also needs a
+        # request through the new process's own socket served.
+        wait_node_state(coord, "a", "ready", 30, node=a)
         with a.client() as c:
             result = c.exec(["cat", "f"], env=env)
         assert (result.outcome, result.stdout, result.node) == ("ok", "kept\n", "a"), result
