@@ -48,10 +48,48 @@ def cli() -> None:
     default=None,
     help="Where exec actions run (default from config: process).",
 )
+@click.option(
+    "--http",
+    "http_listen",
+    default=None,
+    metavar="HOST:PORT",
+    help="Also serve the HTTP gateway (as `tangramd http`) in this process.",
+)
+@click.option(
+    "--http-api-key-file",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="With --http: file holding the key every request must send as X-API-Key.",
+)
+@click.option(
+    "--http-cpus",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --http: cores per /run_code.",
+)
 def up(
-    config_path: str | None, socket_path: str | None, state_dir: str | None, cpu_backend: str | None
+    config_path: str | None,
+    socket_path: str | None,
+    state_dir: str | None,
+    cpu_backend: str | None,
+    http_listen: str | None,
+    http_api_key_file: str | None,
+    http_cpus: int,
 ) -> None:
     """Run coordinator + node + local socket in one process until SIGTERM/SIGINT."""
+    http_opts = None
+    if http_listen is not None:
+        try:
+            from tangramd.gateway import embedded
+        except ImportError as exc:
+            click.echo(f"tangramd up --http: {_NO_HTTP_EXTRA}: {exc}", err=True)
+            sys.exit(2)
+        host, port, key = _http_settings("tangramd up --http", http_listen, http_api_key_file)
+        http_opts = (embedded, host, port, key, http_cpus)
+    elif http_api_key_file is not None:
+        click.echo("tangramd up: --http-api-key-file needs --http HOST:PORT", err=True)
+        sys.exit(2)
     try:
         config = load_config(
             config_path,
@@ -77,7 +115,16 @@ def up(
         sys.exit(1)
     try:
         check_socket_free(config.daemon.socket)  # fail before touching any state
-        run_loop(_serve(config), config.daemon.event_loop)
+        gateway = None
+        if http_opts is not None:
+            module, host, port, key, cpus = http_opts
+            try:  # bound before anything starts: an address in use changes nothing
+                gateway = (module, module.bind(host, port), key, cpus)
+            except OSError as exc:
+                why = exc.strerror or exc
+                click.echo(f"tangramd up: cannot serve HTTP on {http_listen}: {why}", err=True)
+                sys.exit(1)
+        run_loop(_serve(config, gateway), config.daemon.event_loop)
     except TangramError as exc:
         click.echo(f"tangramd: {exc}", err=True)
         sys.exit(1)
@@ -89,14 +136,24 @@ def up(
         lock.close()
 
 
-async def _serve(config: Any) -> None:
+async def _serve(config: Any, gateway: Any = None) -> None:
+    """Serve until a stop signal; ``gateway``: (module, socket, key, cpus) of ``--http``."""
     from tangramd.runtime import build_runtime
 
     runtime = build_runtime(config)
     stop = asyncio.Event()
     uninstall = install_stop_handlers(asyncio.get_running_loop(), stop)
+    http = None
     try:
         await runtime.start()
+        if gateway is not None:
+            module, sock, key, cpus = gateway
+            http = module.EmbeddedGateway(runtime.server, sock, api_key=key, cpus=cpus)
+            try:
+                await http.start()
+            except BaseException:
+                await runtime.stop()
+                raise
         # Start-up objects (modules, config, pools) never die: keep them out of the cyclic
         # GC's full collections, whose pauses are the tail of a scheduling pass.
         gc.collect()
@@ -105,9 +162,33 @@ async def _serve(config: Any) -> None:
         await stop.wait()
         sd_notify("STOPPING=1")
         log.info("daemon_stopping")
+        if http is not None:
+            await http.stop()  # its requests end first: they are the daemon's clients
         await runtime.stop()
     finally:
         uninstall()
+
+
+_NO_HTTP_EXTRA = "needs the http extra (pip install 'arl-tangram[http]')"
+
+
+def _http_settings(prog: str, listen: str, api_key_file: str | None) -> tuple[str, int, str | None]:
+    """HOST, PORT and the API key (None: no key) of an HTTP gateway's options; exit 2 with
+    a one-line message on a bad value."""
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not port_text.isdigit() or not host or int(port_text) > 65535:
+        click.echo(f"{prog}: --listen {listen!r}: want HOST:PORT", err=True)
+        sys.exit(2)
+    key = None
+    if api_key_file is not None:
+        with open(api_key_file, encoding="utf-8") as f:
+            key = f.read().strip()
+        if not key:
+            click.echo(f"{prog}: {api_key_file} is empty", err=True)
+            sys.exit(2)
+    elif host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        click.echo(f"{prog}: serving {host} without --api-key-file", err=True)
+    return host.strip("[]"), int(port_text), key
 
 
 @cli.command()
@@ -135,31 +216,16 @@ def http(listen: str, socket_path: str | None, api_key_file: str | None, cpus: i
 
         from tangramd.gateway.app import build_app
     except ImportError as exc:
-        click.echo(
-            f"tangramd http: needs the http extra (pip install 'arl-tangram[http]'): {exc}",
-            err=True,
-        )
+        click.echo(f"tangramd http: {_NO_HTTP_EXTRA}: {exc}", err=True)
         sys.exit(2)
     from tangram.protocol import default_socket_path
 
-    host, sep, port_text = listen.rpartition(":")
-    if not sep or not port_text.isdigit() or not host:
-        click.echo(f"tangramd http: --listen {listen!r}: want HOST:PORT", err=True)
-        sys.exit(2)
-    key = None
-    if api_key_file is not None:
-        with open(api_key_file, encoding="utf-8") as f:
-            key = f.read().strip()
-        if not key:
-            click.echo(f"tangramd http: {api_key_file} is empty", err=True)
-            sys.exit(2)
-    elif host not in ("127.0.0.1", "localhost", "::1"):
-        click.echo(f"tangramd http: serving {host} without --api-key-file", err=True)
+    host, port, key = _http_settings("tangramd http", listen, api_key_file)
     app = build_app(socket_path or default_socket_path(), api_key=key, cpus=cpus)
     uvicorn.run(
         app,
-        host=host.strip("[]"),
-        port=int(port_text),
+        host=host,
+        port=port,
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,

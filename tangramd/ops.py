@@ -74,8 +74,8 @@ def _status(ex: Executor, args: Args, conn: ConnInfo) -> Any:
         "backend": ex.backend.name,
         "socket": ex.socket_path,
         "nodes": len(ex.core.cpu.nodes),
-        # connected clients: the transport keeps its connections in a private set
-        "clients": len(ex.server._connections),
+        # connected clients (the in-process gateway's connection among them)
+        "clients": ex.server.connections,
     }
 
 

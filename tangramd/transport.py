@@ -50,11 +50,15 @@ from tangram.protocol import (
     FrameDecoder,
     FrameError,
     InternalError,
+    Response,
     ShuttingDown,
+    decode_body,
     encode,
     error_response,
+    make_request,
     ok_response,
     parse_request,
+    parse_response,
 )
 
 log = structlog.get_logger(__name__)
@@ -516,13 +520,27 @@ class UnixServer:
         self.sync_handler = sync_handler
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[_Connection] = set()
+        self._locals: set[LocalConnection] = set()
         self._ids = itertools.count(1)
         self._inode: tuple[int, int] | None = None
 
     @property
     def connections(self) -> int:
-        """Open client connections."""
-        return len(self._connections)
+        """Open client connections (in-process ones included)."""
+        return len(self._connections) + len(self._locals)
+
+    def local_connection(self, uid: int | None = None, gid: int | None = None) -> LocalConnection:
+        """An in-process client of this server (see :class:`LocalConnection`), whose peer is
+        ``uid``/``gid`` (default: the daemon's own, as a client process of its user would be)."""
+        info = ConnInfo(
+            next(self._ids),
+            pid=os.getpid(),
+            uid=os.geteuid() if uid is None else uid,
+            gid=os.getegid() if gid is None else gid,
+        )
+        conn = LocalConnection(self, info)
+        self._locals.add(conn)
+        return conn
 
     @property
     def buffered_bytes(self) -> int:
@@ -583,6 +601,8 @@ class UnixServer:
             await asyncio.wait(tasks, timeout=grace_s)
         for conn in list(self._connections):
             conn.answer_laters(ShuttingDown("daemon is shutting down"))
+        for local in list(self._locals):
+            local.close()
         cancelled = [task for conn in list(self._connections) for task in conn.cancel_tasks()]
         if cancelled:
             await asyncio.gather(*cancelled, return_exceptions=True)
@@ -609,6 +629,125 @@ class UnixServer:
             if (st.st_dev, st.st_ino) == self._inode:
                 os.unlink(self.path)
         self._inode = None
+
+
+class LocalConnection:
+    """A client of a :class:`UnixServer` in the daemon's own process (the in-process HTTP
+    gateway of ``tangramd up --http``): each request takes the socket's path, the same
+    frames both ways (encoded and decoded, so handlers see exactly the wire's types and the
+    caller gets the wire's typed errors), the sync handler inline and else the handler as a
+    task, without the socket and the hop between processes.
+
+    As on the socket, a caller that stops waiting (its coroutine is cancelled) does not
+    cancel its request: an exec keeps running and its cores stay allocated until it ends.
+    ``close`` is the connection closing (``ConnInfo.on_close`` callbacks run); requests
+    still owed then fail with ``shutting_down``."""
+
+    def __init__(self, server: UnixServer, info: ConnInfo) -> None:
+        self._server = server
+        self.info = info
+        self._ids = itertools.count(1)
+        self._owed: set[asyncio.Future[dict[str, Any]]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.closed = False
+
+    async def request(self, op: str, args: Any) -> Response:
+        """One request, its parsed response (``Response.unwrap`` raises its typed error)."""
+        if self.closed:
+            raise ShuttingDown("daemon is shutting down")
+        server = self._server
+        frame = encode(make_request(next(self._ids), op, args), max_frame=server.max_frame)
+        try:
+            request = parse_request(decode_body(memoryview(frame)[4:]))
+        except BadRequest as exc:
+            return parse_response(error_response(exc.request_id, exc))
+        loop = asyncio.get_running_loop()
+        owed: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self._owed.add(owed)
+        try:
+            self._dispatch(request.id, request.op, request.args, owed, loop)
+            response = await asyncio.shield(owed)
+        finally:
+            self._owed.discard(owed)
+        try:
+            body = encode(response, max_frame=server.max_frame)
+        except (FrameError, TypeError, ValueError, OverflowError) as exc:
+            log.error("response_unencodable", conn=self.info.id, error=str(exc))
+            error = InternalError(f"response could not be encoded: {exc}")
+            body = encode(error_response(request.id, error))
+        return parse_response(decode_body(memoryview(body)[4:]))
+
+    def _dispatch(
+        self,
+        request_id: int,
+        op: str,
+        args: dict[str, Any],
+        owed: asyncio.Future[dict[str, Any]],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        sync = self._server.sync_handler
+        if sync is not None:
+            try:
+                result = sync(op, args, self.info)
+            except Exception as exc:
+                if not isinstance(exc, TangramError):
+                    log.exception("handler_failed", conn=self.info.id, op=op)
+                _settle(owed, error_response(request_id, exc))
+                return
+            if isinstance(result, Later):
+                result.then(functools.partial(_settle_later, owed, request_id, self.info.id))
+                return
+            if result is not NOT_SYNC:
+                _settle(owed, ok_response(request_id, result))
+                return
+        task = loop.create_task(self._run(request_id, op, args, owed))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(
+        self, request_id: int, op: str, args: dict[str, Any], owed: asyncio.Future[dict[str, Any]]
+    ) -> None:
+        try:
+            result = await self._server.handler(op, args, self.info)
+            response = ok_response(request_id, result)
+        except asyncio.CancelledError:
+            _settle(owed, error_response(request_id, ShuttingDown("daemon is shutting down")))
+            raise
+        except Exception as exc:
+            if not isinstance(exc, TangramError):
+                log.exception("handler_failed", conn=self.info.id, op=op, request_id=request_id)
+            response = error_response(request_id, exc)
+        _settle(owed, response)
+
+    def close(self) -> None:
+        """The connection closes: owed answers fail with ``shutting_down``, its handler
+        tasks are cancelled, ``on_close`` callbacks run (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._server._locals.discard(self)
+        for owed in list(self._owed):
+            _settle(owed, error_response(None, ShuttingDown("daemon is shutting down")))
+        for task in list(self._tasks):
+            task.cancel()
+        self.info._fire()
+
+
+def _settle(owed: asyncio.Future[dict[str, Any]], response: dict[str, Any]) -> None:
+    if not owed.done():
+        owed.set_result(response)
+
+
+def _settle_later(
+    owed: asyncio.Future[dict[str, Any]], request_id: int, conn_id: int, later: Later
+) -> None:
+    error = later.error
+    if error is None:
+        _settle(owed, ok_response(request_id, later.result))
+        return
+    if not isinstance(error, TangramError):
+        log.error("handler_failed", conn=conn_id, request_id=request_id, error=str(error))
+    _settle(owed, error_response(request_id, error))
 
 
 def peer_groups(info: ConnInfo) -> frozenset[int]:

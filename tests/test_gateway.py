@@ -1,4 +1,5 @@
-"""`tangramd http` as SandboxFusion: real clients (sandbox-fusion, verl) against a real stack."""
+"""`tangramd http` as SandboxFusion: real clients (sandbox-fusion, verl) against a real stack,
+with the gateway in its own process and in the daemon's (`tangramd up --http`)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from verl_loader import verl_module
 from tangramd.gateway.spawn import spawn_gateway
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("gw")) as s:
+@pytest.fixture(scope="module", params=["separate", "in_process"])
+def stack(request, tmp_path_factory):
+    in_process = request.param == "in_process"
+    with running_stack(tmp_path_factory.mktemp("gw"), in_process=in_process) as s:
         sfc.set_endpoint(s.url)
         yield s
 

@@ -625,3 +625,78 @@ def test_later_answers_in_the_turn_it_is_resolved_and_at_close() -> None:
             raw.close()
 
     run(main)
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+def test_local_connection_takes_the_socket_path_without_the_socket() -> None:
+    """``UnixServer.local_connection`` (the in-process gateway's client): results and typed
+    errors as over the socket, wire types for the handler (tuples arrive as lists), the
+    sync handler's ``Later`` and ``NOT_SYNC`` paths, a caller that stops waiting does not
+    cancel its request, and ``close`` answers what is owed with ``shutting_down`` and fires
+    the connection's ``on_close`` callbacks."""
+    from tangramd.gateway.local import InProcessClient
+    from tangramd.transport import NOT_SYNC, Later
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        owed: list[Later] = []
+
+        def sync(op: str, args: dict[str, Any], conn: ConnInfo) -> Any:
+            if op == "soon":
+                later = Later()
+                loop.call_later(0.05, later.resolve, {"args": args})
+                return later
+            if op == "owed":
+                owed.append(Later())
+                return owed[-1]
+            if op == "inline":
+                return {"inline": True, "peer": list(conn.peer or ())}
+            if op == "bug":
+                raise KeyError("sync bug")
+            return NOT_SYNC
+
+        daemon = Daemon()
+        with short_tmpdir() as tmp:
+            server = UnixServer(os.path.join(tmp, "never-bound.sock"), daemon, sync_handler=sync)
+            client = InProcessClient(server)
+            assert await client.request("inline", {}) == {
+                "inline": True,
+                "peer": [os.geteuid(), os.getegid()],
+            }
+            assert server.connections == 1  # counted as a client, without a socket
+            got = await client.request("soon", {"cores": (1, 2), "blob": b"\x00"})
+            assert got == {"args": {"cores": [1, 2], "blob": b"\x00"}}  # as msgpack has it
+            assert await client.request("ping", {}) == {"pong": True, "version": "test"}
+            with pytest.raises(NotFound):
+                await client.request("env.close", {"id": "e9"})
+            with pytest.raises(InternalError):
+                await client.request("boom", {})
+            with pytest.raises(InternalError):
+                await client.request("bug", {})
+            with pytest.raises(UnknownOp):
+                await client.request("nope", {})
+            with pytest.raises(BadRequest):  # the envelope is checked as on the wire
+                await client.request("", {})
+            # a caller that gives up does not cancel the daemon's work
+            waiting = loop.create_task(client.request("sleep", {"s": 0.2, "tag": 7}))
+            await daemon.started.wait()
+            waiting.cancel()
+            await asyncio.sleep(0.3)
+            assert daemon.finished == [7]
+            conn = daemon.conns[-1]
+            closed: list[int] = []
+            conn.on_close(lambda c: closed.append(c.id))
+            pending = loop.create_task(client.request("owed", {}))
+            await asyncio.sleep(0.01)
+            await server.close()  # never started: only the in-process connection to close
+            with pytest.raises(ShuttingDown):
+                await pending
+            assert closed == [conn.id] and server.connections == 0
+            local = client._local
+            assert local is not None and local.closed
+            with pytest.raises(ShuttingDown):  # a closed connection takes no request
+                await local.request("ping", {})
+
+    run(main)

@@ -2,7 +2,9 @@
 
 ``build_app(socket, api_key=...)`` returns the app ``tangramd http`` serves with uvicorn.
 It talks to the daemon through one :class:`~tangram.client.AsyncClient` (requests are
-pipelined over its connection), so every call is an action the daemon schedules.
+pipelined over its connection), so every call is an action the daemon schedules;
+``tangramd up --http`` serves the same app in the daemon's own process, with the client
+handing requests to the daemon's server directly (:mod:`tangramd.gateway.local`).
 
 - ``POST /run_code``: SandboxFusion (``sandbox_fusion.py``);
 - ``POST /run_jupyter``: SandboxFusion's notebook mode (``jupyter.py``);
@@ -173,9 +175,20 @@ def refusal_response(exc: TangramError) -> JSONResponse:
     return JSONResponse({"detail": f"{exc.code}: {exc.message}"}, status_code=status)
 
 
-def build_app(socket: str, *, api_key: str | None = None, cpus: int = 1) -> FastAPI:
-    """The gateway for the daemon at ``socket`` (``cpus``: cores per ``/run_code``)."""
-    client = AsyncClient(socket)
+def build_app(
+    socket: str | None = None,
+    *,
+    client: AsyncClient | None = None,
+    api_key: str | None = None,
+    cpus: int = 1,
+) -> FastAPI:
+    """The gateway for the daemon at ``socket``, or through ``client`` (the daemon's own
+    :class:`~tangramd.gateway.local.InProcessClient` under ``tangramd up --http``);
+    ``cpus``: cores per ``/run_code``."""
+    if client is None:
+        if socket is None:
+            raise ValueError("build_app needs a socket or a client")
+        client = AsyncClient(socket)
     metrics = Metrics()
 
     def observe(kind: str, result: ExecResult) -> None:

@@ -1,4 +1,5 @@
-"""Start ``tangramd http`` as a subprocess on a free loopback port (tests, benchmarks)."""
+"""Start ``tangramd http`` as a subprocess on a free loopback port, or wait for the gateway
+of a ``tangramd up --http`` (tests, benchmarks)."""
 
 from __future__ import annotations
 
@@ -48,19 +49,7 @@ def spawn_gateway(
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
     gateway = SpawnedGateway(proc, url, log_path)
     try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tangramd http exited early:\n{gateway.log()}")
-            try:
-                with urllib.request.urlopen(f"{url}/openapi.json", timeout=1):
-                    break
-            except urllib.error.HTTPError:  # it answers (401 with an API key)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"tangramd http did not start:\n{gateway.log()}") from None
-                time.sleep(0.05)
+        wait_http(url, proc, log_path, ready_timeout_s)
         yield gateway
     finally:
         proc.terminate()
@@ -69,3 +58,30 @@ def spawn_gateway(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def wait_http(
+    url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 30.0
+) -> None:
+    """Until the gateway at ``url`` (served by ``proc``) answers; raise RuntimeError with
+    its log if the process exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway's process exited early:\n{_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(f"{url}/openapi.json", timeout=1):
+                return
+        except urllib.error.HTTPError:  # it answers (401 with an API key)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not start:\n{_tail(log_path)}") from None
+            time.sleep(0.05)
+
+
+def _tail(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")[-4000:]
+    except OSError:
+        return ""
