@@ -12,7 +12,7 @@ import click
 import structlog
 
 from tangram.model import TangramError
-from tangramd.config import ConfigError, load_config
+from tangramd.config import ConfigError, load_config, resolve_user
 from tangramd.lifecycle import (
     StateDirBusy,
     install_stop_handlers,
@@ -62,6 +62,12 @@ def cli() -> None:
     help="With --http: file holding the key every request must send as X-API-Key.",
 )
 @click.option(
+    "--http-user",
+    default=None,
+    metavar="USER",
+    help="With --http: the user (name or uid) HTTP callers count as (default: the daemon's).",
+)
+@click.option(
     "--http-cpus",
     type=click.IntRange(min=1),
     default=1,
@@ -75,6 +81,7 @@ def up(
     cpu_backend: str | None,
     http_listen: str | None,
     http_api_key_file: str | None,
+    http_user: str | None,
     http_cpus: int,
 ) -> None:
     """Run coordinator + node + local socket in one process until SIGTERM/SIGINT."""
@@ -86,9 +93,16 @@ def up(
             click.echo(f"tangramd up --http: {_NO_HTTP_EXTRA}: {exc}", err=True)
             sys.exit(2)
         host, port, key = _http_settings("tangramd up --http", http_listen, http_api_key_file)
-        http_opts = (embedded, host, port, key, http_cpus)
-    elif http_api_key_file is not None:
-        click.echo("tangramd up: --http-api-key-file needs --http HOST:PORT", err=True)
+        peer = None
+        if http_user is not None:
+            peer = resolve_user(http_user)
+            if peer is None:
+                click.echo(f"tangramd up: --http-user {http_user!r}: no such user", err=True)
+                sys.exit(2)
+        http_opts = (embedded, host, port, key, peer, http_cpus)
+    elif http_api_key_file is not None or http_user is not None:
+        option = "--http-api-key-file" if http_api_key_file is not None else "--http-user"
+        click.echo(f"tangramd up: {option} needs --http HOST:PORT", err=True)
         sys.exit(2)
     try:
         config = load_config(
@@ -117,9 +131,15 @@ def up(
         check_socket_free(config.daemon.socket)  # fail before touching any state
         gateway = None
         if http_opts is not None:
-            module, host, port, key, cpus = http_opts
+            module, host, port, key, peer, cpus = http_opts
+            if peer is None and os.geteuid() == 0 and config.cpu.exec_user == "peer":
+                click.echo(
+                    "tangramd up: HTTP callers' commands run as root (cpu.exec_user = "
+                    '"peer"); pass --http-user to run them as an unprivileged user',
+                    err=True,
+                )
             try:  # bound before anything starts: an address in use changes nothing
-                gateway = (module, module.bind(host, port), key, cpus)
+                gateway = (module, module.bind(host, port), key, peer, cpus)
             except OSError as exc:
                 why = exc.strerror or exc
                 click.echo(f"tangramd up: cannot serve HTTP on {http_listen}: {why}", err=True)
@@ -137,7 +157,8 @@ def up(
 
 
 async def _serve(config: Any, gateway: Any = None) -> None:
-    """Serve until a stop signal; ``gateway``: (module, socket, key, cpus) of ``--http``."""
+    """Serve until a stop signal; ``gateway``: (module, socket, key, peer, cpus) of
+    ``--http``."""
     from tangramd.runtime import build_runtime
 
     runtime = build_runtime(config)
@@ -147,8 +168,8 @@ async def _serve(config: Any, gateway: Any = None) -> None:
     try:
         await runtime.start()
         if gateway is not None:
-            module, sock, key, cpus = gateway
-            http = module.EmbeddedGateway(runtime.server, sock, api_key=key, cpus=cpus)
+            module, sock, key, peer, cpus = gateway
+            http = module.EmbeddedGateway(runtime.server, sock, api_key=key, cpus=cpus, peer=peer)
             try:
                 await http.start()
             except BaseException:

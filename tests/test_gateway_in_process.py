@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -127,3 +130,36 @@ def _wait_running(sock: str, n: int, timeout_s: float = 10.0) -> None:
         while c.status()["running"] != n:
             assert time.monotonic() < deadline, c.status()
             time.sleep(0.02)
+
+
+def test_http_user_runs_http_callers_unprivileged(tmp_path):
+    """``--http-user``: HTTP callers' commands run as that user (``cpu.exec_user = "peer"``)
+    and cannot read root's files; without it a root daemon says at start-up that they run
+    as root; an unknown user, or the option without ``--http``, exits 2."""
+    from hostile_user import local_user
+
+    with local_user() as user, tempfile.TemporaryDirectory(prefix="tgw-", dir="/tmp") as tmp:
+        os.chmod(tmp, 0o755)  # the user's commands reach their environments through it
+        port = free_port()
+        args = ("--http", f"127.0.0.1:{port}", "--http-user", user.name)
+        with running_daemon(Path(tmp), *args) as daemon:
+            url = f"http://127.0.0.1:{port}"
+            wait_http(url, daemon.proc, daemon.log_path)
+            code = "import os; print(os.getuid(), os.getgid()); open('/etc/shadow').read()"
+            r = httpx.post(f"{url}/run_code", json={"code": code, "language": "python"})
+            body = r.json()
+            assert body["status"] == "Failed", body
+            assert body["run_result"]["stdout"] == f"{user.uid} {user.gid}\n", body
+            assert "PermissionError" in body["run_result"]["stderr"]
+            assert "HTTP callers' commands run as root" not in daemon.log()
+    port = free_port()
+    with running_daemon(tmp_path / "r", "--http", f"127.0.0.1:{port}") as daemon:
+        wait_http(f"http://127.0.0.1:{port}", daemon.proc, daemon.log_path)
+        assert "HTTP callers' commands run as root" in daemon.log()
+    base = [sys.executable, "-m", "tangramd.main", "up", "--socket", str(tmp_path / "x.sock"),
+            "--state-dir", str(tmp_path / "xs")]  # fmt: skip
+    p = subprocess.run([*base, "--http", "127.0.0.1:1", "--http-user", "no-such-user-x"],
+                       capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert p.returncode == 2 and "--http-user 'no-such-user-x': no such user" in p.stderr
+    p = subprocess.run([*base, "--http-user", "0"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "--http-user needs --http" in p.stderr, p.stderr

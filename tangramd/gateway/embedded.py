@@ -56,10 +56,17 @@ class EmbeddedGateway:
     ``server``."""
 
     def __init__(
-        self, server: UnixServer, sock: socket.socket, *, api_key: str | None, cpus: int
+        self,
+        server: UnixServer,
+        sock: socket.socket,
+        *,
+        api_key: str | None,
+        cpus: int,
+        peer: tuple[int, int] | None = None,
     ) -> None:
+        """``peer``: the (uid, gid) HTTP callers count as (None: the daemon's own)."""
         self.sock = sock
-        self.client = InProcessClient(server)
+        self.client = InProcessClient(server, peer=peer)
         app = build_app(client=self.client, api_key=api_key, cpus=cpus)
         config = uvicorn.Config(
             app,

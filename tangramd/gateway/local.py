@@ -5,9 +5,10 @@
 Every call is still a request the daemon parses, validates and schedules as it does one
 from its socket (the same frames, the same typed errors); what goes is the gateway process,
 its socket round trip and two process wake-ups per call. The peer is the daemon's own
-user, as a ``tangramd http`` started by that user would be (so under
-``cpu.exec_user = "peer"`` a root daemon runs HTTP callers' code as root: set
-``cpu.exec_user`` to an unprivileged user for an HTTP gateway open to others).
+user, as a ``tangramd http`` started by that user would be, or the one given
+(``--http-user``): under ``cpu.exec_user = "peer"`` that is who HTTP callers' commands run
+as and who owns their environments, so a root daemon runs them as root unless told
+otherwise (it says so at start-up).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from tangramd.transport import LocalConnection, UnixServer
 class InProcessClient(AsyncClient):
     """``AsyncClient`` over a :class:`LocalConnection` of ``server``."""
 
-    def __init__(self, server: UnixServer) -> None:
+    def __init__(self, server: UnixServer, *, peer: tuple[int, int] | None = None) -> None:
         super().__init__(server.path)
         self._server = server
+        self._peer = peer
         self._local: LocalConnection | None = None
 
     async def connect(self) -> None:
@@ -32,7 +34,8 @@ class InProcessClient(AsyncClient):
 
     def _connection(self) -> LocalConnection:
         if self._local is None or self._local.closed:
-            self._local = self._server.local_connection()
+            uid, gid = self._peer if self._peer is not None else (None, None)
+            self._local = self._server.local_connection(uid, gid)
         return self._local
 
     async def request(self, op: str, args: Mapping[str, Any]) -> Any:
