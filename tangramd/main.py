@@ -70,9 +70,8 @@ def cli() -> None:
 @click.option(
     "--http-cpus",
     type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="With --http: cores per /run_code.",
+    default=None,
+    help="With --http: cores per /run_code (default 1).",
 )
 def up(
     config_path: str | None,
@@ -82,7 +81,7 @@ def up(
     http_listen: str | None,
     http_api_key_file: str | None,
     http_user: str | None,
-    http_cpus: int,
+    http_cpus: int | None,
 ) -> None:
     """Run coordinator + node + local socket in one process until SIGTERM/SIGINT."""
     http_opts = None
@@ -99,11 +98,17 @@ def up(
             if peer is None:
                 click.echo(f"tangramd up: --http-user {http_user!r}: no such user", err=True)
                 sys.exit(2)
-        http_opts = (embedded, host, port, key, peer, http_cpus)
-    elif http_api_key_file is not None or http_user is not None:
-        option = "--http-api-key-file" if http_api_key_file is not None else "--http-user"
-        click.echo(f"tangramd up: {option} needs --http HOST:PORT", err=True)
-        sys.exit(2)
+        http_opts = (embedded, host, port, key, peer, http_cpus or 1)
+    else:
+        given: dict[str, object] = {
+            "--http-api-key-file": http_api_key_file,
+            "--http-user": http_user,
+            "--http-cpus": http_cpus,
+        }
+        for option, value in given.items():
+            if value is not None:
+                click.echo(f"tangramd up: {option} needs --http HOST:PORT", err=True)
+                sys.exit(2)
     try:
         config = load_config(
             config_path,

@@ -161,5 +161,6 @@ def test_http_user_runs_http_callers_unprivileged(tmp_path):
     p = subprocess.run([*base, "--http", "127.0.0.1:1", "--http-user", "no-such-user-x"],
                        capture_output=True, text=True, timeout=30)  # fmt: skip
     assert p.returncode == 2 and "--http-user 'no-such-user-x': no such user" in p.stderr
-    p = subprocess.run([*base, "--http-user", "0"], capture_output=True, text=True, timeout=30)
-    assert p.returncode == 2 and "--http-user needs --http" in p.stderr, p.stderr
+    for option in ("--http-user", "--http-cpus"):
+        p = subprocess.run([*base, option, "1"], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 2 and f"{option} needs --http" in p.stderr, p.stderr
