@@ -666,7 +666,12 @@ class LocalConnection:
         self._owed.add(owed)
         try:
             self._dispatch(request.id, request.op, request.args, owed, loop)
-            response = await asyncio.shield(owed)
+            # Not shielded: a caller cancelled here cancels only ``owed`` (its answer then
+            # goes nowhere), never the handler's task or ``Later``. A shield would put a
+            # second turn of the loop between the answer and the caller, behind whatever
+            # the answering turn queued (the action's log line): 475 -> 280 µs p50 from
+            # the answer to the caller resuming, time-stamped in the daemon.
+            response = await owed
         finally:
             self._owed.discard(owed)
         try:
