@@ -320,23 +320,15 @@ class _Connection(asyncio.Protocol):
         if sync is not None and not self._write_paused:
             # Cheap ops answer inline: no task, no extra loop iteration (about half the
             # round trip of a no-op op).
-            try:
-                result = sync(request.op, request.args, self.info)
-            except TangramError as exc:
-                self._write(error_response(request.id, exc))
-                return
-            except Exception as exc:
-                log.exception("handler_failed", conn=self.info.id, op=request.op)
-                self._write(error_response(request.id, exc))
-                return
-            if isinstance(result, Later):
-                self._laters.add(result)
-                result.then(functools.partial(self._answer_later, request.id))
+            answer = _inline(sync, request.id, request.op, request.args, self.info)
+            if isinstance(answer, Later):
+                self._laters.add(answer)
+                answer.then(functools.partial(self._answer_later, request.id))
                 if self._inflight() >= self._server.max_inflight_per_conn:
                     self._update_reading()
                 return
-            if result is not NOT_SYNC:
-                self._write(ok_response(request.id, result))
+            if answer is not None:
+                self._write(answer)
                 return
         task = self._loop.create_task(self._run(request.id, request.op, request.args))
         self._tasks.add(task)
@@ -350,15 +342,7 @@ class _Connection(asyncio.Protocol):
         if later not in self._laters:
             return  # answered at shutdown already
         self._laters.discard(later)
-        error = later.error
-        if error is None:
-            response = ok_response(request_id, later.result)
-        else:
-            if not isinstance(error, TangramError):
-                log.error(
-                    "handler_failed", conn=self.info.id, request_id=request_id, error=str(error)
-                )
-            response = error_response(request_id, error)
+        response = _later_response(request_id, later, self.info.id)
         if self._write_paused and self._can_write is not None and not self._closing:
             # a slow reader: wait for room as the task path does (memory stays bounded)
             task = self._loop.create_task(self._write_when_drained(response))
@@ -383,17 +367,11 @@ class _Connection(asyncio.Protocol):
     async def _run(self, request_id: int, op: str, args: dict[str, Any]) -> None:
         try:
             try:
-                result = await self._server.handler(op, args, self.info)
-                response = ok_response(request_id, result)
+                response = await _handled(self._server, request_id, op, args, self.info)
             except asyncio.CancelledError:
                 # Only the server's own shutdown cancels handlers: tell the client why.
                 self._write(error_response(request_id, ShuttingDown("daemon is shutting down")))
                 raise
-            except TangramError as exc:
-                response = error_response(request_id, exc)
-            except Exception as exc:
-                log.exception("handler_failed", conn=self.info.id, op=op, request_id=request_id)
-                response = error_response(request_id, exc)
             if self._write_paused and self._can_write is not None and not self._closing:
                 await self._can_write.wait()
             self._write(response)
@@ -692,18 +670,12 @@ class LocalConnection:
     ) -> None:
         sync = self._server.sync_handler
         if sync is not None:
-            try:
-                result = sync(op, args, self.info)
-            except Exception as exc:
-                if not isinstance(exc, TangramError):
-                    log.exception("handler_failed", conn=self.info.id, op=op)
-                _settle(owed, error_response(request_id, exc))
+            answer = _inline(sync, request_id, op, args, self.info)
+            if isinstance(answer, Later):
+                answer.then(functools.partial(_settle_later, owed, request_id, self.info.id))
                 return
-            if isinstance(result, Later):
-                result.then(functools.partial(_settle_later, owed, request_id, self.info.id))
-                return
-            if result is not NOT_SYNC:
-                _settle(owed, ok_response(request_id, result))
+            if answer is not None:
+                _settle(owed, answer)
                 return
         task = loop.create_task(self._run(request_id, op, args, owed))
         self._tasks.add(task)
@@ -713,15 +685,10 @@ class LocalConnection:
         self, request_id: int, op: str, args: dict[str, Any], owed: asyncio.Future[dict[str, Any]]
     ) -> None:
         try:
-            result = await self._server.handler(op, args, self.info)
-            response = ok_response(request_id, result)
+            response = await _handled(self._server, request_id, op, args, self.info)
         except asyncio.CancelledError:
             _settle(owed, error_response(request_id, ShuttingDown("daemon is shutting down")))
             raise
-        except Exception as exc:
-            if not isinstance(exc, TangramError):
-                log.exception("handler_failed", conn=self.info.id, op=op, request_id=request_id)
-            response = error_response(request_id, exc)
         _settle(owed, response)
 
     def close(self) -> None:
@@ -746,13 +713,54 @@ def _settle(owed: asyncio.Future[dict[str, Any]], response: dict[str, Any]) -> N
 def _settle_later(
     owed: asyncio.Future[dict[str, Any]], request_id: int, conn_id: int, later: Later
 ) -> None:
+    _settle(owed, _later_response(request_id, later, conn_id))
+
+
+# How a request is answered, for a socket connection and a LocalConnection alike: a typed
+# error is the client's answer, any other exception is a bug, logged with its traceback
+# and answered ``internal``.
+
+
+def _inline(
+    sync: SyncHandler, request_id: int, op: str, args: dict[str, Any], info: ConnInfo
+) -> dict[str, Any] | Later | None:
+    """The sync handler's answer: a response map, a :class:`Later`, or None (``NOT_SYNC``:
+    the async handler answers)."""
+    try:
+        result = sync(op, args, info)
+    except TangramError as exc:
+        return error_response(request_id, exc)
+    except Exception as exc:
+        log.exception("handler_failed", conn=info.id, op=op)
+        return error_response(request_id, exc)
+    if result is NOT_SYNC:
+        return None
+    if isinstance(result, Later):
+        return result
+    return ok_response(request_id, result)
+
+
+async def _handled(
+    server: UnixServer, request_id: int, op: str, args: dict[str, Any], info: ConnInfo
+) -> dict[str, Any]:
+    """The async handler's answer as a response map (cancellation propagates)."""
+    try:
+        return ok_response(request_id, await server.handler(op, args, info))
+    except TangramError as exc:
+        return error_response(request_id, exc)
+    except Exception as exc:
+        log.exception("handler_failed", conn=info.id, op=op, request_id=request_id)
+        return error_response(request_id, exc)
+
+
+def _later_response(request_id: int, later: Later, conn_id: int) -> dict[str, Any]:
+    """A resolved :class:`Later` as a response map."""
     error = later.error
     if error is None:
-        _settle(owed, ok_response(request_id, later.result))
-        return
+        return ok_response(request_id, later.result)
     if not isinstance(error, TangramError):
         log.error("handler_failed", conn=conn_id, request_id=request_id, error=str(error))
-    _settle(owed, error_response(request_id, error))
+    return error_response(request_id, error)
 
 
 def peer_groups(info: ConnInfo) -> frozenset[int]:
