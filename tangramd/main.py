@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import socket
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -84,7 +86,7 @@ def up(
     http_cpus: int | None,
 ) -> None:
     """Run coordinator + node + local socket in one process until SIGTERM/SIGINT."""
-    http_opts = None
+    gateway = None
     if http_listen is not None:
         try:
             from tangramd.gateway import embedded
@@ -98,7 +100,7 @@ def up(
             if peer is None:
                 click.echo(f"tangramd up: --http-user {http_user!r}: no such user", err=True)
                 sys.exit(2)
-        http_opts = (embedded, host, port, key, peer, http_cpus or 1)
+        gateway = _Gateway(embedded, host, port, key, peer, http_cpus or 1)
     else:
         given: dict[str, object] = {
             "--http-api-key-file": http_api_key_file,
@@ -134,17 +136,15 @@ def up(
         sys.exit(1)
     try:
         check_socket_free(config.daemon.socket)  # fail before touching any state
-        gateway = None
-        if http_opts is not None:
-            module, host, port, key, peer, cpus = http_opts
-            if peer is None and os.geteuid() == 0 and config.cpu.exec_user == "peer":
+        if gateway is not None:
+            if gateway.peer is None and os.geteuid() == 0 and config.cpu.exec_user == "peer":
                 click.echo(
                     "tangramd up: HTTP callers' commands run as root (cpu.exec_user = "
                     '"peer"); pass --http-user to run them as an unprivileged user',
                     err=True,
                 )
             try:  # bound before anything starts: an address in use changes nothing
-                gateway = (module, module.bind(host, port), key, peer, cpus)
+                gateway.sock = gateway.module.bind(gateway.host, gateway.port)
             except OSError as exc:
                 why = exc.strerror or exc
                 click.echo(f"tangramd up: cannot serve HTTP on {http_listen}: {why}", err=True)
@@ -161,9 +161,21 @@ def up(
         lock.close()
 
 
-async def _serve(config: Any, gateway: Any = None) -> None:
-    """Serve until a stop signal; ``gateway``: (module, socket, key, peer, cpus) of
-    ``--http``."""
+@dataclass
+class _Gateway:
+    """``tangramd up --http``'s settings, and its socket once bound."""
+
+    module: Any  # tangramd.gateway.embedded (imported only with --http: it needs uvicorn)
+    host: str
+    port: int
+    key: str | None
+    peer: tuple[int, int] | None
+    cpus: int
+    sock: socket.socket | None = None
+
+
+async def _serve(config: Any, gateway: _Gateway | None = None) -> None:
+    """Serve until a stop signal (with ``gateway``: its HTTP gateway too)."""
     from tangramd.runtime import build_runtime
 
     runtime = build_runtime(config)
@@ -172,9 +184,14 @@ async def _serve(config: Any, gateway: Any = None) -> None:
     http = None
     try:
         await runtime.start()
-        if gateway is not None:
-            module, sock, key, peer, cpus = gateway
-            http = module.EmbeddedGateway(runtime.server, sock, api_key=key, cpus=cpus, peer=peer)
+        if gateway is not None and gateway.sock is not None:
+            http = gateway.module.EmbeddedGateway(
+                runtime.server,
+                gateway.sock,
+                api_key=gateway.key,
+                cpus=gateway.cpus,
+                peer=gateway.peer,
+            )
             try:
                 await http.start()
             except BaseException:
