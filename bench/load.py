@@ -1,6 +1,7 @@
 """Load on a real `tangramd up`: many short execs from many clients, and nothing left over.
 
-    python bench/load.py [--n 10000] [--clients 256] [--env-cycles 200] [--rounds 4] [--json]
+    python bench/load.py [--n 10000] [--clients 256] [--env-cycles 200] [--rounds 4]
+                         [--config FILE] [--json]
 
 - ``--n`` execs of ``true`` (1 core) from ``--clients`` concurrent clients, one connection
   each (asyncio), each client in an environment of its own (``--throwaway``: a fresh
@@ -309,6 +310,7 @@ def run(
     throwaway: bool = False,
     event_loop: str = "auto",
     rounds: int = 1,
+    extra_config: str = "",
 ) -> dict[str, Any]:
     """The load through one daemon and the bare run, in ``rounds`` alternating parts (a
     host whose speed drifts during the run then moves both sides alike); the daemon idles
@@ -318,6 +320,7 @@ def run(
         config = "[daemon]\nmax_connections = 4096\n"
         if event_loop != "auto":  # (the default: no key, so an older tree's daemon runs too)
             config += f'event_loop = "{event_loop}"\n'
+        config += extra_config
         daemon = spawn_daemon(work, config)
         try:
             before = daemon_usage(daemon)
@@ -398,11 +401,19 @@ def main() -> None:
         default=4,
         help="alternate the tangram and bare runs in this many parts (default 4)",
     )
+    ap.add_argument(
+        "--config",
+        type=Path,
+        help="TOML appended to the daemon's config (after its [daemon] keys), e.g. a "
+        "[sched] table to compare settings",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
+    extra = args.config.read_text() if args.config else ""
     report = run(
-        args.n, args.clients, args.env_cycles, args.throwaway, args.event_loop, args.rounds
-    )
+        args.n, args.clients, args.env_cycles, args.throwaway, args.event_loop, args.rounds,
+        extra,
+    )  # fmt: skip
     report["event_loop"] = args.event_loop
     if args.json:
         print(json.dumps(report, indent=2))

@@ -358,7 +358,7 @@ class SchedConfig:
     order: str = _key(_choice(*ORDERS), "fcfs")
     rule: str = _key(_choice(*RULES), sched.SchedConfig().rule)
     starvation_s: float = _key(_number(0.0, exclusive=True), 30.0)
-    coalesce_ms: float = _key(_number(0.0), 1.0)
+    coalesce_ms: float = _key(_number(0.0), 0.0)
     replay_limit: int = _key(_int(1), 512)
     max_branch: int = _key(_int(1), 4)
 

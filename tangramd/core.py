@@ -14,10 +14,11 @@ In ``tangramd up`` this one core is both the coordinator (queues, registry, glob
 scheduler) and, through its :class:`~tangramd.envbook.EnvBook`, the node's bookkeeping of
 environments: the all-in-one mode.
 
-Scheduling passes are coalesced adaptively: arrivals and completions only mark the core
-*dirty*, and a pass is due at once when none ran in the last ``coalesce_s`` (a quiet daemon
-answers a lone action without waiting), else at the end of that window, so a flood of tiny
-actions is scheduled in batches of one pass per window rather than one pass per event.
+Scheduling passes are coalesced: arrivals and completions only mark the core *dirty*, and
+a pass is due at once when none ran in the last ``coalesce_s`` (0 by default: always),
+else at the end of that window. The executor decides when a due pass runs: at the end of
+the event loop's turn (every event read in that turn shares it), or at once after a
+completion (see ``Executor._arm_timer``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ STORY_LIMIT = 10_000  # actions whose story is kept after they end
 @dataclass
 class CoreConfig:
     sched: SchedConfig = field(default_factory=SchedConfig)
-    coalesce_s: float = 0.001
+    coalesce_s: float = 0.0
     default_env_mem: int = 1 << 30
     env_idle_ttl_s: float = 1800.0
     default_lease_ttl_s: float = 60.0

@@ -33,6 +33,10 @@ from tangramd.transport import ConnInfo, Later, UnixServer
 
 log = structlog.get_logger("tangramd")
 
+# Events after which units wait for a pass (an exec or call ended, a lease returned, an
+# environment an exec waited for is ready): their pass runs at once, not at the turn's end.
+_ENDS = frozenset({ev.ExecFinished, ev.CallFinished, ev.ReleaseLease, ev.EnvCreated})
+
 # what a put or get refuses as the caller's mistake (a bad path, size, kind or tar stream)
 BAD_TRANSFER = (
     PathEscape, TooLarge, NotAFile, IsADirectoryError, NotADirectoryError, tarfile.TarError
@@ -86,7 +90,7 @@ class Executor:
         self._futures: dict[int, asyncio.Future[Any] | Later] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
-        self._ticking = False  # feeding an inline Tick (a due pass runs once, not recursively)
+        self._soon: asyncio.Handle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._running_execs: dict[str, ev.RunExec] = {}  # handed to the backend, not ended
         # the persistent environments' records (envs.json + envs.journal)
@@ -190,7 +194,7 @@ class Executor:
                 except AssertionError as exc:
                     event_type = type(event).__name__
                     log.error("invariant_violated", event_type=event_type, error=str(exc))
-            self._arm_timer()
+            self._arm_timer(type(event) in _ENDS)
         finally:
             for reply in replies:
                 self._resolve(reply.token, reply.result, reply.error)
@@ -231,17 +235,22 @@ class Executor:
             conn._tangram_watched = True  # type: ignore[attr-defined]  # per-conn flag
             conn.on_close(lambda c: self.feed(ev.ConnClosed(conn=c.id)))
 
-    def _arm_timer(self) -> None:
+    def _arm_timer(self, ended: bool = False) -> None:
+        """Run or schedule the core's next ``Tick``. A pass due now runs at once when
+        ``ended`` (the event was the end of an exec or call: its units wait for this pass)
+        and it is the first of this turn of the event loop; any other due pass runs once,
+        at the end of the turn (after every event the loop read in it), so a burst costs
+        one pass per turn, not one per event."""
         now = self.clock()
         due = self.core.next_wakeup(now)
         if due is None:
             return
-        if due <= now and not self._ticking:  # a pass due now: run it before returning
-            self._ticking = True
-            try:
-                self.feed(ev.Tick())
-            finally:
-                self._ticking = False
+        if due <= now:
+            first = self._soon is None  # no pass has run or been put off in this turn
+            if first:
+                self._soon = asyncio.get_running_loop().call_soon(self._on_soon)
+            if first and ended:
+                self.feed(ev.Tick())  # freed units idle until this pass: run it now
             return
         if self._timer is not None and self._timer_at is not None and self._timer_at <= due:
             return
@@ -251,6 +260,12 @@ class Executor:
         delay = max(0.0, due - self.clock())
         self._timer_at = due
         self._timer = loop.call_later(delay, self._on_timer)
+
+    def _on_soon(self) -> None:
+        self._soon = None
+        due = self.core.next_wakeup(self.clock())
+        if due is not None and due <= self.clock():
+            self.feed(ev.Tick())
 
     def _on_timer(self) -> None:
         self._timer = None

@@ -51,7 +51,7 @@ def test_defaults_without_a_file() -> None:
     assert config.cpu.exec_agent is True
     assert (config.sched.depth, config.sched.order) == (2, "fcfs")
     assert config.sched.starvation_s == 30.0
-    assert config.sched.coalesce_ms == 1.0
+    assert config.sched.coalesce_ms == 0.0
     assert config.sched.replay_limit == 512
     assert config.gpu.simulated is None and config.gpu.nvml is True
     assert (config.gpu.load_timeout_s, config.gpu.restore_timeout_s) == (300.0, 600.0)

@@ -161,11 +161,14 @@ class Cgroups:
         me = os.getpid()
         return [pid for pid in self.pids(path) if pid != me and pid not in spare]
 
-    def kill_all(self, path: Path, spare: Collection[int] = ()) -> None:
-        """SIGKILL every process in the cgroup but the daemon and ``spare``."""
-        for pid in self.others(path, spare):
+    def kill_all(self, path: Path, spare: Collection[int] = ()) -> bool:
+        """SIGKILL every process in the cgroup but the daemon and ``spare``; False when
+        there was none (the cgroup is empty then: only a member can add one)."""
+        found = self.others(path, spare)
+        for pid in found:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+        return bool(found)
 
     async def empty(self, path: Path, spare: Collection[int] = ()) -> bool:
         """Kill everything left in the cgroup (but ``spare``) and wait until it is gone;
@@ -263,13 +266,13 @@ class CgroupV2(Cgroups):
         if cores is not None and self.pins:
             self._write_cpus(path, cores)
 
-    def kill_all(self, path: Path, spare: Collection[int] = ()) -> None:
+    def kill_all(self, path: Path, spare: Collection[int] = ()) -> bool:
         kill = path / "cgroup.kill"  # Linux >= 5.14: atomic, forks cannot race it
         if not spare and kill.exists():
             with contextlib.suppress(OSError):
                 kill.write_text("1")
-                return
-        super().kill_all(path, spare)
+                return True  # (whether there was anyone is not known)
+        return super().kill_all(path, spare)
 
 
 def probe(scope: str, *, prefer: str = "auto") -> Cgroups | None:

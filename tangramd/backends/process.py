@@ -648,9 +648,9 @@ class ProcessBackend:
         child = run.child
         assert child is not None
         try:
-            self._kill_leftovers(run)
+            left = self._kill_leftovers(run)
             child.drain()
-            if child.pipes_closed.is_set() and not self._busy(run.cgroup):
+            if child.pipes_closed.is_set() and not (left and self._busy(run.cgroup)):
                 self._end(run, self._result(run))
                 return
         except Exception as exc:  # never leave an action without an answer
@@ -736,13 +736,14 @@ class ProcessBackend:
             self._kill_leftovers(run)
         return bool(runs)
 
-    def _kill_leftovers(self, run: _Running) -> None:
-        """SIGKILL the exec's process group, and its cgroup or (without one) session."""
+    def _kill_leftovers(self, run: _Running) -> bool:
+        """SIGKILL the exec's process group, and its cgroup or (without one) session.
+        False when its cgroup was found empty (nothing left to wait for)."""
         if run.child is None:
-            return  # not spawned yet: the spawn's answer sees ``_closing``
+            return True  # not spawned yet: the spawn's answer sees ``_closing``
         _killpg(run.child.pid, signal.SIGKILL)
         if run.cgroup is not None and self.cgroups is not None:
-            self.cgroups.kill_all(run.cgroup, self._spawner.lodger_pids)
+            return self.cgroups.kill_all(run.cgroup, self._spawner.lodger_pids)
         else:
             # Scan until a pass finds nothing: a process in the middle of setsid/exec can be
             # unreadable in /proc for an instant, and one pass would miss it.
@@ -754,6 +755,7 @@ class ProcessBackend:
                         os.kill(pid, signal.SIGKILL)
                 if not pids:
                     break
+            return True
 
     # --- file transfer ----------------------------------------------------------------
 
