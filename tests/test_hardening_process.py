@@ -207,6 +207,17 @@ def test_execs_get_a_high_oom_score_adj(backend):
     assert result.stdout.split() == [str(EXEC_OOM_SCORE_ADJ)] * 2
 
 
+def test_execs_run_under_sched_batch(backend):
+    """Sandboxed commands (and the fork server that spawns them) run SCHED_BATCH: they never
+    preempt the daemon when they wake. Field 41 of /proc/PID/stat is the policy."""
+    env = new_env(backend)
+    result = ex(backend, env, "cat /proc/self/stat; sh -c 'cat /proc/self/stat'")
+    assert result.outcome == "ok", result
+    policies = [line.rsplit(")", 1)[1].split()[41 - 3] for line in result.stdout.splitlines()]
+    assert policies == [str(os.SCHED_BATCH)] * 2
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller (the daemon) is not
+
+
 # --- item 7: no daemon thread ever sits in an exec's cgroup
 
 

@@ -325,6 +325,12 @@ class _Helper:
 def _serve(fd: int) -> None:
     os.set_inheritable(fd, False)  # the commands get their three descriptors, nothing else
     os.chdir("/")
+    # SCHED_BATCH for the helper, its lodgers and (inherited) every command: a woken helper
+    # never preempts the daemon on its core. Without it, the daemon sending a spawn
+    # request lost its core to the lodger it woke (sendmsg took 0.36 ms on average under
+    # a flood, against 0.045 ms) and the other core idled meanwhile.
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     # The daemon gone (killed, or closed its end): its commands are its business; exit
