@@ -263,8 +263,9 @@ class Executor:
 
     def _on_soon(self) -> None:
         self._soon = None
-        due = self.core.next_wakeup(self.clock())
-        if due is not None and due <= self.clock():
+        now = self.clock()
+        due = self.core.next_wakeup(now)
+        if due is not None and due <= now:
             self.feed(ev.Tick())
 
     def _on_timer(self) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import struct
 from collections.abc import Iterator
 from pathlib import Path
+
+import msgpack
 
 from tangram.testing import SpawnedDaemon, spawn_daemon
 
@@ -37,3 +40,9 @@ def running_daemon(tmp: Path, *args: str, config: str = "") -> Iterator[SpawnedD
             daemon.stop()
     assert "invariant_violated" not in daemon.log(), daemon.log()
     assert "Traceback" not in daemon.log(), daemon.log()
+
+
+def frame(obj: object) -> bytes:
+    """One protocol frame of ``obj``, as a raw client would write it."""
+    body = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body

@@ -6,9 +6,8 @@ import socket
 import struct
 import time
 
-import msgpack
 import pytest
-from daemon_fixture import running_daemon
+from daemon_fixture import frame, running_daemon
 
 from tangram.protocol.codec import FrameDecoder
 
@@ -24,11 +23,6 @@ def raw(daemon) -> socket.socket:
     s.settimeout(5)
     s.connect(daemon.socket)
     return s
-
-
-def frame(obj: object) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
-    return struct.pack(">I", len(body)) + body
 
 
 def read_reply(s: socket.socket) -> dict | None:

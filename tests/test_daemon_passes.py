@@ -4,20 +4,14 @@ burst of arrivals, at once after a completion (its freed cores wait for that pas
 from __future__ import annotations
 
 import socket
-import struct
 import time
 
-import msgpack
+from daemon_fixture import frame
 
 from tangram.protocol.codec import FrameDecoder
 from tangram.testing import spawn_daemon
 
 N = 12
-
-
-def frame(obj: object) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
-    return struct.pack(">I", len(body)) + body
 
 
 def test_a_burst_is_scheduled_in_one_pass_and_each_completion_starts_the_next(tmp_path):
