@@ -85,15 +85,23 @@ def test_timeout_counts_to_main_exit_only(backend):
 
 
 def test_cpuset_widened_by_a_root_command_is_reset_before_the_next_exec(tmp_path):
-    """A root exec that rewrites its cgroup's cpuset.cpus does not widen the next action."""
+    """A root exec that rewrites its cgroup's cpuset.cpus does not widen the next action,
+    whether the daemon checks the cgroup (the fork server's path) or the lodger living in
+    it does (the later execs' path): the next one finds ``cpuset.cpus`` back to its core."""
     b = ProcessBackend(tmp_path, cgroup_version="v1")
     try:
         env = new_env(b)
         cg = "/sys/fs/cgroup/cpuset$(grep cpuset /proc/self/cgroup | cut -d: -f3)"
         widen = f'echo 0-1 > "{cg}/cpuset.cpus"'
-        assert ex(b, env, widen, (0,)).outcome == "ok"
-        after = ex(b, env, "grep Cpus_allowed_list /proc/self/status", (0,))
-        assert allowed_list(after) == "0"
+        probe = f'grep Cpus_allowed_list /proc/self/status; echo "cpus $(cat "{cg}/cpuset.cpus")"'
+        assert ex(b, env, widen, (0,)).outcome == "ok"  # the fork server's path
+        after = ex(b, env, probe, (0,))
+        assert allowed_list(after) == "0" and "cpus 0\n" in after.stdout, after
+        run(lodger_of(b, (0,)))
+        for _ in range(2):  # through the lodger, twice
+            assert ex(b, env, widen, (0,)).outcome == "ok"
+            after = ex(b, env, probe, (0,))
+            assert allowed_list(after) == "0" and "cpus 0\n" in after.stdout, after
     finally:
         run(b.shutdown())
 

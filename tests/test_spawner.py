@@ -244,3 +244,76 @@ def test_a_lodger_that_cannot_join_is_not_asked_for_again(tmp_path):
     assert "no-such-cgroup" in first and "no-such-cgroup" in second
     assert refused == {bogus}
     assert asked == 0 and lodgers == set()
+
+
+def test_a_bare_command_name_is_looked_up_in_the_execs_own_path(tmp_path):
+    """``argv[0]`` without a slash is found in the PATH of the exec's environment (not the
+    helper's), on the fork server's path and on a lodger's, and one exec's PATH does not
+    stay for the next."""
+    b = ProcessBackend(tmp_path)
+    env = new_env(b)
+    bindir = b.env_dir(env) / "bin"
+    bindir.mkdir()
+    tool = bindir / "tangram-test-tool"
+    tool.write_text("#!/bin/sh\necho found me\n")
+    tool.chmod(0o755)
+    path = {"PATH": f"{bindir}:/usr/bin:/bin"}
+
+    async def scenario() -> list[tuple[str, int | None, str]]:
+        got = []
+        for _ in range(2):  # the first on the fork server's path, then the lodger's
+            found = await b.exec(req(env, ["tangram-test-tool"], (1,), env_vars=path))
+            missing = await b.exec(req(env, ["tangram-test-tool"], (1,)))
+            got += [(r.outcome, r.exit_code, r.stdout) for r in (found, missing)]
+            if b.cgroups is not None and b.cgroups.lodgers:
+                await lodger_of(b, (1,))
+        return got
+
+    try:
+        got = run(scenario())
+        assert got == [("ok", 0, "found me\n"), ("failed", 127, "")] * 2
+    finally:
+        run(b.shutdown())
+
+
+def test_a_lodger_is_a_subreaper_and_says_when_nothing_is_left(tmp_path, monkeypatch):
+    """A lodger re-parents what its commands leave behind to itself: its exit report says
+    ``alone`` when its command left nothing alive (the daemon then skips the sweep of the
+    group and cgroup), not when a ``setsid`` grandchild survives (that one is swept, and the
+    lodger reaps it: no zombie stays). The next clean exec is ``alone`` again."""
+    b = ProcessBackend(tmp_path)
+    assert b.cgroups is not None and b.cgroups.lodgers, "CI runs as root with cgroup v1"
+    env = new_env(b)
+    reports: list[bool] = []
+    exited = ProcessBackend._exited
+
+    def spy(self, run_, rc, *alone):  # the real method, its ``alone`` recorded
+        reports.append(bool(alone and alone[0]))
+        return exited(self, run_, rc, *alone)
+
+    monkeypatch.setattr(ProcessBackend, "_exited", spy)
+    escape = "setsid sleep 30 & echo started"
+
+    async def scenario() -> tuple[int, list[str], list[int], list[str]]:
+        await b.exec(req(env, ["true"], (1,)))  # the fork server's path
+        lodger = await lodger_of(b, (1,))
+        clean = await b.exec(req(env, ["true"], (1,)))
+        left = await b.exec(req(env, ["sh", "-c", escape], (1,)))
+        assert b.cgroups is not None
+        members = b.cgroups.pids(b.cgroups.for_cores((1,)))
+        for _ in range(200):  # the swept grandchild's zombie is the lodger's to reap
+            kids = Path(f"/proc/{lodger}/task/{lodger}/children").read_text().split()
+            if not kids:
+                break
+            await asyncio.sleep(0.01)
+        again = await b.exec(req(env, ["true"], (1,)))
+        return lodger, [clean.outcome, left.outcome, left.stdout, again.outcome], members, kids
+
+    try:
+        lodger, outcomes, members, kids = run(scenario())
+        assert outcomes == ["ok", "ok", "started\n", "ok"]
+        assert reports == [False, True, False, True]
+        assert members == [lodger]  # the grandchild was swept with the cgroup
+        assert kids == []
+    finally:
+        run(b.shutdown())

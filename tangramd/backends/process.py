@@ -602,7 +602,7 @@ class ProcessBackend:
             return
         loop = asyncio.get_running_loop()
         run.child = _Child(got, run.pipes, loop, run.out, run.err)
-        self._spawner.watch(got, lambda rc: self._exited(run, rc))
+        self._spawner.watch(got, lambda rc, alone: self._exited(run, rc, alone))
         if run.stdin_w is not None:
             args = (run.stdin_w, run.req.stdin)
             threading.Thread(target=_feed, args=args, daemon=True).start()
@@ -629,12 +629,14 @@ class ProcessBackend:
         run.exec_s = time.monotonic() - run.started
         self._kill_leftovers(run)  # SIGKILL; the exit report follows
 
-    def _exited(self, run: _Running, rc: int | None) -> None:
+    def _exited(self, run: _Running, rc: int | None, alone: bool = False) -> None:
         """The main process exited (``rc``; None: the spawner died before saying how).
 
         The action ends now (not when its pipes close: a background descendant may hold
         them): whatever it left is killed, then the pipes are drained. When the cgroup is
-        empty and the pipes closed at once, the result goes out in this turn."""
+        empty and the pipes closed at once, the result goes out in this turn. ``alone``
+        (the lodger, a subreaper, has no child left: nothing the command started lives)
+        spares the sweep of its process group and cgroup."""
         run.exited = True
         if run.timer is not None:
             run.timer.cancel()
@@ -648,7 +650,7 @@ class ProcessBackend:
         child = run.child
         assert child is not None
         try:
-            left = self._kill_leftovers(run)
+            left = False if alone else self._kill_leftovers(run)
             child.drain()
             if child.pipes_closed.is_set() and not (left and self._busy(run.cgroup)):
                 self._end(run, self._result(run))
