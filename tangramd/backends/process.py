@@ -345,7 +345,8 @@ class ProcessBackend:
         if lodgers is None:
             lodgers = min(MAX_LODGERS, 2 * len(os.sched_getaffinity(0)))
         self._spawner = Spawner(
-            lodgers=lodgers if self.cgroups is not None and self.cgroups.lodgers else 0
+            lodgers=lodgers if self.cgroups is not None and self.cgroups.lodgers else 0,
+            base_env=self._base_env,
         )
         self._exec_ids = itertools.count(1)
 
@@ -465,8 +466,13 @@ class ProcessBackend:
     # --- execs ------------------------------------------------------------------------
 
     def _child_env(self, req: ExecRequest, home: Path, marker: str) -> dict[str, str]:
-        env = dict(self._base_env)
-        env.update(HOME=str(home), TMPDIR=str(home))
+        return {**self._base_env, **self._env_over_base(req, home, marker)}
+
+    @staticmethod
+    def _env_over_base(req: ExecRequest, home: Path, marker: str) -> dict[str, str]:
+        """What one exec's environment sets over the base environment (the fork server has
+        the base once, so a spawn request carries only this)."""
+        env = {"HOME": str(home), "TMPDIR": str(home)}
         env.update(req.env_vars)
         env["TANGRAM_CPUS"] = str(len(req.cores))
         env["TANGRAM_CORES"] = ",".join(map(str, req.cores))
@@ -536,7 +542,7 @@ class ProcessBackend:
         request = {
             "argv": argv,
             "cwd": str(cwd),
-            "env": self._child_env(req, home, marker),
+            "env": self._env_over_base(req, home, marker),
             "umask": EXEC_UMASK,
             "user": user,
             "cores": list(req.cores),

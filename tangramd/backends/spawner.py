@@ -193,6 +193,7 @@ class _Helper:
         self.affinity = os.sched_getaffinity(0)
         with open("/proc/self/oom_score_adj") as f:
             self.score = f.read().strip()
+        self.base_env: dict[str, str] = {}  # what each request's ``env`` is laid over
         self.joined_score: str | None = None  # a lodger's: the exec score it joined at
         self.wake: int | None = None  # a subreaper lodger's SIGCHLD wake-up pipe
         if lodger and _become_subreaper():
@@ -229,6 +230,9 @@ class _Helper:
         if op == "lodger":
             self._fork_lodger(msg)
             return True
+        if op == "base_env":
+            self.base_env = msg["env"]
+            return True
         try:
             reply = self._join(msg) if op == "join" else self._spawn(msg, fds)
         finally:
@@ -244,6 +248,7 @@ class _Helper:
         if len(fds) != len(msg["fds"]):
             return {"id": rid, "error": "descriptors lost in transit"}
         stdio = dict(zip(msg["fds"], fds, strict=True))
+        msg["env"] = {**self.base_env, **msg["env"]}
         cgroup, home = msg.get("cgroup"), msg.get("home")
         if self.lodger:  # already in the cgroup, at the exec score: no move, no way home
             cgroup = home = None
@@ -312,8 +317,10 @@ class _Helper:
                 self.sel.close()
                 for pidfd in self.children:
                     os.close(pidfd)
+                lodger = _Helper(ours, lodger=True)
+                lodger.base_env = self.base_env
                 with contextlib.suppress(ConnectionError):
-                    _Helper(ours, lodger=True).run()
+                    lodger.run()
             except BaseException:  # never back into the fork server's loop
                 code = 1
             finally:
@@ -467,8 +474,9 @@ class Spawner:
     wake-ups on the exec path). Callbacks run on the loop thread, never inside ``submit``.
     """
 
-    def __init__(self, *, lodgers: int = 0) -> None:
+    def __init__(self, *, lodgers: int = 0, base_env: dict[str, str] | None = None) -> None:
         self.max_lodgers = lodgers
+        self.base_env = dict(base_env or {})
         self._proc: subprocess.Popen[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._helper: _Channel | None = None
@@ -505,6 +513,8 @@ class Spawner:
             theirs.close()
         self._loop = loop
         self._helper = self._open(ours, self._proc.pid, None)
+        if self.base_env:  # the helper's first message: every spawn's env is laid over it
+            self._send(self._helper, {"op": "base_env", "env": self.base_env}, [])
 
     def _open(self, sock: socket.socket, pid: int | None, cgroup: str | None) -> _Channel:
         assert self._loop is not None
@@ -514,7 +524,8 @@ class Spawner:
         return chan
 
     def submit(self, request: dict[str, Any], stdio: dict[str, int], reply: SpawnReply) -> None:
-        """Ask for one command to be spawned; ``reply(pid or SpawnError)`` follows. ``stdio``
+        """Ask for one command to be spawned; ``reply(pid or SpawnError)`` follows. The
+        request's ``env`` is laid over ``base_env`` (sent to the helper once). ``stdio``
         maps "stdin"/"stdout"/"stderr" to descriptors the helper gets copies of: the caller
         closes its own once ``reply`` is called (they travel when the request is sent)."""
         loop = asyncio.get_running_loop()
