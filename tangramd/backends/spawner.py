@@ -197,8 +197,7 @@ class _Helper:
         self.joined_score: str | None = None  # a lodger's: the exec score it joined at
         self.wake: int | None = None  # a subreaper lodger's SIGCHLD wake-up pipe
         if lodger and _become_subreaper():
-            self.wake, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-            os.set_blocking(wake_w, False)
+            self.wake, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # both ends
             signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
             signal.signal(signal.SIGCHLD, lambda _sig, _frame: None)
 
@@ -361,34 +360,25 @@ class _Helper:
         # A Popen child is reaped by its Popen (which would otherwise reap it itself).
         rc = popen.wait() if popen else os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         report: dict[str, Any] = {"exit": pid, "rc": rc}
-        if pidfd and self.wake is not None and not self.children:
-            self._reap_orphans()
-            if self._childless():
-                report["alone"] = True
+        if pidfd and self.wake is not None and not self.children and self._reap_orphans():
+            report["alone"] = True
         with contextlib.suppress(ConnectionError):  # the loop then reads EOF and exits
             self._send(report)
 
-    def _reap_orphans(self) -> None:
+    def _reap_orphans(self) -> bool:
         """(A subreaper) reap the orphans that have exited; a command's own exit is its
-        pidfd's (the first zombie found being one of those, the rest wait for it)."""
+        pidfd's (the first zombie found being one of those, the rest wait for it). True
+        when no child at all is left."""
         tracked = {pid for pid, _ in self.children.values()}
         while True:
             try:
                 found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
-                return
+                return True
             if found is None or found.si_pid in tracked:
-                return
+                return False
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(found.si_pid, 0)
-
-    @staticmethod
-    def _childless() -> bool:
-        try:
-            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return True
-        return False
 
     def _send(self, msg: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
         with self.lock:  # waiting threads (no pidfd) answer too
