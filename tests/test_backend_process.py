@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 
 import psutil
@@ -162,3 +163,45 @@ def test_background_process_holding_the_pipes_does_not_stall_the_action(tmp_path
         assert result.exec_s < 2.0
     finally:
         run(b.shutdown())
+
+
+def test_a_short_exec_is_read_at_its_end_without_readers(backend, monkeypatch):
+    """Output of a command that ends within READ_LATER_S is read once at its end: no
+    reader is registered on the loop for its pipes (two registrations and removals per
+    exec otherwise); every byte still arrives."""
+    import asyncio.selector_events
+
+    from tangramd.backends import process
+
+    monkeypatch.setattr(process, "READ_LATER_S", 5.0)  # nothing here runs that long
+    added: list[int] = []
+    real = asyncio.selector_events.BaseSelectorEventLoop.add_reader
+
+    def counting(self, fd, *args):
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):  # an exec's output pipe, not a socket
+            added.append(fd)
+        return real(self, fd, *args)
+
+    monkeypatch.setattr(asyncio.selector_events.BaseSelectorEventLoop, "add_reader", counting)
+    env = new_env(backend)
+    result = ex(backend, env, "printf out; printf err >&2")
+    assert (result.outcome, result.stdout, result.stderr) == ("ok", "out", "err")
+    result = ex(backend, env, "head -c 50000 /dev/zero | tr '\\0' x")
+    assert (result.outcome, len(result.stdout)) == ("ok", 50000)
+    assert added == []  # (the tree before registered two readers per exec)
+
+
+def test_a_long_writer_gets_readers_and_loses_nothing(backend, monkeypatch):
+    """A command writing far more than a pipe holds, for longer than READ_LATER_S, is read
+    as it writes (it would block otherwise): all of it arrives, in order."""
+    from tangramd.backends import process
+
+    monkeypatch.setattr(process, "READ_LATER_S", 0.05)
+    env = new_env(backend)
+    cmd = "for i in $(seq 1 400); do printf '%04d' $i; head -c 996 /dev/zero | tr '\\0' y; done"
+    result = ex(backend, env, cmd, timeout_s=30.0)
+    assert result.outcome == "ok" and not result.truncated
+    assert len(result.stdout) == 400_000
+    assert [int(result.stdout[i * 1000 : i * 1000 + 4]) for i in range(400)] == list(
+        range(1, 401)
+    )

@@ -86,6 +86,9 @@ EXEC_UMASK = 0o077
 # kept at once; each costs a few MiB of memory not shared with the fork server.
 MAX_LODGERS = 64
 _READ_CHUNK = 1 << 16
+# how long an exec's output waits in its pipes before the loop reads it as it comes (see
+# _Child): a command that ends sooner is read once, at its end
+READ_LATER_S = 0.002
 INLINE_PUT_MAX = 64 << 10  # bytes a put writes on the event loop (more: in a thread)
 INLINE_GET_MAX = 64 << 10  # bytes of a file a get reads on the event loop (more: in a thread)
 TOMB = ".removing"  # in the envs dir: closed environments on their way out (not an env id)
@@ -118,9 +121,16 @@ def _not_run(argv: list[str], e: SpawnError) -> ExecResult:
 
 
 class _Child:
-    """One spawned command's pipes: non-blocking readers into capped buffers."""
+    """One spawned command's pipes: non-blocking readers into capped buffers.
 
-    __slots__ = ("_bufs", "_open", "loop", "pid", "pipes_closed")
+    The readers are registered lazily: most execs are short and have exited, their
+    output waiting in the pipes, before ``READ_LATER_S`` is up; their end drains the
+    pipes directly (``drain``), which spares the loop two reader registrations and
+    removals per exec (each a poll handle and its ``epoll_ctl`` calls). A command
+    still running then gets its readers (one writing more than a pipe holds waits for
+    them at most that long), and so does one whose pipes outlive it (``watch``)."""
+
+    __slots__ = ("_bufs", "_later", "_open", "_watching", "loop", "pid", "pipes_closed")
 
     def __init__(
         self,
@@ -133,11 +143,19 @@ class _Child:
         self.pid = pid
         self.loop = loop
         self.pipes_closed = asyncio.Event()
-        self._open: set[int] = set()
         self._bufs = dict(zip(pipes, (out, err), strict=True))
-        for fd, buf in self._bufs.items():
-            self._open.add(fd)
-            loop.add_reader(fd, self._read, fd, buf)
+        self._open: set[int] = set(pipes)
+        self._watching = False
+        self._later: asyncio.TimerHandle | None = loop.call_later(READ_LATER_S, self.watch)
+
+    def watch(self) -> None:
+        """Read the pipes as data comes (from now on, until they close)."""
+        self._later = None
+        if self._watching:
+            return
+        self._watching = True
+        for fd in self._open:
+            self.loop.add_reader(fd, self._read, fd, self._bufs[fd])
 
     def _read(self, fd: int, buf: OutputBuffer) -> bool:
         """Read one chunk; False when nothing more is there now (EAGAIN) or at EOF."""
@@ -155,24 +173,34 @@ class _Child:
 
     def drain(self, max_reads: int = 16) -> None:
         """Read what the pipes hold now (the command has exited), a bounded amount: a
-        descendant still writing is left to the readers."""
+        descendant still writing is left to the readers (registered if they were not)."""
         for fd in list(self._open):
             for _ in range(max_reads):
                 if not self._read(fd, self._bufs[fd]):
                     break
+        if self._open:
+            self.watch()
 
     def _close_pipe(self, fd: int) -> None:
         if fd not in self._open:
             return
         self._open.discard(fd)
-        self.loop.remove_reader(fd)
+        if self._watching:
+            self.loop.remove_reader(fd)
         with contextlib.suppress(OSError):
             os.close(fd)
         if not self._open:
             self.pipes_closed.set()
+            self._stop_timer()
+
+    def _stop_timer(self) -> None:
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
 
     def close(self) -> None:
         """Stop reading (a descendant that escaped every sweep may hold the pipes)."""
+        self._stop_timer()
         for fd in list(self._open):
             self._close_pipe(fd)
 
