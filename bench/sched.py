@@ -1,13 +1,19 @@
 """Latency of one full scheduling pass (candidates + greedy eviction + DP + objective).
 
 Usage: python bench/sched.py [--json] [--repeat N] [--order fcfs|backfill]
-       [--rule priced|wait-eft|wait|paper] [--gc-freeze] [--cpu-time]
+       [--rule priced|wait-eft|wait|paper] [--gc daemon|plain|frozen] [--cpu-time]
 
 Each case builds a realistic mix over CPU node pools holding ``units`` free cores in total
 (nodes of up to 256 cores, two NUMA nodes each), a 2-node GPU pool and one API endpoint:
 ~80% short non-elastic exec actions, ~12% elastic exec actions with 5-10 allowed amounts
 and a profile, ~5% GPU service actions ({1,2,4,8} GPUs), ~3% API calls. Half of the
 trajectories already have a node. Prints p50/p99 over ``--repeat`` passes.
+``--gc`` is how the cyclic garbage collector sees the objects: ``daemon`` (the default)
+as under ``tangramd``, which freezes its start-up objects (modules, config, pools) once it
+is ready, so a full collection walks only what was made since (here: the queue and the
+pools' state); ``plain`` freezes nothing (full collections also walk every module of this
+process); ``frozen`` (``--gc-freeze``) also freezes the built queue (no daemon does that:
+it shows the collector's whole share of the tail).
 ``--cpu-time`` times each pass with the thread's CPU clock instead of the wall clock: on a
 shared machine it leaves out the time other processes hold the CPU (not cache effects).
 """
@@ -98,11 +104,18 @@ def build(queued: int, units: int, seed: int = 0):
     )
 
 
+GC_MODES = ("daemon", "plain", "frozen")
+
+
 def run(
-    repeat: int, order: str, rule: str = "priced", gc_freeze: bool = False, cpu_time: bool = False
+    repeat: int, order: str, rule: str = "priced", gc_mode: str = "daemon", cpu_time: bool = False
 ) -> dict:
     cfg = SchedConfig(order=order, rule=rule)  # type: ignore[arg-type]
     clock = time.thread_time if cpu_time else time.perf_counter
+    gc_freeze = gc_mode == "frozen"
+    if gc_mode == "daemon":  # tangramd/main.py: gc.collect(); gc.freeze() once it is ready
+        gc.collect()
+        gc.freeze()
     out = []
     for queued, units in CASES:
         snap = build(queued, units)
@@ -129,10 +142,17 @@ def run(
                 "passes": n,
             }
         )
-    if gc_freeze:
+    if gc_mode != "plain":
         gc.unfreeze()
     clock_name = "thread_cpu" if cpu_time else "wall"
-    return {"order": order, "rule": rule, "gc_freeze": gc_freeze, "clock": clock_name, "cases": out}
+    return {
+        "order": order,
+        "rule": rule,
+        "gc": gc_mode,
+        "gc_freeze": gc_freeze,
+        "clock": clock_name,
+        "cases": out,
+    }
 
 
 def main() -> None:
@@ -142,17 +162,21 @@ def main() -> None:
     ap.add_argument("--order", default="fcfs", choices=["fcfs", "backfill"])
     ap.add_argument("--rule", default="priced", choices=["priced", "wait-eft", "wait", "paper"])
     ap.add_argument(
-        "--gc-freeze",
-        action="store_true",
-        help="gc.freeze() the built state before timing (shows the cyclic GC's share of p99)",
+        "--gc",
+        default="daemon",
+        choices=GC_MODES,
+        help="daemon: start-up objects frozen, as tangramd does (default); plain: nothing "
+        "frozen; frozen: the built queue frozen too (the cyclic GC's whole share of p99)",
     )
+    ap.add_argument("--gc-freeze", action="store_true", help="the same as --gc frozen")
     ap.add_argument(
         "--cpu-time",
         action="store_true",
         help="time passes with the thread's CPU clock (leaves out other processes' turns)",
     )
     args = ap.parse_args()
-    result = run(args.repeat, args.order, args.rule, args.gc_freeze, args.cpu_time)
+    gc_mode = "frozen" if args.gc_freeze else args.gc
+    result = run(args.repeat, args.order, args.rule, gc_mode, args.cpu_time)
     if args.json:
         print(json.dumps(result))
     else:
