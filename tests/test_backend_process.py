@@ -202,6 +202,4 @@ def test_a_long_writer_gets_readers_and_loses_nothing(backend, monkeypatch):
     result = ex(backend, env, cmd, timeout_s=30.0)
     assert result.outcome == "ok" and not result.truncated
     assert len(result.stdout) == 400_000
-    assert [int(result.stdout[i * 1000 : i * 1000 + 4]) for i in range(400)] == list(
-        range(1, 401)
-    )
+    assert [int(result.stdout[i * 1000 : i * 1000 + 4]) for i in range(400)] == list(range(1, 401))
