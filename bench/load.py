@@ -49,7 +49,7 @@ import psutil
 
 from tangram.client import AsyncClient
 from tangram.testing import SpawnedDaemon, spawn_daemon
-from tangramd.backends.process import TOMB
+from tangramd.backends.process import SPARE, TOMB
 
 ENV_MEM = "16MiB"  # per environment: 256 clients' environments fit any host
 CGROUP_ROOTS = (Path("/sys/fs/cgroup/cpuset/tangram"), Path("/sys/fs/cgroup/unified/tangram"))
@@ -141,7 +141,8 @@ def leftovers(daemon: SpawnedDaemon) -> dict[str, int]:
                     busy += 1
     envs = Path(daemon.state_dir) / "process" / "envs"
     tomb = envs / TOMB  # the backend's own: closed environments on their way out
-    dirs = [p for p in envs.iterdir() if p != tomb] if envs.is_dir() else []
+    # (SPARE holds empty directories made ahead for the next environments: not leftovers)
+    dirs = [p for p in envs.iterdir() if p.name not in (TOMB, SPARE)] if envs.is_dir() else []
     dirs += list(tomb.iterdir()) if tomb.is_dir() else []
     return {"processes": len(alive), "busy_cgroups": busy, "env_dirs": len(dirs)}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tangramd.backends.process import CPUSET_ROOT, ProcessBackend
+from tangramd.backends.process import CPUSET_ROOT, SPARE, ProcessBackend
 
 # A helper module with asserts, not a test module: have pytest rewrite them too.
 pytest.register_assert_rewrite("backend_conformance")
@@ -118,9 +118,57 @@ def test_closing_environments_leaves_nothing(backend):
     assert ex(backend, big, "mkdir -p a/b && touch a/b/c $(seq 1 50)").outcome == "ok"
     run(backend.close_env(small))
     run(backend.close_env(big))
-    assert sorted(p.name for p in backend.envs_dir.iterdir()) in ([], [".removing"])
+    left = sorted(p.name for p in backend.envs_dir.iterdir() if p.name != SPARE)
+    assert left in ([], [".removing"])
     assert not any(backend.envs_dir.glob(".removing/*"))
+    for spare in backend.envs_dir.glob(f"{SPARE}/*"):  # empty, private, made ahead
+        assert not any(spare.iterdir()) and spare.stat().st_mode & 0o777 == 0o700
     run(backend.close_env(small))  # closing twice is harmless
+    run(backend.shutdown())  # the spares go with the backend
+    assert sorted(p.name for p in backend.envs_dir.iterdir()) in ([], [".removing"])
+
+
+def test_an_environment_opens_by_renaming_a_spare_directory(backend, monkeypatch):
+    """Once the spare directories are made (in a thread), opening an environment makes no
+    directory on the event loop's thread: a spare one is renamed into place, then owned by
+    the environment's owner, 0700 and empty; the spares are made again as they run low."""
+    import asyncio
+    import threading
+
+    from tangramd.backends import process
+
+    loop_thread = threading.get_ident()
+    on_loop: list[str] = []
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args, **kw):
+        if threading.get_ident() == loop_thread:
+            on_loop.append(os.fspath(path))
+        return real_mkdir(path, *args, **kw)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+
+    async def scenario() -> list[tuple[str, int, int, int]]:
+        await backend.create_env("first", None, None)  # no spare yet: made in a thread
+        while backend._refill is not None:
+            await asyncio.sleep(0.01)
+        spares = {p.stat().st_ino for p in backend.envs_dir.glob(f"{SPARE}/*")}
+        assert len(spares) == process.SPARE_DIRS
+        seen = []
+        for i in range(process.SPARE_DIRS):
+            env = f"e{i}"
+            await backend.create_env(env, None, None, owner=(4321, 4321))
+            st = backend.env_dir(env).stat()
+            seen.append((env, st.st_ino in spares, st.st_mode & 0o777, st.st_uid))
+            assert not any(backend.env_dir(env).iterdir())
+        while backend._refill is not None:
+            await asyncio.sleep(0.01)
+        assert len(list(backend.envs_dir.glob(f"{SPARE}/*"))) >= process.SPARE_DIRS // 2
+        return seen
+
+    seen = run(scenario())
+    assert on_loop == []
+    assert all(renamed and mode == 0o700 and uid == 4321 for _, renamed, mode, uid in seen)
 
 
 def test_memory_limit_is_advisory(backend):
