@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from tangram.protocol.results import ExecResult, ExecSpec, Outcome
+from tangram.protocol.results import ExecResult as ExecResult  # re-exported: backends use it
+from tangram.protocol.results import ExecSpec, Outcome
 
 DEFAULT_MAX_OUTPUT = 1 << 20  # bytes kept per stream
 TRUNCATION_MARKER = "\n[tangram: output truncated, {dropped} bytes dropped]\n"
