@@ -175,7 +175,7 @@ class _Child:
 
     def watch(self) -> None:
         """Read the pipes as data comes (from now on, until they close)."""
-        self._later = None
+        self._stop_timer()  # (when called before it fired: from drain)
         if self._watching:
             return
         self._watching = True
@@ -224,8 +224,8 @@ class _Child:
             self._later = None
 
     def close(self) -> None:
-        """Stop reading (a descendant that escaped every sweep may hold the pipes)."""
-        self._stop_timer()
+        """Stop reading (a descendant that escaped every sweep may hold the pipes); the
+        last pipe's closing stops the timer."""
         for fd in list(self._open):
             self._close_pipe(fd)
 
