@@ -113,22 +113,17 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-def _make_dirs(parent: str, count: int) -> list[str]:
-    """(In a thread) ``count`` new empty directories, mode 0700, under ``parent``."""
-    os.makedirs(parent, 0o700, exist_ok=True)
-    made = []
-    for _ in range(count):
-        path = os.path.join(parent, os.urandom(8).hex())
-        os.mkdir(path, 0o700)
-        os.chmod(path, 0o700)  # whatever the umask
-        made.append(path)
-    return made
-
-
-def _make_env_dir(path: str) -> None:
-    """(In a thread) the environment's directory when no spare is ready."""
+def _make_private_dir(path: str) -> str:
+    """(In a thread: ~1 ms of CPU here) a new empty directory, mode 0700."""
     os.mkdir(path, 0o700)
     os.chmod(path, 0o700)  # whatever the umask
+    return path
+
+
+def _make_dirs(parent: str, count: int) -> list[str]:
+    """(In a thread) ``count`` spare directories under ``parent``."""
+    os.makedirs(parent, 0o700, exist_ok=True)
+    return [_make_private_dir(os.path.join(parent, os.urandom(8).hex())) for _ in range(count)]
 
 
 def command_argv(cmd: list[str] | str) -> list[str]:
@@ -454,10 +449,10 @@ class ProcessBackend:
             except OSError:
                 spare = None
         if spare is None:
-            await asyncio.to_thread(_make_env_dir, path)
-            if self._closing:  # shut down meanwhile: its removal has passed this one by
-                await asyncio.to_thread(shutil.rmtree, path, True)
-                raise EnvError(SHUTDOWN_DETAIL)
+            await asyncio.to_thread(_make_private_dir, path)
+        if self._closing:  # shut down during an await above: its removal passed this one by
+            await asyncio.to_thread(shutil.rmtree, path, True)
+            raise EnvError(SHUTDOWN_DETAIL)
         if owner is not None and self._is_root:
             os.chown(path, *owner)
         self._envs[env_id] = mem_bytes
