@@ -20,8 +20,8 @@ bash .ci/docker-setup.sh
 echo "== ruff"
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
-echo "== mypy (strict on model, sched, pools, protocol)"
-"$PY" -m mypy tangram/model.py tangram/sched tangram/pools tangram/protocol
+echo "== mypy (strict: the library and the daemons)"
+"$PY" -m mypy tangram tangramd
 
 echo "== pytest"
 "$PY" -m pytest -m "not slow" -q -p no:cacheprovider "$@"

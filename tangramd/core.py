@@ -251,9 +251,10 @@ class Core:
         if session is not None:
             env = self._ready_env(session.env, e.peer)
         elif spec.env is not None:
-            env = self.envs.open_env(spec.env, e.peer)
-            if env is None:
+            opened = self.envs.open_env(spec.env, e.peer)
+            if opened is None:
                 raise NotFound(f"environment {spec.env!r} not found")
+            env = opened
             if env.awaiting_node:
                 raise InfraError(
                     f"environment {env.id}: node {env.node} has not reconnected since the "

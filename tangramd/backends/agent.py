@@ -53,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import IO, Any
 
 MAX_FRAME = 64 << 20
 TRUNCATION_MARKER = "\n[tangram: output truncated, {dropped} bytes dropped]\n"
@@ -71,7 +72,7 @@ def encode_frame(obj: object) -> bytes:
 
 
 def decode_header(header: bytes) -> int:
-    (size,) = _HEADER.unpack(header)
+    size: int = _HEADER.unpack(header)[0]
     if size > MAX_FRAME:
         raise ValueError(f"frame too large: {size} bytes")
     return size
@@ -135,7 +136,7 @@ def kill_marked(exec_id: str) -> int:
     return killed
 
 
-def run_command(req: dict) -> dict:
+def run_command(req: dict[str, Any]) -> dict[str, Any]:
     cmd = req["cmd"]
     argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
     exec_id = str(req.get("exec_id") or f"{os.getpid()}-{time.time()}")
@@ -166,8 +167,12 @@ def run_command(req: dict) -> dict:
         return _result(code, "", msg, False, False, time.monotonic() - started)
     if data:  # a thread: the command may never read its input
         threading.Thread(target=_feed, args=(proc.stdin, data), daemon=True).start()
-    deadline = None if timeout_s is None else started + float(timeout_s)
-    streams = {proc.stdout: out, proc.stderr: err}
+    timeout = None if timeout_s is None else float(timeout_s)
+    deadline = None if timeout is None else started + timeout
+    stdout, stderr = proc.stdout, proc.stderr
+    assert stdout is not None and stderr is not None  # both are pipes (Popen above)
+    streams = (stdout, stderr)
+    buffers = {stdout.fileno(): out, stderr.fileno(): err}  # fd -> its capped buffer
     sel = selectors.DefaultSelector()
     for stream in streams:
         sel.register(stream, selectors.EVENT_READ)
@@ -194,14 +199,14 @@ def run_command(req: dict) -> dict:
         for key, _ in sel.select(timeout=min([*waits, 0.05])):
             chunk = os.read(key.fd, 1 << 16)
             if chunk:
-                streams[key.fileobj].feed(chunk)
+                buffers[key.fd].feed(chunk)
             else:
                 sel.unregister(key.fileobj)
     sel.close()
     returncode = proc.wait()
     exec_s = time.monotonic() - started
-    if timed_out:
-        exec_s = min(exec_s, float(timeout_s) + SIGTERM_GRACE_S)
+    if timed_out and timeout is not None:  # timed_out implies a timeout
+        exec_s = min(exec_s, timeout + SIGTERM_GRACE_S)
     _killpg(proc.pid, signal.SIGKILL)
     kill_marked(exec_id)
     for stream in streams:
@@ -211,14 +216,16 @@ def run_command(req: dict) -> dict:
     return _result(code, out.text(), err.text(), timed_out, truncated, exec_s)
 
 
-def _feed(stream, data: bytes) -> None:
+def _feed(stream: IO[bytes], data: bytes) -> None:
     with contextlib.suppress(OSError, ValueError):
         stream.write(data)
     with contextlib.suppress(OSError, ValueError):
         stream.close()
 
 
-def _result(code, stdout, stderr, timed_out, truncated, exec_s) -> dict:
+def _result(
+    code: int, stdout: str, stderr: str, timed_out: bool, truncated: bool, exec_s: float
+) -> dict[str, Any]:
     return {
         "ok": True,
         "exit_code": code,
@@ -233,12 +240,12 @@ def _result(code, stdout, stderr, timed_out, truncated, exec_s) -> dict:
 # --- persistent shell sessions ------------------------------------------------------------
 
 MARKER_WAIT_S = 2.0
-_SESSIONS = {}  # id -> _Session
+_SESSIONS: dict[str, _Session] = {}  # id -> _Session
 _SESSIONS_LOCK = threading.Lock()
 
 
-def _children_map() -> dict:
-    kids = {}
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -252,7 +259,7 @@ def _children_map() -> dict:
     return kids
 
 
-def _descendants(pid: int) -> list:
+def _descendants(pid: int) -> list[int]:
     kids, out, todo = _children_map(), [], [pid]
     while todo:
         for child in kids.get(todo.pop(), []):
@@ -266,12 +273,12 @@ class _SessionStream:
 
     def __init__(self) -> None:
         self.pending = b""
-        self.buffer = None
-        self.marker = None
-        self.status = None
+        self.buffer: _Capped | None = None
+        self.marker: re.Pattern[bytes] | None = None
+        self.status: int | None = None
         self.done = False
 
-    def start(self, buffer: _Capped, marker) -> None:
+    def start(self, buffer: _Capped, marker: re.Pattern[bytes]) -> None:
         self.pending, self.buffer, self.marker, self.status, self.done = (
             b"",
             buffer,
@@ -281,8 +288,8 @@ class _SessionStream:
         )
 
     def feed(self, data: bytes) -> None:
-        if self.buffer is None:
-            return  # a background job's output between runs
+        if self.buffer is None or self.marker is None:
+            return  # a background job's output between runs (start sets both)
         self.pending += data
         match = self.marker.search(self.pending)
         if match is not None:
@@ -311,10 +318,13 @@ class _Session:
             env=dict(os.environ, **{MARKER_VAR: "session-" + session_id}),
             start_new_session=True,
         )
+        stdin = self.proc.stdin
+        assert stdin is not None  # a pipe (Popen above)
+        self.stdin: IO[bytes] = stdin
         self.cond = threading.Condition()
         self.streams = (_SessionStream(), _SessionStream())
         self.run_lock = threading.Lock()
-        self.older = None  # pids the shell had before the current run
+        self.older: set[int] | None = None  # pids the shell had before the current run
         self.ended = False
         for pipe, stream in (
             (self.proc.stdout, self.streams[0]),
@@ -322,7 +332,7 @@ class _Session:
         ):
             threading.Thread(target=self._pump, args=(pipe, stream), daemon=True).start()
 
-    def _pump(self, pipe, stream: _SessionStream) -> None:
+    def _pump(self, pipe: IO[bytes], stream: _SessionStream) -> None:
         while True:
             try:
                 chunk = os.read(pipe.fileno(), 1 << 16)
@@ -338,7 +348,7 @@ class _Session:
             if not chunk:
                 return
 
-    def _wait(self, seconds) -> bool:
+    def _wait(self, seconds: float | None) -> bool:
         deadline = None if seconds is None else time.monotonic() + seconds
         with self.cond:
             while not all(s.done for s in self.streams):
@@ -363,7 +373,7 @@ class _Session:
                     hit += 1
         return hit
 
-    def run(self, req: dict) -> dict:
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
         with self.run_lock:
             if self.ended or self.proc.poll() is not None:
                 return {"ok": False, "error": "the session's shell has ended"}
@@ -381,8 +391,8 @@ class _Session:
             self.older = set(_descendants(self.proc.pid))
             started = time.monotonic()
             try:
-                self.proc.stdin.write(str(req["script"]).encode())
-                self.proc.stdin.flush()
+                self.stdin.write(str(req["script"]).encode())
+                self.stdin.flush()
             except OSError as e:
                 self.older = None
                 return {"ok": False, "error": f"cannot write to the shell: {e}"}
@@ -399,7 +409,7 @@ class _Session:
             self.older = None
             status = self.streams[0].status
             ended = status is None
-            if ended:
+            if status is None:
                 returncode = self.proc.wait()
                 status = 128 - returncode if returncode < 0 else returncode
             truncated = bool(out.dropped or err.dropped)
@@ -416,15 +426,15 @@ class _Session:
         with contextlib.suppress(OSError):
             self.proc.kill()
         with contextlib.suppress(OSError):
-            self.proc.stdin.close()
+            self.stdin.close()
 
 
-def session_op(op: str, req: dict) -> dict:
+def session_op(op: str, req: dict[str, Any]) -> dict[str, Any]:
     sid = str(req["id"])
     if op == "session_open":
-        session = _Session(sid)
+        opened = _Session(sid)
         with _SESSIONS_LOCK:
-            _SESSIONS[sid] = session
+            _SESSIONS[sid] = opened
         return {"ok": True}
     with _SESSIONS_LOCK:
         session = _SESSIONS.pop(sid, None) if op == "session_close" else _SESSIONS.get(sid)
@@ -462,7 +472,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 return
 
     @staticmethod
-    def _answer(req: object) -> dict:
+    def _answer(req: object) -> dict[str, Any]:
         if not isinstance(req, dict):
             raise ValueError("request must be a JSON object")
         op = req.get("op")
@@ -477,7 +487,7 @@ class _Handler(socketserver.BaseRequestHandler):
             return session_op(op, req)
         return {"ok": False, "error": f"unknown op {op!r}"}
 
-    def _send(self, reply: dict) -> bool:
+    def _send(self, reply: dict[str, Any]) -> bool:
         try:
             self.request.sendall(encode_frame(reply))
         except OSError:

@@ -26,11 +26,11 @@ from typing import Any
 
 import structlog
 
+from tangram.model import TangramError
 from tangram.protocol.codec import FrameError
 from tangram.protocol.errors import (
     InfraError,
     NotFound,
-    TangramError,
     UnknownOp,
     error_to_wire,
 )
@@ -112,8 +112,13 @@ class CoordinatorExecutor(Executor):
         # (cluster.join), so it must be bound, and known, by then.
         tls = self.pki.server_context() if self.pki is not None else None
         host, port = self.listen
-        handshake = {"ssl": tls, "ssl_handshake_timeout": HELLO_TIMEOUT_S} if tls else {}
-        self._link_server = await asyncio.start_server(self._serve_link, host, port, **handshake)
+        self._link_server = await asyncio.start_server(
+            self._serve_link,
+            host,
+            port,
+            ssl=tls,
+            ssl_handshake_timeout=HELLO_TIMEOUT_S if tls is not None else None,
+        )
         self.port = self._link_server.sockets[0].getsockname()[1]
         try:
             await self.server.start()
@@ -656,15 +661,14 @@ def _parse_gpus(value: Any) -> tuple[dict[str, Any], ...]:
         if not isinstance(gpu, dict):
             raise Refused(f"hello: gpus[{k}] must be a map")
         mem, h2d = gpu.get("mem_bytes"), gpu.get("h2d_bytes_per_s")
-        ok = (
+        if not (
             isinstance(mem, int)
             and not isinstance(mem, bool)
             and mem >= 0
             and isinstance(h2d, int | float)
             and not isinstance(h2d, bool)
             and h2d > 0
-        )
-        if not ok:
+        ):
             raise Refused(f"hello: gpus[{k}] needs mem_bytes (int >= 0) and h2d_bytes_per_s > 0")
         gpus.append(
             {
