@@ -159,6 +159,7 @@ class _Child:
         loop: asyncio.AbstractEventLoop,
         out: OutputBuffer,
         err: OutputBuffer,
+        delay: float = READ_LATER_S,
     ) -> None:
         self.pid = pid
         self.loop = loop
@@ -166,7 +167,7 @@ class _Child:
         self._bufs = dict(zip(pipes, (out, err), strict=True))
         self._open: set[int] = set(pipes)
         self._watching = False
-        self._later: asyncio.TimerHandle | None = loop.call_later(READ_LATER_S, self.watch)
+        self._later: asyncio.TimerHandle | None = loop.call_later(delay, self.watch)
 
     def watch(self) -> None:
         """Read the pipes as data comes (from now on, until they close)."""
@@ -691,7 +692,10 @@ class ProcessBackend:
                 self._end(run, infra_error(f"spawn failed: {got}"))
             return
         loop = asyncio.get_running_loop()
-        run.child = _Child(got, run.pipes, loop, run.out, run.err)
+        # the readers' delay counts from the spawn request (a lodger answers a command
+        # still running only after ``QUICK_EXIT_S``: its readers are then due at once)
+        delay = max(0.0, READ_LATER_S - (time.monotonic() - run.started))
+        run.child = _Child(got, run.pipes, loop, run.out, run.err, delay)
         self._spawner.watch(got, lambda rc, alone: self._exited(run, rc, alone))
         if run.stdin_w is not None:
             args = (run.stdin_w, run.req.stdin)
