@@ -317,3 +317,39 @@ def test_a_lodger_is_a_subreaper_and_says_when_nothing_is_left(tmp_path, monkeyp
         assert kids == []
     finally:
         run(b.shutdown())
+
+
+def test_a_lodger_answers_a_quick_command_with_its_exit(tmp_path, monkeypatch):
+    """Through a lodger, a command that ends within ``QUICK_EXIT_S`` of its spawn has its
+    exit status in the spawn's reply (one message, not two); a longer one gets the pid
+    first and its exit later, as does everything the fork server spawns. Outcomes, output
+    and exit codes are the same on both paths."""
+    b = ProcessBackend(tmp_path)
+    assert b.cgroups is not None and b.cgroups.lodgers, "CI runs as root with cgroup v1"
+    env = new_env(b)
+    seen: list[tuple[str, ...]] = []
+    dispatch = Spawner._dispatch
+
+    def spy(self, chan, msg, fds):  # the real method, each spawn reply or exit recorded
+        if "pid" in msg or "exit" in msg:
+            seen.append(tuple(k for k in ("pid", "exit") if k in msg))
+        return dispatch(self, chan, msg, fds)
+
+    monkeypatch.setattr(Spawner, "_dispatch", spy)
+    quick = ["sh", "-c", "echo out; echo err >&2; exit 3"]
+
+    async def scenario() -> list[tuple[str, int | None, str, str]]:
+        first = await b.exec(req(env, quick, (1,)))  # the fork server's path
+        await lodger_of(b, (1,))
+        seen.clear()
+        lodged = await b.exec(req(env, quick, (1,)))
+        slow = await b.exec(req(env, ["sh", "-c", "sleep 0.1; echo late"], (1,)))
+        return [(r.outcome, r.exit_code, r.stdout, r.stderr) for r in (first, lodged, slow)]
+
+    try:
+        results = run(scenario())
+        assert results[0] == results[1] == ("failed", 3, "out\n", "err\n")
+        assert results[2] == ("ok", 0, "late\n", "")
+        assert seen == [("pid", "exit"), ("pid",), ("exit",)]
+    finally:
+        run(b.shutdown())
