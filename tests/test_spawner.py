@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 from backend_conformance import BOTH_CORES, lodger_of, new_env, req, run
 
@@ -320,10 +321,11 @@ def test_a_lodger_is_a_subreaper_and_says_when_nothing_is_left(tmp_path, monkeyp
 
 
 def test_a_lodger_answers_a_quick_command_with_its_exit(tmp_path, monkeypatch):
-    """Through a lodger, a command that ends within ``QUICK_EXIT_S`` of its spawn has its
-    exit status in the spawn's reply (one message, not two); a longer one gets the pid
-    first and its exit later, as does everything the fork server spawns. Outcomes, output
-    and exit codes are the same on both paths."""
+    """Through a lodger, while other execs are in flight, a command that ends within
+    ``QUICK_EXIT_S`` of its spawn has its exit status in the spawn's reply (one message,
+    not two); a longer one gets the pid first and its exit later, as does a lone exec (its
+    pid is handled while it runs) and everything the fork server spawns. Outcomes, output
+    and exit codes are the same on every path."""
     b = ProcessBackend(tmp_path)
     assert b.cgroups is not None and b.cgroups.lodgers, "CI runs as root with cgroup v1"
     env = new_env(b)
@@ -338,18 +340,29 @@ def test_a_lodger_answers_a_quick_command_with_its_exit(tmp_path, monkeypatch):
     monkeypatch.setattr(Spawner, "_dispatch", spy)
     quick = ["sh", "-c", "echo out; echo err >&2; exit 3"]
 
-    async def scenario() -> list[tuple[str, int | None, str, str]]:
+    async def scenario() -> tuple[list[tuple[str, int | None, str, str]], list[Any]]:
         first = await b.exec(req(env, quick, (1,)))  # the fork server's path
         await lodger_of(b, (1,))
         seen.clear()
+        lone = await b.exec(req(env, quick, (1,)))
+        lone_seen = list(seen)
+        other = asyncio.ensure_future(b.exec(req(env, ["sleep", "5"], (0,), action_id="other")))
+        while not b._running or next(iter(b._running)).child is None:
+            await asyncio.sleep(0.01)  # in flight, its pid back
+        seen.clear()
         lodged = await b.exec(req(env, quick, (1,)))
         slow = await b.exec(req(env, ["sh", "-c", "sleep 0.1; echo late"], (1,)))
-        return [(r.outcome, r.exit_code, r.stdout, r.stderr) for r in (first, lodged, slow)]
+        busy_seen = list(seen)
+        await b.cancel("other")
+        await other
+        ends = (first, lone, lodged, slow)
+        return [(r.outcome, r.exit_code, r.stdout, r.stderr) for r in ends], [lone_seen, busy_seen]
 
     try:
-        results = run(scenario())
-        assert results[0] == results[1] == ("failed", 3, "out\n", "err\n")
-        assert results[2] == ("ok", 0, "late\n", "")
-        assert seen == [("pid", "exit"), ("pid",), ("exit",)]
+        results, (lone_seen, busy_seen) = run(scenario())
+        assert results[0] == results[1] == results[2] == ("failed", 3, "out\n", "err\n")
+        assert results[3] == ("ok", 0, "late\n", "")
+        assert lone_seen == [("pid",), ("exit",)]
+        assert busy_seen == [("pid", "exit"), ("pid",), ("exit",)]
     finally:
         run(b.shutdown())

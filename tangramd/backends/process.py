@@ -634,6 +634,9 @@ class ProcessBackend:
             "cgroup": None if cgroup is None else str(cgroup),
             "home": None if self.cgroups is None or cgroup is None else str(self.cgroups.home),
             "oom_score_adj": self.oom_score_adj,
+            # other execs in flight: the lodger may hold its answer for a quick exit
+            # (one message less per exec under load; a lone exec's pid overlaps it)
+            "quick": bool(self._running),
         }
         out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)

@@ -241,7 +241,7 @@ class _Helper:
         finally:
             for fd in fds:
                 os.close(fd)
-        if self.lodger and "pid" in reply:
+        if self.lodger and "pid" in reply and msg.get("quick"):
             self._quick_exit(reply)
         self._send(reply)
         if reply.get("fatal"):
@@ -293,9 +293,12 @@ class _Helper:
         """(A lodger) wait up to ``QUICK_EXIT_S`` for the command just spawned to exit, and
         if it does, put its exit report in the spawn's reply: one message instead of two,
         and one turn of the daemon's loop less, for the short commands that are most execs.
-        A lodger serves one exec at a time (its cgroup's cores are that exec's), so nothing
-        else waits meanwhile. (The daemon registers output readers ``READ_LATER_S`` after
-        the spawn request, so a command still running then gets them at once.)"""
+        The daemon asks for it (``quick``) only while other execs are in flight: a lone
+        exec's answer would then come later, and the daemon's handling of the pid, which
+        overlaps the command, would move after it (~0.1 ms more per lone exec). A lodger
+        serves one exec at a time (its cgroup's cores are that exec's), so nothing else
+        waits meanwhile. (The daemon registers output readers ``READ_LATER_S`` after the
+        spawn request, so a command still running then gets them at once.)"""
         pid = reply["pid"]
         pidfd = next((fd for fd, (p, _) in self.children.items() if p == pid), None)
         if pidfd is None or len(self.children) != 1:
