@@ -307,9 +307,7 @@ class _Helper:
         poll.register(pidfd, select.POLLIN)
         if not poll.poll(QUICK_EXIT_S * 1e3):
             return
-        pid, popen = self.children.pop(pidfd)
-        self.sel.unregister(pidfd)
-        os.close(pidfd)
+        pid, popen = self._release(pidfd)
         reply.update(self._exit_report(pid, popen, pidfd=True))
 
     def _home(self, home: str | None) -> dict[str, Any]:
@@ -378,10 +376,15 @@ class _Helper:
         return {"id": msg["id"], "joined": os.getpid()}
 
     def _reap(self, pidfd: int) -> None:
+        pid, popen = self._release(pidfd)
+        self._wait(pid, popen, pidfd=True)
+
+    def _release(self, pidfd: int) -> tuple[int, subprocess.Popen[bytes] | None]:
+        """Stop watching an exited child's pidfd; the child (pid, its Popen), to reap."""
         pid, popen = self.children.pop(pidfd)
         self.sel.unregister(pidfd)
         os.close(pidfd)
-        self._wait(pid, popen, pidfd=True)
+        return pid, popen
 
     def _wait(
         self, pid: int, popen: subprocess.Popen[bytes] | None, *, pidfd: bool = False
