@@ -8,11 +8,21 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import pytest
 from backend_conformance import BOTH_CORES, lodger_of, new_env, req, run
+from hostile_user import local_user
 
 from tangramd.backends.base import EXEC_OOM_SCORE_ADJ
 from tangramd.backends.process import ProcessBackend
-from tangramd.backends.spawner import Spawner, SpawnError
+from tangramd.backends.spawner import NATIVE_ENV, Spawner, SpawnError, _load_native
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def lodger_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs twice: with the lodgers' loop in C (``_lodger.c``, the default
+    where it is built) and in Python (the reference it must agree with)."""
+    monkeypatch.setenv(NATIVE_ENV, "1" if request.param == "c" else "0")
+    return str(request.param)
 
 
 def _cgroup_of(pid: int) -> str:
@@ -366,3 +376,93 @@ def test_a_lodger_answers_a_quick_command_with_its_exit(tmp_path, monkeypatch):
         assert busy_seen == [("pid", "exit"), ("pid",), ("exit",)]
     finally:
         run(b.shutdown())
+
+
+# --- the lodger loop in C (_lodger.c) and in Python: the same behaviour
+
+
+def test_lodgers_run_their_loop_in_c_unless_told_not_to(tmp_path, lodger_loop):
+    """``pip install -e .`` builds ``_lodger.c`` (CI has a C compiler): a lodger switches to
+    the C loop once it has joined; ``TANGRAM_NATIVE_LODGER=0`` keeps the Python loop."""
+    assert _load_native() is not None, "the C lodger loop is built by pip install -e ."
+    b = ProcessBackend(tmp_path)
+    assert b.cgroups is not None and b.cgroups.lodgers, "CI runs as root with cgroup v1"
+    env = new_env(b)
+
+    async def scenario() -> tuple[list[str], int]:
+        outs = [(await b.exec(req(env, ["echo", "one"], (1,)))).stdout]
+        await lodger_of(b, (1,))
+        outs.append((await b.exec(req(env, ["echo", "two"], (1,)))).stdout)
+        return outs, b._spawner.native_lodgers()
+
+    try:
+        outs, native = run(scenario())
+        assert outs == ["one\n", "two\n"]
+        assert native == (1 if lodger_loop == "c" else 0)
+    finally:
+        run(b.shutdown())
+
+
+def test_a_lodger_spawns_as_the_fork_server_does(tmp_path):
+    """Through a lodger (either loop): the command's environment (the base one with the
+    exec's own over it), umask, working directory, stdin, signals (none blocked, SIGPIPE
+    not ignored), session, exit codes for a signal, a missing command (127), a file that is
+    not executable (126), and a switch to another user with root's groups dropped."""
+    b = ProcessBackend(tmp_path)
+    assert b.cgroups is not None and b.cgroups.lodgers, "CI runs as root with cgroup v1"
+    env = new_env(b)
+    home = b.env_dir(env)
+    (home / "sub").mkdir()
+    (home / "noexec").write_text("#!/bin/sh\necho never\n")
+    (home / "noexec").chmod(0o644)
+    show = (
+        'echo "$TANGRAM_CPUS $FOO $(pwd) $(umask)"; '
+        "grep -E '^(SigBlk|SigIgn)' /proc/self/status; "
+        'ps -o sid= -p $$ | tr -d " "; echo $$'
+    )
+
+    path = {"PATH": "/usr/bin:/bin"}  # the base PATH starts in root's pyenv: EACCES for user
+    with local_user() as user:
+        run(b.create_env("owned", None, None, owner=user.ids))
+
+        async def scenario() -> list[tuple[Any, ...]]:
+            await b.exec(req(env, ["true"], (1,)))  # the fork server's path
+            await lodger_of(b, (1,))
+            await b.exec(req("owned", ["true"], (1,), run_as=user.ids))
+            got = []
+            r = await b.exec(req(env, ["sh", "-c", show], (1,), env_vars={"FOO": "bar"}, cwd="sub"))
+            got.append((r.outcome, r.exit_code, r.stdout))
+            r = await b.exec(req(env, ["cat"], (1,), stdin=b"from stdin"))
+            got.append((r.outcome, r.stdout))
+            r = await b.exec(req(env, ["sh", "-c", "kill -TERM $$"], (1,)))
+            got.append((r.outcome, r.exit_code))
+            for argv in (["no-such-command-here"], [str(home / "noexec")]):
+                r = await b.exec(req(env, argv, (1,)))
+                got.append((r.outcome, r.exit_code, r.stderr))
+            r = await b.exec(
+                req("owned", ["sh", "-c", "id -u; id -G; umask"], (1,), run_as=user.ids)
+            )
+            got.append((r.outcome, r.stdout))
+            r = await b.exec(
+                req("owned", ["no-such-command-here"], (1,), run_as=user.ids, env_vars=path)
+            )
+            got.append((r.outcome, r.exit_code))
+            return got
+
+        try:
+            got = run(scenario())
+        finally:
+            run(b.shutdown())
+    shown, stdin, killed, missing, noexec, as_user, user_missing = got
+    assert shown[:2] == ("ok", 0), shown
+    cpus_foo_cwd_umask, blocked, ignored, sid, pid = shown[2].split("\n")[:5]
+    assert cpus_foo_cwd_umask == f"1 bar {home / 'sub'} 0077"
+    assert blocked.split() == ["SigBlk:", "0000000000000000"]
+    assert int(ignored.split()[1], 16) & (1 << (signal.SIGPIPE - 1)) == 0
+    assert sid == pid  # its own session
+    assert stdin == ("ok", "from stdin")
+    assert killed == ("failed", 128 + signal.SIGTERM)
+    assert missing == ("failed", 127, "tangram: no-such-command-here: not found\n")
+    assert noexec[:2] == ("failed", 126) and "Permission denied" in noexec[2]
+    assert as_user == ("ok", f"{user.uid}\n{user.gid}\n0077\n")
+    assert user_missing == ("failed", 127)

@@ -54,6 +54,7 @@ _MAX_FDS = 3
 # How long a lodger waits for a command it has just spawned to exit before it answers the
 # spawn request; a command that is done by then has its exit in that same answer.
 QUICK_EXIT_S = 0.002
+NATIVE_ENV = "TANGRAM_NATIVE_LODGER"  # "0": lodgers run their loop in Python
 
 
 # --- the helper (runs in its own process) --------------------------------------------
@@ -97,6 +98,37 @@ def _send(sock: socket.socket, msg: dict[str, Any], fds: tuple[int, ...] = ()) -
 def _write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
+
+
+def _load_native() -> Any:
+    """The lodger loop in C (``_lodger.c``, built at install when a C compiler is there),
+    or None. Loaded by file: the helper runs as a script, with no package to import from."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(here, "_lodger" + suffix)
+        if not os.path.exists(path):
+            continue
+        spec = importlib.util.spec_from_file_location("_lodger", path)
+        if spec is None or spec.loader is None:
+            continue
+        try:
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except (ImportError, OSError):
+            continue
+        return module
+    return None
+
+
+def _has_pidfd() -> bool:
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 class _CannotStart(Exception):
@@ -199,6 +231,7 @@ class _Helper:
             self.score = f.read().strip()
         self.base_env: dict[str, str] = {}  # what each request's ``env`` is laid over
         self.joined_score: str | None = None  # a lodger's: the exec score it joined at
+        self.native: Any = None  # a lodger's loop in C, run once it has joined
         self.wake: int | None = None  # a subreaper lodger's SIGCHLD wake-up pipe
         if lodger and _become_subreaper():
             self.wake, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # both ends
@@ -246,6 +279,12 @@ class _Helper:
         self._send(reply)
         if reply.get("fatal"):
             sys.exit(reply["fatal"])
+        if reply.get("native"):  # joined: the same loop goes on in C, this one ends
+            assert self.joined_score is not None and not self.children
+            self.native.serve(
+                self.sock.fileno(), self.base_env, int(self.joined_score), QUICK_EXIT_S
+            )
+            return False
         return True
 
     def _spawn(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
@@ -327,6 +366,11 @@ class _Helper:
         """Fork a lodger for one exec cgroup and pass the daemon its end of a new socket
         pair. The lodger enters the cgroup only when the daemon says ``join`` (by then the
         daemon knows its pid, so cleaning the cgroup never mistakes it for a leftover)."""
+        native = None
+        if msg.get("native"):  # loaded once, here: every lodger forked since has it
+            if self.native is None:
+                self.native = _load_native() or False
+            native = self.native or None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             pid = os.fork()
@@ -345,6 +389,7 @@ class _Helper:
                     os.close(pidfd)
                 lodger = _Helper(ours, lodger=True)
                 lodger.base_env = self.base_env
+                lodger.native = native
                 with contextlib.suppress(ConnectionError):
                     lodger.run()
             except BaseException:  # never back into the fork server's loop
@@ -373,6 +418,10 @@ class _Helper:
         except OSError as e:
             return {"id": msg["id"], "fatal": f"tangram lodger cannot join: {e}"}
         self.joined_score = str(msg["oom_score_adj"])
+        if self.native is not None and (self.wake is None or not _has_pidfd()):
+            self.native = None  # the C loop counts on being a subreaper, with pidfds
+        if self.native is not None:
+            return {"id": msg["id"], "joined": os.getpid(), "native": True}
         return {"id": msg["id"], "joined": os.getpid()}
 
     def _reap(self, pidfd: int) -> None:
@@ -471,7 +520,7 @@ subreaper lodger) saw nothing the command started left alive."""
 class _Channel:
     """One socket to a helper process (the fork server or a lodger) and its frame buffers."""
 
-    __slots__ = ("cgroup", "fd", "fds", "inbuf", "out", "pid", "ready", "sent", "sock")
+    __slots__ = ("cgroup", "fd", "fds", "inbuf", "native", "out", "pid", "ready", "sent", "sock")
 
     def __init__(self, sock: socket.socket, pid: int | None, cgroup: str | None) -> None:
         self.sock = sock
@@ -479,6 +528,7 @@ class _Channel:
         self.pid = pid
         self.cgroup = cgroup  # a lodger's cgroup (None: the fork server)
         self.ready = cgroup is None  # a lodger takes spawns once it has joined
+        self.native = False  # a lodger running its loop in C (``_lodger.c``)
         self.inbuf = bytearray()
         self.fds: list[int] = []  # descriptors received and not yet claimed by a frame
         self.out: deque[tuple[bytes, list[int]]] = deque()  # unsent frames (and fds)
@@ -503,8 +553,17 @@ class Spawner:
     wake-ups on the exec path). Callbacks run on the loop thread, never inside ``submit``.
     """
 
-    def __init__(self, *, lodgers: int = 0, base_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        lodgers: int = 0,
+        base_env: dict[str, str] | None = None,
+        native: bool | None = None,
+    ) -> None:
         self.max_lodgers = lodgers
+        # lodgers run their loop in C where it was built (None: unless the environment
+        # says TANGRAM_NATIVE_LODGER=0, to compare with the Python loop)
+        self.native = os.environ.get(NATIVE_ENV, "1") != "0" if native is None else native
         self.base_env = dict(base_env or {})
         self._proc: subprocess.Popen[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -523,6 +582,10 @@ class Spawner:
     def lodged(self) -> set[str]:
         """The cgroups that have a lodger (live or joining)."""
         return set(self._lodgers)
+
+    def native_lodgers(self) -> int:
+        """How many lodgers run their loop in C."""
+        return sum(chan.native for chan in self._lodgers.values())
 
     @property
     def pid(self) -> int | None:
@@ -594,7 +657,7 @@ class Spawner:
         assert self._helper is not None
         self._ids += 1
         self._asked[self._ids] = {k: request[k] for k in ("cgroup", "cores", "oom_score_adj")}
-        self._send(self._helper, {"op": "lodger", "id": self._ids}, [])
+        self._send(self._helper, {"op": "lodger", "id": self._ids, "native": self.native}, [])
 
     async def spawn(self, request: dict[str, Any], stdio: dict[str, int]) -> int:
         """``submit`` as a coroutine: the pid (raises SpawnError)."""
@@ -687,6 +750,7 @@ class Spawner:
             return
         if "joined" in msg:
             chan.ready = True
+            chan.native = msg.get("native") is True
             return
         if "fatal" in msg and chan.cgroup is not None:
             # A lodger that cannot join exits (its EOF ends the channel); the fork
