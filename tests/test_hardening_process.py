@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tangramd.backends.base import EXEC_OOM_SCORE_ADJ
+from tangramd.backends.base import EXEC_OOM_SCORE_ADJ, ExecResult
 from tangramd.backends.process import ProcessBackend
 
 pytest.register_assert_rewrite("backend_conformance")
@@ -87,23 +87,36 @@ def test_timeout_counts_to_main_exit_only(backend):
 def test_cpuset_widened_by_a_root_command_is_reset_before_the_next_exec(tmp_path):
     """A root exec that rewrites its cgroup's cpuset.cpus does not widen the next action,
     whether the daemon checks the cgroup (the fork server's path) or the lodger living in
-    it does (the later execs' path): the next one finds ``cpuset.cpus`` back to its core."""
+    it does (the later execs' path): the next one finds ``cpuset.cpus`` back to its core.
+    One event loop throughout: a new loop restarts the fork server and its lodgers."""
     b = ProcessBackend(tmp_path, cgroup_version="v1")
-    try:
-        env = new_env(b)
-        cg = "/sys/fs/cgroup/cpuset$(grep cpuset /proc/self/cgroup | cut -d: -f3)"
-        widen = f'echo 0-1 > "{cg}/cpuset.cpus"'
-        probe = f'grep Cpus_allowed_list /proc/self/status; echo "cpus $(cat "{cg}/cpuset.cpus")"'
-        assert ex(b, env, widen, (0,)).outcome == "ok"  # the fork server's path
-        after = ex(b, env, probe, (0,))
-        assert allowed_list(after) == "0" and "cpus 0\n" in after.stdout, after
-        run(lodger_of(b, (0,)))
+    env = new_env(b)
+    cg = "/sys/fs/cgroup/cpuset$(grep cpuset /proc/self/cgroup | cut -d: -f3)"
+    widen = f'echo 0-1 > "{cg}/cpuset.cpus"'
+    probe = (
+        f'grep Cpus_allowed_list /proc/self/status; echo "cpus $(cat "{cg}/cpuset.cpus")"; '
+        'echo "parent $PPID"'
+    )
+
+    async def scenario() -> list[tuple[str, ExecResult]]:
+        got = []
+        widened = await b.exec(req(env, widen, (0,)))  # the fork server's path
+        got.append((widened.outcome, await b.exec(req(env, probe, (0,)))))
+        lodger = await lodger_of(b, (0,))
         for _ in range(2):  # through the lodger, twice
-            assert ex(b, env, widen, (0,)).outcome == "ok"
-            after = ex(b, env, probe, (0,))
-            assert allowed_list(after) == "0" and "cpus 0\n" in after.stdout, after
+            widened = await b.exec(req(env, widen, (0,)))
+            got.append((widened.outcome, await b.exec(req(env, probe, (0,)))))
+        return [(str(lodger), *g) for g in got]
+
+    try:
+        got = run(scenario())
     finally:
         run(b.shutdown())
+    for i, (lodger, widened, after) in enumerate(got):
+        assert widened == "ok"
+        assert allowed_list(after) == "0" and "cpus 0\n" in after.stdout, after
+        if i > 0:  # spawned by the lodger, which lives in the widened cgroup
+            assert f"parent {lodger}\n" in after.stdout, after
 
 
 def test_sandboxed_command_cannot_change_its_cgroup_or_widen_its_cores(tmp_path, user):
