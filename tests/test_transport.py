@@ -627,6 +627,60 @@ def test_later_answers_in_the_turn_it_is_resolved_and_at_close() -> None:
     run(main)
 
 
+def test_an_answer_resolved_in_a_turn_is_written_at_the_end_of_that_turn() -> None:
+    """A ``Later`` resolved during a turn of the loop is written after that turn's other
+    callbacks (writing it wakes the client, which takes the daemon's core: the rest of the
+    turn, e.g. the spawn for a core another exec freed, must not wait for it), and before
+    the next turn's."""
+    import select
+
+    from tangramd.transport import Later
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        owed: list[Later] = []
+
+        def sync(op: str, args: dict[str, Any], conn: ConnInfo) -> Any:
+            owed.append(Later())
+            return owed[-1]
+
+        with short_tmpdir() as tmp:
+            server = UnixServer(os.path.join(tmp, "d.sock"), Daemon(), sync_handler=sync)
+            await server.start()
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.connect(server.path)
+            client.setblocking(False)
+            client.sendall(encode(make_request(1, "x", {})) + encode(make_request(2, "x", {})))
+            for _ in range(500):
+                if len(owed) == 2:
+                    break
+                await asyncio.sleep(0.001)
+
+            def readable() -> bool:
+                return bool(select.select([client], [], [], 0)[0])
+
+            seen: list[tuple[str, bool]] = []
+
+            def in_a_turn() -> None:
+                owed[1].resolve({"n": 2})
+                owed[0].resolve({"n": 1})
+                seen.append(("after resolving", readable()))
+                loop.call_soon(lambda: seen.append(("next turn", readable())))
+
+            loop.call_soon(in_a_turn)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            decoder = FrameDecoder()
+            decoder.feed(client.recv(65536))
+            answers = [decoder.next_message(), decoder.next_message()]
+            client.close()
+            await server.close()
+        assert seen == [("after resolving", False), ("next turn", True)]
+        assert [(a or {}).get("result") for a in answers] == [{"n": 2}, {"n": 1}]
+
+    run(main)
+
+
 # --------------------------------------------------------------------------- in-process
 
 
