@@ -207,6 +207,12 @@ static int reap_orphans(struct lodger *L) {
     }
 }
 
+/* An exit report's fields (no braces): the pid and its returncode as Popen gives it. */
+static int exit_fields(struct buf *b, pid_t pid, int status) {
+    return buf_str(b, "\"exit\": ") || buf_fmt(b, "%lld", pid) || buf_str(b, ", \"rc\": ") ||
+           buf_fmt(b, "%lld", exitcode(status));
+}
+
 /* Reap child i (its pidfd is readable) and write its exit report's fields into b. */
 static int reap_child(struct lodger *L, int i, struct buf *b) {
     struct child c = L->children[i];
@@ -219,9 +225,7 @@ static int reap_child(struct lodger *L, int i, struct buf *b) {
             break;
         }
     }
-    if (buf_str(b, "\"exit\": ") || buf_fmt(b, "%lld", c.pid) || buf_str(b, ", \"rc\": ") ||
-        buf_fmt(b, "%lld", exitcode(status)))
-        return -1;
+    if (exit_fields(b, c.pid, status)) return -1;
     if (L->nchildren == 0 && reap_orphans(L) && buf_str(b, ", \"alone\": true")) return -1;
     return 0;
 }
@@ -582,26 +586,22 @@ static int spawn(struct lodger *L, PyObject *msg, int *fds, int nfds, struct buf
             goto out;
         }
     }
-    int pidfd = pidfd_open_(pid);
-    if (pidfd < 0 || L->nchildren >= MAX_CHILDREN) {
-        /* no pidfd (Linux < 5.3; the daemon never lends such a host a C lodger) or too
-           many: wait for it here, as the command's whole run */
-        if (pidfd >= 0) close(pidfd);
-        int status = 0;
-        while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-        }
-        b->n = 0;
-        ret = buf_str(b, "{\"id\": ") || buf_fmt(b, "%lld", rid) || buf_str(b, ", \"pid\": ") ||
-              buf_fmt(b, "%lld", pid) || buf_str(b, ", \"exit\": ") || buf_fmt(b, "%lld", pid) ||
-              buf_str(b, ", \"rc\": ") || buf_fmt(b, "%lld", exitcode(status)) ||
-              buf_str(b, "}");
-        goto out;
-    }
-    L->children[L->nchildren++] = (struct child){pidfd, pid};
     b->n = 0;
     ret = buf_str(b, "{\"id\": ") || buf_fmt(b, "%lld", rid) || buf_str(b, ", \"pid\": ") ||
           buf_fmt(b, "%lld", pid);
     if (ret) goto out;
+    int pidfd = pidfd_open_(pid);
+    if (pidfd < 0 || L->nchildren >= MAX_CHILDREN) {
+        /* no pidfd (the lodger checked it has them before taking this loop) or too many:
+           wait for it here, as the command's whole run */
+        if (pidfd >= 0) close(pidfd);
+        int status = 0;
+        while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+        }
+        ret = buf_str(b, ", ") || exit_fields(b, pid, status) || buf_str(b, "}");
+        goto out;
+    }
+    L->children[L->nchildren++] = (struct child){pidfd, pid};
     PyObject *quick = PyDict_GetItemString(msg, "quick");
     if (quick && PyObject_IsTrue(quick) == 1 && L->nchildren == 1) {
         struct pollfd p = {pidfd, POLLIN, 0};

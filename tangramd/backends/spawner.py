@@ -35,6 +35,7 @@ import array
 import asyncio
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import select
@@ -100,9 +101,11 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
+@functools.cache
 def _load_native() -> Any:
     """The lodger loop in C (``_lodger.c``, built at install when a C compiler is there),
-    or None. Loaded by file: the helper runs as a script, with no package to import from."""
+    or None. Loaded by file: the helper runs as a script, with no package to import from.
+    Loaded once, in the fork server: every lodger forked since has it."""
     import importlib.machinery
     import importlib.util
 
@@ -366,11 +369,7 @@ class _Helper:
         """Fork a lodger for one exec cgroup and pass the daemon its end of a new socket
         pair. The lodger enters the cgroup only when the daemon says ``join`` (by then the
         daemon knows its pid, so cleaning the cgroup never mistakes it for a leftover)."""
-        native = None
-        if msg.get("native"):  # loaded once, here: every lodger forked since has it
-            if self.native is None:
-                self.native = _load_native() or False
-            native = self.native or None
+        native = _load_native() if msg.get("native") else None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             pid = os.fork()
