@@ -175,6 +175,40 @@ def test_short_calls_pass_waiting_test_run_until_it_starves() -> None:
     assert [p.action_id for p in late.placements] == ["s3"]  # 2 + 2 > 2 free
 
 
+def test_long_test_run_gets_its_reservation_at_once() -> None:
+    """A waiting test run expected to run longer than the mean of those in service is the
+    ACT tail: it gets its EASY reservation at once, not after the starvation bound, so a
+    10 s call that would delay it waits; one shorter than the mean is passed as before."""
+    pool = node(8)
+    for core in range(6):
+        pool.allocate(ActionId(f"busy{core}"), (core,))
+    running = [(5.0, 2), (60.0, 4)]  # 4 free at 5 s: the head's 4 cores, none extra
+    head, call = suite_run(0), tool(1, 10.0)  # band [4, 8]: t(4) = 95 s; 2 cores free now
+    long_mean = PoolLoad(elastic_running=1, elastic_mean_s=1000.0)
+    passed = schedule(snap(pool, [head, call], running, load=long_mean), 1.0)
+    assert [p.action_id for p in passed.placements] == ["s1"]
+    short_mean = PoolLoad(elastic_running=1, elastic_mean_s=30.0)
+    held = schedule(snap(pool, [head, call], running, load=short_mean), 1.0)
+    assert held.placements == ()
+    quick = schedule(snap(pool, [head, tool(2, 1.0)], running, load=short_mean), 1.0)
+    assert [p.action_id for p in quick.placements] == ["s2"]  # ends before the reservation
+
+
+def test_short_call_waits_behind_a_reservation_at_most_its_own_run_time() -> None:
+    """A short call held behind a reservation starts once it has waited as long as it is
+    expected to run (its slowdown stays at most 2), even if it delays the reservation."""
+    pool = node(8)
+    for core in range(6):
+        pool.allocate(ActionId(f"busy{core}"), (core,))
+    running = [(5.0, 2), (60.0, 4)]
+    head = suite_run(0)
+    load = PoolLoad(elastic_running=1, elastic_mean_s=30.0)  # the head is long: reserved
+    for waited, starts in ((9.9, False), (10.0, True)):
+        call = make_action("s1", "exec", "t1", {"cpu": 1}, seq=1, dur_s=10.0, submitted_at=0.0)
+        d = schedule(snap(pool, [head, call], running, load=load), waited)
+        assert ([p.action_id for p in d.placements] == ["s1"]) is starts
+
+
 def test_elastic_action_does_not_backfill() -> None:
     """Behind a blocked action, a later test run waits its turn even if it would fit."""
     pool = node(64)
@@ -246,7 +280,9 @@ def test_steady_stream_of_test_runs_is_still_priced_busy() -> None:
     service, 4 of them so far), a new test run is priced narrower than the 4 running alone
     would make it, and far narrower than a lone one."""
     pool = node(64)
-    stream, lone = LoadMeter(), LoadMeter()
+    # a 10 s window: the stream began 8 s ago, so a longer window would average in the
+    # quiet before it
+    stream, lone = LoadMeter(window_s=10.0), LoadMeter(window_s=10.0)
     for i in range(4):
         at = 2.0 + 2.0 * i
         stream.submitted(pool.pool_id, at, elastic=True)

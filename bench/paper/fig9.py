@@ -9,9 +9,10 @@ every elastic action on exactly K units, K in {1, 2, 4, 8, 16}; "best fixed" is 
 lowest avg ACT on that very trace, picked in hindsight. ``--mixed`` adds the mixed workloads
 (``coding+search``, ``mixed``) on ``config/cluster-mixed.toml`` (4 × 64 cores) at those
 batch sizes. ``--only P,Q`` runs just those policies and takes every other one's numbers
-from the previous ``bench/paper/out/fig9.json`` (same workload, batch and seed; the traces are
-deterministic), e.g. ``--only tangram`` after a change to the priced rule alone; the rows run
-are merged into that file (rows not run keep their numbers). ``--batches ''`` runs no AI-coding
+from the previous output file (``bench/paper/out/fig9.json``, or ``NAME.json`` with ``--out``;
+same workload, batch and seed; the traces are deterministic), e.g. ``--only tangram`` after a
+change to the priced rule alone; the rows run are merged into that file (rows not run keep
+their numbers). ``--batches ''`` runs no AI-coding
 row (e.g. only the mixed workloads, over more seeds); ``--out NAME`` writes just the rows run
 to ``bench/paper/out/NAME.json`` instead of ``fig9.json`` (and skips the plot). Paper:
 tangram is 3.0× faster than DoP=16 at batch 1280 (avg ACT).
@@ -106,7 +107,7 @@ def main() -> None:
     to_run = policies
     if args.only:
         to_run = tuple(args.only.split(","))
-        previous = json.loads((OUT / "fig9.json").read_text())
+        previous = json.loads((OUT / f"{args.out}.json").read_text())
     seeds = [int(s) for s in args.seeds.split(",")]
     work = [
         ("paper", "ai-coding", int(b), seed, to_run)
@@ -148,8 +149,8 @@ def main() -> None:
     )
     if args.out == "fig9" and coding:
         _plot([r for r in coding if r[0][2] == seeds[0]], policies)
-    # --only: the rows not run keep their numbers in fig9.json
-    doc = {k: v for k, v in previous.items() if k != "wall_s" and args.out == "fig9"}
+    # --only: the rows not run keep their numbers in the output file
+    doc = {k: v for k, v in previous.items() if k != "wall_s"}
     doc.update({f"{wl}/{b}/seed{seed}": res for (wl, b, seed), res in rows})
     save(args.out, doc, started)
 

@@ -53,7 +53,7 @@ class LoadMeter:
 
     __slots__ = ("_books", "window_s")
 
-    def __init__(self, window_s: float = 10.0) -> None:
+    def __init__(self, window_s: float = 20.0) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         self.window_s = window_s

@@ -352,7 +352,9 @@ def _schedule_pool(
         return [(0.0 if f - now < 0.0 else f - now, u) for f, u in running_at]
 
     if priced and cfg.order == "fcfs":
-        cands, rest = _candidates_easy(op.start(), queue, dur, running, now - cfg.starvation_s)
+        cands, rest = _candidates_easy(
+            op.start(), queue, dur, running, now, now - cfg.starvation_s, load.elastic_mean_s
+        )
     else:
         cands, rest = _candidates(op, queue, now, cfg, dur.low)
     if not cands:
@@ -476,25 +478,36 @@ def _candidates_easy(
     queue: Sequence[Action],
     dur: Durations,
     running: Callable[[], list[tuple[float, int]]],
+    now: float,
     starved: float,
+    long_s: float,
 ) -> tuple[list[Action], list[Action]]:
     """FCFS prefix on plain unit counts where short calls pass waiting elastic actions.
 
     Elastic actions start in FCFS order among themselves: once one does not fit (at the
     lowest amount of its band), later ones wait. Non-elastic actions (short calls) that fit
     start past it: a waiting elastic action's band and the replay already price its wait,
-    and a short call held behind it would wait for minutes. Once it has waited since
-    ``starved`` or earlier (the starvation bound), or when the blocked action is itself
-    non-elastic, it gets an EASY reservation instead: the time ``shadow`` (from now) when
-    enough units will be free by the expected finishes, and the ``extra`` units free beyond
-    its need then; a later short call may start only if it is expected to end by ``shadow``
-    or takes only ``extra`` units, so it cannot delay that reservation.
+    and a short call held behind it would wait for minutes. The blocked action gets an EASY
+    reservation instead when it is non-elastic, when it has waited since ``starved`` or
+    earlier (the starvation bound), or at once when it is *long*: expected to run longer
+    (at the lowest amount of its band) than ``long_s``, the mean expected duration of the
+    elastic actions in service (``PoolLoad.elastic_mean_s``; 0 when none started lately,
+    then every blocked elastic action is long). The long runs are the ACT tail, and every
+    short call that passes one delays it again. A reservation is the time ``shadow`` (from
+    now) when enough units will be free by the expected finishes, and the ``extra`` units
+    free beyond its need then; a later short call may start only if it is expected to end
+    by ``shadow`` or takes only ``extra`` units. Behind an elastic action's reservation it
+    may also start once it has itself waited its own expected duration: no short call is
+    held there for longer (its slowdown stays at most 2; tool calls are most of the mean
+    ACT, and the reservations for long runs come early). A blocked non-elastic action's
+    reservation is strict EASY, as before (a fixed-DoP run is one).
     """
     cands: list[Action] = []
     rest: list[Action] = []
     low = dur.low
     held: list[tuple[float, int]] = []  # (expected duration, units) of this pass's starts
     shadow, extra = -1.0, 0
+    bounded = False  # the reservation is an elastic action's: short calls' waits are bounded
     elastic_waits = False
     for i, a in enumerate(queue):
         if free == 0:
@@ -507,16 +520,20 @@ def _candidates_easy(
         if need > free:
             rest.append(a)
             elastic_waits = elastic_waits or a.elastic
-            if shadow < 0.0 and (not a.elastic or a.submitted_at <= starved):
+            if shadow < 0.0 and (
+                not a.elastic or a.submitted_at <= starved or dur.minimum(a) > long_s
+            ):
                 shadow, extra = _reservation(need, free, [*running(), *held])
+                bounded = a.elastic
             continue
-        if shadow >= 0.0 and dur.minimum(a) > shadow:
+        run_s = dur.minimum(a)
+        if shadow >= 0.0 and run_s > shadow and not (bounded and now - a.submitted_at >= run_s):
             if need > extra:
                 rest.append(a)
                 continue
             extra -= need
         free -= need
-        held.append((dur.minimum(a), need))
+        held.append((run_s, need))
         cands.append(a)
     return cands, rest
 
