@@ -7,7 +7,8 @@ finish, with ``now`` passed in; ``load(pool_id, now)`` returns a frozen ``PoolLo
 driver puts into the ``Snapshot``. Pure: no clock, no I/O; every method is ``O(1)``
 amortised (events leave the window in arrival order).
 
-What it measures, per pool, over the last ``window_s`` seconds:
+What it measures, per pool, over the last ``window_s`` seconds (20 by default: a 10 s
+window saw one or two test-run starts and forecast a busy or an idle node from them):
 
 - ``elastic_per_s``: elastic actions submitted per second;
 - ``elastic_starts_per_s``: elastic actions that went into service (started) per second: the

@@ -50,8 +50,10 @@ taking more units shortens an action's own run but delays the ``N k / C`` action
   that holds its units for minutes. Below the band it waits (the replay judges how long).
 
 Short calls are not held behind an elastic action waiting for its band either: they start
-past it, until it has waited the starvation bound; from then on only when they do not delay
-its EASY reservation (``schedule._candidates_easy``).
+past it until it gets an EASY reservation (after the starvation bound, or at once when it
+is expected to run longer than ``W``, the mean of those in service: the long runs are the
+ACT tail), from then on only when they do not delay it or have waited their own expected
+run time (``schedule._candidates_easy``).
 
 Pure: no I/O, no clock. ``O(q · |probe|)`` per pool and pass for ``q`` queued elastic actions.
 """
