@@ -125,10 +125,20 @@ class Durations:
 
     def minimum(self, action: Action) -> float:
         """Duration at the lowest amount the action may take in this pass."""
-        d = self.at_min.get(action.id)
+        aid = action.id
+        d = self.at_min.get(aid)
         if d is None:
-            u = self.low.get(action.id, action.min_units)  # lowest(), inlined
-            d = self.at_min[action.id] = self._compute(action, u)
+            base = action.base_min
+            if base is None or aid in self.low:
+                u = self.low.get(aid, action.min_units)  # lowest(), inlined
+                d = self.at_min[aid] = self._compute(action, u)
+            else:  # _compute at the minimum with the action's own base duration
+                u = action.min_units
+                extra_key = (action.kind, action.service, u)
+                extra = self._extra.get(extra_key)
+                if extra is None:
+                    extra = self._extra[extra_key] = self._pool.extra_cost(action, u)
+                d = self.at_min[aid] = base + extra
         return d
 
     def __call__(self, action: Action, amount: int) -> float:
@@ -217,18 +227,46 @@ class Replay:
         self._options: dict[ActionId, list[tuple[int, float]]] = {}
         self._entries: dict[ActionId, Entry] = {}
 
-    def run(self, waiting: Sequence[Action], state: Any, heap: list[tuple[float, int]]) -> float:
-        ents = self._entries_of(waiting) if self.fast and self.eft else None
+    def run(
+        self,
+        waiting: Sequence[Action],
+        state: Any,
+        heap: list[tuple[float, int]],
+        ents: list[Entry] | None = None,
+    ) -> float:
+        """``ents``: ``self.entries(waiting)`` when the caller already has it (it replays
+        subsets of one list, so it looks the entries up once); else looked up here."""
+        if self.fast and self.eft:
+            if ents is None:
+                ents = self._entries_of(waiting)
+        else:
+            ents = None
         return self._run(waiting, 0, len(waiting), state, heap, 0.0, self.cfg.depth, ents)
+
+    def entries(self, waiting: Sequence[Action]) -> list[Entry] | None:
+        """The EFT entries of ``waiting`` as ``run`` wants them, or None where ``run``
+        reads none (not the EFT replay)."""
+        return self._entries_of(waiting) if self.fast and self.eft else None
 
     def _entries_of(self, waiting: Sequence[Action]) -> list[Entry]:
         """The EFT entries of ``waiting``, position by position: looked up once per run and
         shared by every branch's replay of the same list."""
         entries, entry = self._entries, self._entry
+        get = entries.get
+        at_min, low, minimum = self.dur.at_min, self.dur.low, self.dur.minimum
         out = []
         for w in waiting:
-            e = entries.get(w.id)
-            out.append(entry(w) if e is None else e)
+            e = get(w.id)
+            if e is None:
+                if w.elastic:
+                    e = entry(w)
+                else:  # _entry(), inlined for the common case (lowest amount, minimum)
+                    aid = w.id
+                    d = at_min.get(aid)
+                    if d is None:
+                        d = minimum(w)
+                    e = entries[aid] = (low.get(aid, w.min_units), d, None)
+            out.append(e)
         return out
 
     def _run(
@@ -246,6 +284,8 @@ class Replay:
             if self.eft:
                 return self._eft(waiting, i, end, state, heap, clock, ents)
             return self._plain(waiting, i, end, state, heap, clock)
+        if depth == 2 and ents is not None:  # ents: fast and eft (see run)
+            return self._eft_to_branch(waiting, ents, i, end, state, heap, clock)
         total = 0.0
         dur = self.dur
         take = self.op.take
@@ -266,6 +306,47 @@ class Replay:
             total += clock + d
             heapq.heappush(heap, (clock + d, u))
             state = take(state, u)
+            i += 1
+        return total
+
+    def _eft_to_branch(
+        self,
+        waiting: Sequence[Action],
+        ents: list[Entry],
+        i: int,
+        end: int,
+        free: int,
+        heap: list[tuple[float, int]],
+        clock: float,
+    ) -> float:
+        """``_run`` at depth 2 on plain unit counts with EFT amounts: the actions before the
+        first elastic one at their entry (lowest amount, minimum), then its branch.
+
+        The heap is kept as a sorted list with a moving head (as in ``_eft_from``): it pops
+        in the heap's order, and the branch gets the rest already sorted."""
+        total = 0.0
+        order = sorted(heap)
+        head, size, insort = 0, len(order), bisect.insort
+        while i < end:
+            w = waiting[i]
+            u, d, _ = ents[i]
+            if w.elastic:
+                u = self.dur.lowest(w)  # the branch's own _wait_for, over the sorted heap
+            while free < u:
+                if head == size:
+                    return total + NEVER * (end - i)
+                finish, units = order[head]
+                head += 1
+                if finish > clock:
+                    clock = finish
+                free += units
+            if w.elastic:
+                rest = order[head:]
+                return total + self._branch(waiting, i, end, free, rest, clock, 2, ents, rest)
+            total += clock + d
+            insort(order, (clock + d, u), lo=head)  # finishes never precede the clock
+            size += 1
+            free -= u
             i += 1
         return total
 
@@ -417,7 +498,9 @@ class Replay:
         clock: float,
         depth: int,
         ents: list[Entry] | None = None,
+        ordered: list[tuple[float, int]] | None = None,
     ) -> float:
+        """``ordered``: ``sorted(heap)`` when the caller has it (the heap is then not read)."""
         w = waiting[i]
         take = self.op.take
         amounts = spread(self.dur.choices(w), self.cfg.max_branch)
@@ -432,7 +515,8 @@ class Replay:
         saved: dict[int, tuple[float, float, _EftState]] = {}
         # there the heap is sorted once: _wait_for pops it in that order, and the EFT loop
         # wants the rest sorted, so each option slices it instead of copying and re-sorting
-        ordered = sorted(heap) if resumable else heap
+        if ordered is None or not resumable:
+            ordered = sorted(heap) if resumable else heap
 
         def cost(u: int, stop: int) -> float:
             if resumable:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from operator import attrgetter
 from typing import Any, Literal, Protocol
 
@@ -177,30 +178,39 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
     queues: dict[str, list[Action]] = {}
     new_nodes: set[ActionId] = set()
     unplaced_new: list[Action] = []
-    never_memo: dict[tuple[Any, ...], Shortfall | None] = {}
+    # per pool: the pool, its never_fits memo, its queue (None: no such pool)
+    lanes: dict[str, tuple[SchedPool, dict[str, Shortfall | None], list[Action]] | None] = {}
     affinity, pools = snapshot.affinity, snapshot.pools
     for action in snapshot.waiting:
-        pid = pool_of(action, affinity)
-        if pid is None:
-            unplaced_new.append(action)
-            continue
-        pool = pools.get(pid)
-        if pool is None:
+        kind = action.kind  # pool_of(), inlined
+        if kind == "exec":
+            pid = affinity.get(action.trajectory)
+            if pid is None:
+                unplaced_new.append(action)
+                continue
+        else:
+            pid = "gpu" if kind == "service" else action.key
+        lane = lanes.get(pid, _UNKNOWN)
+        if lane is _UNKNOWN:
+            pool = pools.get(pid)
+            lane = lanes[pid] = None if pool is None else (pool, {}, [])
+        if lane is None:
             infeasible.append(Infeasible(action.id, _no_pool(action, pid)))
             continue
-        # never_fits depends only on these fields; memoised because queues are long
-        sig = (pid, action.kind, action.service, action.min_units, action.demand.get("mem"))
+        pool, never_memo, queue = lane
+        # never_fits depends only on (kind, service, min_units, demand["mem"]), which
+        # fit_key stands for; memoised because queues are long
+        sig = action.fit_key
         short: Shortfall | None = never_memo.get(sig, _UNKNOWN)
         if short is _UNKNOWN:
             short = never_memo[sig] = pool.never_fits(action)
         if short is not None:
             infeasible.append(Infeasible(action.id, short))
             continue
-        queue = queues.get(pid)
-        if queue is None:
-            queues[pid] = [action]
-        else:
-            queue.append(action)
+        queue.append(action)
+    for pid, lane in lanes.items():
+        if lane is not None and lane[2]:
+            queues[pid] = lane[2]
     if unplaced_new:
         assigned, never = _assign_nodes(unplaced_new, snapshot, now, cfg)
         infeasible.extend(never)
@@ -245,13 +255,16 @@ def _assign_nodes(
 ) -> tuple[list[tuple[Action, str]], list[Infeasible]]:
     """Memory-balanced node for each trajectory's first action (docs/design.md §5.2 placement)."""
     nodes: list[Any] = [p for pid, p in sorted(snap.pools.items()) if pid.startswith("cpu:")]
-    mem_free = {p.pool_id: p.mem_free for p in nodes}
-    mem_used = {p.pool_id: p.mem_reserved for p in nodes}
-    cores_free = {p.pool_id: p.free_units() for p in nodes}
+    # per node, by index in pool id order: free and reserved memory, free cores
+    pids: list[str] = [p.pool_id for p in nodes]
+    mem_free: list[int] = [p.mem_free for p in nodes]
+    mem_used: list[int] = [p.mem_reserved for p in nodes]
+    mem_total = [f + u for f, u in zip(mem_free, mem_used, strict=True)]  # never changes
+    cores_free: list[int] = [p.free_units() for p in nodes]
     assigned: list[tuple[Action, str]] = []
     never: list[Infeasible] = []
-    memo: dict[tuple[Any, ...], list[Any]] = {}
-    most_free = max(cores_free.values(), default=0)
+    memo: dict[tuple[str, int], list[int]] = {}  # (node_key, env memory) -> nodes it fits
+    most_free = max(cores_free, default=0)
     starvation_s, env_mem = cfg.starvation_s, snap.env_mem
     for action in actions:
         starving = now - action.submitted_at >= starvation_s
@@ -259,14 +272,13 @@ def _assign_nodes(
         if need > most_free and not starving:
             continue  # no node has the cores now: it waits (cheap exit for long queues)
         need_mem = env_mem(action)
-        sig = (need, action.demand.get("mem"), need_mem)
+        sig = (action.node_key, need_mem)  # node_key: (min_units, demand["mem"])
         fits_ever = memo.get(sig)
         if fits_ever is None:
             fits_ever = memo[sig] = [
-                p
-                for p in nodes
-                if p.never_fits(action) is None
-                and need_mem <= mem_free[p.pool_id] + mem_used[p.pool_id]
+                i
+                for i, p in enumerate(nodes)
+                if p.never_fits(action) is None and need_mem <= mem_total[i]
             ]
         if not fits_ever:
             cap = max((p.capacity for p in nodes), default=0)
@@ -279,45 +291,41 @@ def _assign_nodes(
             never.append(Infeasible(action.id, Shortfall("cpu", action.min_units, 0, cap, reason)))
             continue
         if len(fits_ever) == 1:  # one node it can ever fit: no choice to make
-            pid = fits_ever[0].pool_id
-            if not starving and (mem_free[pid] < need_mem or cores_free[pid] < need):
+            k = fits_ever[0]
+            if not starving and (mem_free[k] < need_mem or cores_free[k] < need):
                 continue  # waits; the node has no room now
         else:
-            room = [
-                p
-                for p in fits_ever
-                if mem_free[p.pool_id] >= need_mem and cores_free[p.pool_id] >= need
-            ]
-            if not room and not starving:
-                continue  # waits; no node has room now
-            among = room or fits_ever
-            pid = among[0].pool_id if len(among) == 1 else _least_loaded(among, mem_free, mem_used)
-        if mem_free[pid] >= need_mem:
-            mem_free[pid] -= need_mem
-            mem_used[pid] += need_mem
-            cores = cores_free[pid]
+            # the node with room with the lowest memory load (used / total), ties by pool id
+            # (nodes are in pool id order: the first of equal loads); none with room: it
+            # waits, or when starving, the least loaded node it can ever fit
+            k, best = -1, 0.0
+            for i in fits_ever:
+                if mem_free[i] >= need_mem and cores_free[i] >= need:
+                    total = mem_total[i]
+                    load = mem_used[i] / total if total else 1.0
+                    if k < 0 or load < best:
+                        k, best = i, load
+            if k < 0:
+                if not starving:
+                    continue  # waits; no node has room now
+                for i in fits_ever:
+                    total = mem_total[i]
+                    load = mem_used[i] / total if total else 1.0
+                    if k < 0 or load < best:
+                        k, best = i, load
+        if mem_free[k] >= need_mem:
+            mem_free[k] -= need_mem
+            mem_used[k] += need_mem
+            cores = cores_free[k]
             left = cores - need
-            cores_free[pid] = left if left > 0 else 0
+            cores_free[k] = left if left > 0 else 0
             if cores == most_free:  # only the node with the most free cores moves the max
-                most_free = max(cores_free.values()) if len(cores_free) > 1 else cores_free[pid]
-            assigned.append((action, pid))
+                most_free = max(cores_free) if len(cores_free) > 1 else cores_free[k]
+            assigned.append((action, pids[k]))
         elif starving:
             # pinned but memory not free yet: queue it there so it blocks later work (FCFS)
-            assigned.append((action, pid))
+            assigned.append((action, pids[k]))
     return assigned, never
-
-
-def _least_loaded(nodes: Sequence[Any], free: Mapping[str, int], used: Mapping[str, int]) -> str:
-    """The node with the lowest memory load (used / total), ties by pool id."""
-    best: tuple[float, str] | None = None
-    for node in nodes:
-        pid = node.pool_id
-        total = free[pid] + used[pid]
-        key = (used[pid] / total if total else 1.0, pid)
-        if best is None or key < best:
-            best = key
-    assert best is not None, "called with at least one node"
-    return best[1]
 
 
 # ----------------------------------------------------------------------------- one pool
@@ -393,6 +401,7 @@ def _schedule_pool(
     rank = {a.id: k for k, a in enumerate(elastic)}
     merged = list(heapq.merge(elastic, window, key=_SEQ))
     ranks = [rank.get(a.id, n) for a in merged]  # n: not a candidate, replayed at every t
+    ents = replay.entries(merged)  # looked up once for every t's subset of merged
 
     def objective(t: int) -> tuple[float, list[int]]:
         arr = table.row(t)
@@ -403,8 +412,10 @@ def _schedule_pool(
             assert nxt is not None
             s = nxt
             heapq.heappush(heap, (choices[k][amount], amount))
-        waiting = [a for a, r in zip(merged, ranks, strict=True) if r >= t]
-        return fixed_total + arr.total + replay.run(waiting, s, heap), arr.amounts
+        keep = [r >= t for r in ranks]
+        waiting = list(compress(merged, keep))
+        sub = None if ents is None else list(compress(ents, keep))
+        return fixed_total + arr.total + replay.run(waiting, s, heap, sub), arr.amounts
 
     lowest_t = 1 if cfg.rule == "paper" else 0
     if n <= lowest_t:
