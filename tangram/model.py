@@ -293,6 +293,8 @@ class Action:
     # (kind, service, min_units, demand["mem"]) resp. (min_units, demand["mem"]) are
     fit_key: str = field(init=False, repr=False, compare=False)
     node_key: str = field(init=False, repr=False, compare=False)
+    # the key a pool's extra cost at ``min_units`` is memoised on (SchedPool.extra_cost)
+    min_cost_key: tuple[str, str | None, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         allowed = self.demand[self.key].allowed()
@@ -315,6 +317,7 @@ class Action:
             elif self.dur_s is not None:
                 base = self.dur_s
         object.__setattr__(self, "base_min", base)
+        object.__setattr__(self, "min_cost_key", (self.kind, self.service, low))
         mem = self.demand.get("mem")
         object.__setattr__(self, "node_key", f"{low}|{mem!r}")
         object.__setattr__(self, "fit_key", f"{self.kind}|{self.service!r}|{low}|{mem!r}")

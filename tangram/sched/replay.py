@@ -121,7 +121,28 @@ class Durations:
     def table(self, action: Action, amounts: tuple[int, ...]) -> dict[int, float]:
         """Durations at each of ``amounts`` (the DP's choices for one candidate), through
         the per-pass cache: pricing already read some of them."""
-        return {u: self(action, u) for u in amounts}
+        return dict(zip(amounts, self.many(action, amounts), strict=True))
+
+    def many(self, action: Action, amounts: Sequence[int]) -> list[float]:
+        """``[self(action, u) for u in amounts]``, the profiled ones written out."""
+        profiled, extra, kind, service = action.profiled, self._extra, action.kind, action.service
+        out = []
+        for u in amounts:
+            base = profiled.get(u)
+            if base is not None and (x := extra.get((kind, service, u))) is not None:
+                out.append(base + x)  # _compute's value, without the call
+            else:
+                out.append(self(action, u))
+        return out
+
+    def minimums(self, actions: Sequence[Action]) -> list[float]:
+        """``[self.minimum(a) for a in actions]``, the memoised ones read in place."""
+        at_min, minimum = self.at_min, self.minimum
+        out = []
+        for a in actions:
+            d = at_min.get(a.id)
+            out.append(minimum(a) if d is None else d)
+        return out
 
     def minimum(self, action: Action) -> float:
         """Duration at the lowest amount the action may take in this pass."""
@@ -133,15 +154,20 @@ class Durations:
                 u = self.low.get(aid, action.min_units)  # lowest(), inlined
                 d = self.at_min[aid] = self._compute(action, u)
             else:  # _compute at the minimum with the action's own base duration
-                u = action.min_units
-                extra_key = (action.kind, action.service, u)
+                extra_key = action.min_cost_key
                 extra = self._extra.get(extra_key)
                 if extra is None:
-                    extra = self._extra[extra_key] = self._pool.extra_cost(action, u)
+                    extra = self._pool.extra_cost(action, action.min_units)
+                    self._extra[extra_key] = extra
                 d = self.at_min[aid] = base + extra
         return d
 
     def __call__(self, action: Action, amount: int) -> float:
+        base = action.profiled.get(amount)
+        if base is not None:  # _compute's value once the extra cost is memoised
+            extra = self._extra.get((action.kind, action.service, amount))
+            if extra is not None:
+                return base + extra
         key = (action.id, amount)
         dur = self._cache.get(key)
         if dur is None:
@@ -221,6 +247,8 @@ class Replay:
         self.cfg = cfg
         self.plain = isinstance(op, BaseOperator)
         self.fast = fast and self.plain
+        # any other operator (GPU chunks): the depth-1 loop specialised (lowest amounts)
+        self.fast_other = fast and not self.plain
         # EFT replay on plain unit counts only (CPU nodes): on GPU chunk pools it was
         # measured worse than "wait" (MOPD+Search teacher ACT +7%, DeepSearch judge +18%)
         self.eft = cfg.rule in ("wait-eft", "priced") and self.plain
@@ -253,7 +281,8 @@ class Replay:
         shared by every branch's replay of the same list."""
         entries, entry = self._entries, self._entry
         get = entries.get
-        at_min, low, minimum = self.dur.at_min, self.dur.low, self.dur.minimum
+        dur = self.dur
+        at_min, low, minimum, extra = dur.at_min, dur.low, dur.minimum, dur._extra
         out = []
         for w in waiting:
             e = get(w.id)
@@ -264,7 +293,16 @@ class Replay:
                     aid = w.id
                     d = at_min.get(aid)
                     if d is None:
-                        d = minimum(w)
+                        # minimum()'s own-base path, inlined while the extra cost is memoised
+                        base = w.base_min
+                        if (
+                            base is not None
+                            and aid not in low
+                            and (x := extra.get(w.min_cost_key)) is not None
+                        ):
+                            d = at_min[aid] = base + x
+                        else:
+                            d = minimum(w)
                     e = entries[aid] = (low.get(aid, w.min_units), d, None)
             out.append(e)
         return out
@@ -284,6 +322,8 @@ class Replay:
             if self.eft:
                 return self._eft(waiting, i, end, state, heap, clock, ents)
             return self._plain(waiting, i, end, state, heap, clock)
+        if depth <= 1 and self.fast_other:
+            return self._lowest(waiting, i, end, state, heap, clock)
         if depth == 2 and ents is not None:  # ents: fast and eft (see run)
             return self._eft_to_branch(waiting, ents, i, end, state, heap, clock)
         total = 0.0
@@ -306,6 +346,42 @@ class Replay:
             total += clock + d
             heapq.heappush(heap, (clock + d, u))
             state = take(state, u)
+            i += 1
+        return total
+
+    def _lowest(
+        self,
+        waiting: Sequence[Action],
+        i: int,
+        end: int,
+        state: Any,
+        heap: list[tuple[float, int]],
+        clock: float,
+    ) -> float:
+        """``_run`` at depth 1 on any operator without EFT: each action at its lowest amount
+        as soon as the operator can take it (``_wait_for`` inlined)."""
+        total = 0.0
+        at_min, minimum, low = self.dur.at_min, self.dur.minimum, self.dur.low
+        take, give = self.op.take, self.op.give
+        pop, push = heapq.heappop, heapq.heappush
+        while i < end:
+            w = waiting[i]
+            u = low.get(w.id, w.min_units)
+            d = at_min.get(w.id)
+            if d is None:
+                d = minimum(w)
+            nxt = take(state, u)
+            while nxt is None:
+                if not heap:
+                    return total + NEVER * (end - i)
+                finish, units = pop(heap)
+                if finish > clock:
+                    clock = finish
+                state = give(state, units)
+                nxt = take(state, u)
+            total += clock + d
+            push(heap, (clock + d, u))
+            state = nxt
             i += 1
         return total
 
@@ -463,7 +539,7 @@ class Replay:
         opts = self._options.get(w.id)
         if opts is None:
             amounts = spread(self.dur.choices(w), self.cfg.max_branch)
-            opts = self._options[w.id] = [(u, self.dur(w, u)) for u in amounts]
+            opts = self._options[w.id] = list(zip(amounts, self.dur.many(w, amounts), strict=True))
         return opts
 
     def _wait_for(

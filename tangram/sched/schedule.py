@@ -351,7 +351,14 @@ def _schedule_pool(
     if priced:
         max_single = dur.max_single
         dur.narrow(
-            price_bands(queue, pool.capacity, load, lambda a: elastic_amounts(a, max_single), dur)
+            price_bands(
+                queue,
+                pool.capacity,
+                load,
+                lambda a: elastic_amounts(a, max_single),
+                dur,
+                dur.many,
+            )
         )
     running_at = snap.running.get(pool.pool_id, ())
 
@@ -374,13 +381,19 @@ def _schedule_pool(
         else:
             fixed.append(a)
     if not elastic:  # the placement is fixed: no DP, no eviction, objective 0 (see below)
-        at_min = [(a, a.min_units) for a in fixed]
-        return _PoolResult(at_min, [dur(a, amount) for a, amount in at_min], 0.0, 0)
+        lowest = [(a, a.min_units) for a in fixed]
+        return _PoolResult(lowest, [dur(a, amount) for a, amount in lowest], 0.0, 0)
     state = op.start()
-    for a in fixed:
-        nxt = op.take(state, a.min_units)
-        assert nxt is not None  # the candidate prefix fit at minimum
-        state = nxt
+    if isinstance(op, BaseOperator):  # take(s, k) is s - k there (the prefix fit)
+        for a in fixed:
+            k = a.min_units
+            assert 0 <= k <= state  # the candidate prefix fit at minimum
+            state -= k
+    else:
+        for a in fixed:
+            nxt = op.take(state, a.min_units)
+            assert nxt is not None  # the candidate prefix fit at minimum
+            state = nxt
     choices = [dur.table(a, dur.choices(a)) for a in elastic]
     table = DPTable(choices, op, start=state)
     n = len(elastic)
@@ -392,7 +405,7 @@ def _schedule_pool(
     # ``replay_limit`` non-candidates), so objective values of different t compare.
     window = rest[: cfg.replay_limit]
     # fixed candidates have no band: their lowest amount is their minimum
-    fixed_heap = [(dur.minimum(a), a.min_units) for a in fixed]
+    fixed_heap = list(zip(dur.minimums(fixed), [a.min_units for a in fixed], strict=True))
     fixed_total = sum(d for d, _ in fixed_heap)
     base_heap = running() + fixed_heap
     replay = Replay(op, dur, cfg)
@@ -434,19 +447,24 @@ def _schedule_pool(
         best_t, best, best_amounts = t, value, amounts
         t -= 1
     placed: list[tuple[Action, int]] = []
+    durs: list[float] = []
     chosen = dict(zip((a.id for a in elastic[:best_t]), best_amounts, strict=True))
     fixed_ids = {a.id for a in fixed}
+    low, minimum, at_min = dur.low, dur.minimum, dur.at_min
     for a in cands:
-        if a.id in chosen:
-            placed.append((a, chosen[a.id]))
-        elif a.id in fixed_ids:
-            placed.append((a, a.min_units))
-    low, minimum = dur.low, dur.minimum
-    # at the lowest amount the duration is the cached minimum (the same computation)
-    durs = [
-        minimum(a) if amount == low.get(a.id, a.min_units) else dur(a, amount)
-        for a, amount in placed
-    ]
+        aid = a.id
+        amount = chosen.get(aid)
+        if amount is None:
+            if aid not in fixed_ids:
+                continue
+            amount = a.min_units
+        placed.append((a, amount))
+        # at the lowest amount the duration is the cached minimum (the same computation)
+        if amount == low.get(aid, a.min_units):
+            d = at_min.get(aid)
+            durs.append(minimum(a) if d is None else d)
+        else:
+            durs.append(dur(a, amount))
     return _PoolResult(placed, durs, best, n - best_t)
 
 
@@ -503,7 +521,7 @@ def _candidates_easy(
     """
     cands: list[Action] = []
     rest: list[Action] = []
-    low = dur.low
+    low, at_min = dur.low, dur.at_min
     held: list[tuple[float, int]] = []  # (expected duration, units) of this pass's starts
     shadow, extra = -1.0, 0
     elastic_waits = False
@@ -521,13 +539,16 @@ def _candidates_easy(
             if shadow < 0.0 and (not a.elastic or a.submitted_at <= starved):
                 shadow, extra = _reservation(need, free, [*running(), *held])
             continue
-        if shadow >= 0.0 and dur.minimum(a) > shadow:
+        d = at_min.get(a.id)
+        if d is None:
+            d = dur.minimum(a)
+        if shadow >= 0.0 and d > shadow:
             if need > extra:
                 rest.append(a)
                 continue
             extra -= need
         free -= need
-        held.append((dur.minimum(a), need))
+        held.append((d, need))
         cands.append(a)
     return cands, rest
 
