@@ -129,10 +129,14 @@ class Durations:
         out = []
         for u in amounts:
             base = profiled.get(u)
-            if base is not None and (x := extra.get((kind, service, u))) is not None:
-                out.append(base + x)  # _compute's value, without the call
-            else:
+            if base is None:
                 out.append(self(action, u))
+                continue
+            key = (kind, service, u)  # _compute's value, without the call
+            x = extra.get(key)
+            if x is None:
+                x = extra[key] = self._pool.extra_cost(action, u)
+            out.append(base + x)
         return out
 
     def minimums(self, actions: Sequence[Action]) -> list[float]:
@@ -164,10 +168,12 @@ class Durations:
 
     def __call__(self, action: Action, amount: int) -> float:
         base = action.profiled.get(amount)
-        if base is not None:  # _compute's value once the extra cost is memoised
-            extra = self._extra.get((action.kind, action.service, amount))
-            if extra is not None:
-                return base + extra
+        if base is not None:  # _compute's value, without the call (nor a cache entry)
+            extra_key = (action.kind, action.service, amount)
+            extra = self._extra.get(extra_key)
+            if extra is None:
+                extra = self._extra[extra_key] = self._pool.extra_cost(action, amount)
+            return base + extra
         key = (action.id, amount)
         dur = self._cache.get(key)
         if dur is None:
