@@ -425,8 +425,9 @@ class Replay:
             if w.elastic:
                 rest = order[head:]
                 return total + self._branch(waiting, i, end, free, rest, clock, 2, ents, rest)
-            total += clock + d
-            insort(order, (clock + d, u), lo=head)  # finishes never precede the clock
+            fin = clock + d
+            total += fin
+            insort(order, (fin, u), head)  # lo=head: finishes never precede the clock
             size += 1
             free -= u
             i += 1
@@ -520,8 +521,9 @@ class Replay:
                 if finish > clock:
                     clock = finish
                 free += units
-            total += clock + d
-            insort(order, (clock + d, u), lo=head)  # finishes never precede the clock
+            fin = clock + d
+            total += fin
+            insort(order, (fin, u), head)  # lo=head: finishes never precede the clock
             size += 1
             free -= u
         if keep is not None:
