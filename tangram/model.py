@@ -286,6 +286,15 @@ class Action:
     min_units: int = field(init=False, repr=False, compare=False)
     elastic: bool = field(init=False, repr=False, compare=False)
     profiled: Mapping[int, float] = field(init=False, repr=False, compare=False)
+    # duration at ``min_units`` when it does not need the history estimate (profile,
+    # elasticity or known duration, as ``duration`` reads them), else None
+    base_min: float | None = field(init=False, repr=False, compare=False)
+    # the scheduler's memo keys: strings (their hash is cached) that are equal exactly when
+    # (kind, service, min_units, demand["mem"]) resp. (min_units, demand["mem"]) are
+    fit_key: str = field(init=False, repr=False, compare=False)
+    node_key: str = field(init=False, repr=False, compare=False)
+    # the key a pool's extra cost at ``min_units`` is memoised on (SchedPool.extra_cost)
+    min_cost_key: tuple[str, str | None, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         allowed = self.demand[self.key].allowed()
@@ -300,6 +309,18 @@ class Action:
         e = self.elasticity
         table = {m: e.dur(m) for m in allowed} if e is not None and e.lo <= allowed[0] else {}
         object.__setattr__(self, "profiled", table)
+        low = allowed[0]
+        base = table.get(low)
+        if base is None:
+            if e is not None:
+                base = self.duration(low, 0.0)
+            elif self.dur_s is not None:
+                base = self.dur_s
+        object.__setattr__(self, "base_min", base)
+        object.__setattr__(self, "min_cost_key", (self.kind, self.service, low))
+        mem = self.demand.get("mem")
+        object.__setattr__(self, "node_key", f"{low}|{mem!r}")
+        object.__setattr__(self, "fit_key", f"{self.kind}|{self.service!r}|{low}|{mem!r}")
 
     @property
     def key_amounts(self) -> Amounts:

@@ -87,24 +87,23 @@ class DPTable:
         cost = np.full(width, INF)
         cost[0] = 0.0
         self._vec_cost: list[npt.NDArray[np.float64]] = [cost]
-        self._vec_pick: list[npt.NDArray[np.int16]] = []
-        cols = np.arange(width)
+        self._vec_pick: list[npt.NDArray[np.intp]] = []
         for options in self._choices:
             fits = [(u, d) for u, d in options if u < width]
             if len(fits) == 1:  # one row: it is the minimum (no grid, no argmin)
                 amount, dur = fits[0]
                 best = np.full(width, INF)
                 np.add(cost[: width - amount], dur, out=best[amount:])
-                pick = np.full(width, options.index(fits[0]), dtype=np.int16)
+                pick = np.full(width, options.index(fits[0]), dtype=np.intp)
             else:
                 grid = np.full((max(1, len(fits)), width), INF)
                 for idx, (amount, dur) in enumerate(fits):
                     np.add(cost[: width - amount], dur, out=grid[idx, amount:])
-                pick = grid.argmin(axis=0).astype(np.int16)  # first minimum: smallest amount
-                best = grid[pick, cols]
+                pick = grid.argmin(axis=0)  # first minimum: smallest amount
+                best = grid.min(axis=0)  # the value at pick
                 # map grid rows back to indices into the candidate's full option list
                 if len(fits) != len(options):
-                    index_of = np.array([options.index(f) for f in fits] or [0], dtype=np.int16)
+                    index_of = np.array([options.index(f) for f in fits] or [0], dtype=np.intp)
                     pick = index_of[pick]
             pick[best == INF] = -1  # durations are finite or inf, never NaN (checked)
             self._vec_pick.append(pick)

@@ -102,6 +102,19 @@ def _chunk_take(state: ChunkState, k: int) -> ChunkState | None:
     return (counts[0], counts[1], counts[2], counts[3])
 
 
+@lru_cache(maxsize=4096)
+def _chunk_give(state: ChunkState, k: int) -> ChunkState:
+    """``ChunkOperator.give`` (memoised as ``_chunk_take``: the replay returns chunks often)."""
+    counts = list(state)
+    level = CHUNK_SIZES.index(chunk_level(k))
+    counts[level] += 1
+    while level < len(CHUNK_SIZES) - 1 and counts[level] >= 2:
+        counts[level] -= 2
+        counts[level + 1] += 1
+        level += 1
+    return (counts[0], counts[1], counts[2], counts[3])
+
+
 class ChunkOperator:
     """GPU buddy chunks (Alg. 4): state = free chunk counts (n1, n2, n4, n8).
 
@@ -139,14 +152,7 @@ class ChunkOperator:
 
     def give(self, state: ChunkState, k: int) -> ChunkState:
         """Return a chunk and merge equal pairs upwards (optimistic: assumes they are buddies)."""
-        counts = list(state)
-        level = CHUNK_SIZES.index(chunk_level(k))
-        counts[level] += 1
-        while level < len(CHUNK_SIZES) - 1 and counts[level] >= 2:
-            counts[level] -= 2
-            counts[level + 1] += 1
-            level += 1
-        return (counts[0], counts[1], counts[2], counts[3])
+        return _chunk_give(state, k)
 
     def units(self, state: ChunkState) -> int:
         n1, n2, n4, n8 = state  # sum over CHUNK_SIZES (1, 2, 4, 8), unrolled

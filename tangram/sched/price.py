@@ -121,8 +121,11 @@ def price_bands(
     load: PoolLoad | None,
     amounts_of: Callable[[Action], tuple[int, ...]],
     dur: Callable[[Action, int], float],
+    durs: Callable[[Action, tuple[int, ...]], list[float]] | None = None,
 ) -> dict[ActionId, tuple[int, ...]]:
-    """The band of amounts each elastic action of ``queue`` may start at in this pass."""
+    """The band of amounts each elastic action of ``queue`` may start at in this pass.
+
+    ``durs(a, ks)``: ``[dur(a, k) for k in ks]`` in one call, where the caller has it."""
     load = load or NO_LOAD
     elastic = [(a, amounts_of(a)) for a in queue if a.elastic]
     if not elastic:
@@ -136,11 +139,13 @@ def price_bands(
     for a, amounts in elastic:
         if len(amounts) > 1:
             best, pick = math.inf, amounts[-1]
-            for k in probe(amounts):
+            ks = probe(amounts)
+            ds = [dur(a, k) for k in ks] if durs is None else durs(a, ks)
+            for k, d in zip(ks, ds, strict=True):
                 f = factor.get(k)
                 if f is None:
                     f = factor[k] = price_factor(k, share)
-                cost = dur(a, k) * f
+                cost = d * f
                 if cost < best:
                     best, pick = cost, k
             out[a.id] = band(amounts, pick)

@@ -121,17 +121,59 @@ class Durations:
     def table(self, action: Action, amounts: tuple[int, ...]) -> dict[int, float]:
         """Durations at each of ``amounts`` (the DP's choices for one candidate), through
         the per-pass cache: pricing already read some of them."""
-        return {u: self(action, u) for u in amounts}
+        return dict(zip(amounts, self.many(action, amounts), strict=True))
+
+    def many(self, action: Action, amounts: Sequence[int]) -> list[float]:
+        """``[self(action, u) for u in amounts]``, the profiled ones written out."""
+        profiled, extra, kind, service = action.profiled, self._extra, action.kind, action.service
+        out = []
+        for u in amounts:
+            base = profiled.get(u)
+            if base is None:
+                out.append(self(action, u))
+                continue
+            key = (kind, service, u)  # _compute's value, without the call
+            x = extra.get(key)
+            if x is None:
+                x = extra[key] = self._pool.extra_cost(action, u)
+            out.append(base + x)
+        return out
+
+    def minimums(self, actions: Sequence[Action]) -> list[float]:
+        """``[self.minimum(a) for a in actions]``, the memoised ones read in place."""
+        at_min, minimum = self.at_min, self.minimum
+        out = []
+        for a in actions:
+            d = at_min.get(a.id)
+            out.append(minimum(a) if d is None else d)
+        return out
 
     def minimum(self, action: Action) -> float:
         """Duration at the lowest amount the action may take in this pass."""
-        d = self.at_min.get(action.id)
+        aid = action.id
+        d = self.at_min.get(aid)
         if d is None:
-            u = self.low.get(action.id, action.min_units)  # lowest(), inlined
-            d = self.at_min[action.id] = self._compute(action, u)
+            base = action.base_min
+            if base is None or aid in self.low:
+                u = self.low.get(aid, action.min_units)  # lowest(), inlined
+                d = self.at_min[aid] = self._compute(action, u)
+            else:  # _compute at the minimum with the action's own base duration
+                extra_key = action.min_cost_key
+                extra = self._extra.get(extra_key)
+                if extra is None:
+                    extra = self._pool.extra_cost(action, action.min_units)
+                    self._extra[extra_key] = extra
+                d = self.at_min[aid] = base + extra
         return d
 
     def __call__(self, action: Action, amount: int) -> float:
+        base = action.profiled.get(amount)
+        if base is not None:  # _compute's value, without the call (nor a cache entry)
+            extra_key = (action.kind, action.service, amount)
+            extra = self._extra.get(extra_key)
+            if extra is None:
+                extra = self._extra[extra_key] = self._pool.extra_cost(action, amount)
+            return base + extra
         key = (action.id, amount)
         dur = self._cache.get(key)
         if dur is None:
@@ -211,24 +253,64 @@ class Replay:
         self.cfg = cfg
         self.plain = isinstance(op, BaseOperator)
         self.fast = fast and self.plain
+        # any other operator (GPU chunks): the depth-1 loop specialised (lowest amounts)
+        self.fast_other = fast and not self.plain
         # EFT replay on plain unit counts only (CPU nodes): on GPU chunk pools it was
         # measured worse than "wait" (MOPD+Search teacher ACT +7%, DeepSearch judge +18%)
         self.eft = cfg.rule in ("wait-eft", "priced") and self.plain
         self._options: dict[ActionId, list[tuple[int, float]]] = {}
         self._entries: dict[ActionId, Entry] = {}
 
-    def run(self, waiting: Sequence[Action], state: Any, heap: list[tuple[float, int]]) -> float:
-        ents = self._entries_of(waiting) if self.fast and self.eft else None
+    def run(
+        self,
+        waiting: Sequence[Action],
+        state: Any,
+        heap: list[tuple[float, int]],
+        ents: list[Entry] | None = None,
+    ) -> float:
+        """``ents``: ``self.entries(waiting)`` when the caller already has it (it replays
+        subsets of one list, so it looks the entries up once); else looked up here."""
+        if self.fast and self.eft:
+            if ents is None:
+                ents = self._entries_of(waiting)
+        else:
+            ents = None
         return self._run(waiting, 0, len(waiting), state, heap, 0.0, self.cfg.depth, ents)
+
+    def entries(self, waiting: Sequence[Action]) -> list[Entry] | None:
+        """The EFT entries of ``waiting`` as ``run`` wants them, or None where ``run``
+        reads none (not the EFT replay)."""
+        return self._entries_of(waiting) if self.fast and self.eft else None
 
     def _entries_of(self, waiting: Sequence[Action]) -> list[Entry]:
         """The EFT entries of ``waiting``, position by position: looked up once per run and
         shared by every branch's replay of the same list."""
         entries, entry = self._entries, self._entry
+        get = entries.get
+        dur = self.dur
+        at_min, low, minimum, extra = dur.at_min, dur.low, dur.minimum, dur._extra
         out = []
         for w in waiting:
-            e = entries.get(w.id)
-            out.append(entry(w) if e is None else e)
+            e = get(w.id)
+            if e is None:
+                if w.elastic:
+                    e = entry(w)
+                else:  # _entry(), inlined for the common case (lowest amount, minimum)
+                    aid = w.id
+                    d = at_min.get(aid)
+                    if d is None:
+                        # minimum()'s own-base path, inlined while the extra cost is memoised
+                        base = w.base_min
+                        if (
+                            base is not None
+                            and aid not in low
+                            and (x := extra.get(w.min_cost_key)) is not None
+                        ):
+                            d = at_min[aid] = base + x
+                        else:
+                            d = minimum(w)
+                    e = entries[aid] = (low.get(aid, w.min_units), d, None)
+            out.append(e)
         return out
 
     def _run(
@@ -246,6 +328,10 @@ class Replay:
             if self.eft:
                 return self._eft(waiting, i, end, state, heap, clock, ents)
             return self._plain(waiting, i, end, state, heap, clock)
+        if depth <= 1 and self.fast_other:
+            return self._lowest(waiting, i, end, state, heap, clock)
+        if depth == 2 and ents is not None:  # ents: fast and eft (see run)
+            return self._eft_to_branch(waiting, ents, i, end, state, heap, clock)
         total = 0.0
         dur = self.dur
         take = self.op.take
@@ -266,6 +352,84 @@ class Replay:
             total += clock + d
             heapq.heappush(heap, (clock + d, u))
             state = take(state, u)
+            i += 1
+        return total
+
+    def _lowest(
+        self,
+        waiting: Sequence[Action],
+        i: int,
+        end: int,
+        state: Any,
+        heap: list[tuple[float, int]],
+        clock: float,
+    ) -> float:
+        """``_run`` at depth 1 on any operator without EFT: each action at its lowest amount
+        as soon as the operator can take it (``_wait_for`` inlined)."""
+        total = 0.0
+        at_min, minimum, low = self.dur.at_min, self.dur.minimum, self.dur.low
+        take, give = self.op.take, self.op.give
+        pop, push = heapq.heappop, heapq.heappush
+        while i < end:
+            w = waiting[i]
+            u = low.get(w.id, w.min_units)
+            d = at_min.get(w.id)
+            if d is None:
+                d = minimum(w)
+            nxt = take(state, u)
+            while nxt is None:
+                if not heap:
+                    return total + NEVER * (end - i)
+                finish, units = pop(heap)
+                if finish > clock:
+                    clock = finish
+                state = give(state, units)
+                nxt = take(state, u)
+            total += clock + d
+            push(heap, (clock + d, u))
+            state = nxt
+            i += 1
+        return total
+
+    def _eft_to_branch(
+        self,
+        waiting: Sequence[Action],
+        ents: list[Entry],
+        i: int,
+        end: int,
+        free: int,
+        heap: list[tuple[float, int]],
+        clock: float,
+    ) -> float:
+        """``_run`` at depth 2 on plain unit counts with EFT amounts: the actions before the
+        first elastic one at their entry (lowest amount, minimum), then its branch.
+
+        The heap is kept as a sorted list with a moving head (as in ``_eft_from``): it pops
+        in the heap's order, and the branch gets the rest already sorted."""
+        total = 0.0
+        order = sorted(heap)
+        head, size, insort = 0, len(order), bisect.insort
+        while i < end:
+            w = waiting[i]
+            u, d, _ = ents[i]
+            if w.elastic:
+                u = self.dur.lowest(w)  # the branch's own _wait_for, over the sorted heap
+            while free < u:
+                if head == size:
+                    return total + NEVER * (end - i)
+                finish, units = order[head]
+                head += 1
+                if finish > clock:
+                    clock = finish
+                free += units
+            if w.elastic:
+                rest = order[head:]
+                return total + self._branch(waiting, i, end, free, rest, clock, 2, ents, rest)
+            fin = clock + d
+            total += fin
+            insort(order, (fin, u), head)  # lo=head: finishes never precede the clock
+            size += 1
+            free -= u
             i += 1
         return total
 
@@ -357,8 +521,9 @@ class Replay:
                 if finish > clock:
                     clock = finish
                 free += units
-            total += clock + d
-            insort(order, (clock + d, u), lo=head)  # finishes never precede the clock
+            fin = clock + d
+            total += fin
+            insort(order, (fin, u), head)  # lo=head: finishes never precede the clock
             size += 1
             free -= u
         if keep is not None:
@@ -382,7 +547,7 @@ class Replay:
         opts = self._options.get(w.id)
         if opts is None:
             amounts = spread(self.dur.choices(w), self.cfg.max_branch)
-            opts = self._options[w.id] = [(u, self.dur(w, u)) for u in amounts]
+            opts = self._options[w.id] = list(zip(amounts, self.dur.many(w, amounts), strict=True))
         return opts
 
     def _wait_for(
@@ -417,7 +582,9 @@ class Replay:
         clock: float,
         depth: int,
         ents: list[Entry] | None = None,
+        ordered: list[tuple[float, int]] | None = None,
     ) -> float:
+        """``ordered``: ``sorted(heap)`` when the caller has it (the heap is then not read)."""
         w = waiting[i]
         take = self.op.take
         amounts = spread(self.dur.choices(w), self.cfg.max_branch)
@@ -432,7 +599,8 @@ class Replay:
         saved: dict[int, tuple[float, float, _EftState]] = {}
         # there the heap is sorted once: _wait_for pops it in that order, and the EFT loop
         # wants the rest sorted, so each option slices it instead of copying and re-sorting
-        ordered = sorted(heap) if resumable else heap
+        if ordered is None or not resumable:
+            ordered = sorted(heap) if resumable else heap
 
         def cost(u: int, stop: int) -> float:
             if resumable:

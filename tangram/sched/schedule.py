@@ -50,6 +50,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from operator import attrgetter
 from typing import Any, Literal, Protocol
 
@@ -177,30 +178,39 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
     queues: dict[str, list[Action]] = {}
     new_nodes: set[ActionId] = set()
     unplaced_new: list[Action] = []
-    never_memo: dict[tuple[Any, ...], Shortfall | None] = {}
+    # per pool: the pool, its never_fits memo, its queue (None: no such pool)
+    lanes: dict[str, tuple[SchedPool, dict[str, Shortfall | None], list[Action]] | None] = {}
     affinity, pools = snapshot.affinity, snapshot.pools
     for action in snapshot.waiting:
-        pid = pool_of(action, affinity)
-        if pid is None:
-            unplaced_new.append(action)
-            continue
-        pool = pools.get(pid)
-        if pool is None:
+        kind = action.kind  # pool_of(), inlined
+        if kind == "exec":
+            pid = affinity.get(action.trajectory)
+            if pid is None:
+                unplaced_new.append(action)
+                continue
+        else:
+            pid = "gpu" if kind == "service" else action.key
+        lane = lanes.get(pid, _UNKNOWN)
+        if lane is _UNKNOWN:
+            pool = pools.get(pid)
+            lane = lanes[pid] = None if pool is None else (pool, {}, [])
+        if lane is None:
             infeasible.append(Infeasible(action.id, _no_pool(action, pid)))
             continue
-        # never_fits depends only on these fields; memoised because queues are long
-        sig = (pid, action.kind, action.service, action.min_units, action.demand.get("mem"))
+        pool, never_memo, queue = lane
+        # never_fits depends only on (kind, service, min_units, demand["mem"]), which
+        # fit_key stands for; memoised because queues are long
+        sig = action.fit_key
         short: Shortfall | None = never_memo.get(sig, _UNKNOWN)
         if short is _UNKNOWN:
             short = never_memo[sig] = pool.never_fits(action)
         if short is not None:
             infeasible.append(Infeasible(action.id, short))
             continue
-        queue = queues.get(pid)
-        if queue is None:
-            queues[pid] = [action]
-        else:
-            queue.append(action)
+        queue.append(action)
+    for pid, lane in lanes.items():
+        if lane is not None and lane[2]:
+            queues[pid] = lane[2]
     if unplaced_new:
         assigned, never = _assign_nodes(unplaced_new, snapshot, now, cfg)
         infeasible.extend(never)
@@ -245,13 +255,16 @@ def _assign_nodes(
 ) -> tuple[list[tuple[Action, str]], list[Infeasible]]:
     """Memory-balanced node for each trajectory's first action (docs/design.md §5.2 placement)."""
     nodes: list[Any] = [p for pid, p in sorted(snap.pools.items()) if pid.startswith("cpu:")]
-    mem_free = {p.pool_id: p.mem_free for p in nodes}
-    mem_used = {p.pool_id: p.mem_reserved for p in nodes}
-    cores_free = {p.pool_id: p.free_units() for p in nodes}
+    # per node, by index in pool id order: free and reserved memory, free cores
+    pids: list[str] = [p.pool_id for p in nodes]
+    mem_free: list[int] = [p.mem_free for p in nodes]
+    mem_used: list[int] = [p.mem_reserved for p in nodes]
+    mem_total = [f + u for f, u in zip(mem_free, mem_used, strict=True)]  # never changes
+    cores_free: list[int] = [p.free_units() for p in nodes]
     assigned: list[tuple[Action, str]] = []
     never: list[Infeasible] = []
-    memo: dict[tuple[Any, ...], list[Any]] = {}
-    most_free = max(cores_free.values(), default=0)
+    memo: dict[tuple[str, int], list[int]] = {}  # (node_key, env memory) -> nodes it fits
+    most_free = max(cores_free, default=0)
     starvation_s, env_mem = cfg.starvation_s, snap.env_mem
     for action in actions:
         starving = now - action.submitted_at >= starvation_s
@@ -259,14 +272,13 @@ def _assign_nodes(
         if need > most_free and not starving:
             continue  # no node has the cores now: it waits (cheap exit for long queues)
         need_mem = env_mem(action)
-        sig = (need, action.demand.get("mem"), need_mem)
+        sig = (action.node_key, need_mem)  # node_key: (min_units, demand["mem"])
         fits_ever = memo.get(sig)
         if fits_ever is None:
             fits_ever = memo[sig] = [
-                p
-                for p in nodes
-                if p.never_fits(action) is None
-                and need_mem <= mem_free[p.pool_id] + mem_used[p.pool_id]
+                i
+                for i, p in enumerate(nodes)
+                if p.never_fits(action) is None and need_mem <= mem_total[i]
             ]
         if not fits_ever:
             cap = max((p.capacity for p in nodes), default=0)
@@ -279,45 +291,41 @@ def _assign_nodes(
             never.append(Infeasible(action.id, Shortfall("cpu", action.min_units, 0, cap, reason)))
             continue
         if len(fits_ever) == 1:  # one node it can ever fit: no choice to make
-            pid = fits_ever[0].pool_id
-            if not starving and (mem_free[pid] < need_mem or cores_free[pid] < need):
+            k = fits_ever[0]
+            if not starving and (mem_free[k] < need_mem or cores_free[k] < need):
                 continue  # waits; the node has no room now
         else:
-            room = [
-                p
-                for p in fits_ever
-                if mem_free[p.pool_id] >= need_mem and cores_free[p.pool_id] >= need
-            ]
-            if not room and not starving:
-                continue  # waits; no node has room now
-            among = room or fits_ever
-            pid = among[0].pool_id if len(among) == 1 else _least_loaded(among, mem_free, mem_used)
-        if mem_free[pid] >= need_mem:
-            mem_free[pid] -= need_mem
-            mem_used[pid] += need_mem
-            cores = cores_free[pid]
+            # the node with room with the lowest memory load (used / total), ties by pool id
+            # (nodes are in pool id order: the first of equal loads); none with room: it
+            # waits, or when starving, the least loaded node it can ever fit
+            k, best = -1, 0.0
+            for i in fits_ever:
+                if mem_free[i] >= need_mem and cores_free[i] >= need:
+                    total = mem_total[i]
+                    load = mem_used[i] / total if total else 1.0
+                    if k < 0 or load < best:
+                        k, best = i, load
+            if k < 0:
+                if not starving:
+                    continue  # waits; no node has room now
+                for i in fits_ever:
+                    total = mem_total[i]
+                    load = mem_used[i] / total if total else 1.0
+                    if k < 0 or load < best:
+                        k, best = i, load
+        if mem_free[k] >= need_mem:
+            mem_free[k] -= need_mem
+            mem_used[k] += need_mem
+            cores = cores_free[k]
             left = cores - need
-            cores_free[pid] = left if left > 0 else 0
+            cores_free[k] = left if left > 0 else 0
             if cores == most_free:  # only the node with the most free cores moves the max
-                most_free = max(cores_free.values()) if len(cores_free) > 1 else cores_free[pid]
-            assigned.append((action, pid))
+                most_free = max(cores_free) if len(cores_free) > 1 else cores_free[k]
+            assigned.append((action, pids[k]))
         elif starving:
             # pinned but memory not free yet: queue it there so it blocks later work (FCFS)
-            assigned.append((action, pid))
+            assigned.append((action, pids[k]))
     return assigned, never
-
-
-def _least_loaded(nodes: Sequence[Any], free: Mapping[str, int], used: Mapping[str, int]) -> str:
-    """The node with the lowest memory load (used / total), ties by pool id."""
-    best: tuple[float, str] | None = None
-    for node in nodes:
-        pid = node.pool_id
-        total = free[pid] + used[pid]
-        key = (used[pid] / total if total else 1.0, pid)
-        if best is None or key < best:
-            best = key
-    assert best is not None, "called with at least one node"
-    return best[1]
 
 
 # ----------------------------------------------------------------------------- one pool
@@ -343,7 +351,14 @@ def _schedule_pool(
     if priced:
         max_single = dur.max_single
         dur.narrow(
-            price_bands(queue, pool.capacity, load, lambda a: elastic_amounts(a, max_single), dur)
+            price_bands(
+                queue,
+                pool.capacity,
+                load,
+                lambda a: elastic_amounts(a, max_single),
+                dur,
+                dur.many,
+            )
         )
     running_at = snap.running.get(pool.pool_id, ())
 
@@ -368,13 +383,19 @@ def _schedule_pool(
         else:
             fixed.append(a)
     if not elastic:  # the placement is fixed: no DP, no eviction, objective 0 (see below)
-        at_min = [(a, a.min_units) for a in fixed]
-        return _PoolResult(at_min, [dur(a, amount) for a, amount in at_min], 0.0, 0)
+        lowest = [(a, a.min_units) for a in fixed]
+        return _PoolResult(lowest, [dur(a, amount) for a, amount in lowest], 0.0, 0)
     state = op.start()
-    for a in fixed:
-        nxt = op.take(state, a.min_units)
-        assert nxt is not None  # the candidate prefix fit at minimum
-        state = nxt
+    if isinstance(op, BaseOperator):  # take(s, k) is s - k there (the prefix fit)
+        for a in fixed:
+            k = a.min_units
+            assert 0 <= k <= state  # the candidate prefix fit at minimum
+            state -= k
+    else:
+        for a in fixed:
+            nxt = op.take(state, a.min_units)
+            assert nxt is not None  # the candidate prefix fit at minimum
+            state = nxt
     choices = [dur.table(a, dur.choices(a)) for a in elastic]
     table = DPTable(choices, op, start=state)
     n = len(elastic)
@@ -386,7 +407,7 @@ def _schedule_pool(
     # ``replay_limit`` non-candidates), so objective values of different t compare.
     window = rest[: cfg.replay_limit]
     # fixed candidates have no band: their lowest amount is their minimum
-    fixed_heap = [(dur.minimum(a), a.min_units) for a in fixed]
+    fixed_heap = list(zip(dur.minimums(fixed), [a.min_units for a in fixed], strict=True))
     fixed_total = sum(d for d, _ in fixed_heap)
     base_heap = running() + fixed_heap
     replay = Replay(op, dur, cfg)
@@ -395,6 +416,7 @@ def _schedule_pool(
     rank = {a.id: k for k, a in enumerate(elastic)}
     merged = list(heapq.merge(elastic, window, key=_SEQ))
     ranks = [rank.get(a.id, n) for a in merged]  # n: not a candidate, replayed at every t
+    ents = replay.entries(merged)  # looked up once for every t's subset of merged
 
     def objective(t: int) -> tuple[float, list[int]]:
         arr = table.row(t)
@@ -405,8 +427,10 @@ def _schedule_pool(
             assert nxt is not None
             s = nxt
             heapq.heappush(heap, (choices[k][amount], amount))
-        waiting = [a for a, r in zip(merged, ranks, strict=True) if r >= t]
-        return fixed_total + arr.total + replay.run(waiting, s, heap), arr.amounts
+        keep = [r >= t for r in ranks]
+        waiting = list(compress(merged, keep))
+        sub = None if ents is None else list(compress(ents, keep))
+        return fixed_total + arr.total + replay.run(waiting, s, heap, sub), arr.amounts
 
     lowest_t = 1 if cfg.rule == "paper" else 0
     if n <= lowest_t:
@@ -425,19 +449,24 @@ def _schedule_pool(
         best_t, best, best_amounts = t, value, amounts
         t -= 1
     placed: list[tuple[Action, int]] = []
+    durs: list[float] = []
     chosen = dict(zip((a.id for a in elastic[:best_t]), best_amounts, strict=True))
     fixed_ids = {a.id for a in fixed}
+    low, minimum, at_min = dur.low, dur.minimum, dur.at_min
     for a in cands:
-        if a.id in chosen:
-            placed.append((a, chosen[a.id]))
-        elif a.id in fixed_ids:
-            placed.append((a, a.min_units))
-    low, minimum = dur.low, dur.minimum
-    # at the lowest amount the duration is the cached minimum (the same computation)
-    durs = [
-        minimum(a) if amount == low.get(a.id, a.min_units) else dur(a, amount)
-        for a, amount in placed
-    ]
+        aid = a.id
+        amount = chosen.get(aid)
+        if amount is None:
+            if aid not in fixed_ids:
+                continue
+            amount = a.min_units
+        placed.append((a, amount))
+        # at the lowest amount the duration is the cached minimum (the same computation)
+        if amount == low.get(aid, a.min_units):
+            d = at_min.get(aid)
+            durs.append(minimum(a) if d is None else d)
+        else:
+            durs.append(dur(a, amount))
     return _PoolResult(placed, durs, best, n - best_t)
 
 
@@ -504,7 +533,7 @@ def _candidates_easy(
     """
     cands: list[Action] = []
     rest: list[Action] = []
-    low = dur.low
+    low, at_min = dur.low, dur.at_min
     held: list[tuple[float, int]] = []  # (expected duration, units) of this pass's starts
     shadow, extra = -1.0, 0
     bounded = False  # the reservation is an elastic action's: short calls' waits are bounded
@@ -526,7 +555,9 @@ def _candidates_easy(
                 shadow, extra = _reservation(need, free, [*running(), *held])
                 bounded = a.elastic
             continue
-        run_s = dur.minimum(a)
+        run_s = at_min.get(a.id)
+        if run_s is None:
+            run_s = dur.minimum(a)
         if shadow >= 0.0 and run_s > shadow and not (bounded and now - a.submitted_at >= run_s):
             if need > extra:
                 rest.append(a)
