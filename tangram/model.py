@@ -286,14 +286,13 @@ class Action:
     min_units: int = field(init=False, repr=False, compare=False)
     elastic: bool = field(init=False, repr=False, compare=False)
     profiled: Mapping[int, float] = field(init=False, repr=False, compare=False)
-    # duration at ``min_units`` when it does not need the history estimate (profile,
-    # elasticity or known duration, as ``duration`` reads them), else None
+    # own_duration(min_units): computed once, the scheduler asks for it on every pass
     base_min: float | None = field(init=False, repr=False, compare=False)
     # the scheduler's memo keys: strings (their hash is cached) that are equal exactly when
     # (kind, service, min_units, demand["mem"]) resp. (min_units, demand["mem"]) are
     fit_key: str = field(init=False, repr=False, compare=False)
     node_key: str = field(init=False, repr=False, compare=False)
-    # the key a pool's extra cost at ``min_units`` is memoised on (SchedPool.extra_cost)
+    # the key a pool's extra cost at ``min_units`` is memoised on (``Durations._extra_at``)
     min_cost_key: tuple[str, str | None, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -310,13 +309,7 @@ class Action:
         table = {m: e.dur(m) for m in allowed} if e is not None and e.lo <= allowed[0] else {}
         object.__setattr__(self, "profiled", table)
         low = allowed[0]
-        base = table.get(low)
-        if base is None:
-            if e is not None:
-                base = self.duration(low, 0.0)
-            elif self.dur_s is not None:
-                base = self.dur_s
-        object.__setattr__(self, "base_min", base)
+        object.__setattr__(self, "base_min", self.own_duration(low))
         object.__setattr__(self, "min_cost_key", (self.kind, self.service, low))
         mem = self.demand.get("mem")
         object.__setattr__(self, "node_key", f"{low}|{mem!r}")
@@ -339,6 +332,12 @@ class Action:
 
     def duration(self, units: int, fallback: float) -> float:
         """Expected execution time at ``units`` key units (``fallback`` = history estimate)."""
+        own = self.own_duration(units)
+        return fallback if own is None else own
+
+    def own_duration(self, units: int) -> float | None:
+        """``duration`` from the action's own fields (profile, elasticity, known duration,
+        in that order); None where only the history estimate would give one."""
         known = self.profiled.get(units)
         if known is not None:
             return known
@@ -347,9 +346,7 @@ class Action:
             if e.lo <= units <= e.hi:
                 return e.dur(units)
             return e.t1_s / units if units > 0 else e.t1_s
-        if self.dur_s is not None:
-            return self.dur_s
-        return fallback
+        return self.dur_s
 
     def fixed_amount(self, resource: str) -> int:
         """Amount of a non-key resource (always its minimum)."""

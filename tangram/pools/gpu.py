@@ -533,9 +533,7 @@ class GpuCluster:
                     return 0.0
                 break
         with_room = [n for n in fitting if n.buddy.has_chunk(size)]
-        # node.restore_time_s(spec, size), inlined (asked per variant on every pass)
-        mem = spec.mem_bytes
-        return min([mem / (node.h2d_bytes_per_s * size) for node in with_room or fitting])
+        return min([node.restore_time_s(spec, size) for node in with_room or fitting])
 
     def pick_units(self, requests: Sequence[tuple[Action, int]]) -> list[tuple[int, ...]]:
         """Global GPU ids of one aligned chunk per request, taken in order on a copy.

@@ -407,7 +407,7 @@ def _schedule_pool(
     # ``replay_limit`` non-candidates), so objective values of different t compare.
     window = rest[: cfg.replay_limit]
     # fixed candidates have no band: their lowest amount is their minimum
-    fixed_heap = list(zip(dur.minimums(fixed), [a.min_units for a in fixed], strict=True))
+    fixed_heap = [(dur.minimum(a), a.min_units) for a in fixed]
     fixed_total = sum(d for d, _ in fixed_heap)
     base_heap = running() + fixed_heap
     replay = Replay(op, dur, cfg)
@@ -452,7 +452,7 @@ def _schedule_pool(
     durs: list[float] = []
     chosen = dict(zip((a.id for a in elastic[:best_t]), best_amounts, strict=True))
     fixed_ids = {a.id for a in fixed}
-    low, minimum, at_min = dur.low, dur.minimum, dur.at_min
+    low, minimum = dur.low, dur.minimum
     for a in cands:
         aid = a.id
         amount = chosen.get(aid)
@@ -463,8 +463,7 @@ def _schedule_pool(
         placed.append((a, amount))
         # at the lowest amount the duration is the cached minimum (the same computation)
         if amount == low.get(aid, a.min_units):
-            d = at_min.get(aid)
-            durs.append(minimum(a) if d is None else d)
+            durs.append(minimum(a))
         else:
             durs.append(dur(a, amount))
     return _PoolResult(placed, durs, best, n - best_t)
@@ -533,7 +532,7 @@ def _candidates_easy(
     """
     cands: list[Action] = []
     rest: list[Action] = []
-    low, at_min = dur.low, dur.at_min
+    low = dur.low
     held: list[tuple[float, int]] = []  # (expected duration, units) of this pass's starts
     shadow, extra = -1.0, 0
     bounded = False  # the reservation is an elastic action's: short calls' waits are bounded
@@ -555,9 +554,7 @@ def _candidates_easy(
                 shadow, extra = _reservation(need, free, [*running(), *held])
                 bounded = a.elastic
             continue
-        run_s = at_min.get(a.id)
-        if run_s is None:
-            run_s = dur.minimum(a)
+        run_s = dur.minimum(a)
         if shadow >= 0.0 and run_s > shadow and not (bounded and now - a.submitted_at >= run_s):
             if need > extra:
                 rest.append(a)
