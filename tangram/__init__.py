@@ -10,6 +10,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from tangram import _native
+
+_native.select()  # the compiled core or its sources, before any of its modules is imported
+
 if TYPE_CHECKING:
     from tangram.client import AsyncClient, Client, Env, ExecResult, default_socket_path
     from tangram.model import InvalidDemand, TangramError, Unschedulable

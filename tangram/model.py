@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, NewType
+from typing import ClassVar, Literal, NewType
 
 ActionId = NewType("ActionId", str)
 TrajectoryId = NewType("TrajectoryId", str)
@@ -47,7 +47,7 @@ MAX_API_UNITS = 1 << 20
 class TangramError(Exception):
     """Base of every typed error; ``code`` is the wire error code (docs/design.md §6)."""
 
-    code: str = "internal"
+    code: ClassVar[str] = "internal"
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -57,7 +57,7 @@ class TangramError(Exception):
 class InvalidDemand(TangramError):
     """A demand that can never be valid: names the field and what is allowed."""
 
-    code = "bad_request"
+    code: ClassVar[str] = "bad_request"
 
     def __init__(self, field_name: str, problem: str, allowed: str = "") -> None:
         text = f"{field_name}: {problem}"
@@ -71,7 +71,7 @@ class InvalidDemand(TangramError):
 class Unschedulable(TangramError):
     """A valid demand that this cluster can never satisfy."""
 
-    code = "unschedulable"
+    code: ClassVar[str] = "unschedulable"
 
 
 # --------------------------------------------------------------------------- amounts

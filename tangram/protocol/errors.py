@@ -125,9 +125,11 @@ def error_from_wire(code: str, message: str) -> TangramError:
     """
     cls = ERROR_CLASSES.get(code)
     if cls is None:
-        exc = TangramError(message)
-        exc.code = code
-        return exc
+        # ``code`` is a class attribute on every typed error: a subclass for the unknown code
+        unknown: type[TangramError] = type(
+            "TangramError", (TangramError,), {"code": code, "__module__": __name__}
+        )
+        return unknown(message)
     return cls(message)
 
 

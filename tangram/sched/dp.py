@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -38,7 +38,7 @@ _MISSING: Any = object()  # successor not taken yet (None: the amount does not f
 class InfeasibleArrangement(TangramError):
     """Even the minimum amounts of the candidates do not fit the free units."""
 
-    code = "unschedulable"
+    code: ClassVar[str] = "unschedulable"
 
 
 @dataclass(frozen=True, slots=True)

@@ -190,10 +190,13 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
                 continue
         else:
             pid = "gpu" if kind == "service" else action.key
-        lane = lanes.get(pid, _UNKNOWN)
-        if lane is _UNKNOWN:
+        # the markers are read as Any: compiled (mypyc), a declared type is checked on read
+        got: Any = lanes.get(pid, _UNKNOWN)
+        if got is _UNKNOWN:
             pool = pools.get(pid)
             lane = lanes[pid] = None if pool is None else (pool, {}, [])
+        else:
+            lane = got
         if lane is None:
             infeasible.append(Infeasible(action.id, _no_pool(action, pid)))
             continue
@@ -201,9 +204,11 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
         # never_fits depends only on (kind, service, min_units, demand["mem"]), which
         # fit_key stands for; memoised because queues are long
         sig = action.fit_key
-        short: Shortfall | None = never_memo.get(sig, _UNKNOWN)
-        if short is _UNKNOWN:
+        got = never_memo.get(sig, _UNKNOWN)
+        if got is _UNKNOWN:
             short = never_memo[sig] = pool.never_fits(action)
+        else:
+            short = got
         if short is not None:
             infeasible.append(Infeasible(action.id, short))
             continue

@@ -1,0 +1,121 @@
+"""The scheduling core, compiled by mypyc or interpreted: one source, chosen at ``import tangram``.
+
+``pip install`` compiles ``MODULES`` (the action model, the scheduler, the pools: the pure
+core every scheduling pass runs) with mypyc into C extensions placed next to their sources
+(setup.py). It is the same code: mypyc compiles the type-annotated Python, so the compiled
+pass makes the same decisions as the interpreted one (``tests/test_native.py`` compares them
+on random snapshots) in fewer instructions (``docs/results.md``). The build is optional: with
+no C compiler, or ``TANGRAM_PURE_BUILD=1`` at install, nothing is compiled and nothing
+changes but speed.
+
+Python imports an extension before a source of the same name, and compiled modules call each
+other's native classes directly, so the choice is all or nothing, made once per process by
+``select()`` (``tangram/__init__.py`` calls it before any of these modules is imported):
+
+- the sources when ``TANGRAM_PURE=1`` (the reference; how to debug or profile the core);
+- the sources, with a warning, when a compiled module is missing or older than its source
+  (an edited checkout: a stale extension must never run code the source no longer has;
+  ``pip install -e .`` rebuilds);
+- the sources, silently, when nothing was compiled;
+- else the extensions.
+
+``ACTIVE`` says which was chosen and ``REASON`` why (``tangramd`` logs both at start).
+No I/O beyond ``stat`` of these files; no imports of the modules themselves.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
+from pathlib import Path
+from types import ModuleType
+
+# The mypyc group: its runtime and the compiled code of every module of MODULES are in one
+# shared library, tangram/_native_core__mypyc.<abi>.so; each module has a small shim beside
+# its source.
+GROUP = "tangram._native_core"
+MODULES = (
+    "tangram.model",
+    "tangram.sched.dp",
+    "tangram.sched.operators",
+    "tangram.sched.pool",
+    "tangram.sched.price",
+    "tangram.sched.replay",
+    "tangram.sched.schedule",
+    "tangram.pools.api",
+    "tangram.pools.cpu",
+    "tangram.pools.gpu",
+)
+ROOT = Path(__file__).resolve().parent.parent  # the directory holding the tangram package
+
+ACTIVE = False
+REASON = "not selected yet"
+
+
+def _source(name: str) -> Path:
+    return ROOT.joinpath(*name.split(".")).with_suffix(".py")
+
+
+def _extension(name: str) -> Path | None:
+    stem = ROOT.joinpath(*name.split("."))
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = stem.with_name(stem.name + suffix)
+        if path.exists():
+            return path
+    return None
+
+
+def check() -> tuple[bool, str, bool]:
+    """(compiled modules usable, why, whether that is worth a warning)."""
+    if os.environ.get("TANGRAM_PURE") == "1":
+        return False, "TANGRAM_PURE=1: the core runs interpreted", False
+    shared = _extension(GROUP + "__mypyc")
+    built = [name for name in MODULES if _extension(name) is not None]
+    if shared is None and not built:
+        return False, "the core is not compiled (installed without mypyc or a C compiler)", False
+    if shared is None:
+        return False, f"the compiled core's library {GROUP}__mypyc is missing", True
+    for name in MODULES:
+        ext = _extension(name)
+        if ext is None:
+            return False, f"{name} is not compiled: the core runs interpreted", True
+        src = _source(name)
+        if src.exists() and src.stat().st_mtime > ext.stat().st_mtime:
+            return (
+                False,
+                f"{src.relative_to(ROOT)} is newer than its compiled module: the core runs "
+                "interpreted (`pip install -e .` recompiles it)",
+                True,
+            )
+    return True, "compiled by mypyc", False
+
+
+class _Sources(importlib.abc.MetaPathFinder):
+    """Meta path finder: the modules of MODULES from their ``.py`` sources."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if fullname not in MODULES:
+            return None
+        return importlib.util.spec_from_file_location(fullname, _source(fullname))
+
+
+def select() -> bool:
+    """Choose once per process where MODULES come from (module doc); returns ACTIVE."""
+    global ACTIVE, REASON
+    if REASON != "not selected yet":
+        return ACTIVE
+    ACTIVE, REASON, warn = check()
+    if not ACTIVE and any(_extension(name) is not None for name in MODULES):
+        # an extension is there: without this finder Python would import it, not the source
+        sys.meta_path.insert(0, _Sources())
+    if warn:
+        warnings.warn(REASON, RuntimeWarning, stacklevel=2)
+    return ACTIVE
