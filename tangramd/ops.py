@@ -13,6 +13,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from tangram import _native
 from tangram.protocol.errors import BadRequest, UnknownOp
 from tangram.protocol.ops import validate_args
 from tangram.protocol.results import CallSpec, ExecSpec
@@ -76,6 +77,7 @@ def _status(ex: Executor, args: Args, conn: ConnInfo) -> Any:
         "nodes": len(ex.core.cpu.nodes),
         # connected clients (the in-process gateway's connection among them)
         "clients": ex.server.connections,
+        "core": "compiled" if _native.ACTIVE else "interpreted",  # tangram/_native.py
     }
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 from daemon_fixture import running_daemon
 
-from tangram import AsyncClient
+from tangram import AsyncClient, _native
 from tangram.model import Unschedulable
 from tangram.protocol.errors import NotFound, QuotaExceeded, Timeout
 
@@ -106,6 +106,8 @@ def test_no_core_serves_two_actions_under_100_trajectories(daemon):
     with daemon.client() as c:
         st = c.status()
         assert st["pools"]["cpu:local"]["free"] == 2 and st["queued"] == 0 and st["running"] == 0
+        # the daemon's process chose its core as this one did (tangram/_native.py)
+        assert st["core"] == ("compiled" if _native.ACTIVE else "interpreted")
 
 
 def test_impossible_and_bad_demands_are_typed_errors(daemon):

@@ -366,6 +366,7 @@ _STATUS_FIELDS: Final = (
     "socket: str",
     "nodes: int",
     "clients: int",
+    "core: str",  # "compiled" (mypyc) or "interpreted": where the scheduling core runs from
 )
 
 SERVICE_RUNTIMES: Final = ("torch", "http")
