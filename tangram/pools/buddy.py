@@ -34,8 +34,7 @@ class BuddyChunks:
         self._free[n_gpus].add(0)
 
     def copy(self) -> BuddyChunks:
-        other = BuddyChunks.__new__(BuddyChunks)  # no __init__: its free map is replaced
-        other.n_gpus = self.n_gpus
+        other = BuddyChunks(self.n_gpus)  # (compiled: a native class has no bare __new__)
         other._free = {size: set(starts) for size, starts in self._free.items()}
         return other
 

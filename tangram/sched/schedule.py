@@ -419,7 +419,8 @@ def _schedule_pool(
 
     base_heap.sort()  # a sorted list is a valid heap: copied, never re-heapified
     rank = {a.id: k for k, a in enumerate(elastic)}
-    merged = list(heapq.merge(elastic, window, key=_SEQ))
+    # both in seq order: a stable sort of the two runs is their merge (a linear pass)
+    merged = sorted([*elastic, *window], key=_SEQ)
     ranks = [rank.get(a.id, n) for a in merged]  # n: not a candidate, replayed at every t
     ents = replay.entries(merged)  # looked up once for every t's subset of merged
 
