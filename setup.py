@@ -26,7 +26,8 @@ if os.environ.get("TANGRAM_PURE_BUILD") != "1":
         print("mypyc is not installed: the scheduling core stays interpreted")
     else:
         paths = [m.replace(".", "/") + ".py" for m in native["MODULES"]]
-        native["record"]()  # the sources compiled (tangram/_native.json): a later edit shows
+        # the sources compiled, by SHA-256 (tangram/_native.json): import tells a later edit
+        native["record"]()
         for ext in mypycify(paths, group_name=native["GROUP"], opt_level="3"):
             ext.optional = True  # no C compiler: the sources run (tangram/_native.py)
             ext_modules.append(ext)

@@ -20,8 +20,8 @@ other's native classes directly, so the choice is all or nothing, made once per 
 - the sources, silently, when nothing was compiled;
 - else the extensions.
 
-``ACTIVE`` says which was chosen and ``REASON`` why (``tangramd`` logs both at start).
-Reads only these files and the record (about 0.5 ms); imports none of the modules.
+``ACTIVE`` says which was chosen and ``REASON`` why (the daemon's ``status`` op reports
+which). Reads only these files and the record (about 0.5 ms); imports none of the modules.
 """
 
 from __future__ import annotations
@@ -86,19 +86,19 @@ def record() -> None:
     RECORD.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
-def check() -> tuple[bool, str, bool]:
-    """(compiled modules usable, why, whether that is worth a warning)."""
+def check(compiled: Sequence[str]) -> tuple[bool, str, bool]:
+    """(compiled modules usable, why, whether that is worth a warning), given the modules
+    of MODULES that have an extension."""
     if os.environ.get("TANGRAM_PURE") == "1":
         return False, "TANGRAM_PURE=1: the core runs interpreted", False
     shared = _extension(GROUP + "__mypyc")
-    built = [name for name in MODULES if _extension(name) is not None]
-    if shared is None and not built:
+    if shared is None and not compiled:
         return False, "the core is not compiled (installed without mypyc or a C compiler)", False
     if shared is None:
         return False, f"the compiled core's library {GROUP}__mypyc is missing", True
-    for name in MODULES:
-        if _extension(name) is None:
-            return False, f"{name} is not compiled: the core runs interpreted", True
+    missing = [name for name in MODULES if name not in compiled]
+    if missing:
+        return False, f"{missing[0]} is not compiled: the core runs interpreted", True
     try:
         built = json.loads(RECORD.read_text())["modules"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -135,8 +135,9 @@ def select() -> bool:
     global ACTIVE, REASON
     if REASON != "not selected yet":
         return ACTIVE
-    ACTIVE, REASON, warn = check()
-    if not ACTIVE and any(_extension(name) is not None for name in MODULES):
+    compiled = [name for name in MODULES if _extension(name) is not None]
+    ACTIVE, REASON, warn = check(compiled)
+    if not ACTIVE and compiled:
         # an extension is there: without this finder Python would import it, not the source
         sys.meta_path.insert(0, _Sources())
     if warn:
