@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import attrgetter
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from tangram.model import Action, ActionId, Shortfall, TrajectoryId
 from tangram.sched.dp import DPTable
@@ -133,8 +133,14 @@ class Snapshot:
     load: Mapping[str, PoolLoad] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class Placement:
+class Placement(NamedTuple):
+    """One action to start: on which pool, at which amount, on which units.
+
+    A named tuple, not a frozen dataclass: a pass builds one per started action (530 in a
+    (4096, 1024) pass), and a frozen dataclass's ``__init__`` sets each field through
+    ``object.__setattr__`` (1.3 µs per instance compiled, against 0.3 µs here). Immutable,
+    hashable and with the same ``repr`` either way."""
+
     action_id: ActionId
     pool_id: str
     amount: int
