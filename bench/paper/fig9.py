@@ -2,6 +2,7 @@
 
 Usage: python bench/paper/fig9.py [--batches 256,1024,1280,2048] [--seeds 0,1]
                                   [--mixed 64,128] [--fixed 1,2,4,8,16] [--rules] [--jobs 2]
+       python bench/paper/fig9.py --tally fig9-seeds,fig9-fresh [--json]
 
 ``tangram`` is the default ``priced`` rule, ``tangram-eft`` the previous default
 (``wait-eft``); ``--rules`` also runs ``tangram-wait`` and ``tangram-paper``. fixed-dop:K runs
@@ -12,8 +13,12 @@ batch sizes. ``--only P,Q`` runs just those policies and takes every other one's
 from the previous output file (``bench/paper/out/fig9.json``, or ``NAME.json`` with ``--out``;
 same workload, batch and seed; the traces are deterministic), e.g. ``--only tangram`` after a
 change to the priced rule alone; the rows run are merged into that file (rows not run keep
-their numbers). ``--batches ''`` runs no AI-coding
-row (e.g. only the mixed workloads, over more seeds); ``--out NAME`` writes just the rows run
+their numbers). ``--tally A,B`` runs nothing: it reads ``bench/paper/out/A.json`` (and B...)
+and counts, per workload and batch, the rows where ``tangram`` ≤ the best fixed DoP
+on avg, on p99 and on both, with the geometric mean of the ratios and a one-sided sign test
+of the p99 wins (so a loss on a few traces can be told from a systematic one).
+``--batches ''`` runs no AI-coding row (e.g. only the mixed workloads, over more seeds);
+``--out NAME`` writes just the rows run
 to ``bench/paper/out/NAME.json`` instead of ``fig9.json`` (and skips the plot). Paper:
 tangram is 3.0× faster than DoP=16 at batch 1280 (avg ACT).
 """
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -88,6 +95,65 @@ def _cell(res: dict[str, Any], p: str) -> str:
     return f"{res[p]['avg_act_s']:.3f} / {res[p]['p99_act_s']:.1f}"
 
 
+def tally(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (workload, batch): how often ``tangram`` ≤ the best fixed DoP (module doc)."""
+    groups: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for key, res in rows.items():
+        parts = key.split("/")
+        if len(parts) != 3 or "tangram" not in res:
+            continue  # not a row (e.g. the file's wall_s)
+        wl, batch = parts[0], int(parts[1])
+        fixed = [p for p in res if p.startswith("fixed-dop:")]
+        if not fixed:
+            continue
+        best = min(fixed, key=lambda p: res[p]["avg_act_s"])
+        t, b = res["tangram"], res[best]
+        ratios = (t["avg_act_s"] / b["avg_act_s"], t["p99_act_s"] / b["p99_act_s"])
+        groups.setdefault((wl, batch), []).append(ratios)
+    out = []
+    for (workload, batch), rs in sorted(groups.items()):
+        n = len(rs)
+        p99_wins = sum(p <= 1 for _, p in rs)
+        out.append(
+            {
+                "workload": workload,
+                "batch": batch,
+                "rows": n,
+                "avg_le": sum(a <= 1 for a, _ in rs),
+                "p99_le": p99_wins,
+                "both": sum(a <= 1 and p <= 1 for a, p in rs),
+                "geo_avg": round(math.exp(statistics.fmean(math.log(a) for a, _ in rs)), 3),
+                "geo_p99": round(math.exp(statistics.fmean(math.log(p) for _, p in rs)), 3),
+                "worst_p99": round(max(p for _, p in rs), 3),
+                # P(at least this many p99 wins) if each row were a fair coin
+                "sign_p": round(sum(math.comb(n, k) for k in range(p99_wins, n + 1)) / 2**n, 4),
+            }
+        )
+    return out
+
+
+def _print_tally(names: Sequence[str], as_json: bool) -> None:
+    rows: dict[str, dict[str, Any]] = {}
+    for name in names:
+        rows.update(json.loads((OUT / f"{name}.json").read_text()))
+    out = tally(rows)
+    if as_json:
+        print(json.dumps(out))
+        return
+    print(f"\n`tangram` against the best fixed DoP per row ({', '.join(names)})\n")
+    print(
+        "| workload | batch | rows | avg ≤ | p99 ≤ | both | geo avg / p99 | worst p99 "
+        "| sign test p (p99) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in out:
+        print(
+            f"| {r['workload']} | {r['batch']} | {r['rows']} | {r['avg_le']} | {r['p99_le']} "
+            f"| {r['both']} | {r['geo_avg']:.3f} / {r['geo_p99']:.3f} | {r['worst_p99']:.3f} "
+            f"| {r['sign_p']} |"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="256,1024,1280,2048")
@@ -98,7 +164,12 @@ def main() -> None:
     ap.add_argument("--fixed", default="1,2,4,8,16", help="the fixed DoPs K to run")
     ap.add_argument("--only", default="", help="run these policies, reuse the rest (doc)")
     ap.add_argument("--out", default="fig9", help="output name under bench/paper/out (doc)")
+    ap.add_argument("--tally", default="", help="count wins in these output files, run nothing")
+    ap.add_argument("--json", action="store_true", help="with --tally: one JSON list")
     args = ap.parse_args()
+    if args.tally:
+        _print_tally(args.tally.split(","), args.json)
+        return
     global FIXED
     FIXED = tuple(f"fixed-dop:{k}" for k in args.fixed.split(","))
     started = time.perf_counter()
