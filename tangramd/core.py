@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -171,6 +171,7 @@ class Core:
         self._affinity: dict[TrajectoryId, str] | None = (
             None  # envs.affinity(), until it may change
         )
+        self._envs_on: Counter[str] = Counter()  # environments per CPU node, with _affinity
         self._idle_due: float | None = None
 
     # ------------------------------------------------------------------ entry point
@@ -424,12 +425,17 @@ class Core:
         self._last_pass = now
         for pool in self.apis.values():
             pool.advance(now)
-        load = {p.pool_id: self.meter.load(p.pool_id, now) for p in self.cpu.nodes}
         short = None
         affinity = self._affinity
         cached = affinity is not None
         if affinity is None:
             affinity = self._affinity = self.envs.affinity()
+            self._envs_on = Counter(affinity.values())  # environments per CPU node
+        envs_on = self._envs_on
+        load = {
+            p.pool_id: self.meter.load(p.pool_id, now, envs_on.get(p.pool_id, 0))
+            for p in self.cpu.nodes
+        }
         if self.cfg.short_passes:
             short = self._short_waiting(affinity)
         if short is not None:
@@ -451,6 +457,7 @@ class Core:
         if short is None:
             if cached:  # never a cached one here (one read in this pass is fresh)
                 affinity = self._affinity = self.envs.affinity()
+                self._envs_on = Counter(affinity.values())
             running: dict[str, list[tuple[float, int]]] = {}
             for rec in self.actions.values():
                 if rec.state == "running" and rec.pool_id:
@@ -496,10 +503,13 @@ class Core:
             rec.units = p.units
             rec.started_at = now
             rec.expected_s = p.expected_s
+            env = self.envs.get(rec.env) if rec.env else None
             if rec.action.kind == "exec":
                 elastic = rec.action.elastic
-                self.meter.started(p.pool_id, p.action_id, now, elastic, p.amount, p.expected_s)
-            env = self.envs.get(rec.env) if rec.env else None
+                throwaway = env is not None and env.throwaway
+                self.meter.started(
+                    p.pool_id, p.action_id, now, elastic, p.amount, p.expected_s, throwaway
+                )
             node = env.node if env else None
             note(rec, now, "placed", Placed(p.pool_id, p.units, node, p.expected_s), self.stimulus)
             if rec.action.kind == "exec":

@@ -312,3 +312,65 @@ def test_long_test_run_is_not_priced_narrower_for_being_long() -> None:
     short = schedule(snap(pool, [suite_run(0, t1=100.0)], load=load), 0.0)
     long_ = schedule(snap(pool, [suite_run(1, t1=1000.0)], load=load), 0.0)
     assert long_.placements[0].amount == short.placements[0].amount
+
+
+def crowd_behind(meter: LoadMeter, pool: CpuNodePool, n: int, at: float, run_s: float) -> None:
+    """``n`` test runs of ``run_s`` on one core each started ``at`` (staggered by 0.5 s)
+    and finished: the window remembers them, the node holds none of them now."""
+    for i in range(n):
+        started = at + 0.5 * i
+        meter.submitted(pool.pool_id, started, elastic=True)
+        meter.started(pool.pool_id, f"c{i}", started, elastic=True, units=1, expected_s=run_s)
+        meter.finished(pool.pool_id, f"c{i}")
+
+
+def test_straggler_after_a_burst_takes_the_cores_that_pay_when_it_is_alone() -> None:
+    """The demo's tail phase: a 2-core node whose window still holds four test runs of a
+    burst that just ended, and one straggler left on it (one environment). Little's law
+    alone forecasts 1.8 runs in service and gives it one core, although two run it 1.4x
+    faster; no more can share its run than the node's environments not queued here (0),
+    so it takes both. While the crowd's environments are still on the node (six), or with
+    no count (0: no bound), the forecast stands and it takes one."""
+    pool = node(2)
+    eff = {1: 1.0, 2: 1.4 / 2}
+    straggler = make_action("e0", "exec", "t0", {"cpu": [1, 2]}, seq=1, t1_s=8.8, eff=eff)
+    meter = LoadMeter()
+    crowd_behind(meter, pool, 4, at=0.0, run_s=8.8)
+    meter.submitted(pool.pool_id, 12.0, elastic=True)
+    for envs, cores in ((1, 2), (6, 1), (0, 1)):
+        load = meter.load(pool.pool_id, 12.0, envs=envs)
+        assert load.elastic_starts_per_s * load.elastic_mean_s == pytest.approx(1.76)
+        d = schedule(snap(pool, [straggler], load=load), 12.0)
+        assert [(p.action_id, p.amount) for p in d.placements] == [("e0", cores)], envs
+
+
+def test_environment_bound_never_hides_the_runs_in_service() -> None:
+    """The bound caps the forecast, never the runs holding cores now: two running and one
+    queued on a node with (by a stale count) two environments still price N = 1 + 2."""
+    pool = node(64)
+    meter = LoadMeter()
+    for i in range(2):
+        meter.started(pool.pool_id, f"r{i}", float(i), elastic=True, units=8, expected_s=40.0)
+    capped = meter.load(pool.pool_id, 2.0, envs=2)
+    assert capped.envs == 2 and capped.elastic_running == 2
+    present = PoolLoad(elastic_running=2, elastic_units=16)  # the same without the forecast
+    queue = [suite_run(9)]
+    running = [(40.0, 8), (41.0, 8)]
+    bands = price_bands(queue, 48, capped, lambda a: PROFILE, lambda a, k: 300.0 / k)
+    same = price_bands(queue, 48, present, lambda a: PROFILE, lambda a, k: 300.0 / k)
+    assert bands == same
+    assert schedule(snap(pool, queue, running, load=capped), 2.0).placements
+
+
+def test_load_meter_drops_the_bound_after_a_throwaway_elastic_start() -> None:
+    """An elastic action in a throwaway environment (opened for that action alone) means any
+    number more may come: ``envs`` reads 0 (no bound) until its start leaves the window."""
+    meter = LoadMeter(window_s=10.0)
+    assert meter.load("p", 0.0, envs=3).envs == 3  # nothing seen yet: the count as given
+    meter.started("p", "a", 1.0, elastic=True, units=2, expected_s=5.0)
+    assert meter.load("p", 2.0, envs=3).envs == 3  # a persistent environment's run
+    meter.started("p", "b", 3.0, elastic=True, units=2, expected_s=5.0, throwaway=True)
+    assert meter.load("p", 4.0, envs=3).envs == 0
+    meter.started("p", "c", 5.0, elastic=False, units=1, expected_s=0.1, throwaway=True)
+    assert meter.load("p", 12.9, envs=3).envs == 0  # short calls do not matter; b still in
+    assert meter.load("p", 13.1, envs=3).envs == 3

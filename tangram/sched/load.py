@@ -19,11 +19,17 @@ window saw one or two test-run starts and forecast a busy or an idle node from t
   started with), the ``W`` of Little's law for the elastic actions in service;
 - ``short_units``: offered load of non-elastic actions in units (expected unit-seconds of
   the ones started, per second), i.e. how many units short calls keep busy on average;
-- ``elastic_running`` / ``elastic_units``: elastic actions holding units now, and how many.
+- ``elastic_running`` / ``elastic_units``: elastic actions holding units now, and how many;
+- ``envs``: how many environments live on the pool, as the driver counts them (``load``'s
+  argument): every elastic action comes from one, one action at a time, so no more can
+  share a run than there are environments. 0 means no such bound: none was given, or an
+  elastic action in a throwaway environment (one opened for that action alone, so any
+  number more may come) started within the window.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,6 +42,7 @@ class PoolLoad:
     elastic_units: int = 0
     elastic_starts_per_s: float = 0.0
     elastic_mean_s: float = 0.0
+    envs: int = 0  # environments on the pool (0: no bound; module doc)
 
 
 @dataclass(slots=True)
@@ -47,6 +54,7 @@ class _Book:
     short_sum: float = 0.0
     running: dict[str, int] = field(default_factory=dict)  # elastic action id -> units
     running_units: int = 0
+    throwaway_at: float = -math.inf  # last start of an elastic action in a throwaway env
 
 
 class LoadMeter:
@@ -72,10 +80,21 @@ class LoadMeter:
             self._book(pool_id).arrivals.append(now)
 
     def started(
-        self, pool_id: str, action_id: str, now: float, elastic: bool, units: int, expected_s: float
+        self,
+        pool_id: str,
+        action_id: str,
+        now: float,
+        elastic: bool,
+        units: int,
+        expected_s: float,
+        throwaway: bool = False,
     ) -> None:
+        """An action went into service; ``throwaway``: in an environment opened for it alone
+        (then the pool's environments bound nothing for a window: ``PoolLoad.envs``)."""
         book = self._book(pool_id)
         if elastic:
+            if throwaway:
+                book.throwaway_at = now
             book.starts.append((now, expected_s))
             book.starts_sum += expected_s
             book.running[action_id] = units
@@ -91,10 +110,11 @@ class LoadMeter:
             units = book.running.pop(action_id, 0)
             book.running_units -= units
 
-    def load(self, pool_id: str, now: float) -> PoolLoad:
+    def load(self, pool_id: str, now: float, envs: int = 0) -> PoolLoad:
+        """The pool's load now; ``envs``: the environments living on it (0: unknown)."""
         book = self._books.get(pool_id)
         if book is None:
-            return PoolLoad()
+            return PoolLoad(envs=envs)
         since = now - self.window_s
         arrivals, starts, short = book.arrivals, book.starts, book.short
         while arrivals and arrivals[0] <= since:
@@ -114,4 +134,5 @@ class LoadMeter:
             book.running_units,
             len(starts) / self.window_s,
             max(book.starts_sum, 0.0) / len(starts) if starts else 0.0,
+            0 if book.throwaway_at > since else envs,
         )

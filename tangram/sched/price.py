@@ -40,6 +40,15 @@ taking more units shortens an action's own run but delays the ``N k / C`` action
     so a long test run is not priced narrow because *it* is long (it was: ``λ t(k)`` with
     its own ``t(k)``, which made the longest runs the narrowest and the p99's stragglers).
     ``N`` is then the same for every amount and every queued action of the pool.
+
+  The forecast is capped by who could send the work. Every elastic action comes from an
+  environment living on the pool, one action at a time, so at most ``E - q`` of them can
+  be in service next to the ``q`` queued ones, ``E`` the pool's environments
+  (``PoolLoad.envs``; and never fewer than the ones running). This matters at the end of
+  a burst: the window still remembers the crowd's test runs, but the stragglers left on
+  a node are alone, and each got one core of two that ran it 1.4x faster (the demo's tail
+  phase). With no known bound (``envs`` 0: not given, or elastic actions arriving in
+  throwaway environments, of which any number may come) there is no cap.
 - ``C`` is the pool's capacity less the units short non-elastic calls keep busy: their
   offered load ``a`` plus ``sqrt(a)`` (square-root staffing), so that elastic actions are
   sized for the units they will really have. The reserve is a real number, not rounded up:
@@ -132,6 +141,8 @@ def price_bands(
         return {}
     units = max(1.0, capacity - short_reserve(load))
     in_service = max(load.elastic_running, load.elastic_starts_per_s * load.elastic_mean_s)
+    if load.envs:  # no more can share the run than the environments not queued here (doc)
+        in_service = min(in_service, max(load.envs - len(elastic), load.elastic_running))
     share = (len(elastic) + in_service) / units  # N / C, the same for every k and action
     # priced_dop()'s loop, with each amount's price factor computed once for the queue
     factor: dict[int, float] = {}

@@ -117,6 +117,7 @@ class Engine:
         self.unassigned: dict[ActionId, Run] = {}
         self.running: dict[str, dict[ActionId, tuple[float, int]]] = {p: {} for p in self.pools}
         self.affinity: dict[Any, str] = {}
+        self.envs_on: dict[str, int] = {}  # CPU node -> trajectories living there (envs)
         self.env_bytes: dict[str, int] = {}
         self.dirty: set[str] = set()
         self.meter = LoadMeter()  # recent offered load per CPU node, for the "priced" rule
@@ -209,6 +210,7 @@ class Engine:
         self.k8s.end(st, now)
         pid = self.affinity.pop(st.spec.id, None)
         if pid is not None:
+            self.envs_on[pid] -= 1
             self.cpu[pid].unreserve_mem(EnvId(tid))
             self.dirty.add(pid)  # memory freed: a new trajectory may fit now
         group = st.group
@@ -360,7 +362,11 @@ class Engine:
             running=running,
             estimate=self.history.estimate,
             env_mem=self._env_mem,
-            load={pid: self.meter.load(pid, now) for pid in pools if pid in self.cpu},
+            load={
+                pid: self.meter.load(pid, now, self.envs_on.get(pid, 0))
+                for pid in pools
+                if pid in self.cpu
+            },
         )
         decision = schedule(snap, now, self.sched)
         for p in decision.placements:
@@ -372,6 +378,7 @@ class Engine:
                 if not node.reserve_mem(EnvId(tid), self.env_bytes[tid]):
                     continue  # memory not free after all: the action keeps waiting
                 self.affinity[tid] = p.pool_id
+                self.envs_on[p.pool_id] = self.envs_on.get(p.pool_id, 0) + 1
                 del self.unassigned[action.id]
                 self.meter.submitted(p.pool_id, run.submit, action.elastic)
             else:
