@@ -171,7 +171,7 @@ class Core:
         self._affinity: dict[TrajectoryId, str] | None = (
             None  # envs.affinity(), until it may change
         )
-        self._envs_on: Counter[str] = Counter()  # environments per CPU node, with _affinity
+        self._envs_on: Counter[str] = Counter()  # per CPU node, with _affinity (_read_affinity)
         self._idle_due: float | None = None
 
     # ------------------------------------------------------------------ entry point
@@ -416,6 +416,13 @@ class Core:
             self._finish_action(self.actions[aid], now, out, outcome="rejected", detail=why)
 
     # ------------------------------------------------------------------ scheduling
+    def _read_affinity(self) -> dict[TrajectoryId, str]:
+        """The environments' affinity, read afresh, and the count per CPU node derived
+        from it (the priced rule's bound, ``PoolLoad.envs``): both cached together."""
+        affinity = self._affinity = self.envs.affinity()
+        self._envs_on = Counter(affinity.values())
+        return affinity
+
     def run_pass(self, now: float, out: list[ev.Command]) -> None:
         self._pass_due = None
         self._dirty = False
@@ -429,8 +436,7 @@ class Core:
         affinity = self._affinity
         cached = affinity is not None
         if affinity is None:
-            affinity = self._affinity = self.envs.affinity()
-            self._envs_on = Counter(affinity.values())  # environments per CPU node
+            affinity = self._read_affinity()
         envs_on = self._envs_on
         load = {
             p.pool_id: self.meter.load(p.pool_id, now, envs_on.get(p.pool_id, 0))
@@ -456,8 +462,7 @@ class Core:
                 self.passes_short += 1
         if short is None:
             if cached:  # never a cached one here (one read in this pass is fresh)
-                affinity = self._affinity = self.envs.affinity()
-                self._envs_on = Counter(affinity.values())
+                affinity = self._read_affinity()
             running: dict[str, list[tuple[float, int]]] = {}
             for rec in self.actions.values():
                 if rec.state == "running" and rec.pool_id:
