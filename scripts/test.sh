@@ -6,6 +6,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY="${PYTHON:-python3}"
+# the install compiles the scheduling core and the lodger loop: it needs a C compiler
+# (tests/test_native.py fails, not skips, when the core fell back to the sources)
+if ! command -v cc >/dev/null 2>&1; then
+  echo "== installing a C compiler"
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
+fi
 echo "== installing arl-tangram with dev extras"
 "$PY" -m pip install -q --disable-pip-version-check -e '.[dev,plot,gpu,http,ray]' \
   httpx sandbox-fusion==0.3.7 swe-rex==1.4.0 skyrl-gym==0.4.0
