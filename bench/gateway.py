@@ -48,8 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx
 
 from tangram.client import Client
-from tangram.testing import spawn_daemon
-from tangramd.gateway.spawn import free_port, spawn_gateway, wait_http
+from tangram.testing import free_port, spawn_daemon, spawn_gateway, wait_http
 
 BODY = {"code": "print(1)", "language": "python", "run_timeout": 30}
 BARE = ["python3", "-c", "print(1)"]

@@ -1,15 +1,28 @@
-"""Start a real ``tangramd up`` subprocess on a temp socket (shared by the daemon tests)."""
+"""The test suite's daemons: a real ``tangramd up`` (and ``tangramd http``) with the test
+config, invariants checked after every event, and logs that must stay clean.
+
+The spawning itself is ``tangram.testing``'s (shared with bench/ and examples/); the
+fixtures built on these helpers are in ``conftest.py``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
 
-from tangram.testing import SpawnedDaemon, spawn_daemon
+from tangram.testing import (
+    SpawnedDaemon,
+    SpawnedGateway,
+    free_port,
+    spawn_daemon,
+    spawn_gateway,
+    wait_http,
+)
 
 TEST_CONFIG = """
 [sched]
@@ -29,6 +42,12 @@ overflow = "reject"
 """
 
 
+def assert_clean_log(log: str) -> None:
+    """No invariant violation and no traceback in a daemon's (or gateway's) log."""
+    assert "invariant_violated" not in log, log
+    assert "Traceback" not in log, log
+
+
 @contextlib.contextmanager
 def running_daemon(tmp: Path, *args: str, config: str = "") -> Iterator[SpawnedDaemon]:
     """A daemon that checks its invariants after every event; its log must stay clean."""
@@ -38,11 +57,41 @@ def running_daemon(tmp: Path, *args: str, config: str = "") -> Iterator[SpawnedD
     finally:
         if daemon.proc.poll() is None:
             daemon.stop()
-    assert "invariant_violated" not in daemon.log(), daemon.log()
-    assert "Traceback" not in daemon.log(), daemon.log()
+    assert_clean_log(daemon.log())
 
 
 def frame(obj: object) -> bytes:
     """One protocol frame of ``obj``, as a raw client would write it."""
     body = msgpack.packb(obj, use_bin_type=True)
     return struct.pack(">I", len(body)) + body
+
+
+@dataclass
+class Stack:
+    """A daemon and the HTTP gateway in front of it."""
+
+    daemon: SpawnedDaemon
+    gateway: SpawnedGateway
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+
+@contextlib.contextmanager
+def running_stack(tmp: Path, *gateway_args: str, in_process: bool = False) -> Iterator[Stack]:
+    """Daemon and gateway; the gateway's log must stay free of tracebacks. ``in_process``:
+    the daemon serves the gateway itself (``tangramd up --http``; ``gateway_args`` are its
+    ``--http-*`` options), and ``Stack.gateway`` is the daemon's process and log."""
+    if in_process:
+        port = free_port()
+        with running_daemon(tmp, "--http", f"127.0.0.1:{port}", *gateway_args) as daemon:
+            gw = SpawnedGateway(daemon.proc, f"http://127.0.0.1:{port}", daemon.log_path)
+            wait_http(gw.url, daemon.proc, daemon.log_path)
+            yield Stack(daemon, gw)
+            assert daemon.proc.poll() is None, daemon.log()
+        return  # running_daemon checks the log
+    with running_daemon(tmp) as daemon, spawn_gateway(daemon.socket, tmp, *gateway_args) as gw:
+        yield Stack(daemon, gw)
+        assert gw.proc.poll() is None, gw.log()
+    assert "Traceback" not in gw.log(), gw.log()

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from daemon_fixture import running_daemon
 
+from tangram.testing import SpawnedDaemon
 from tangramctl.main import cli
 
 SUITE = Path(__file__).parent / "data" / "cpu_suite"
 
 
 @pytest.fixture(scope="module")
-def sock(tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("honest")) as d:
-        yield d.socket
+def sock(daemon: SpawnedDaemon) -> str:
+    """The socket of the module's daemon, which `tangramctl --socket` takes."""
+    return daemon.socket
 
 
 def ctl(sock: str, *args: str, env: dict[str, str] | None = None):

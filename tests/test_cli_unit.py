@@ -69,7 +69,8 @@ def sock_dir() -> Iterator[str]:
 
 
 @pytest.fixture
-def daemon(sock_dir: str) -> Iterator[FakeDaemon]:
+def fake_daemon(sock_dir: str) -> Iterator[FakeDaemon]:
+    """A fake daemon on a fresh socket; a test sets its handlers."""
     fake = FakeDaemon(f"{sock_dir}/d.sock")
     fake.start()
     try:
@@ -78,7 +79,8 @@ def daemon(sock_dir: str) -> Iterator[FakeDaemon]:
         fake.stop()
 
 
-def run(path: str, *args: str) -> Result:
+def invoke_ctl(path: str, *args: str) -> Result:
+    """``tangramctl --socket PATH ARGS...`` in this process, exceptions raised."""
     return CliRunner().invoke(cli, ["--socket", path, *args], catch_exceptions=False)
 
 
@@ -108,7 +110,7 @@ EXEC_KEYS = {"outcome", "exit_code", "stdout", "stderr", "queue_s", "exec_s", "a
 def test_unreachable_socket_is_one_line_and_exit_2(sock_dir: str) -> None:
     """Without a daemon, commands print one clear line (no traceback) and exit 2."""
     path = f"{sock_dir}/missing.sock"
-    result = run(path, "status", "--json")
+    result = invoke_ctl(path, "status", "--json")
     assert result.exit_code == 2
     assert result.stdout == ""
     assert result.stderr.strip() == (
@@ -121,7 +123,7 @@ def test_unreachable_socket_is_one_line_and_exit_2(sock_dir: str) -> None:
 def test_unreachable_socket_for_exec_is_an_infra_error(sock_dir: str) -> None:
     """exec without a daemon exits 125 (its infra-error code) and --json still gives an object."""
     path = f"{sock_dir}/missing.sock"
-    result = run(path, "exec", "--json", "--", "true")
+    result = invoke_ctl(path, "exec", "--json", "--", "true")
     assert result.exit_code == 125
     body = json.loads(result.stdout)
     assert body["outcome"] == "infra_error" and body["exit_code"] is None
@@ -141,11 +143,11 @@ def test_socket_from_environment(sock_dir: str, monkeypatch: pytest.MonkeyPatch)
 # --------------------------------------------------------------------------- --json shapes
 
 
-def test_status_json_is_the_daemon_answer(daemon: FakeDaemon) -> None:
+def test_status_json_is_the_daemon_answer(fake_daemon: FakeDaemon) -> None:
     """status --json prints exactly the daemon's status map."""
     answer = {"version": "0.1.0", "uptime_s": 1.5, "pools": {"cpu:local": {"free": 2}}}
-    daemon.handlers["status"] = lambda args: answer
-    result = run(daemon.path, "status", "--json")
+    fake_daemon.handlers["status"] = lambda args: answer
+    result = invoke_ctl(fake_daemon.path, "status", "--json")
     assert result.exit_code == 0
     assert json.loads(result.stdout) == answer
 
@@ -161,56 +163,56 @@ def test_status_json_is_the_daemon_answer(daemon: FakeDaemon) -> None:
     ids=["nodes", "env-list", "api-list", "profiles-list"],
 )
 def test_list_commands_json(
-    daemon: FakeDaemon, argv: list[str], op: str, key: str, rows: list[dict[str, Any]]
+    fake_daemon: FakeDaemon, argv: list[str], op: str, key: str, rows: list[dict[str, Any]]
 ) -> None:
     """List commands print the op's result map ({key: [rows]}) with --json."""
-    daemon.handlers[op] = lambda args: {key: rows}
-    result = run(daemon.path, *argv, "--json")
+    fake_daemon.handlers[op] = lambda args: {key: rows}
+    result = invoke_ctl(fake_daemon.path, *argv, "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {key: rows}
 
 
-def test_env_open_prints_the_id(daemon: FakeDaemon) -> None:
+def test_env_open_prints_the_id(fake_daemon: FakeDaemon) -> None:
     """env open prints the bare id for scripts, and {"id": …, "node": …} with --json."""
-    daemon.handlers["env.open"] = lambda args: {"id": "e42", "node": "n1"}
-    plain = run(daemon.path, "env", "open", "--mem", "512MiB")
+    fake_daemon.handlers["env.open"] = lambda args: {"id": "e42", "node": "n1"}
+    plain = invoke_ctl(fake_daemon.path, "env", "open", "--mem", "512MiB")
     assert (plain.exit_code, plain.stdout) == (0, "e42\n")
-    assert daemon.ops("env.open")[0] == {"mem": 512 << 20}
-    as_json = run(daemon.path, "env", "open", "--image", "img:1", "--json")
+    assert fake_daemon.ops("env.open")[0] == {"mem": 512 << 20}
+    as_json = invoke_ctl(fake_daemon.path, "env", "open", "--image", "img:1", "--json")
     assert json.loads(as_json.stdout) == {"id": "e42", "node": "n1"}
-    assert daemon.ops("env.open")[1] == {"image": "img:1"}
+    assert fake_daemon.ops("env.open")[1] == {"image": "img:1"}
 
 
-def test_env_close_sends_the_id(daemon: FakeDaemon) -> None:
+def test_env_close_sends_the_id(fake_daemon: FakeDaemon) -> None:
     """env close ID closes that environment and prints nothing without --json."""
-    daemon.handlers["env.close"] = lambda args: {}
-    result = run(daemon.path, "env", "close", "e7")
+    fake_daemon.handlers["env.close"] = lambda args: {}
+    result = invoke_ctl(fake_daemon.path, "env", "close", "e7")
     assert (result.exit_code, result.stdout) == (0, "")
-    assert daemon.ops("env.close") == [{"id": "e7"}]
+    assert fake_daemon.ops("env.close") == [{"id": "e7"}]
 
 
 # --------------------------------------------------------------------------- exec
 
 
-def test_exec_json_shape(daemon: FakeDaemon) -> None:
+def test_exec_json_shape(fake_daemon: FakeDaemon) -> None:
     """exec --json prints one object with the contract's fields and the command's exit code."""
-    daemon.handlers["exec"] = lambda args: exec_result(stdout="hi\n", cores=[0, 1])
-    result = run(daemon.path, "exec", "--json", "--", "echo", "hi")
+    fake_daemon.handlers["exec"] = lambda args: exec_result(stdout="hi\n", cores=[0, 1])
+    result = invoke_ctl(fake_daemon.path, "exec", "--json", "--", "echo", "hi")
     assert result.exit_code == 0
     body = json.loads(result.stdout)
     assert set(body) >= EXEC_KEYS
     assert (body["outcome"], body["stdout"], body["cores"]) == ("ok", "hi\n", [0, 1])
 
 
-def test_infra_error_detail_reaches_stderr_and_json(daemon: FakeDaemon) -> None:
+def test_infra_error_detail_reaches_stderr_and_json(fake_daemon: FakeDaemon) -> None:
     """The daemon's reason for an infra_error is printed, and kept in --json."""
     why = "cannot create cpuset cgroup for cores [1]"
-    daemon.handlers["exec"] = lambda args: exec_result(
+    fake_daemon.handlers["exec"] = lambda args: exec_result(
         outcome="infra_error", exit_code=None, detail=why
     )
-    result = run(daemon.path, "exec", "--", "cmd")
+    result = invoke_ctl(fake_daemon.path, "exec", "--", "cmd")
     assert result.exit_code == 125 and f"infra_error: {why}" in result.stderr
-    body = json.loads(run(daemon.path, "exec", "--json", "--", "cmd").stdout)
+    body = json.loads(invoke_ctl(fake_daemon.path, "exec", "--json", "--", "cmd").stdout)
     assert body["detail"] == why
 
 
@@ -229,33 +231,33 @@ EXIT_CASES = [
     ("outcome", "exit_code", "expected"), EXIT_CASES, ids=[f"{c[0]}-{c[1]}" for c in EXIT_CASES]
 )
 def test_exec_exit_codes(
-    daemon: FakeDaemon, outcome: str, exit_code: int | None, expected: int
+    fake_daemon: FakeDaemon, outcome: str, exit_code: int | None, expected: int
 ) -> None:
     """exec exits with the command's code, 124 on timeout, 125 when the infra failed, 2 when
     the request was rejected."""
-    daemon.handlers["exec"] = lambda args: exec_result(outcome=outcome, exit_code=exit_code)
-    assert run(daemon.path, "exec", "--", "cmd").exit_code == expected
-    assert run(daemon.path, "exec", "--json", "--", "cmd").exit_code == expected
+    fake_daemon.handlers["exec"] = lambda args: exec_result(outcome=outcome, exit_code=exit_code)
+    assert invoke_ctl(fake_daemon.path, "exec", "--", "cmd").exit_code == expected
+    assert invoke_ctl(fake_daemon.path, "exec", "--json", "--", "cmd").exit_code == expected
 
 
-def test_exec_prints_streams_separately(daemon: FakeDaemon) -> None:
+def test_exec_prints_streams_separately(fake_daemon: FakeDaemon) -> None:
     """The command's stdout goes to stdout and its stderr to stderr, unchanged."""
-    daemon.handlers["exec"] = lambda args: exec_result(
+    fake_daemon.handlers["exec"] = lambda args: exec_result(
         outcome="failed", exit_code=1, stdout="out\nno newline", stderr="err\n"
     )
-    result = run(daemon.path, "exec", "--", "cmd")
+    result = invoke_ctl(fake_daemon.path, "exec", "--", "cmd")
     assert result.exit_code == 1
     assert result.stdout == "out\nno newline"
     assert result.stderr == "err\n"
 
 
-def test_exec_sends_the_demand(daemon: FakeDaemon) -> None:
+def test_exec_sends_the_demand(fake_daemon: FakeDaemon) -> None:
     """exec turns flags into the op's args; everything after -- is the argv, untouched."""
-    daemon.handlers["exec"] = lambda args: exec_result()
+    fake_daemon.handlers["exec"] = lambda args: exec_result()
     argv = ["exec", "--cpus", "2-4", "--mem", "512MiB", "--timeout", "7.5", "--no-elastic"]
     argv += ["--profile", "suite", "--setenv", "A=1=2", "--", "pytest", "-x", "--cpus", "9"]
-    assert run(daemon.path, *argv).exit_code == 0
-    (args,) = daemon.ops("exec")
+    assert invoke_ctl(fake_daemon.path, *argv).exit_code == 0
+    (args,) = fake_daemon.ops("exec")
     assert args == {
         "cmd": ["pytest", "-x", "--cpus", "9"],
         "cpus": [2, 4],
@@ -267,52 +269,57 @@ def test_exec_sends_the_demand(daemon: FakeDaemon) -> None:
     }
 
 
-def test_exec_in_an_env_and_shell_form(daemon: FakeDaemon) -> None:
+def test_exec_in_an_env_and_shell_form(fake_daemon: FakeDaemon) -> None:
     """--env targets an open environment; --shell sends one shell string."""
-    daemon.handlers["exec"] = lambda args: exec_result()
+    fake_daemon.handlers["exec"] = lambda args: exec_result()
     assert (
-        run(daemon.path, "exec", "--env", "e1", "--shell", "--", "echo", "a", "|", "wc").exit_code
+        invoke_ctl(
+            fake_daemon.path, "exec", "--env", "e1", "--shell", "--", "echo", "a", "|", "wc"
+        ).exit_code
         == 0
     )
-    assert daemon.ops("exec") == [{"cmd": "echo a | wc", "env": "e1"}]
+    assert fake_daemon.ops("exec") == [{"cmd": "echo a | wc", "env": "e1"}]
 
 
-def test_cli_exec_with_a_profile_leaves_the_cores_to_it(daemon: FakeDaemon) -> None:
+def test_cli_exec_with_a_profile_leaves_the_cores_to_it(fake_daemon: FakeDaemon) -> None:
     """``exec --profile`` without ``--cpus`` sends no core count (the daemon then takes the
     profile's DoP range, or 1 core); an explicit ``--cpus`` is sent as given."""
-    daemon.handlers["exec"] = lambda args: exec_result()
-    assert run(daemon.path, "exec", "--profile", "suite", "--", "true").exit_code == 0
+    fake_daemon.handlers["exec"] = lambda args: exec_result()
+    assert invoke_ctl(fake_daemon.path, "exec", "--profile", "suite", "--", "true").exit_code == 0
     assert (
-        run(daemon.path, "exec", "--cpus", "1", "--profile", "suite", "--", "true").exit_code == 0
+        invoke_ctl(
+            fake_daemon.path, "exec", "--cpus", "1", "--profile", "suite", "--", "true"
+        ).exit_code
+        == 0
     )
-    assert daemon.ops("exec") == [
+    assert fake_daemon.ops("exec") == [
         {"cmd": ["true"], "profile": "suite"},
         {"cmd": ["true"], "cpus": 1, "profile": "suite"},
     ]
 
 
-def test_client_exec_with_a_profile_leaves_the_cores_to_it(daemon: FakeDaemon) -> None:
+def test_client_exec_with_a_profile_leaves_the_cores_to_it(fake_daemon: FakeDaemon) -> None:
     """``Client.exec(profile=...)`` without ``cpus`` sends no core count, so the daemon takes
     the profile's DoP range (the demo's reward runs were pinned to 1 core by a default)."""
     from tangram import Client
 
-    daemon.handlers["exec"] = lambda args: exec_result()
-    with Client(daemon.path) as c:
+    fake_daemon.handlers["exec"] = lambda args: exec_result()
+    with Client(fake_daemon.path) as c:
         c.exec("true", profile="suite")
         c.exec("true", cpus=1, profile="suite")
-    assert daemon.ops("exec") == [
+    assert fake_daemon.ops("exec") == [
         {"cmd": "true", "profile": "suite"},
         {"cmd": "true", "cpus": 1, "profile": "suite"},
     ]
 
 
 @pytest.mark.parametrize("cpus", ["0", "4-2", "x", "1-"])
-def test_exec_rejects_bad_cpus(daemon: FakeDaemon, cpus: str) -> None:
+def test_exec_rejects_bad_cpus(fake_daemon: FakeDaemon, cpus: str) -> None:
     """A malformed --cpus is a usage error before anything is sent."""
-    result = run(daemon.path, "exec", "--cpus", cpus, "--", "true")
+    result = invoke_ctl(fake_daemon.path, "exec", "--cpus", cpus, "--", "true")
     assert result.exit_code == 2
     assert "--cpus" in result.stderr
-    assert daemon.requests == []
+    assert fake_daemon.requests == []
 
 
 @pytest.mark.parametrize(
@@ -324,15 +331,15 @@ def test_exec_rejects_bad_cpus(daemon: FakeDaemon, cpus: str) -> None:
     ids=["unschedulable", "infra"],
 )
 def test_exec_refused_by_daemon(
-    daemon: FakeDaemon, error: Exception, outcome: str, code: int
+    fake_daemon: FakeDaemon, error: Exception, outcome: str, code: int
 ) -> None:
     """A refused request exits 2, an infrastructure failure 125; --json still gives an object."""
 
     def refuse(args: dict[str, Any]) -> Any:
         raise error
 
-    daemon.handlers["exec"] = refuse
-    result = run(daemon.path, "exec", "--json", "--", "true")
+    fake_daemon.handlers["exec"] = refuse
+    result = invoke_ctl(fake_daemon.path, "exec", "--json", "--", "true")
     assert result.exit_code == code
     body = json.loads(result.stdout)
     assert body["outcome"] == outcome
@@ -342,27 +349,27 @@ def test_exec_refused_by_daemon(
 # --------------------------------------------------------------------------- human output
 
 
-def test_refused_request_is_one_line_exit_1(daemon: FakeDaemon) -> None:
+def test_refused_request_is_one_line_exit_1(fake_daemon: FakeDaemon) -> None:
     """A typed daemon error prints 'tangramctl: CODE: MESSAGE' and exits 1."""
 
     def missing(args: dict[str, Any]) -> Any:
         raise NotFound(f"no story for action {args['action_id']!r}")
 
-    daemon.handlers["story"] = missing
-    result = run(daemon.path, "story", "a9")
+    fake_daemon.handlers["story"] = missing
+    result = invoke_ctl(fake_daemon.path, "story", "a9")
     assert result.exit_code == 1
     assert result.stderr == "tangramctl: not_found: no story for action 'a9'\n"
 
 
-def test_nodes_table_is_aligned(daemon: FakeDaemon) -> None:
+def test_nodes_table_is_aligned(fake_daemon: FakeDaemon) -> None:
     """Human output is a table: a header row and one aligned row per node."""
-    daemon.handlers["nodes"] = lambda args: {
+    fake_daemon.handlers["nodes"] = lambda args: {
         "nodes": [
             {"id": "local", "cores": 2, "free_cores": 2, "mem_bytes": 2 << 30, "busy_cores": []},
             {"id": "n2", "cores": 64, "free_cores": 10, "mem_bytes": 1 << 40, "busy_cores": [0]},
         ]
     }
-    result = run(daemon.path, "nodes")
+    result = invoke_ctl(fake_daemon.path, "nodes")
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["ID", "CORES", "FREE_CORES", "BUSY_CORES", "MEM_BYTES"]
@@ -372,9 +379,9 @@ def test_nodes_table_is_aligned(daemon: FakeDaemon) -> None:
     assert lines[1].index("2") + 1 == lines[0].index("CORES") + len("CORES")
 
 
-def test_story_renders_events(daemon: FakeDaemon) -> None:
+def test_story_renders_events(fake_daemon: FakeDaemon) -> None:
     """story shows the action's summary then its events in order."""
-    daemon.handlers["story"] = lambda args: {
+    fake_daemon.handlers["story"] = lambda args: {
         "action_id": "a1",
         "outcome": "ok",
         "events": [
@@ -382,7 +389,7 @@ def test_story_renders_events(daemon: FakeDaemon) -> None:
             {"t": 0.2, "event": "finished", "detail": "outcome=ok"},
         ],
     }
-    out = run(daemon.path, "story", "a1").stdout
+    out = invoke_ctl(fake_daemon.path, "story", "a1").stdout
     assert "action_id: a1" in out
     assert out.index("submitted") < out.index("finished")
 
@@ -399,26 +406,28 @@ def test_help_lists_the_commands() -> None:
 
 
 def fake_profiled_daemon(
-    daemon: FakeDaemon, cores: int, summary: Callable[[int], str] | None = None
+    fake_daemon: FakeDaemon, cores: int, summary: Callable[[int], str] | None = None
 ) -> None:
     """Node with ``cores`` cores; exec takes 8/K s at K cores (perfect scaling)."""
-    daemon.handlers["nodes"] = lambda args: {"nodes": [{"id": "local", "cores": cores}]}
-    daemon.handlers["env.open"] = lambda args: {"id": "e1"}
-    daemon.handlers["env.close"] = lambda args: {}
-    daemon.handlers["profile.save"] = lambda args: {}
+    fake_daemon.handlers["nodes"] = lambda args: {"nodes": [{"id": "local", "cores": cores}]}
+    fake_daemon.handlers["env.open"] = lambda args: {"id": "e1"}
+    fake_daemon.handlers["env.close"] = lambda args: {}
+    fake_daemon.handlers["profile.save"] = lambda args: {}
 
     def execute(args: dict[str, Any]) -> dict[str, Any]:
         k = args["cpus"]
         out = summary(k) if summary else ""
         return exec_result(exec_s=8.0 / k, cores=list(range(k)), stdout=out)
 
-    daemon.handlers["exec"] = execute
+    fake_daemon.handlers["exec"] = execute
 
 
-def test_profile_json_and_skipped_dops(daemon: FakeDaemon) -> None:
+def test_profile_json_and_skipped_dops(fake_daemon: FakeDaemon) -> None:
     """profile --json has the contract's fields; DoPs over the node's cores are skipped."""
-    fake_profiled_daemon(daemon, cores=4)
-    result = run(daemon.path, "profile", "--dop", "2,4,8", "--repeat", "2", "--json", "--", "make")
+    fake_profiled_daemon(fake_daemon, cores=4)
+    result = invoke_ctl(
+        fake_daemon.path, "profile", "--dop", "2,4,8", "--repeat", "2", "--json", "--", "make"
+    )
     assert result.exit_code == 0, result.output
     body = json.loads(result.stdout)
     assert body["dop"] == {"1": 8.0, "2": 4.0, "4": 2.0}
@@ -427,38 +436,38 @@ def test_profile_json_and_skipped_dops(daemon: FakeDaemon) -> None:
     assert body["eff"] == {"1": 1.0, "2": 1.0, "4": 1.0}
     assert (body["elastic"], body["outcomes_differ"]) == (True, False)
     assert "skipping DoP 8" in result.stderr
-    execs = daemon.ops("exec")
+    execs = fake_daemon.ops("exec")
     assert [a["cpus"] for a in execs] == [1, 1, 2, 2, 4, 4]
     assert all(a["env"] == "e1" and a["elastic"] is True for a in execs)
     assert all(a["env_vars"] == {"TANGRAM_CPUS": str(a["cpus"])} for a in execs)
-    assert daemon.ops("env.close") == [{"id": "e1"}]
-    assert daemon.ops("profile.save") == []
+    assert fake_daemon.ops("env.close") == [{"id": "e1"}]
+    assert fake_daemon.ops("profile.save") == []
 
 
-def test_profile_outcome_change_marks_non_elastic(daemon: FakeDaemon) -> None:
+def test_profile_outcome_change_marks_non_elastic(fake_daemon: FakeDaemon) -> None:
     """If pytest's counts under -n K differ from -n 1, the profile is not elastic."""
 
     def summary(k: int) -> str:
         failed = 0 if k == 1 else 1
         return f"===== {10 - failed} passed, {failed} failed in 1.00s =====\n"
 
-    fake_profiled_daemon(daemon, cores=2, summary=summary)
-    result = run(
-        daemon.path, "profile", "--dop", "1,2", "--repeat", "1", "--json", "--", "pytest", "-q"
+    fake_profiled_daemon(fake_daemon, cores=2, summary=summary)
+    result = invoke_ctl(
+        fake_daemon.path, "profile", "--dop", "1,2", "--repeat", "1", "--json", "--", "pytest", "-q"
     )
     body = json.loads(result.stdout)
     assert (body["elastic"], body["outcomes_differ"]) == (False, True)
     assert "differs from DoP 1 (10 passed, 0 failed, 0 errors)" in result.stderr
 
 
-def test_profile_save_and_table(daemon: FakeDaemon) -> None:
+def test_profile_save_and_table(fake_daemon: FakeDaemon) -> None:
     """--save stores the measured profile; without --json a table is printed."""
-    fake_profiled_daemon(daemon, cores=2)
-    result = run(
-        daemon.path, "profile", "--dop", "1,2", "--repeat", "1", "--save", "mk", "--", "make"
+    fake_profiled_daemon(fake_daemon, cores=2)
+    result = invoke_ctl(
+        fake_daemon.path, "profile", "--dop", "1,2", "--repeat", "1", "--save", "mk", "--", "make"
     )
     assert result.exit_code == 0, result.output
-    assert daemon.ops("profile.save") == [
+    assert fake_daemon.ops("profile.save") == [
         {
             "name": "mk",
             "dop": {"1": 8.0, "2": 4.0},
@@ -473,14 +482,14 @@ def test_profile_save_and_table(daemon: FakeDaemon) -> None:
     assert lines[2].split() == ["2", "4.000", "2.000", "1.000"]
 
 
-def test_profile_infra_error_stops_with_125(daemon: FakeDaemon) -> None:
+def test_profile_infra_error_stops_with_125(fake_daemon: FakeDaemon) -> None:
     """A run the infrastructure could not complete aborts the profile with exit 125."""
-    fake_profiled_daemon(daemon, cores=2)
-    daemon.handlers["exec"] = lambda args: exec_result(outcome="infra_error", exit_code=None)
-    result = run(daemon.path, "profile", "--dop", "1", "--", "make")
+    fake_profiled_daemon(fake_daemon, cores=2)
+    fake_daemon.handlers["exec"] = lambda args: exec_result(outcome="infra_error", exit_code=None)
+    result = invoke_ctl(fake_daemon.path, "profile", "--dop", "1", "--", "make")
     assert result.exit_code == 125
     assert "infra_error" in result.stderr
-    assert daemon.ops("env.close") == [{"id": "e1"}]
+    assert fake_daemon.ops("env.close") == [{"id": "e1"}]
 
 
 # --------------------------------------------------------------------------- pure helpers

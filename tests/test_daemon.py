@@ -10,17 +10,11 @@ import threading
 import time
 
 import pytest
-from daemon_fixture import running_daemon
+from harness import running_daemon
 
 from tangram import AsyncClient, _native
 from tangram.model import Unschedulable
 from tangram.protocol.errors import NotFound, QuotaExceeded, Timeout
-
-
-@pytest.fixture
-def daemon(tmp_path):
-    with running_daemon(tmp_path) as d:
-        yield d
 
 
 def cpus_allowed(stdout: str) -> str:

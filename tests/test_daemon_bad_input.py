@@ -7,15 +7,9 @@ import struct
 import time
 
 import pytest
-from daemon_fixture import frame, running_daemon
+from harness import frame
 
 from tangram.protocol.codec import FrameDecoder
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("bad")) as d:
-        yield d
 
 
 def raw(daemon) -> socket.socket:

@@ -6,7 +6,7 @@ import json
 
 import docker
 import pytest
-from daemon_fixture import running_daemon
+from harness import running_daemon
 
 pytestmark = pytest.mark.docker
 
@@ -14,9 +14,9 @@ IMAGE = "tangram-test:bookworm"
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("dockerd"), "--cpu-backend", "docker") as d:
-        yield d
+def daemon_args() -> tuple[str, ...]:
+    """The module's daemon runs its environments in containers."""
+    return ("--cpu-backend", "docker")
 
 
 def ours(env_id: str) -> list:

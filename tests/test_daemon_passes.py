@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import time
 
-from daemon_fixture import frame
+from harness import frame
 
 from tangram.protocol.codec import FrameDecoder
 from tangram.testing import spawn_daemon

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from harness import assert_clean_log
 from hostile_user import in_child_as
 
 from tangram import Client
@@ -47,7 +48,7 @@ SIZES = {"small": (1000, 0.5), "medium": (3000, 1.5), "large": (5000, 2.5)}
 NAMES = {"a": "small", "b": "medium", "c": "large"}
 
 
-class Daemon:
+class GpuDaemon:
     """The module's daemon; the restart test replaces it with one on the same state dir."""
 
     def __init__(self, workdir: Path) -> None:
@@ -67,15 +68,13 @@ class Daemon:
 
     def stop(self) -> None:
         assert self.current.stop() == 0, self.current.log()
-        log = self.current.log()
-        assert "invariant_violated" not in log, log
-        assert "Traceback" not in log, log
+        assert_clean_log(self.current.log())
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def gpu_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuDaemon]:
     """A daemon with services a, b, c (0.06 GB each) registered concurrently."""
-    d = Daemon(tmp_path_factory.mktemp("gpud"))
+    d = GpuDaemon(tmp_path_factory.mktemp("gpud"))
     try:
         errors: list[BaseException] = []
 
@@ -112,13 +111,13 @@ def listed(c: Client) -> dict[str, dict[str, Any]]:
 
 
 def call_in_background(
-    daemon: Daemon, name: str, payload: dict[str, Any]
+    gpu_daemon: GpuDaemon, name: str, payload: dict[str, Any]
 ) -> tuple[threading.Thread, list[CallResult]]:
     """Start one call on its own connection; the box gets its result."""
     box: list[CallResult] = []
 
     def run() -> None:
-        with daemon.client() as c:
+        with gpu_daemon.client() as c:
             box.append(c.call(name, payload))
 
     thread = threading.Thread(target=run)
@@ -133,16 +132,16 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def test_gpus_are_a_pool_and_a_node_resource(daemon: Daemon) -> None:
+def test_gpus_are_a_pool_and_a_node_resource(gpu_daemon: GpuDaemon) -> None:
     """The simulated GPUs show as the `gpu` pool in status and as the node's gpus count."""
-    with daemon.client() as c:
+    with gpu_daemon.client() as c:
         assert c.status()["pools"]["gpu"]["capacity"] == 2
         assert [node["gpus"] for node in c.nodes()] == [2]
 
 
-def test_call_returns_the_handlers_answer_with_placement(daemon: Daemon) -> None:
+def test_call_returns_the_handlers_answer_with_placement(gpu_daemon: GpuDaemon) -> None:
     """A call answers what the module computes, with the contract's fields and its GPUs."""
-    with daemon.client() as c:
+    with gpu_daemon.client() as c:
         result = c.call("a", {"x": 2.0})
         assert isinstance(result, CallResult)
         assert result.outcome == "ok", result
@@ -160,10 +159,10 @@ def test_call_returns_the_handlers_answer_with_placement(daemon: Daemon) -> None
         assert story["outcome"] == "ok"
 
 
-def test_three_services_on_two_gpus_evict_and_restore(daemon: Daemon) -> None:
+def test_three_services_on_two_gpus_evict_and_restore(gpu_daemon: GpuDaemon) -> None:
     """Rotating over three services that fit two at a time evicts and restores them, and
     every answer after a restore is still exactly right (every byte came back)."""
-    with daemon.client() as c:
+    with gpu_daemon.client() as c:
         before = listed(c)
         for round_ in range(2):
             for name in NAMES:
@@ -183,11 +182,11 @@ def test_three_services_on_two_gpus_evict_and_restore(daemon: Daemon) -> None:
     assert all(after[n]["calls"] >= 2 for n in NAMES)
 
 
-def test_concurrent_calls_use_both_gpus(daemon: Daemon) -> None:
+def test_concurrent_calls_use_both_gpus(gpu_daemon: GpuDaemon) -> None:
     """Two slow calls of different services run at once, one on each GPU."""
-    with daemon.client() as c:
+    with gpu_daemon.client() as c:
         c.call("b", {"x": 1})  # resident somewhere before the pair starts
-    jobs = [call_in_background(daemon, name, {"x": 1, "sleep": 2.0}) for name in "ab"]
+    jobs = [call_in_background(gpu_daemon, name, {"x": 1, "sleep": 2.0}) for name in "ab"]
     for thread, _ in jobs:
         thread.join(60)
     results = [box[0] for _, box in jobs]
@@ -195,18 +194,18 @@ def test_concurrent_calls_use_both_gpus(daemon: Daemon) -> None:
     assert sorted(r.gpus[0] for r in results) == [0, 1]
 
 
-def test_handler_error_is_failed_with_its_message(daemon: Daemon) -> None:
+def test_handler_error_is_failed_with_its_message(gpu_daemon: GpuDaemon) -> None:
     """A payload the handler rejects ends `failed` with the handler's message."""
-    with daemon.client() as c:
+    with gpu_daemon.client() as c:
         result = c.call("a", {"y": 1})
         assert result.outcome == "failed"
         assert result.error is not None and "payload needs 'x'" in result.error
         assert c.call("a", {"x": 1}).outcome == "ok"
 
 
-def test_call_of_an_unknown_service_is_not_found(daemon: Daemon) -> None:
+def test_call_of_an_unknown_service_is_not_found(gpu_daemon: GpuDaemon) -> None:
     """Calling a service nobody registered is a not_found error naming it."""
-    with daemon.client() as c, pytest.raises(NotFound, match="'nope'"):
+    with gpu_daemon.client() as c, pytest.raises(NotFound, match="'nope'"):
         c.call("nope", {"x": 1})
 
 
@@ -222,20 +221,20 @@ def test_call_of_an_unknown_service_is_not_found(daemon: Daemon) -> None:
     ids=["unknown runtime", "missing entry", "three gpus", "too big", "http without port"],
 )
 def test_bad_registration_names_the_field(
-    daemon: Daemon, args: dict[str, Any], needle: str
+    gpu_daemon: GpuDaemon, args: dict[str, Any], needle: str
 ) -> None:
     """An invalid registration is a bad_request that names the field or the limit."""
     request = {"name": "bad", "mem_gb": 0.01, "path": str(SERVICES), **args}
-    with daemon.client() as c:
+    with gpu_daemon.client() as c:
         with pytest.raises(BadRequest, match=needle):
             c.request("service.register", request)
         assert "bad" not in listed(c)
 
 
-def test_factory_failure_names_service_and_exception(daemon: Daemon) -> None:
+def test_factory_failure_names_service_and_exception(gpu_daemon: GpuDaemon) -> None:
     """A factory that raises is refused with the service's name and the exception; the
     daemon keeps serving and the name stays free."""
-    with daemon.client() as c:
+    with gpu_daemon.client() as c:
         with pytest.raises(BadRequest) as info:
             c.service_register(
                 "oops", mem_gb=0.01, entry="tiny_services:broken", path=str(SERVICES)
@@ -245,12 +244,12 @@ def test_factory_failure_names_service_and_exception(daemon: Daemon) -> None:
         assert c.call("a", {"x": 1}).outcome == "ok"
 
 
-def test_cli_register_list_call_json(daemon: Daemon) -> None:
+def test_cli_register_list_call_json(gpu_daemon: GpuDaemon) -> None:
     """`service register/list --json` and `call --json` keep the contract; exit codes
     follow the outcome."""
 
     def ctl(*args: str) -> Any:
-        sock = daemon.current.socket
+        sock = gpu_daemon.current.socket
         return CliRunner().invoke(cli, ["--socket", sock, *args], catch_exceptions=False)
 
     r = ctl(
@@ -276,14 +275,14 @@ def test_cli_register_list_call_json(daemon: Daemon) -> None:
     assert ctl("call", "cli", "--", "[1]").exit_code == 2  # not an object
 
 
-def test_http_runtime_serves_calls_through_the_daemon(daemon: Daemon) -> None:
+def test_http_runtime_serves_calls_through_the_daemon(gpu_daemon: GpuDaemon) -> None:
     """An http service (the worker's vLLM-style server on loopback) is started on its first
     call and answers through the daemon like a torch one."""
     cmd = (
         f"{sys.executable} -m tangramd.services.worker --name h --entry tiny_services:small "
         f"--path {SERVICES} --http-port {{port}}"
     )
-    with daemon.client() as c:
+    with gpu_daemon.client() as c:
         info = c.service_register("h", runtime="http", mem_gb=0.01, cmd=cmd, route="/score")
         assert info["runtime"] == "http"
         result = c.call("h", {"x": 2})
@@ -295,14 +294,14 @@ def test_http_runtime_serves_calls_through_the_daemon(daemon: Daemon) -> None:
         assert c.service_remove("h")["removed"] is True
 
 
-def test_worker_kill_is_infra_error_then_next_call_works(daemon: Daemon) -> None:
+def test_worker_kill_is_infra_error_then_next_call_works(gpu_daemon: GpuDaemon) -> None:
     """Killing the worker under a call ends that call `infra_error`; the next call
     restarts the replica and answers correctly."""
-    with daemon.client() as c:
+    with gpu_daemon.client() as c:
         first = c.call("a", {"x": 1})
         assert first.outcome == "ok" and first.result is not None
         victim = first.result["pid"]
-        thread, box = call_in_background(daemon, "a", {"x": 1, "sleep": 30})
+        thread, box = call_in_background(gpu_daemon, "a", {"x": 1, "sleep": 30})
         wait_for(lambda: bool(c.queue()["running"]))
         time.sleep(0.5)  # inside the handler by now
         os.kill(victim, signal.SIGKILL)
@@ -314,14 +313,14 @@ def test_worker_kill_is_infra_error_then_next_call_works(daemon: Daemon) -> None
         assert again.result["y"] == pytest.approx(want("a", 3.0), rel=1e-5)
 
 
-def test_call_timeout_is_timeout_then_next_call_works(daemon: Daemon) -> None:
+def test_call_timeout_is_timeout_then_next_call_works(gpu_daemon: GpuDaemon) -> None:
     """A handler that overruns `--timeout` ends `timeout` (CLI exit 124); the stuck worker
     is replaced and the next call answers."""
-    sock = daemon.current.socket
+    sock = gpu_daemon.current.socket
     args = ["--socket", sock, "call", "b", "--timeout", "0.5", "--", '{"x": 1, "sleep": 30}']
     r = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert r.exit_code == 124, r.output
-    with daemon.client() as c:
+    with gpu_daemon.client() as c:
         late = c.call("b", {"x": 1, "sleep": 30}, timeout=0.5)  # the contract's keyword
         assert late.outcome == "timeout", late
         again = c.call("b", {"x": 2})
@@ -330,12 +329,12 @@ def test_call_timeout_is_timeout_then_next_call_works(daemon: Daemon) -> None:
         assert again.result["y"] == pytest.approx(want("b", 2.0), rel=1e-5)
 
 
-def test_remove_ends_queued_calls_rejected(daemon: Daemon) -> None:
+def test_remove_ends_queued_calls_rejected(gpu_daemon: GpuDaemon) -> None:
     """Removing a service whose calls wait for GPUs ends each of them `rejected`; the CLI
     then finds no such service (exit 1)."""
-    with daemon.client() as c:
+    with gpu_daemon.client() as c:
         assert "cli" in listed(c)  # registered by the CLI test
-        calls = [call_in_background(daemon, "cli", {"x": 1, "sleep": 2}) for _ in range(4)]
+        calls = [call_in_background(gpu_daemon, "cli", {"x": 1, "sleep": 2}) for _ in range(4)]
         wait_for(lambda: len(c.queue()["running"]) == 2 and len(c.queue()["waiting"]) == 2)
         removed = c.service_remove("cli")
         assert removed == {"name": "cli", "removed": True, "rejected": 2}
@@ -347,7 +346,7 @@ def test_remove_ends_queued_calls_rejected(daemon: Daemon) -> None:
         with pytest.raises(NotFound):
             c.call("cli", {"x": 1})
         assert c.status()["pools"]["gpu"]["free"] == 2
-    args = ["--socket", daemon.current.socket, "service", "remove", "cli"]
+    args = ["--socket", gpu_daemon.current.socket, "service", "remove", "cli"]
     assert CliRunner().invoke(cli, args, catch_exceptions=False).exit_code == 1
 
 
@@ -392,13 +391,13 @@ def as_user(uid: int, gid: int, path: str, requests: list[tuple[str, dict[str, A
     return json.loads(in_child_as(uid, gid, ask))
 
 
-def test_registrations_persist_across_a_restart(daemon: Daemon) -> None:
+def test_registrations_persist_across_a_restart(gpu_daemon: GpuDaemon) -> None:
     """A restarted daemon on the same state dir has the same services and serves them."""
-    with daemon.client() as c:
+    with gpu_daemon.client() as c:
         names = set(listed(c))
     assert names == set(NAMES)
-    daemon.restart()
-    with daemon.client() as c:
+    gpu_daemon.restart()
+    with gpu_daemon.client() as c:
         rows = listed(c)
         assert set(rows) == names
         assert all(row["error"] is None for row in rows.values()), rows

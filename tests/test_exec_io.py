@@ -9,17 +9,10 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from daemon_fixture import running_daemon
 
 from tangram.protocol.errors import BadRequest, NotFound
 from tangram.protocol.ops import MAX_TRANSFER
 from tangramctl.main import cli
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("io")) as d:
-        yield d
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 import sandbox_fusion as sfc
-from gateway_fixture import running_stack
+from harness import running_stack
 from verl_loader import verl_module
 
-from tangramd.gateway.spawn import spawn_gateway
+from tangram.testing import spawn_gateway
 
 
 @pytest.fixture(scope="module", params=["separate", "in_process"])

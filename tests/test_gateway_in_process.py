@@ -14,12 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from daemon_fixture import running_daemon
-from gateway_fixture import running_stack
+from harness import running_daemon, running_stack
 
 from tangram import Client
-from tangram.testing import SpawnedDaemon
-from tangramd.gateway.spawn import free_port, spawn_gateway, wait_http
+from tangram.testing import SpawnedDaemon, free_port, spawn_gateway, wait_http
 
 BODY = {"code": "print(1)", "language": "python"}
 

@@ -9,7 +9,7 @@ import base64
 import httpx
 import pytest
 import sandbox_fusion as sfc
-from gateway_fixture import running_stack
+from harness import running_stack
 
 
 @pytest.fixture(scope="module")

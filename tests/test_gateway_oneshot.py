@@ -11,8 +11,7 @@ import base64
 
 import httpx
 import pytest
-from daemon_fixture import running_daemon
-from gateway_fixture import running_stack
+from harness import running_stack
 
 from tangram.model import TangramError
 
@@ -23,18 +22,27 @@ BINARY = bytes(range(256)) * 3  # every byte value, NUL included
 @pytest.fixture(
     scope="module", params=["process", pytest.param("docker", marks=pytest.mark.docker)]
 )
-def daemon(request, tmp_path_factory):
-    args = ("--cpu-backend", "docker") if request.param == "docker" else ()
-    with running_daemon(tmp_path_factory.mktemp(f"oneshot-{request.param}"), *args) as d:
-        d.image = IMAGE if request.param == "docker" else None  # type: ignore[attr-defined]
-        yield d
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each test runs on the process backend and on Docker."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def daemon_args(backend: str) -> tuple[str, ...]:
+    return ("--cpu-backend", "docker") if backend == "docker" else ()
+
+
+@pytest.fixture(scope="module")
+def image(backend: str) -> str | None:
+    """The image an exec names: none on the process backend."""
+    return IMAGE if backend == "docker" else None
 
 
 def _exec_count(c) -> int:
     return int(c.status()["recent"].get("exec", {}).get("count", 0))
 
 
-def test_files_in_fetch_out_one_throwaway_action(daemon):
+def test_files_in_fetch_out_one_throwaway_action(daemon, image):
     """The files are there before the command runs, the fetched ones come back byte for byte
     (directories and missing paths left out), the whole run is one action and the
     environment is gone when the answer arrives."""
@@ -43,7 +51,7 @@ def test_files_in_fetch_out_one_throwaway_action(daemon):
         r = c.exec(
             ["sh", "-c", "cat in/a.txt; wc -c < blob; mkdir -p out/d; cp blob out/copy; "
              "echo made > out/new.txt; pwd > where"],
-            image=daemon.image,
+            image=image,
             files={"in/a.txt": "hello\n", "blob": BINARY},
             fetch=["out/copy", "out/new.txt", "out/d", "missing", "where"],
         )  # fmt: skip
@@ -54,14 +62,14 @@ def test_files_in_fetch_out_one_throwaway_action(daemon):
         assert _exec_count(c) == before + 1
         assert c.env_list() == []  # throwaway: nothing left open
         # the next run is a fresh environment: none of these files
-        fresh = c.exec(["sh", "-c", "ls -A"], image=daemon.image, fetch=["blob"])
+        fresh = c.exec(["sh", "-c", "ls -A"], image=image, fetch=["blob"])
         assert fresh.stdout == "" and fresh.files == {}
 
 
-def test_files_persist_in_an_open_environment_and_fetch_after_a_failure(daemon):
+def test_files_persist_in_an_open_environment_and_fetch_after_a_failure(daemon, image):
     """With ``env``, the files stay for later execs; fetch works after a non-zero exit."""
     with daemon.client() as c:
-        env = c.env_open(image=daemon.image)
+        env = c.env_open(image=image)
         try:
             r = c.exec(["sh", "-c", "echo partial > log; exit 3"], env=env,
                        files={"conf/x": b"1"}, fetch=["log"])  # fmt: skip
@@ -71,15 +79,15 @@ def test_files_persist_in_an_open_environment_and_fetch_after_a_failure(daemon):
             c.env_close(env)
 
 
-def test_bad_paths_are_refused_and_a_blocked_file_is_an_infra_error(daemon):
+def test_bad_paths_are_refused_and_a_blocked_file_is_an_infra_error(daemon, image):
     """'..' in files or fetch is a bad_request before anything runs; a file that cannot be
     written (its parent is a file) ends the action as infra_error without running it."""
     with daemon.client() as c:
         for kw in ({"files": {"../escape": b"x"}}, {"fetch": ["a/../../etc/passwd"]}):
             with pytest.raises(TangramError) as info:
-                c.exec(["true"], image=daemon.image, **kw)
+                c.exec(["true"], image=image, **kw)
             assert info.value.code == "bad_request"
-        r = c.exec(["sh", "-c", "echo ran"], image=daemon.image,
+        r = c.exec(["sh", "-c", "echo ran"], image=image,
                    files={"a": b"file", "a/b": b"under a file"})  # fmt: skip
         assert r.outcome == "infra_error" and "files: a/b" in r.detail and r.stdout == ""
         assert c.env_list() == []

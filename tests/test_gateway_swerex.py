@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from gateway_fixture import running_stack
+from harness import running_stack
 from swerex.exceptions import (
     BashIncorrectSyntaxError,
     CommandTimeoutError,

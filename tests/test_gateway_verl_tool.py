@@ -7,19 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from daemon_fixture import running_daemon
 from verl_loader import verl_module
 
 import tangram.integrations
 
 EXAMPLE = Path(tangram.integrations.__file__).parent / "verl_tool_config.yaml"
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("verl")) as d:
-        yield d
 
 
 def test_import_tangram_does_not_need_verl():

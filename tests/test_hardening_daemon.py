@@ -17,7 +17,7 @@ import msgpack
 import psutil
 import pytest
 from click.testing import CliRunner
-from daemon_fixture import running_daemon
+from harness import running_daemon
 from hostile_user import in_child_as, local_user
 
 from tangram.protocol.codec import FrameDecoder

@@ -7,21 +7,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 import skyrl_gym
-from daemon_fixture import running_daemon
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 
 from tangram.integrations import skyrl
 
 BUGGY = "def add(a, b):\n    return a - b\n"
 TESTS = "from calc import add\n\ndef test_add():\n    assert add(2, 3) == 5\n"
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("skyrl")) as d:
-        yield d
 
 
 def _make(daemon, **extras):

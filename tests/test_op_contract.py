@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_fixture import running_daemon
+from harness import running_daemon
 
 from tangram import AsyncClient, Client
 from tangram.protocol import OPS, ExecSpec

@@ -32,7 +32,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import ray  # the [ray] extra: scripts/test.sh installs it; nothing here skips
 from click.testing import CliRunner
-from daemon_fixture import running_daemon
+from harness import running_daemon
 from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 

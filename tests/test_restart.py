@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_fixture import running_daemon
+from harness import running_daemon
 
 from tangram import Client
 from tangram.protocol.errors import ConnectionFailed, NotFound
