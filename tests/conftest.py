@@ -5,8 +5,9 @@ invariants checked after every event, a clean log at teardown) shared by a modul
 A module that needs other ``tangramd up`` arguments overrides ``daemon_args``; a test that
 needs a daemon of its own calls ``harness.running_daemon`` itself.
 
-Hypothesis: ``HYPOTHESIS_PROFILE=thorough`` runs ten times the examples (a bug hunt before
-a release, or after touching the codec, the pools or the replay); ``ci`` is the default.
+Hypothesis: ``ci`` is the default profile (100 examples a property). ``HYPOTHESIS_PROFILE=
+thorough`` runs 1,000 for every property that does not fix its own count: a bug hunt after
+touching the codec, the pools or the scheduler.
 """
 
 from __future__ import annotations
