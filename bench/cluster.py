@@ -56,7 +56,7 @@ from tangramd.cluster.testing import (  # noqa: E402
     wait_for,
     wait_node_state,
 )
-from tangramd.core import Core, CoreConfig  # noqa: E402
+from tangramd.state import Core, CoreConfig  # noqa: E402
 
 GIB = 1 << 30
 CORES = sorted(os.sched_getaffinity(0))
@@ -219,7 +219,7 @@ def _queued_core(nodes: int, cores: int, queued: int, seed: int = 0) -> Core:
         for cmd in core.handle(ev.SubmitExec(spec=spec, token=i + 1), 0):
             if isinstance(cmd, ev.CreateEnv):
                 core.handle(ev.EnvCreated(env_id=cmd.env_id), 0)
-    assert len(core.queue) == queued, len(core.queue)
+    assert len(core.actions.queue) == queued, len(core.actions.queue)
     return core
 
 

@@ -268,12 +268,13 @@ def queue(ctl: Ctl, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("action_id")
+@click.argument("action_id", metavar="ID")
 @json_option
 @pass_ctl
 def story(ctl: Ctl, action_id: str, as_json: bool) -> None:
-    """What happened to one action: submission, environment, queue, placement (cores and
-    node), run and outcome, each with its time in seconds since the daemon started."""
+    """What happened to one record, by id: an action (submission, environment, queue,
+    placement, run, outcome), a lease, an environment or a session, each transition with
+    its time in seconds since the daemon started and the id of the event that caused it."""
     result = ctl.client.story(action_id)
 
     def human() -> str:

@@ -1,7 +1,7 @@
 """The executor: runs the core's commands and feeds what happened back as events.
 
 Everything with I/O lives here or below: the Unix-socket server, the execution backend,
-timers, the profiles file and logs. The core (``tangramd.core``) decides; the executor only
+timers, the profiles file and logs. The core (``tangramd.state``) decides; the executor only
 carries out and reports. Requests from clients arrive through the op handlers
 (``tangramd.ops``), which turn them into events with a reply token.
 """
@@ -25,10 +25,10 @@ from tangram.protocol.results import ExecResult
 from tangramd import events as ev
 from tangramd.backends.base import Backend, ExecRequest, PathEscape
 from tangramd.backends.files import NotAFile, TooLarge, start_exec
-from tangramd.core import Core
 from tangramd.lifecycle import loop_name
 from tangramd.records import RecordJournal, read_json, write_json
 from tangramd.services import ServiceHost, ServiceLoadError, ServiceNotFound
+from tangramd.state import Core
 from tangramd.transport import ConnInfo, Later, UnixServer
 
 log = structlog.get_logger("tangramd")
@@ -121,7 +121,7 @@ class Executor:
             "daemon_ready",
             socket=self.socket_path,
             backend=self.backend.name,
-            cores=self.core.total_cores(),
+            cores=self.core.read.total_cores(),
             event_loop=loop_name(),
         )
 
@@ -136,13 +136,13 @@ class Executor:
         self.feed(ev.Shutdown())
         if self.services is not None:  # running calls end infra_error; registrations stay
             await self.services.close()
-        await self.backend.shutdown(keep=self.core.env_ids(persistent_only=True))
+        await self.backend.shutdown(keep=self.core.read.env_ids(persistent_only=True))
         deadline = self.clock() + STOP_GRACE_S
         while (
-            self._tasks or self._running_execs or self.core.env_ids(throwaway_only=True)
+            self._tasks or self._running_execs or self.core.read.env_ids(throwaway_only=True)
         ) and self.clock() < deadline:
             await asyncio.sleep(0.01)
-        leftover = self.core.env_ids(throwaway_only=True)
+        leftover = self.core.read.env_ids(throwaway_only=True)
         if leftover:
             log.warning("envs_not_removed_at_stop", envs=leftover)
         await self.server.close(grace_s=0.5)
@@ -160,7 +160,7 @@ class Executor:
         """The ``nodes`` view: the one local node, always ready to itself."""
         return [
             {**row, "backend": self.backend.name, "heartbeat_age_s": 0.0}
-            for row in self.core.node_rows()
+            for row in self.core.read.node_rows()
         ]
 
     def join_info(self, rotate: bool) -> dict[str, Any]:
@@ -380,7 +380,7 @@ class Executor:
     def _log_placed(self, cmd: ev.RunExec) -> str | None:
         """``action_placed`` at debug level (its end, ``action_finished``, is the info
         line); returns the action's trajectory."""
-        trajectory = self.core.trajectory_of(cmd.action_id)
+        trajectory = self.core.read.trajectory_of(cmd.action_id)
         log.debug(
             "action_placed",
             action_id=cmd.action_id,

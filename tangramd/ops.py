@@ -69,7 +69,7 @@ def _ping(ex: Executor, args: Args, conn: ConnInfo) -> Any:
 def _status(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     now = ex.clock()
     return {
-        **ex.core.status(now),
+        **ex.core.read.status(now),
         "version": __version__,
         "uptime_s": now - ex.started,
         "backend": ex.backend.name,
@@ -106,27 +106,27 @@ def _node_lost(ex: Executor, args: Args, conn: ConnInfo) -> Any:
 
 
 def _queue(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return ex.core.queue_view(ex.clock())
+    return ex.core.read.queue_view(ex.clock())
 
 
 def _story(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return ex.core.story(args["action_id"], origin=ex.started)
+    return ex.core.read.story(args["action_id"], origin=ex.started)
 
 
 def _env_list(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return {"envs": ex.core.env_rows(ex.clock())}
+    return {"envs": ex.core.read.env_rows(ex.clock())}
 
 
 def _api_list(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return {"apis": ex.core.api_rows()}
+    return {"apis": ex.core.read.api_rows()}
 
 
 def _profile_get(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return ex.core.profile(args["name"])
+    return ex.core.read.profile(args["name"])
 
 
 def _profile_list(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return {"profiles": ex.core.profile_rows()}
+    return {"profiles": ex.core.read.profile_rows()}
 
 
 def _profile_save(ex: Executor, args: Args, conn: ConnInfo) -> Any:
@@ -137,7 +137,7 @@ def _profile_save(ex: Executor, args: Args, conn: ConnInfo) -> Any:
 def _service_list(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     if ex.services is None:
         return {"services": []}
-    waiting = ex.core.service_waiting()
+    waiting = ex.core.read.service_waiting()
     return {
         "services": [{**row, "waiting": waiting.get(row["name"], 0)} for row in ex.services.list()]
     }

@@ -22,9 +22,9 @@ from tangram.pools.gpu import ALLOWED_GPU_COUNTS, GpuCluster
 from tangramd import ops
 from tangramd.backends.base import Backend
 from tangramd.config import resolve_user
-from tangramd.core import Core, CoreConfig
 from tangramd.executor import Executor
 from tangramd.services import Inventory, ServiceHost, SimulatedGpus, discover
+from tangramd.state import Core, CoreConfig
 
 log = structlog.get_logger("tangramd")
 

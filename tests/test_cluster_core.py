@@ -8,7 +8,7 @@ from tangram.model import TangramError
 from tangram.pools.cpu import CpuCluster
 from tangram.protocol.results import ExecResult, ExecSpec
 from tangramd import events as ev
-from tangramd.core import Core, CoreConfig
+from tangramd.state import Core, CoreConfig
 
 GIB = 1 << 30
 
@@ -64,7 +64,7 @@ def test_environments_spread_over_joined_nodes_by_memory() -> None:
     join(core, "a")
     join(core, "b")
     assert {open_ready(core, 1).node, open_ready(core, 2).node} == {"a", "b"}
-    assert [row["name"] for row in core.node_rows()] == ["a", "b"]
+    assert [row["name"] for row in core.read.node_rows()] == ["a", "b"]
 
 
 def test_rejoin_of_a_known_node_keeps_its_pool() -> None:
@@ -74,8 +74,8 @@ def test_rejoin_of_a_known_node_keeps_its_pool() -> None:
     create = open_ready(core, 1)
     running = run(core, 2, create.env_id, 1.0)
     join(core, "a")
-    assert core.action_node(running.action_id) == "a"
-    assert core.node_work("a") == {
+    assert core.read.action_node(running.action_id) == "a"
+    assert core.read.node_work("a") == {
         "keep": [create.env_id],
         "creating": [],
         "closing": [],
@@ -99,7 +99,7 @@ def test_lost_node_ends_its_actions_and_loses_its_environments() -> None:
     assert reply.token == 3 and reply.result["outcome"] == "infra_error"
     assert reply.result["detail"] == f"node {lost.node} lost: missed heartbeats"
     assert reply.result["node"] == lost.node and reply.result["action_id"] == running.action_id
-    assert [row["name"] for row in core.node_rows()] == [kept.node]
+    assert [row["name"] for row in core.read.node_rows()] == [kept.node]
     (refused,) = core.handle(ev.SubmitExec(spec=ExecSpec(cmd="true", env=lost.env_id), token=4), 3)
     assert refused.error == (
         "env_lost",
@@ -126,7 +126,7 @@ def test_lost_node_fails_an_environment_being_created() -> None:
     assert [(r.token, r.error) for r in replies] == expected
     assert [type(c) for c in out if not isinstance(c, ev.Reply)] == [ev.RemoveEnv]
     assert core.handle(ev.EnvRemoved(env_id=create.env_id), 1) == []
-    assert core.env_ids() == []
+    assert core.read.env_ids() == []
 
 
 def test_throwaway_exec_on_a_lost_node_is_answered_and_its_env_closed() -> None:
@@ -151,7 +151,7 @@ def test_drained_node_takes_no_new_trajectories() -> None:
     (reply,) = core.handle(ev.DrainNode(node="a", drain=True, token=1), 0)
     assert reply.result == {"name": "a", "draining": True}
     assert {open_ready(core, t).node for t in (2, 3, 4)} == {"b"}
-    states = {row["name"]: row["state"] for row in core.node_rows()}
+    states = {row["name"]: row["state"] for row in core.read.node_rows()}
     assert states == {"a": "draining", "b": "ready"}
     core.handle(ev.DrainNode(node="a", drain=False), 1)
     assert open_ready(core, 5).node == "a"
@@ -205,7 +205,7 @@ def test_queued_throwaway_work_of_a_lost_node_moves_to_another() -> None:
     assert core.handle(ev.EnvCreated(env_id=moved.env_id), 2) == []
     (run_cmd,) = core.handle(ev.Tick(), 2.01)
     assert isinstance(run_cmd, ev.RunExec) and run_cmd.node == moved.node
-    story = core.story(run_cmd.action_id, 0)["events"]
+    story = core.read.story(run_cmd.action_id, 0)["events"]
     assert any("moving to another node" in entry["detail"] for entry in story)
 
 

@@ -8,8 +8,9 @@ from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster, CpuNodePool
 from tangram.protocol.results import ExecResult, ExecSpec
 from tangramd import events as ev
-from tangramd.core import Core, CoreConfig
-from tangramd.entities import ENV_EDGES, IllegalTransition, transition
+from tangramd.state import Core, CoreConfig
+from tangramd.state.envs import ENV_EDGES
+from tangramd.state.story import IllegalTransition, transition
 
 GIB = 1 << 30
 
@@ -151,7 +152,7 @@ def test_illegal_transition_raises_with_history():
     env_id = ready_env(core)
     env = core.envs.get(env_id)
     with pytest.raises(IllegalTransition, match=r"ready -> creating .*history.*backend created it"):
-        transition(env, "creating", ENV_EDGES, 1.0, "bogus")
+        transition(env, "creating", ENV_EDGES, 1.0, "bogus", cause=0)
 
 
 def test_idle_environment_is_closed_after_ttl():
@@ -186,7 +187,7 @@ def test_story_records_every_transition_and_the_placement():
     core.handle(ev.EnvCreated(env_id=create.env_id), 0.1)
     (run,) = tick(core, 0.2)
     core.handle(ev.ExecFinished(action_id=run.action_id, result=ExecResult("ok", 0)), 0.5)
-    story = core.story(run.action_id, origin=0.0)
+    story = core.read.story(run.action_id, origin=0.0)
     steps = [(e["t"], e["event"]) for e in story["events"]]
     assert steps == [
         (0.0, "submitted"),
@@ -209,7 +210,7 @@ def test_commands_carry_the_stimulus_id_of_their_event():
     assert create.cause > 0 and reply.cause == create.cause + 1
     core.handle(ev.EnvCreated(env_id=create.env_id), 0.1)
     (run,) = tick(core, 0.2)
-    story = core.story(run.action_id, origin=0.0)["events"]
+    story = core.read.story(run.action_id, origin=0.0)["events"]
     assert story[0]["cause"] == create.cause and story[-1]["cause"] == run.cause
 
 
@@ -227,8 +228,8 @@ def test_profiles_enter_as_events_and_are_saved_by_a_command():
     persist, reply = core.handle(ev.SaveProfile(name="suite", profile=prof, token=3), 1.0)
     assert isinstance(persist, ev.PersistProfiles) and sorted(persist.profiles) == ["old", "suite"]
     assert reply.token == 3 and reply.result == {"name": "suite", "saved": True}
-    assert core.profile("suite")["t1_s"] == 2.0
-    assert [p["name"] for p in core.profile_rows()] == ["old", "suite"]
+    assert core.read.profile("suite")["t1_s"] == 2.0
+    assert [p["name"] for p in core.read.profile_rows()] == ["old", "suite"]
 
 
 def test_shutdown_goes_through_the_core_and_keeps_persistent_envs():
@@ -247,7 +248,7 @@ def test_shutdown_goes_through_the_core_and_keeps_persistent_envs():
     assert reply.result["outcome"] == "infra_error"
     assert isinstance(remove, ev.RemoveEnv) and remove.env_id == create.env_id
     core.handle(ev.EnvRemoved(env_id=create.env_id), 0.7)
-    assert core.env_ids() == [persistent]
+    assert core.read.env_ids() == [persistent]
 
 
 def test_persistent_envs_are_recorded_and_readopted():
@@ -270,7 +271,7 @@ def test_persistent_envs_are_recorded_and_readopted():
 
     fresh = make_core()
     assert fresh.handle(ev.EnvsRecovered(envs=(record,)), 5.0) == []
-    assert fresh.env_ids() == [create.env_id]
+    assert fresh.read.env_ids() == [create.env_id]
     assert fresh.cpu.pool("local").mem_reserved == record["mem"]
     (run_create,) = fresh.handle(submit(2, "true"), 5.1)  # a new env: a new id
     assert run_create.env_id != create.env_id
@@ -346,7 +347,7 @@ def test_service_call_lifecycle_restores_then_evicts_lru():
     third = call(core, 3, "c", 2.0)
     assert third.gpus == (0,)
     assert [(v.gpu, v.service) for v in third.evicted] == [(0, "a")]
-    story = core.story(third.action_id, origin=0.0)["events"]
+    story = core.read.story(third.action_id, origin=0.0)["events"]
     assert any("evicting ['a@1']" in e["detail"] for e in story if e["event"] == "running")
 
 
@@ -371,7 +372,7 @@ def test_failed_load_is_an_error_and_registers_nothing():
     error = "service 'a': factory m:f failed: RuntimeError: boom"
     (reply,) = core.handle(ev.ServiceLoaded(spec=load.spec, error=error), 0.1)
     assert reply.error == ("bad_request", error)
-    assert core.services == {} and "a" not in core.gpu.services
+    assert core.services.specs == {} and "a" not in core.gpu.services
 
 
 def test_remove_rejects_queued_calls_and_answers_after_unload():

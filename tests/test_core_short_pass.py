@@ -16,7 +16,7 @@ from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster, CpuNodePool
 from tangram.protocol.results import ExecResult, ExecSpec
 from tangramd import events as ev
-from tangramd.core import Core, CoreConfig
+from tangramd.state import Core, CoreConfig
 
 GIB = 1 << 30
 
@@ -130,11 +130,11 @@ def test_short_pass_decides_as_the_full_pass(seed: int, leases: bool, wide: floa
         world.step()
     assert world.a.passes == world.b.passes
     if not leases:  # (a waiting lease keeps every pass full)
-        assert world.a.passes_short > 0.2 * world.a.passes, (
-            world.a.passes_short,
+        assert world.a.passer.short > 0.2 * world.a.passes, (
+            world.a.passer.short,
             world.a.passes,
         )
-    assert world.b.passes_short == 0
+    assert world.b.passer.short == 0
 
 
 def test_short_pass_under_a_flood_of_one_core_execs() -> None:
@@ -158,9 +158,9 @@ def test_short_pass_under_a_flood_of_one_core_execs() -> None:
         world.now += 0.002
         aid = world.running.pop(0)
         world.feed(ev.ExecFinished(action_id=aid, result=ExecResult("ok", 0, exec_s=0.001)))
-    assert not world.a.queue and not world.b.queue
-    assert world.a.passes_short >= 0.8 * world.a.passes, (world.a.passes_short, world.a.passes)
-    assert world.b.passes_full_pools == 0
+    assert not world.a.actions.queue and not world.b.actions.queue
+    assert world.a.passer.short >= 0.8 * world.a.passes, (world.a.passer.short, world.a.passes)
+    assert world.b.passer.full_pools == 0
 
 
 def test_arrivals_at_full_nodes_run_no_scheduler_and_decide_the_same() -> None:
@@ -224,5 +224,5 @@ def test_arrivals_at_full_nodes_run_no_scheduler_and_decide_the_same() -> None:
     short, full = cores[True], cores[False]
     assert rejected == 6
     assert short.passes == full.passes
-    assert short.passes_full_pools >= 0.4 * short.passes, (short.passes_full_pools, short.passes)
-    assert full.passes_full_pools == 0
+    assert short.passer.full_pools >= 0.4 * short.passes, (short.passer.full_pools, short.passes)
+    assert full.passer.full_pools == 0

@@ -15,7 +15,7 @@ def test_states_page_is_up_to_date() -> None:
 
 
 def test_every_edge_table_is_rendered() -> None:
-    """Every ``*_EDGES`` table of tangramd.entities appears with all its edges."""
+    """Every ``*_EDGES`` table of the state books appears with all its edges."""
     tables = edge_tables()
     assert {"ACTION_EDGES", "ENV_EDGES", "LEASE_EDGES"} <= set(tables)
     text = render_state_machines()

@@ -62,7 +62,7 @@ def test_session_close_and_environment_removal():
     (remove,) = acting(core.handle(ev.CloseEnv(token=5, env_id=env), 1.2))
     assert isinstance(remove, ev.RemoveEnv)
     core.handle(ev.EnvRemoved(env_id=env), 1.3)
-    assert core.session_rows() == []
+    assert core.read.session_rows() == []
     (gone,) = core.handle(submit(6, "true", session=sids[1]), 1.4)
     assert gone.error is not None and gone.error[0] == "not_found"
 

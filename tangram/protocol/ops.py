@@ -455,9 +455,24 @@ OPS: Final[dict[str, Op]] = {
         Op("queue", "waiting and running actions", result=("waiting: [map]", "running: [map]")),
         Op(
             "story",
-            "what happened to one action: every transition with its time (bounded log)",
-            (Arg("action_id", ID, True),),
-            result=("action_id: str", "state: str", "outcome: str|null", "events: [map]"),
+            "what happened to one action, environment, session or lease: every transition "
+            "with its time and cause (bounded log)",
+            (
+                Arg(
+                    "action_id",
+                    ID,
+                    True,
+                    doc="the record's id: action, call, lease, environment or session",
+                ),
+            ),
+            result=(
+                "action_id: str",
+                "id: str",
+                "kind: str",
+                "state: str",
+                "outcome: str|null",
+                "events: [map]",
+            ),
             errors=("not_found",),
         ),
         Op(

@@ -18,7 +18,6 @@ from typing import Any, Final
 
 from tangram.pools.gpu import ALLOWED_GPU_COUNTS
 from tangram.pools.gpu import ServiceSpec as PoolServiceSpec
-from tangramd.records import write_json
 
 GB: Final = 1_000_000_000  # decimal gigabytes, as the simulator's cluster files use
 RUNTIMES: Final = ("torch", "http")
@@ -182,4 +181,6 @@ class Registry:
         return len(self._specs)
 
     def _save(self) -> None:
+        from tangramd.records import write_json  # (structlog: not at import, see state/)
+
         write_json(self.path, {"services": [s.to_json() for s in self._specs.values()]}, indent=1)

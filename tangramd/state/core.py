@@ -1,0 +1,297 @@
+"""The router: one entry point over the books, and the scheduling pass.
+
+``Core.handle(event, now) -> list[Command]`` is the only way the daemon's state changes.
+It gives the event a stimulus id, looks up the event type's handler in the dispatch table
+(:mod:`tangramd.state.dispatch`; each book's module registers its own handlers), and
+returns the commands the handler produced, each carrying that id as ``cause``. The
+executor (``tangramd.executor``) runs the commands and feeds each result back as a new
+event. ``now`` is always an argument: the core never awaits, sleeps or reads the clock,
+so tests and the simulator drive it synchronously.
+
+The books, one per resource, each with its records and its transition table:
+
+- actions (:mod:`~tangramd.state.actions`): live actions, the queue, how one ends;
+- environments (:mod:`~tangramd.state.envs`): memory, placement, the wait for memory;
+- sessions (:mod:`~tangramd.state.sessions`), leases (:mod:`~tangramd.state.leases`),
+  services (:mod:`~tangramd.state.services`), profiles and nodes.
+
+Views are the read model (``core.read``, :mod:`~tangramd.state.views`).
+
+In ``tangramd up`` this one core is both the coordinator (queues, registry, global
+scheduler) and, through its environment book, the node's bookkeeping: the all-in-one
+mode. A coordinator runs the same core over its nodes' pools.
+
+Scheduling passes are coalesced: arrivals and completions only mark the pass book
+*dirty*, and a pass is due at once when none ran in the last ``coalesce_s`` (0 by
+default: always), else at the end of that window. The executor decides when a due pass
+runs: at the end of the event loop's turn (every event read in that turn shares it), or at
+once after a completion (see ``Executor._arm_timer``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tangram.model import HistoryEstimator, TangramError
+from tangram.pools.api import ApiPool
+from tangram.pools.cpu import CpuCluster
+from tangram.pools.gpu import GpuCluster
+from tangram.protocol.errors import InfraError, NotFound
+from tangram.sched import LoadMeter, SchedConfig
+from tangramd import events as ev
+from tangramd.state import nodes, profiles, sessions  # noqa: F401  (register their handlers)
+from tangramd.state.actions import ActionBook, ActionRec, close_env, finish_action
+from tangramd.state.dispatch import HANDLERS, handles
+from tangramd.state.envs import EnvBook, EnvDefaults, EnvRec, persist_envs
+from tangramd.state.leases import LeaseBook, end_lease, expire_leases
+from tangramd.state.scheduling import PassBook, run_pass
+from tangramd.state.services import ServiceBook
+from tangramd.state.sessions import SessionBook
+from tangramd.state.story import Stories
+from tangramd.state.views import ReadModel
+
+
+@dataclass
+class CoreConfig:
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    coalesce_s: float = 0.0
+    default_env_mem: int = 1 << 30
+    env_idle_ttl_s: float = 1800.0
+    default_lease_ttl_s: float = 60.0
+    default_deadline_s: float = 30.0
+    max_output: int = 1 << 20
+    default_image: str | None = None
+    exec_as_peer: bool = False  # commands run as the connecting client (cpu.exec_user="peer")
+    # emit RecordEnv / PersistEnvs (tangramd up; a coordinator keeps its own registry)
+    record_envs: bool = True
+    max_transfer: int = 8 << 20  # bytes one env.get may return (env.put: the op table's cap)
+    call_timeout_s: float = 300.0  # a service call's handler limit when the call gives none
+    # Short-cut passes that provably decide what the full pass would
+    # (``scheduling.short_waiting``); False: every pass reads the whole queue (tests
+    # compare the two).
+    short_passes: bool = True
+
+
+class Core:
+    """The router over the books of ``tangramd up``, a node or a coordinator."""
+
+    def __init__(
+        self,
+        cpu: CpuCluster,
+        apis: Mapping[str, ApiPool],
+        config: CoreConfig | None = None,
+        history: HistoryEstimator | None = None,
+        gpu: GpuCluster | None = None,
+    ) -> None:
+        self.cfg = config or CoreConfig()
+        self.cpu = cpu
+        self.apis = dict(apis)
+        self.gpu = gpu
+        self.pools: dict[str, Any] = {p.pool_id: p for p in cpu.nodes}
+        self.pools.update({p.pool_id: p for p in self.apis.values()})
+        if gpu is not None:
+            self.pools[gpu.pool_id] = gpu
+        self.history = history or HistoryEstimator(default_s=1.0)
+        self.meter = LoadMeter()  # recent offered load per CPU node (the "priced" rule)
+        self.stories = Stories()
+        defaults = EnvDefaults(
+            mem=self.cfg.default_env_mem,
+            image=self.cfg.default_image,
+            idle_ttl_s=self.cfg.env_idle_ttl_s,
+            owned_by_peer=self.cfg.exec_as_peer,
+        )
+        # the books
+        self.actions = ActionBook(self.stories)
+        self.envs = EnvBook(cpu, defaults, self.stories)
+        self.sessions = SessionBook(self.envs, self.stories)
+        self.leases = LeaseBook()
+        self.services = ServiceBook()
+        self.profiles: dict[str, dict[str, Any]] = {}
+        self.passer = PassBook()
+        self.read = ReadModel(self)
+        self.shutting_down = False
+        self.stimulus = 0  # id of the event being handled
+        self._stimuli = itertools.count(1)
+        self._ids = itertools.count(1)
+        # a lower bound of the earliest idle deadline (None: scan the environments)
+        self._idle_due: float | None = None
+
+    # ------------------------------------------------------------------ entry point
+    def handle(self, event: ev.Event, now: float) -> list[ev.Command]:
+        self.stimulus = next(self._stimuli)
+        out: list[ev.Command] = []
+        kind = type(event)
+        if kind not in _KEEP_IDLE_BOUND:
+            self._idle_due = None
+            self.passer.affinity = None  # environments may open, move or go
+        elif isinstance(event, ev.SubmitExec) and (event.spec.env is None or event.spec.session):
+            self.passer.affinity = None  # a throwaway environment opens
+        try:
+            HANDLERS[kind](self, event, now, out)
+        except TangramError as exc:
+            token = getattr(event, "token", None)
+            if token is None:
+                raise
+            out.append(self.reply(token, error=(exc.code, exc.message)))
+        passer = self.passer
+        if passer.dirty and passer.due is None:
+            passer.due = max(now, passer.last + self.cfg.coalesce_s)
+        return out
+
+    def run_pass(self, now: float, out: list[ev.Command]) -> None:
+        run_pass(self, now, out)
+
+    def next_wakeup(self, now: float) -> float | None:
+        """Earliest time the executor must feed a ``Tick``."""
+        times = [t for t in (self.passer.due,) if t is not None]
+        times += self.leases.wakeups()
+        idle = self._idle_due
+        if idle is None or idle <= now:
+            idle = self._idle_due = min(self.envs.idle_deadlines(), default=math.inf)
+        if idle != math.inf:
+            times.append(idle)
+        if self.actions.queued_api:
+            for pool in self.apis.values():
+                t = pool.next_grant_time(now)
+                if t is not None:
+                    times.append(t)
+        return min(times) if times else None
+
+    @property
+    def passes(self) -> int:
+        return self.passer.passes
+
+    # ------------------------------------------------------------------ for the books
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}{next(self._ids):x}"
+
+    def reply(
+        self, token: int, result: Any = None, error: tuple[str, str] | None = None
+    ) -> ev.Reply:
+        return ev.Reply(token=token, result=result, error=error, cause=self.stimulus)
+
+    def enqueue(self, rec: ActionRec, now: float) -> None:
+        """An action is ready to be scheduled: queue it and mark a pass due."""
+        self.actions.enqueue(rec, now, self.stimulus)
+        self.passer.dirty = True
+        if rec.action.kind == "exec" and rec.env is not None:  # the priced rule's forecast
+            env = self.envs.get(rec.env)
+            if env is not None and env.node:
+                self.meter.submitted(f"cpu:{env.node}", now, rec.action.elastic)
+
+    def ready_env(self, env_id: str, peer: tuple[int, int] | None = None) -> EnvRec:
+        """An environment ``peer`` may use and that is ready (else a typed error)."""
+        env = self.envs.open_env(env_id, peer)
+        if env is None:
+            raise NotFound(f"environment {env_id!r} not found")
+        if env.state != "ready":
+            raise InfraError(f"environment {env_id} is {env.state}, not ready")
+        return env
+
+    def idle_from(self, now: float) -> None:
+        """An environment became idle at ``now``: fold its idle deadline into the bound."""
+        if self._idle_due is not None:
+            self._idle_due = min(self._idle_due, now + self.envs.defaults.idle_ttl_s)
+
+    # ------------------------------------------------------------------ invariants
+    def validate(self) -> None:
+        """Invariants every test checks after each event."""
+        for node in self.cpu.nodes:
+            node.validate()
+        holders: dict[tuple[str, int], str] = {}  # (pool, core): cores are per node
+        for rec in self.actions:
+            if rec.state == "running" and rec.action.kind == "exec":
+                for core in rec.units:
+                    key = (rec.pool_id, core)
+                    assert key not in holders, (
+                        f"core {core} of {rec.pool_id} held by {holders[key]} and {rec.action.id}"
+                    )
+                    holders[key] = rec.action.id
+            assert rec.state != "done", f"ended action {rec.action.id} still live"
+            if rec.env is not None:
+                assert self.envs.get(rec.env) is not None, f"{rec.action.id}: env gone"
+        for aid in self.actions.queue:
+            assert self.actions[aid].state == "queued"
+        for env in self.envs:
+            for aid in env.pending:
+                assert self.actions[aid].state == "waiting_env", f"{aid} pending on {env.id}"
+        for pool in self.apis.values():
+            assert pool.free_units() >= 0
+        if self.gpu is not None:
+            self.gpu.validate()
+            for rec in self.actions:
+                if rec.state == "running" and rec.action.kind == "service":
+                    held = self.gpu.held(rec.action.id)
+                    assert held == tuple(rec.units), f"{rec.action.id} holds {held}"
+
+
+# ---------------------------------------------------------------------- the router's own
+# Events no single book owns: the clock's tick, a client leaving, shutdown.
+@handles(ev.Tick)
+def _tick(core: Core, e: ev.Tick, now: float, out: list[ev.Command]) -> None:
+    expire_leases(core, now, out)
+    if core._idle_due is None or core._idle_due <= now:  # (else none is due yet)
+        for env in core.envs.idle_expired(now):
+            close_env(core, env, now, out, "idle TTL expired")
+    passer = core.passer
+    if (passer.due is not None and now >= passer.due) or passer.dirty:
+        run_pass(core, now, out)
+
+
+@handles(ev.ConnClosed)
+def _conn_closed(core: Core, e: ev.ConnClosed, now: float, out: list[ev.Command]) -> None:
+    """Waiting work of a dead client is dropped; its leases return at once (never leaked)."""
+    for rec in core.actions:
+        if rec.conn != e.conn or rec.state == "done":
+            continue
+        rec.token = None
+        if rec.action.kind == "api":
+            lease = core.leases.get(rec.action.id)
+            if lease is not None and lease.state == "granted":
+                end_lease(core, lease, now, out, "released")
+            elif rec.state == "queued":
+                if lease is not None:
+                    core.leases.move(lease, "failed", now, "client disconnected", core.stimulus)
+                finish_action(core, rec, now, out, outcome="rejected", detail="client gone")
+        elif rec.state in ("queued", "waiting_env"):
+            finish_action(core, rec, now, out, outcome="rejected", detail="client gone")
+    for env in core.envs:
+        if env.throwaway and env.conn == e.conn and env.active == 0:
+            close_env(core, env, now, out, "client gone")
+
+
+@handles(ev.Shutdown)
+def _shutdown(core: Core, e: ev.Shutdown, now: float, out: list[ev.Command]) -> None:
+    """Refuse new work, end waiting work, return leases, close throwaway environments.
+
+    Persistent environments belong to their trajectories, not to this process: they are
+    kept, their records written, and the next daemon on this state dir re-adopts them.
+    A throwaway environment with a running action closes when the action ends
+    (``finish_action``); the executor ends running execs through the backend.
+    """
+    core.shutting_down = True
+    waiting = list(core.actions.queue.values())
+    waiting += [r for r in core.actions if r.state == "waiting_env"]
+    for rec in waiting:
+        finish_action(core, rec, now, out, outcome="rejected", detail="daemon shutting down")
+    for lease in core.leases:
+        if lease.state == "granted":
+            end_lease(core, lease, now, out, "released")
+    for env in core.envs:
+        if env.throwaway and env.active == 0:
+            close_env(core, env, now, out, "daemon shutting down")
+        elif not env.throwaway and env.state in ("creating", "waiting_mem"):
+            close_env(core, env, now, out, "daemon shutting down before it was ready")
+    persist_envs(core, out)
+
+
+# Events after which the cached idle bound (``Core._idle_due``) is still a lower bound of
+# the earliest idle deadline: they only end idleness, or start it at ``now`` (the deadline
+# then is ``now + ttl``, which ``finish_action`` folds in). Any other event drops it. The
+# same set, less a SubmitExec that opens a throwaway environment or uses a session, keeps
+# the cached affinity (``PassBook.affinity``).
+_KEEP_IDLE_BOUND: frozenset[type] = frozenset({ev.SubmitExec, ev.ExecFinished, ev.Tick})

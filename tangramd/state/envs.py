@@ -1,0 +1,571 @@
+"""The environment book: a node's environments, their memory and their wait queue.
+
+An environment is a trajectory's long-lived state on one node (a working directory or a
+container). It holds memory for its whole life and no cores between actions. The book
+owns every ``EnvRec`` and the FIFO of environments waiting for memory; it emits the
+node-side commands (``CreateEnv``, ``RemoveEnv``) and answers the core with typed results
+(:class:`Ready`, :class:`Failed`, :class:`Gone`), so the core acts on actions and clients
+while the book never touches either. This is the node side of the node/coordinator split:
+the core's queues and scheduler are the coordinator side.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tangram.model import ActionId, EnvId, TrajectoryId, Unschedulable
+from tangram.pools.cpu import CpuCluster, NeverFits, NoRoomYet, Placed
+from tangram.protocol.errors import NotFound, ShuttingDown
+from tangramd import events as ev
+from tangramd.state.actions import close_env, finish_action
+from tangramd.state.dispatch import handles
+from tangramd.state.story import Stories, StoryLog, transition
+
+if TYPE_CHECKING:
+    from tangramd.state.core import Core
+
+ENV_EDGES: dict[tuple[str, str], str] = {
+    ("new", "creating"): "env.open or a throwaway exec asked for it, and a node has the memory",
+    ("new", "waiting_mem"): "env.open or a throwaway exec found no node with the memory free",
+    ("new", "ready"): "re-adopted from the state dir after a daemon restart",
+    ("new", "lost"): "restored from the coordinator's store; lost until its node reconnects",
+    ("waiting_mem", "creating"): "another environment's memory was freed and it now fits",
+    ("waiting_mem", "closing"): "closed (or its client left) before memory became free",
+    ("creating", "ready"): "the backend created it",
+    ("creating", "closing"): "creation failed, or closed while being created",
+    ("ready", "lost"): "an exec found it gone (container died or removed behind our back)",
+    ("creating", "lost"): "its node was lost while the environment was being created",
+    ("lost", "waiting_mem"): "a throwaway env of a lost node waits for memory on another node",
+    ("lost", "creating"): "the next action recreates a fresh environment",
+    ("lost", "ready"): "its node reconnected to a restarted coordinator that restored it",
+    ("ready", "closing"): "env.close, idle TTL, throwaway done, or shutdown",
+    ("lost", "closing"): "env.close of a lost environment",
+    ("closing", "closed"): "the backend removed it",
+}
+
+
+@dataclass
+class EnvRec:
+    """One environment; ``history`` is its story (``tangramctl story e…``)."""
+
+    id: EnvId
+    trajectory: TrajectoryId
+    node: str
+    image: str | None
+    mem: int
+    created_at: float
+    last_used: float
+    history: StoryLog
+    throwaway: bool = False
+    open_token: int | None = None
+    close_token: int | None = None
+    conn: int | None = None
+    owner: tuple[int, int] | None = None  # (uid, gid) of the client that opened it
+    state: str = "new"
+    lost_node: str = ""  # set when the environment was lost with its node (cluster mode)
+    awaiting_node: bool = False  # restored by a restarted coordinator, node not back yet
+    active: int = 0  # actions submitted and not done
+    pending: list[ActionId] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The backend created ``env``: its ``pending`` actions may be queued."""
+
+    env: EnvRec
+    pending: tuple[ActionId, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Creating ``env`` failed with ``error``; its ``pending`` actions cannot run."""
+
+    env: EnvRec
+    pending: tuple[ActionId, ...]
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Gone:
+    """The backend removed ``env``; the book forgot it."""
+
+    env: EnvRec
+
+
+@dataclass(frozen=True, slots=True)
+class EnvDefaults:
+    mem: int = 1 << 30
+    image: str | None = None
+    idle_ttl_s: float = 1800.0
+    owned_by_peer: bool = False  # files belong to the client that opened it (exec as peer)
+
+
+class EnvBook:
+    """Environments of the nodes of one ``CpuCluster`` (see the module doc)."""
+
+    def __init__(self, cpu: CpuCluster, defaults: EnvDefaults, stories: Stories) -> None:
+        self.cpu = cpu
+        self.defaults = defaults
+        self.stories = stories
+        self._envs: dict[EnvId, EnvRec] = {}
+        self._waitq: deque[EnvId] = deque()  # waiting for memory, FIFO
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ reads
+    def get(self, env_id: str) -> EnvRec | None:
+        return self._envs.get(EnvId(env_id))
+
+    def open_env(self, env_id: str, peer: tuple[int, int] | None = None) -> EnvRec | None:
+        """The environment if it exists, is not being closed, and ``peer`` may use it: its
+        owner, root, or anyone when either side is unknown."""
+        env = self._envs.get(EnvId(env_id))
+        if env is None or env.state in ("closing", "closed"):
+            return None
+        if peer is not None and env.owner is not None and peer[0] not in (0, env.owner[0]):
+            return None  # another user's environment: as if it did not exist
+        return env
+
+    def __iter__(self) -> Iterator[EnvRec]:
+        return iter(list(self._envs.values()))
+
+    def __len__(self) -> int:
+        return len(self._envs)
+
+    def live_count(self) -> int:
+        return sum(1 for env in self._envs.values() if env.state != "closed")
+
+    def idle_deadlines(self) -> Iterator[float]:
+        """When each idle ready environment reaches its idle TTL."""
+        for env in self._envs.values():
+            if env.state == "ready" and not env.active:
+                yield env.last_used + self.defaults.idle_ttl_s
+
+    def affinity(self) -> dict[TrajectoryId, str]:
+        """Pool of each trajectory whose environment is placed."""
+        return {
+            env.trajectory: f"cpu:{env.node}"
+            for env in self._envs.values()
+            if env.node and not env.lost_node
+        }
+
+    def rows(self, now: float) -> list[dict[str, Any]]:
+        """The ``env.list`` view: persistent environments."""
+        return [
+            {
+                "id": e.id,
+                "node": e.node,
+                "image": e.image,
+                "mem": e.mem,
+                "state": e.state,
+                "trajectory": e.trajectory,
+                "age_s": now - e.created_at,
+                "idle_s": now - e.last_used,
+                "active": e.active,
+            }
+            for e in self._envs.values()
+            if not e.throwaway
+        ]
+
+    def records(self) -> tuple[dict[str, Any], ...]:
+        """What a restarted daemon needs to re-adopt the persistent environments."""
+        return tuple(
+            self.record(e)
+            for e in self._envs.values()
+            if not e.throwaway and e.state in ("ready", "lost")
+        )
+
+    @staticmethod
+    def record(e: EnvRec) -> dict[str, Any]:
+        """One persistent environment's record (see ``records``)."""
+        return {
+            "id": e.id,
+            "trajectory": e.trajectory,
+            "node": e.node,
+            "image": e.image,
+            "mem": e.mem,
+            "owner": list(e.owner) if e.owner is not None else None,
+        }
+
+    # ------------------------------------------------------------------ changes
+    def adopt(self, records: Iterable[Mapping[str, Any]], now: float, cause: int) -> list[EnvRec]:
+        """Take over environments an earlier run left (ready, idle TTL restarting now).
+
+        Records that name an unknown node or no longer fit in memory are skipped (and
+        returned nowhere): the backend removes what the book does not hold.
+        """
+        adopted: list[EnvRec] = []
+        for rec in records:
+            env_id = EnvId(str(rec["id"]))
+            if env_id in self._envs:
+                continue
+            traj = TrajectoryId(str(rec["trajectory"]))
+            placed = self.cpu.place_trajectory(traj, env_id, 0, int(rec["mem"]))
+            if not isinstance(placed, Placed) or placed.node != rec.get("node", placed.node):
+                if isinstance(placed, Placed):
+                    self.cpu.forget_trajectory(traj)
+                continue
+            owner = rec.get("owner")
+            env = EnvRec(
+                id=env_id,
+                trajectory=traj,
+                node=placed.node,
+                image=rec.get("image"),
+                mem=int(rec["mem"]),
+                created_at=now,
+                last_used=now,
+                history=self.stories.open(env_id, "environment"),
+                owner=(int(owner[0]), int(owner[1])) if owner else None,
+            )
+            transition(env, "ready", ENV_EDGES, now, "re-adopted after a daemon restart", cause)
+            self._envs[env_id] = env
+            adopted.append(env)
+            self._skip_ids_through(env_id)
+        return adopted
+
+    def _skip_ids_through(self, env_id: str) -> None:
+        """New ids never reuse an adopted one (``e<hex>``)."""
+        try:
+            used = int(env_id[1:], 16)
+        except ValueError:
+            return
+        nxt = next(self._ids)
+        self._ids = itertools.count(max(nxt, used + 1))
+
+    def open(
+        self,
+        now: float,
+        out: list[ev.Command],
+        cause: int,
+        *,
+        image: str | None,
+        mem: int | None,
+        trajectory: str | None,
+        throwaway: bool,
+        token: int | None,
+        conn: int | None,
+        owner: tuple[int, int] | None = None,
+    ) -> EnvRec:
+        """A new environment: created at once where memory is free, else waiting for it.
+
+        Raises ``Unschedulable`` when no node could ever hold it.
+        """
+        env_id = EnvId(f"e{next(self._ids):x}")
+        traj = TrajectoryId(trajectory or f"traj-{env_id}")
+        mem_bytes = self.defaults.mem if mem is None else mem
+        placed = self.cpu.place_trajectory(traj, env_id, 0, mem_bytes)
+        if isinstance(placed, NeverFits):
+            raise Unschedulable(f"cannot place environment: {placed.shortfall.describe()}")
+        env = EnvRec(
+            id=env_id,
+            trajectory=traj,
+            node=placed.node if isinstance(placed, Placed) else "",
+            image=image or self.defaults.image,
+            mem=mem_bytes,
+            created_at=now,
+            last_used=now,
+            history=self.stories.open(env_id, "environment"),
+            throwaway=throwaway,
+            open_token=token,
+            conn=conn,
+            owner=owner,
+        )
+        self._envs[env_id] = env
+        if isinstance(placed, NoRoomYet):
+            transition(env, "waiting_mem", ENV_EDGES, now, "no node has the memory free", cause)
+            self._waitq.append(env_id)
+        else:
+            transition(env, "creating", ENV_EDGES, now, f"placed on {env.node}", cause)
+            out.append(self._create(env, cause))
+        return env
+
+    def restore(
+        self,
+        now: float,
+        *,
+        env_id: str,
+        trajectory: str,
+        node: str,
+        image: str | None,
+        mem: int,
+        lost_node: str,
+        cause: int,
+    ) -> EnvRec:
+        """An environment a restarted coordinator read back: lost until its node
+        reconnects (:meth:`reclaim`), for good if it was lost before the restart."""
+        env = EnvRec(
+            id=EnvId(env_id),
+            trajectory=TrajectoryId(trajectory),
+            node=node,
+            image=image,
+            mem=mem,
+            created_at=now,
+            last_used=now,
+            history=self.stories.open(env_id, "environment"),
+            lost_node=node,
+            awaiting_node=not lost_node,
+        )
+        transition(env, "lost", ENV_EDGES, now, "restored from the coordinator's store", cause)
+        self._envs[env.id] = env
+        try:
+            number = int(env_id[1:], 16)  # ids are e<hex>: new ones must not collide
+        except ValueError:
+            number = 0
+        self._ids = itertools.count(max(number + 1, next(self._ids)))
+        return env
+
+    def reclaim(self, node: str, now: float, cause: int) -> list[EnvRec]:
+        """``node`` is back: its restored environments are ready again where its memory
+        holds them; returns them."""
+        back = []
+        for env in self._envs.values():
+            if not (env.awaiting_node and env.node == node):
+                continue
+            env.awaiting_node = False
+            if self.cpu.place_on(env.trajectory, env.id, node, env.mem):
+                env.lost_node = ""
+                transition(env, "ready", ENV_EDGES, now, "its node reconnected", cause)
+                back.append(env)
+        return back
+
+    def give_up(self, node: str) -> None:
+        """``node`` did not come back: its restored environments stay lost."""
+        for env in self._envs.values():
+            if env.awaiting_node and env.node == node:
+                env.awaiting_node = False
+
+    def recreate(self, env: EnvRec, now: float, out: list[ev.Command], cause: int) -> None:
+        """A lost environment is created afresh for its next action."""
+        transition(env, "creating", ENV_EDGES, now, "next action recreates a lost env", cause)
+        out.append(self._create(env, cause))
+
+    def created(
+        self, env_id: str, error: str | None, now: float, cause: int
+    ) -> Ready | Failed | None:
+        """The backend's answer to ``CreateEnv``; None if nobody waits for it any more."""
+        env = self._envs.get(EnvId(env_id))
+        if env is None or env.state != "creating":
+            return None
+        pending = tuple(env.pending)
+        env.pending.clear()
+        if error is None:
+            transition(env, "ready", ENV_EDGES, now, "backend created it", cause)
+            return Ready(env, pending)
+        return Failed(env, pending, error)
+
+    def lose(self, env: EnvRec, now: float, why: str, cause: int) -> None:
+        """An exec found the environment gone behind our back."""
+        if env.state == "ready":
+            transition(env, "lost", ENV_EDGES, now, why, cause)
+
+    def move(self, env: EnvRec, now: float, out: list[ev.Command], cause: int, why: str) -> None:
+        """A throwaway environment whose node was lost starts afresh on another node (or
+        waits for memory); raises ``Unschedulable`` when no node could ever hold it."""
+        if env.state != "lost":
+            transition(env, "lost", ENV_EDGES, now, why, cause)
+        placed = self.cpu.place_trajectory(env.trajectory, env.id, 0, env.mem)
+        if isinstance(placed, NeverFits):
+            raise Unschedulable(f"cannot place environment: {placed.shortfall.describe()}")
+        if isinstance(placed, NoRoomYet):
+            env.node = ""
+            transition(env, "waiting_mem", ENV_EDGES, now, "waiting for memory elsewhere", cause)
+            self._waitq.append(env.id)
+            return
+        env.node = placed.node
+        transition(env, "creating", ENV_EDGES, now, f"recreated on {placed.node}", cause)
+        out.append(self._create(env, cause))
+
+    def lose_node(self, env: EnvRec, now: float, why: str, cause: int) -> None:
+        """The node holding ``env`` was lost: the environment is lost for good.
+
+        Unlike :meth:`lose`, the next action is refused (``env_lost``) rather than given a
+        fresh environment: the node's memory reservation went with the node.
+        """
+        env.lost_node = env.node
+        if env.state == "ready":
+            transition(env, "lost", ENV_EDGES, now, why, cause)
+
+    def close(
+        self, env: EnvRec, now: float, out: list[ev.Command], why: str, cause: int
+    ) -> tuple[ActionId, ...]:
+        """Start removing ``env``; returns the actions that were waiting for it."""
+        if env.state in ("closing", "closed"):
+            return ()
+        transition(env, "closing", ENV_EDGES, now, why, cause)
+        pending = tuple(env.pending)
+        env.pending.clear()
+        out.append(ev.RemoveEnv(env_id=env.id, node=env.node, cause=cause))
+        return pending
+
+    def removed(self, env_id: str, now: float, out: list[ev.Command], cause: int) -> Gone | None:
+        """The backend removed the environment: forget it, give its memory to waiters."""
+        env = self._envs.pop(EnvId(env_id), None)
+        if env is None:
+            return None
+        if env.state == "closing":
+            transition(env, "closed", ENV_EDGES, now, "backend removed it", cause)
+        self.cpu.forget_trajectory(env.trajectory)
+        self._place_waiting(now, out, cause)
+        return Gone(env)
+
+    def idle_expired(self, now: float) -> list[EnvRec]:
+        """Ready environments idle for longer than the idle TTL."""
+        ttl = self.defaults.idle_ttl_s
+        return [
+            env
+            for env in self._envs.values()
+            if env.state == "ready" and not env.active and now - env.last_used >= ttl
+        ]
+
+    # ------------------------------------------------------------------ helpers
+    def _create(self, env: EnvRec, cause: int) -> ev.CreateEnv:
+        owner = env.owner if self.defaults.owned_by_peer else None
+        return ev.CreateEnv(
+            env_id=env.id, node=env.node, image=env.image, mem=env.mem, owner=owner, cause=cause
+        )
+
+    def _place_waiting(self, now: float, out: list[ev.Command], cause: int) -> None:
+        """Memory was freed: place waiting environments in FIFO order."""
+        while self._waitq:
+            env = self._envs.get(self._waitq[0])
+            if env is None or env.state != "waiting_mem":
+                self._waitq.popleft()
+                continue
+            placed = self.cpu.place_trajectory(env.trajectory, env.id, 0, env.mem)
+            if not isinstance(placed, Placed):
+                return
+            self._waitq.popleft()
+            env.node = placed.node
+            transition(env, "creating", ENV_EDGES, now, "memory became free", cause)
+            out.append(self._create(env, cause))
+
+
+# ---------------------------------------------------------------------- handlers
+@handles(ev.OpenEnv)
+def open_env(core: Core, e: ev.OpenEnv, now: float, out: list[ev.Command]) -> None:
+    if core.shutting_down:
+        raise ShuttingDown("daemon is shutting down")
+    core.envs.open(
+        now,
+        out,
+        core.stimulus,
+        image=e.image,
+        mem=e.mem,
+        trajectory=e.trajectory,
+        throwaway=False,
+        token=e.token,
+        conn=e.conn,
+        owner=e.peer,
+    )
+
+
+@handles(ev.CloseEnv)
+def close(core: Core, e: ev.CloseEnv, now: float, out: list[ev.Command]) -> None:
+    env = core.envs.open_env(e.env_id, e.peer)
+    if env is None:
+        raise NotFound(f"environment {e.env_id!r} not found")
+    env.close_token = e.token
+    close_env(core, env, now, out, "closed by client")
+
+
+@handles(ev.EnvCreated)
+def env_created(core: Core, e: ev.EnvCreated, now: float, out: list[ev.Command]) -> None:
+    answer = core.envs.created(e.env_id, e.error, now, core.stimulus)
+    if answer is None:
+        return
+    env = answer.env
+    token, env.open_token = env.open_token, None
+    if isinstance(answer, Ready):
+        if not env.throwaway and core.cfg.record_envs:
+            record = core.envs.record(env)
+            out.append(ev.RecordEnv(env_id=env.id, record=record, cause=core.stimulus))
+        if token is not None:
+            out.append(core.reply(token, result={"id": env.id, "node": env.node}))
+        for aid in answer.pending:
+            core.enqueue(core.actions[aid], now)
+        return
+    if token is not None:
+        out.append(core.reply(token, error=("infra_error", answer.error)))
+    for aid in answer.pending:
+        finish_action(
+            core,
+            core.actions[aid],
+            now,
+            out,
+            outcome="infra_error",
+            detail=f"environment creation failed: {answer.error}",
+        )
+    close_env(core, env, now, out, f"creation failed: {answer.error}")
+
+
+@handles(ev.EnvRemoved)
+def env_removed(core: Core, e: ev.EnvRemoved, now: float, out: list[ev.Command]) -> None:
+    gone = core.envs.removed(e.env_id, now, out, core.stimulus)
+    if gone is None:
+        return
+    core.sessions.forget_env(core, gone.env.id, now, out)
+    if not gone.env.throwaway and not core.shutting_down and core.cfg.record_envs:
+        out.append(ev.RecordEnv(env_id=gone.env.id, record=None, cause=core.stimulus))
+    if gone.env.close_token is not None:
+        out.insert(0, core.reply(gone.env.close_token, result={"closed": True}))
+
+
+@handles(ev.EnvsRecovered)
+def envs_recovered(core: Core, e: ev.EnvsRecovered, now: float, out: list[ev.Command]) -> None:
+    adopted = core.envs.adopt(e.envs, now, core.stimulus)
+    if len(adopted) != len(e.envs):
+        persist_envs(core, out)  # forget the records that could not be adopted
+
+
+def persist_envs(core: Core, out: list[ev.Command]) -> None:
+    if core.cfg.record_envs:
+        out.append(ev.PersistEnvs(envs=core.envs.records(), cause=core.stimulus))
+
+
+# ---------------------------------------------------------------------- environment I/O
+@handles(ev.PutFile)
+def put_file(core: Core, e: ev.PutFile, now: float, out: list[ev.Command]) -> None:
+    _transfer(core, e, "put", e.data, e.tar, now, out)
+
+
+@handles(ev.GetFile)
+def get_file(core: Core, e: ev.GetFile, now: float, out: list[ev.Command]) -> None:
+    _transfer(core, e, "get", b"", False, now, out)
+
+
+def _transfer(
+    core: Core,
+    e: ev.PutFile | ev.GetFile,
+    direction: str,
+    data: bytes,
+    tar: bool,
+    now: float,
+    out: list[ev.Command],
+) -> None:
+    env = core.ready_env(e.env_id, e.peer)
+    env.last_used = now
+    out.append(
+        ev.RunTransfer(
+            token=e.token,
+            env_id=env.id,
+            node=env.node,
+            direction=direction,
+            path=e.path,
+            data=data,
+            tar=tar,
+            max_bytes=core.cfg.max_transfer,
+            cause=core.stimulus,
+        )
+    )
+
+
+@handles(ev.TransferDone)
+def transfer_done(core: Core, e: ev.TransferDone, now: float, out: list[ev.Command]) -> None:
+    env = core.envs.get(e.env_id)
+    if env is not None:
+        env.last_used = now
+    if e.token is not None:
+        out.append(core.reply(e.token, result=e.result, error=e.error))

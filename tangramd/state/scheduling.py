@@ -1,0 +1,261 @@
+"""The scheduling pass: the core's queue and pools, as a snapshot, through ``schedule``.
+
+A pass reads the queued actions, the pools, the environments' affinity and the recent
+load, asks :func:`tangram.sched.schedule` for a decision, and carries it out: infeasible
+actions end ``rejected``, placed ones get their units and start (an exec goes to its
+node's backend, a call to its service host, a lease is granted). Passes are coalesced
+(see :mod:`tangramd.state.core`); :class:`PassBook` holds what the passes remember
+between them, including what the short pass relies on (:func:`short_waiting`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tangram.model import Action, ActionId, TrajectoryId
+from tangram.pools.cpu import CpuNodePool
+from tangram.sched import Decision, Infeasible, Snapshot, schedule
+from tangramd import events as ev
+from tangramd.state.actions import finish_action, run_exec
+from tangramd.state.leases import grant_lease
+from tangramd.state.services import start_call
+from tangramd.state.story import PlacementNote, note
+
+if TYPE_CHECKING:
+    from tangramd.state.core import Core
+
+
+@dataclass
+class PassBook:
+    """What the passes remember between them."""
+
+    dirty: bool = False  # an arrival or a completion since the last pass
+    due: float | None = None  # when the next pass is due (None: none is)
+    last: float = float("-inf")  # when the last pass ran
+    passes: int = 0
+    short: int = 0  # passes that read only a prefix of the queue
+    full_pools: int = 0  # short passes with no free core: no scheduler run
+    # What the short-cut pass relies on (``short_waiting``): the affinity and pools the
+    # previous pass saw, and whether every action it left queued was an exec with a node.
+    seen_affinity: dict[TrajectoryId, str] | None = None
+    seen_pools: tuple[tuple[str, int], ...] = ()
+    seen_plain: bool = False
+    # envs.affinity() until it may change (None: read it afresh), and the environments per
+    # CPU node derived from it (the priced rule's bound, ``PoolLoad.envs``)
+    affinity: dict[TrajectoryId, str] | None = None
+    envs_on: Counter[str] = field(default_factory=Counter)
+
+
+def read_affinity(core: Core) -> dict[TrajectoryId, str]:
+    """The environments' affinity, read afresh, and the count per CPU node derived
+    from it (the priced rule's bound, ``PoolLoad.envs``): both cached together."""
+    affinity = core.passer.affinity = core.envs.affinity()
+    core.passer.envs_on = Counter(affinity.values())
+    return affinity
+
+
+def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
+    core.passer.due = None
+    core.passer.dirty = False
+    if not core.actions.queue:
+        core.actions.fresh.clear()
+        return  # nothing scheduled: the next arrival still finds the daemon quiet
+    core.passer.last = now
+    for pool in core.apis.values():
+        pool.advance(now)
+    short = None
+    affinity = core.passer.affinity
+    cached = affinity is not None
+    if affinity is None:
+        affinity = read_affinity(core)
+    envs_on = core.passer.envs_on
+    load = {
+        p.pool_id: core.meter.load(p.pool_id, now, envs_on.get(p.pool_id, 0))
+        for p in core.cpu.nodes
+    }
+    if core.cfg.short_passes:
+        short = short_waiting(core, affinity)
+    if short is not None:
+        decision = nothing_fits(core, short, affinity) or schedule(
+            Snapshot(
+                waiting=short,
+                pools=core.pools,
+                affinity=affinity,
+                estimate=core.history.estimate,
+                load=load,
+            ),
+            now,
+            core.cfg.sched,
+        )
+        if decision.infeasible and any(n.free_units() for n in core.cpu.nodes):
+            short = None  # the prefix may shift past an infeasible action: read it all
+        else:
+            core.passer.short += 1
+    if short is None:
+        if cached:  # never a cached one here (one read in this pass is fresh)
+            affinity = read_affinity(core)
+        running: dict[str, list[tuple[float, int]]] = {}
+        for rec in core.actions.live.values():
+            if rec.state == "running" and rec.pool_id:
+                started = rec.started_at if rec.started_at is not None else now
+                exp = started + rec.expected_s
+                if exp <= now:  # overdue: expect it to run about as long again as it has
+                    exp = now + (now - started)
+                running.setdefault(rec.pool_id, []).append((exp, len(rec.units) or 1))
+        snap = Snapshot(
+            waiting=[rec.action for rec in core.actions.queue.values()],
+            pools=core.pools,
+            affinity=affinity,
+            running=running,
+            estimate=core.history.estimate,
+            load=load,
+        )
+        decision = schedule(snap, now, core.cfg.sched)
+        core.passer.seen_plain = all(
+            rec.action.kind == "exec" and rec.action.trajectory in affinity
+            for rec in core.actions.queue.values()
+        )
+    core.actions.fresh.clear()
+    core.passer.seen_affinity = affinity
+    core.passer.seen_pools = pool_identity(core)
+    core.passer.passes += 1
+    for inf in decision.infeasible:
+        rec = core.actions[inf.action_id]
+        finish_action(
+            core,
+            rec,
+            now,
+            out,
+            outcome="rejected",
+            detail=f"infeasible: {inf.shortfall.describe()}",
+            error=("unschedulable", inf.shortfall.describe()),
+        )
+    for p in decision.placements:
+        placed = core.actions.unqueue(p.action_id)
+        assert placed is not None, "the scheduler places queued actions only"
+        rec = placed
+        pool = core.pools[p.pool_id]
+        pool.allocate(p.action_id, p.units)
+        rec.pool_id = p.pool_id
+        rec.units = p.units
+        rec.started_at = now
+        rec.expected_s = p.expected_s
+        env = core.envs.get(rec.env) if rec.env else None
+        if rec.action.kind == "exec":
+            elastic = rec.action.elastic
+            throwaway = env is not None and env.throwaway
+            core.meter.started(
+                p.pool_id, p.action_id, now, elastic, p.amount, p.expected_s, throwaway
+            )
+        node = env.node if env else None
+        note(
+            rec, now, "placed", PlacementNote(p.pool_id, p.units, node, p.expected_s), core.stimulus
+        )
+        if rec.action.kind == "exec":
+            core.actions.move(rec, "running", now, "exec sent to the backend", core.stimulus)
+            run_exec(core, rec, out)
+        elif rec.action.kind == "service":
+            start_call(core, rec, now, out)
+        else:
+            core.actions.move(rec, "running", now, "lease granted", core.stimulus)
+            grant_lease(core, rec, now, out)
+
+
+def nothing_fits(
+    core: Core, short: list[Action], affinity: dict[TrajectoryId, str]
+) -> Decision | None:
+    """What ``schedule`` decides on a short pass's actions when none of their pools has
+    a free unit (an arrival under a flood): nothing is placed, and those that can never
+    fit their pool are infeasible, found as ``schedule`` finds them; None when one has a
+    free unit or an action is not an exec on a known CPU pool (``schedule`` decides)."""
+    infeasible: list[Infeasible] = []
+    for action in short:
+        pid = affinity.get(action.trajectory)
+        if action.kind != "exec" or pid is None:
+            return None
+        pool = core.pools.get(pid)
+        if not isinstance(pool, CpuNodePool) or pool.free_units():
+            return None
+        shortfall = pool.never_fits(action)  # (two comparisons: not worth a memo here)
+        if shortfall is not None:
+            infeasible.append(Infeasible(action.id, shortfall))
+    core.passer.full_pools += 1
+    bad = {i.action_id for i in infeasible}
+    waiting = tuple(a.id for a in short if a.id not in bad)
+    return Decision((), waiting, tuple(infeasible), 0.0, 0)
+
+
+def pool_identity(core: Core) -> tuple[tuple[str, int], ...]:
+    return tuple((pid, id(pool)) for pid, pool in core.pools.items())
+
+
+def short_waiting(core: Core, affinity: dict[TrajectoryId, str]) -> list[Action] | None:
+    """The part of the queue a pass must read when the rest provably cannot change its
+    decision; None: read the whole queue.
+
+    Under a flood of short execs most passes follow one completion (a core or two
+    free, hundreds queued) or one arrival (no core free): the full pass reads every
+    queued action to start at most one. The pass may read only a prefix when
+
+    - every queued action is an exec whose trajectory has a node (checked by the last
+      full pass, and here for the actions queued since), and the trajectories' nodes
+      and the pools are those the previous pass saw: every action that pass read was
+      checked against its pool then (``never_fits`` depends on the pool alone) and
+      nothing has moved since;
+    - on each pool with ``f`` free units, its first ``f`` queued actions (FCFS) are
+      non-elastic 1-unit actions: the scheduler takes exactly those and stops there (a
+      full pool places nothing), so nothing behind them is read for the placement.
+
+    The prefix is those actions plus the actions queued since the previous pass (to be
+    checked once); the scheduler then decides on it as on the whole queue. If an action
+    turns out infeasible while a pool has free units, the caller reads the whole queue
+    (the prefix would have to reach past it).
+    """
+    if not core.passer.seen_plain or (
+        affinity is not core.passer.seen_affinity and affinity != core.passer.seen_affinity
+    ):
+        return None
+    if pool_identity(core) != core.passer.seen_pools:
+        return None
+    to_fill: dict[str, int] = {}
+    for node in core.cpu.nodes:
+        free = node.free_units()
+        if free:
+            to_fill[node.pool_id] = free
+    picked: list[Action] = []
+    fresh = core.actions.fresh
+    seen: set[ActionId] = set()  # fresh actions inside the prefix
+    for aid, rec in core.actions.queue.items():
+        if not to_fill:
+            break
+        action = rec.action
+        if action.kind != "exec":
+            return None
+        pid = affinity.get(action.trajectory)
+        if pid is None:
+            return None
+        left = to_fill.get(pid)
+        if left:
+            if action.elastic or action.min_units != 1:
+                return None
+            picked.append(action)
+            if left == 1:
+                del to_fill[pid]
+            else:
+                to_fill[pid] = left - 1
+        elif aid in fresh:
+            picked.append(action)
+        if aid in fresh:
+            seen.add(aid)
+    # The other fresh actions lie past the prefix (both keep the order of queueing).
+    for aid in fresh:
+        late = core.actions.queue.get(aid)
+        if late is None or aid in seen:
+            continue
+        action = late.action
+        if action.kind != "exec" or action.trajectory not in affinity:
+            return None
+        picked.append(action)
+    return picked

@@ -1,0 +1,263 @@
+"""The read model: the views the ops and the CLI show (status, queue, stories,
+environments, APIs, nodes, profiles), read from the books and never changing them."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from tangram.model import ActionId
+from tangram.protocol.errors import NotFound
+from tangramd.state.actions import ActionRec
+
+if TYPE_CHECKING:
+    from tangramd.state.core import Core
+
+
+class ReadModel:
+    """The views of one core (``core.read``)."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    def trajectory_of(self, action_id: str) -> str | None:
+        rec = self.core.actions.get(action_id)
+        return rec.action.trajectory if rec else None
+
+    def status(self, now: float) -> dict[str, Any]:
+        running = sum(1 for r in self.core.actions.live.values() if r.state == "running")
+        return {
+            "queued": len(self.core.actions.queue),
+            "running": running,
+            "environments": self.core.envs.live_count(),
+            "leases": sum(1 for lease in self.core.leases if lease.state == "granted"),
+            "passes": self.core.passer.passes,
+            "recent": recent_summary(self.core.actions.finished),
+            "pools": {
+                pid: {"capacity": p.capacity, "free": p.free_units()}
+                for pid, p in self.core.pools.items()
+            },
+        }
+
+    def queue_view(self, now: float) -> dict[str, list[dict[str, Any]]]:
+        def row(rec: ActionRec) -> dict[str, Any]:
+            a = rec.action
+            return {
+                "action_id": a.id,
+                "kind": a.kind,
+                "state": rec.state,
+                "trajectory": a.trajectory,
+                "pool": rec.pool_id or None,
+                "waiting_s": (rec.started_at or now) - rec.submitted_at,
+                "min": a.min_units,
+                "max": a.key_amounts.max,
+                "units": list(rec.units),
+                "elastic": a.is_elastic(),
+            }
+
+        waiting = [row(r) for r in self.core.actions.queue.values()]
+        waiting += [row(r) for r in self.core.actions.live.values() if r.state == "waiting_env"]
+        running = [row(r) for r in self.core.actions.live.values() if r.state == "running"]
+        return {"waiting": waiting, "running": running}
+
+    def story(self, record_id: str, origin: float) -> dict[str, Any]:
+        """Every transition of one record (an action, environment, session or lease), with
+        times relative to ``origin``; ``kind`` says which it is."""
+        core = self.core
+        log = core.stories.get(record_id)
+        if log is None:
+            raise NotFound(
+                f"no story for {record_id!r}: not an action, environment, session or lease "
+                "id this daemon knows (or too old)"
+            )
+        kind = core.stories.kind(record_id) or "action"
+        live: Any = {
+            "action": core.actions.get,
+            "call": core.actions.get,
+            "lease": core.actions.get,
+            "environment": core.envs.get,
+            "session": core.sessions.get,
+        }[kind](record_id)
+        is_action = kind in ("action", "call", "lease")
+        outcome = core.actions.recent.get(ActionId(record_id)) if is_action else None
+        if live is not None:
+            state = live.state
+        elif is_action:
+            state = "done" if outcome else "forgotten"
+        else:
+            state = "closed"
+        return {
+            "action_id": record_id,
+            "id": record_id,
+            "kind": kind,
+            "state": state,
+            "outcome": getattr(live, "outcome", None) if live is not None else outcome,
+            "events": [
+                {
+                    "t": t - origin,
+                    "event": "finished" if new == "done" else new,
+                    "from": old,
+                    "detail": str(why),  # a placement's is formatted now (PlacementNote)
+                    "cause": cause,
+                }
+                for t, old, new, why, cause in log
+            ],
+        }
+
+    def session_rows(self) -> list[dict[str, Any]]:
+        return self.core.sessions.rows()
+
+    def env_rows(self, now: float) -> list[dict[str, Any]]:
+        return self.core.envs.rows(now)
+
+    def api_rows(self) -> list[dict[str, Any]]:
+        waiting: dict[str, int] = {}
+        for rec in self.core.actions.queue.values():
+            if rec.action.kind == "api":
+                waiting[rec.action.api or ""] = waiting.get(rec.action.api or "", 0) + 1
+        return [
+            {
+                "name": name,
+                "concurrency": pool.concurrency,
+                "quota": pool.quota,
+                "period_s": pool.period_s,
+                "overflow": pool.overflow,
+                "in_use": pool.in_use,
+                "free": pool.free_units(),
+                "waiting": waiting.get(name, 0),
+            }
+            for name, pool in sorted(self.core.apis.items())
+        ]
+
+    def node_rows(self) -> list[dict[str, Any]]:
+        """The ``nodes`` view of the nodes with a pool (``heartbeat_age_s`` is the
+        executor's: the core does not know the links)."""
+        envs: dict[str, int] = {}
+        for env in self.core.envs:
+            if env.node and env.state not in ("closing", "closed"):
+                envs[env.node] = envs.get(env.node, 0) + 1
+        return [
+            {
+                "name": p.node_id,
+                "state": "draining" if self.core.cpu.is_draining(p.node_id) else "ready",
+                "mem_gb": round(p.mem_total / (1 << 30), 3),
+                "envs": envs.get(p.node_id, 0),
+                "running": len(p.actions()),
+                "id": p.node_id,
+                "cores": p.capacity,
+                "free_cores": p.free_units(),
+                "numa": [list(c) for c in p.numa],
+                "mem_bytes": p.mem_total,
+                "mem_reserved": p.mem_reserved,
+                "busy_cores": [c for cores in p.numa for c in cores if p.holder(c) is not None],
+                "gpus": self.gpu_count(p.node_id),
+            }
+            for p in self.core.cpu.nodes
+        ]
+
+    def node_work(self, node: str) -> dict[str, Any]:
+        """What the core expects of one node (cluster reconciliation after a reconnect):
+        the environments it still owns, those being created (with image and memory) or
+        removed there, and the exec actions running there."""
+        keep: list[str] = []
+        creating: list[dict[str, Any]] = []
+        closing: list[str] = []
+        for env in self.core.envs:
+            if env.node != node or env.lost_node:
+                continue
+            if env.state == "closing":
+                closing.append(env.id)
+            elif env.state in ("ready", "creating", "lost"):
+                keep.append(env.id)
+                if env.state == "creating":
+                    creating.append({"env_id": env.id, "image": env.image, "mem": env.mem})
+        pool_id = f"cpu:{node}"
+        running = [
+            rec.action.id
+            for rec in self.core.actions.live.values()
+            if rec.state == "running" and rec.action.kind == "exec" and rec.pool_id == pool_id
+        ]
+        return {"keep": keep, "creating": creating, "closing": closing, "running": running}
+
+    def env_record(self, env_id: str) -> dict[str, Any] | None:
+        """A persistent environment as the coordinator stores it (None: gone, throwaway,
+        or not yet created)."""
+        env = self.core.envs.get(env_id)
+        if env is None or env.throwaway or env.state not in ("ready", "lost"):
+            return None
+        return {
+            "id": env.id,
+            "trajectory": env.trajectory,
+            "node": env.node,
+            "image": env.image,
+            "mem": env.mem,
+            "lost_node": env.lost_node,
+        }
+
+    def env_node(self, env_id: str) -> str | None:
+        """The node holding an environment (None: unknown or not placed)."""
+        env = self.core.envs.get(env_id)
+        return env.node if env is not None and env.node else None
+
+    def exec_reply(self, action_id: str) -> tuple[int, float] | None:
+        """A running exec's reply token and time queued: what a cluster node needs to answer
+        the client itself as this core's reply would (None: no reply pending)."""
+        rec = self.core.actions.get(action_id)
+        if rec is None or rec.state != "running" or rec.token is None or rec.call is not None:
+            return None
+        return rec.token, (rec.started_at or rec.submitted_at) - rec.submitted_at
+
+    def action_node(self, action_id: str) -> str | None:
+        """The node a running exec action runs on (None: not running)."""
+        rec = self.core.actions.get(action_id)
+        if rec is None or rec.state != "running" or not rec.pool_id.startswith("cpu:"):
+            return None
+        return rec.pool_id[len("cpu:") :]
+
+    def gpu_count(self, node_id: str) -> int:
+        gpu = self.core.gpu
+        if gpu is None or node_id not in {node.node_id for node in gpu.nodes}:
+            return 0
+        return gpu.node(node_id).n_gpus
+
+    def service_waiting(self) -> dict[str, int]:
+        """Queued calls per service."""
+        waiting: dict[str, int] = {}
+        for rec in self.core.actions.queue.values():
+            if rec.call is not None:
+                waiting[rec.call.name] = waiting.get(rec.call.name, 0) + 1
+        return waiting
+
+    def profile(self, name: str) -> dict[str, Any]:
+        prof = self.core.profiles.get(name)
+        if prof is None:
+            raise NotFound(f"profile {name!r} not found")
+        return {"name": name, **prof}
+
+    def profile_rows(self) -> list[dict[str, Any]]:
+        return [{"name": n, **p} for n, p in sorted(self.core.profiles.items())]
+
+    def total_cores(self) -> int:
+        return sum(p.capacity for p in self.core.cpu.nodes)
+
+    def env_ids(self, *, throwaway_only: bool = False, persistent_only: bool = False) -> list[str]:
+        return [
+            env.id
+            for env in self.core.envs
+            if not (throwaway_only and not env.throwaway)
+            and not (persistent_only and env.throwaway)
+        ]
+
+
+def recent_summary(finished: deque[tuple[str, float, float]]) -> dict[str, dict[str, float]]:
+    """Mean queue / exec / ACT seconds per action kind over the recent finished actions."""
+    acc: dict[str, list[float]] = {}
+    for kind, queue_s, exec_s in finished:
+        row = acc.setdefault(kind, [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += queue_s
+        row[2] += exec_s
+    return {
+        kind: {"count": int(n), "queue_s": q / n, "exec_s": x / n, "act_s": (q + x) / n}
+        for kind, (n, q, x) in acc.items()
+    }

@@ -1,0 +1,158 @@
+"""The state package's shape: pure at import, one handler per event, every record born
+through its table with a cause, and one story log for every record kind."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tangram.pools.api import ApiPool
+from tangram.pools.cpu import CpuCluster, CpuNodePool
+from tangram.protocol.results import ExecResult, ExecSpec
+from tangramd import events as ev
+from tangramd.state import Core, CoreConfig
+from tangramd.state.actions import ACTION_EDGES
+from tangramd.state.dispatch import HANDLERS, OWNERS
+from tangramd.state.envs import ENV_EDGES
+from tangramd.state.leases import LEASE_EDGES
+from tangramd.state.sessions import SESSION_EDGES
+from tangramd.state.story import transition
+from tangramd.statedoc import states_of
+
+ROOT = Path(__file__).resolve().parent.parent
+STATE = ROOT / "tangramd" / "state"
+GIB = 1 << 30
+IO_MODULES = (
+    "asyncio",
+    "subprocess",
+    "socket",
+    "selectors",
+    "ssl",
+    "threading",
+    "logging",
+    "structlog",
+    "torch",
+    "http",
+    "fastapi",
+    "uvicorn",
+    "docker",
+)
+
+
+def make_core() -> Core:
+    cluster = CpuCluster([CpuNodePool("local", [[0, 1]], 8 * GIB)])
+    apis = {"search": ApiPool("search", concurrency=1, quota=0, period_s=60.0)}
+    return Core(cluster, apis, CoreConfig())
+
+
+def test_importing_the_state_package_loads_no_io_module() -> None:
+    """``import tangramd.state`` in a fresh interpreter adds no asyncio, subprocess, socket,
+    threading, logging, structlog, torch or http module to those the interpreter had."""
+    code = (
+        "import sys, json\n"
+        "before = set(sys.modules)\n"
+        "import tangramd.state\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    loaded = json.loads(out)
+    assert "tangramd.state.core" in loaded  # the import did happen
+    bad = [m for m in loaded if m.split(".")[0] in IO_MODULES]
+    assert bad == []
+
+
+def test_every_event_type_has_exactly_one_handler() -> None:
+    """The dispatch table covers every event of tangramd.events, and nothing else."""
+    events = {
+        cls
+        for _, cls in inspect.getmembers(ev, inspect.isclass)
+        if issubclass(cls, ev.Event) and cls is not ev.Event and cls.__module__ == ev.__name__
+    }
+    assert set(HANDLERS) == events
+    assert all(OWNERS[e].startswith("tangramd.state.") for e in events)
+
+
+def test_every_record_is_born_in_new_through_its_table() -> None:
+    """Each table has one initial state, ``new``: births are edges like any other."""
+    for edges in (ACTION_EDGES, ENV_EDGES, LEASE_EDGES, SESSION_EDGES):
+        initial, _ = states_of(edges)
+        assert initial == ["new"], edges
+    from tangramd.state.envs import EnvRec
+    from tangramd.state.leases import LeaseRec
+    from tangramd.state.sessions import SessionRec
+
+    for rec in (EnvRec, LeaseRec, SessionRec):
+        state = next(f for f in dataclasses.fields(rec) if f.name == "state")
+        assert state.default == "new", rec
+
+
+def test_transition_requires_a_cause_and_every_call_gives_one() -> None:
+    """``cause`` has no default, and every transition call in the package passes it."""
+    assert inspect.signature(transition).parameters["cause"].default is inspect.Parameter.empty
+    calls = 0
+    for path in STATE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "transition":
+                calls += 1
+                given = len(node.args) + len(node.keywords)
+                assert given == 6, f"{path.name}:{node.lineno} gives {given} arguments"
+    assert calls >= 5
+
+
+def test_story_tells_an_environment_a_session_and_a_lease() -> None:
+    """``story`` takes any record id: an environment, a session, a lease and an action each
+    give their transitions with the cause of each entry."""
+    core = make_core()
+    (create,) = core.handle(ev.OpenEnv(token=1), 0.0)
+    env_id = create.env_id
+    core.handle(ev.EnvCreated(env_id=env_id), 0.1)
+    (start,) = core.handle(ev.OpenSession(env_id=env_id, token=2), 0.2)
+    core.handle(ev.SessionOpened(session_id=start.session_id), 0.3)
+    core.handle(ev.AcquireLease(api="search", token=3), 0.4)
+    (grant,) = core.handle(ev.Tick(), 0.5)
+    core.handle(ev.SubmitExec(spec=ExecSpec(cmd="true", env=env_id), token=4), 0.6)
+    (run,) = core.handle(ev.Tick(), 0.7)
+    core.handle(ev.ExecFinished(action_id=run.action_id, result=ExecResult("ok", 0, 0.1)), 0.8)
+    core.handle(ev.CloseEnv(env_id=env_id, token=5), 0.9)
+    (gone,) = [c for c in core.handle(ev.EnvRemoved(env_id=env_id), 1.0) if isinstance(c, ev.Reply)]
+
+    env = core.read.story(env_id, origin=0.0)
+    assert env["kind"] == "environment" and env["state"] == "closed"
+    steps = [(e["from"], e["event"]) for e in env["events"]]
+    assert steps == [
+        ("new", "creating"),
+        ("creating", "ready"),
+        ("ready", "closing"),
+        ("closing", "closed"),
+    ]
+    assert all(e["cause"] > 0 for e in env["events"])
+
+    session = core.read.story(start.session_id, origin=0.0)
+    assert session["kind"] == "session" and session["state"] == "closed"
+    assert [e["event"] for e in session["events"]] == ["opening", "open", "closed"]
+
+    lease = core.read.story(grant.result["lease_id"], origin=0.0)
+    assert lease["kind"] == "lease" and lease["state"] == "running"
+    events = [e["event"] for e in lease["events"]]
+    assert events[:2] == ["submitted", "waiting"] and "granted" in events
+
+    action = core.read.story(run.action_id, origin=0.0)
+    assert action["kind"] == "action" and action["outcome"] == "ok"
+    assert gone.result == {"closed": True}
+
+
+def test_story_of_an_unknown_id_names_what_it_accepts() -> None:
+    """An unknown id is ``not_found``, saying which ids a story exists for."""
+    from tangram.protocol.errors import NotFound
+
+    with pytest.raises(NotFound, match="environment, session or lease"):
+        make_core().read.story("e999", origin=0.0)
