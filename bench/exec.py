@@ -12,8 +12,8 @@ SDK `exec_run(["true"])` on a container of the same image. Needs dockerd and the
 (.ci/docker-setup.sh). Samples are interleaved round-robin so load drifts hit all alike:
 call by call on the process backend; on docker in blocks of ``DOCKER_BLOCK`` calls, because
 a bare ``docker exec`` leaves dockerd, containerd and runc busy for milliseconds after it
-returns (measured: an agent exec right after one took 5.7 ms p50, 200 ms later 4.3 ms,
-with none in between 3.4 ms), which call-by-call alternation charged to the agent path.
+returns, which call-by-call alternation charged to the agent path (docs/results.md,
+``bench/exec.py``).
 """
 
 from __future__ import annotations

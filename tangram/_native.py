@@ -4,9 +4,9 @@
 core every scheduling pass runs) with mypyc into C extensions placed next to their sources
 (setup.py). It is the same code: mypyc compiles the type-annotated Python, so the compiled
 pass makes the same decisions as the interpreted one (``tests/test_native.py`` compares them
-on random snapshots) in fewer instructions (``docs/results.md``). The build is optional: with
-no C compiler, or ``TANGRAM_PURE_BUILD=1`` at install, nothing is compiled and nothing
-changes but speed.
+on random snapshots) in fewer instructions (docs/results.md, ``bench/sched.py``). The build
+is optional: with no C compiler, or ``TANGRAM_PURE_BUILD=1`` at install, nothing is compiled
+and nothing changes but speed.
 
 Python imports an extension before a source of the same name, and compiled modules call each
 other's native classes directly, so the choice is all or nothing, made once per process by

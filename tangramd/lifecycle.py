@@ -182,7 +182,7 @@ def lock_state_dir(state_dir: str, *, shared: bool = False) -> StateDirLock:
 
 def run_loop(main: Coroutine[Any, Any, T], event_loop: str = "auto") -> T:
     """Run the daemon's main coroutine on ``event_loop``: ``uvloop`` (libuv; less CPU per
-    message and per exec, see docs/results.md), ``asyncio`` (the standard library's), or
+    message and per exec), ``asyncio`` (the standard library's), or
     ``auto``: uvloop where it is installed, else asyncio."""
     if event_loop != "asyncio":
         try:

@@ -508,8 +508,8 @@ class UnixServer:
         # (``_flush_deferred``): writing one wakes its client, and a woken client takes the
         # core the daemon runs on (a Unix socket wakes its reader as a sync wake-up), so the
         # rest of the turn (the spawn for the other core that freed, a lodger's report
-        # read in the same poll) would wait for the client. Under a flood of short execs
-        # this moved the load ratio from 0.486 to 0.512 (median of 7 alternated pairs).
+        # read in the same poll) would wait for the client. What it gained under a flood
+        # of short execs: docs/results.md, ``bench/load.py``.
         self._deferred: list[tuple[_Connection, dict[str, Any]]] = []
         self._closing = False
         self._locals: set[LocalConnection] = set()
@@ -670,8 +670,8 @@ class LocalConnection:
             # Not shielded: a caller cancelled here cancels only ``owed`` (its answer then
             # goes nowhere), never the handler's task or ``Later``. A shield would put a
             # second turn of the loop between the answer and the caller, behind whatever
-            # the answering turn queued (the action's log line): 475 -> 280 µs p50 from
-            # the answer to the caller resuming, time-stamped in the daemon.
+            # the answering turn queued (the action's log line), measurably delaying the
+            # caller's resumption (docs/notebook.md, the gateway in the daemon's process).
             response = await owed
         finally:
             self._owed.discard(owed)

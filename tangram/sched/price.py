@@ -32,7 +32,7 @@ taking more units shortens an action's own run but delays the ``N k / C`` action
   * submissions: one that is still queued is already in the first term, so counting it in
     the rate too would count it twice; a lone action on an idle pool (its own submission
     the only one in the window) was priced against itself as ``N = 1 + t(k) / window`` and
-    took too few units (on a 2-core node, one core although two ran it 1.3x faster).
+    took too few units (on a 2-core node, one core although two ran it faster).
     Counted by starts, a lone action sees ``N = 1``; under a steady stream of arrivals that
     start at once, starts and submissions agree and an arrival sees itself plus ``λ W`` in
     service (arrivals see time averages).
@@ -46,9 +46,10 @@ taking more units shortens an action's own run but delays the ``N k / C`` action
   be in service next to the ``q`` queued ones, ``E`` the pool's environments
   (``PoolLoad.envs``; and never fewer than the ones running). This matters at the end of
   a burst: the window still remembers the crowd's test runs, but the stragglers left on
-  a node are alone, and each got one core of two that ran it 1.4x faster (the demo's tail
-  phase). With no known bound (``envs`` 0: not given, or elastic actions arriving in
-  throwaway environments, of which any number may come) there is no cap.
+  a node are alone, and each got one core of two that ran it faster (the demo's tail
+  phase; docs/notebook.md, "the environment cap"). With no known bound (``envs`` 0: not
+  given, or elastic actions arriving in throwaway environments, of which any number may
+  come) there is no cap.
 - ``C`` is the pool's capacity less the units short non-elastic calls keep busy: their
   offered load ``a`` plus ``sqrt(a)`` (square-root staffing), so that elastic actions are
   sized for the units they will really have. The reserve is a real number, not rounded up:

@@ -19,7 +19,7 @@ Which amount a replayed elastic action gets depends on the rule (``SchedConfig.r
 ``Durations.choices`` gives the amounts an action may take in this pass: its allowed set,
 or the band the ``priced`` rule narrowed it to. The loop exists once, generically
 (``_run`` with ``fast=False``); ``_plain`` and ``_eft`` are the same loop specialised to
-plain unit counts, kept because they are 2-3× faster, and tested to give exactly the
+plain unit counts, kept because they are faster, and tested to give exactly the
 generic loop's result.
 
 Complexity: ``O(W log W)`` per replay of ``W`` actions, plus ``O(|s| · W)`` for EFT.
@@ -238,7 +238,7 @@ class Replay:
         # any other operator (GPU chunks): the depth-1 loop specialised (lowest amounts)
         self.fast_other = fast and not self.plain
         # EFT replay on plain unit counts only (CPU nodes): on GPU chunk pools it was
-        # measured worse than "wait" (MOPD+Search teacher ACT +7%, DeepSearch judge +18%)
+        # measured worse than "wait" (docs/results.md, "Findings for the scheduler", 2)
         self.eft = cfg.rule in ("wait-eft", "priced") and self.plain
         self._options: dict[ActionId, list[tuple[int, float]]] = {}
         self._entries: dict[ActionId, Entry] = {}
@@ -282,7 +282,7 @@ class Replay:
                     d = at_min.get(aid)
                     if d is None:
                         # minimum()'s own-base path, inlined while the extra cost is memoised
-                        # (measured: 8% of a (4096, 1024) pass as a call per action)
+                        # (as a call per action it was a measurable share of a pass)
                         base = w.base_min
                         if (
                             base is not None

@@ -138,7 +138,7 @@ class Placement(NamedTuple):
 
     A named tuple, not a frozen dataclass: a pass builds one per started action (530 in a
     (4096, 1024) pass), and a frozen dataclass's ``__init__`` sets each field through
-    ``object.__setattr__`` (1.3 µs per instance compiled, against 0.4 µs here). Immutable,
+    ``object.__setattr__`` (what that cost: docs/results.md, ``bench/sched.py``). Immutable,
     hashable and with the same ``repr`` either way; unlike the dataclass it also compares
     equal to a plain tuple of its fields (no caller compares placements)."""
 

@@ -483,8 +483,9 @@ class DockerBackend:
         """Set the container's cpuset and CPU quota to exactly ``cores``.
 
         Fast path: write the container's cgroup-v1 files directly (what ``docker update``
-        does through dockerd, at ~12 ms per call here), and skip it when the container is
-        already pinned to these cores. Fallback: the SDK's ``update_container``.
+        does through dockerd, at the cost docs/results.md gives under
+        ``bench/exec_backends.py``), and skip it when the container is already pinned to
+        these cores. Fallback: the SDK's ``update_container``.
         """
         if env.pinned == cores:
             return
