@@ -26,7 +26,7 @@ from tangramd.backends.docker import AGENT_SOCK, DockerBackend
 
 # A helper module with asserts, not a test module: have pytest rewrite them too.
 pytest.register_assert_rewrite("backend_conformance")
-from backend_conformance import BOTH_CORES, BackendConformance, ex, new_env, req, run  # noqa: E402
+from backend_conformance import BOTH_CORES, BackendConformance, ex, new_env, req  # noqa: E402
 
 pytestmark = pytest.mark.docker
 
@@ -64,14 +64,14 @@ def make_backend(client, state_dir, **kw):
 def agent_backend(client, state_dir):
     b = make_backend(client, state_dir)
     yield b
-    run(b.shutdown())
+    asyncio.run(b.shutdown())
 
 
 @pytest.fixture
 def exec_backend(client, state_dir):
     b = make_backend(client, state_dir, use_agent=False)
     yield b
-    run(b.shutdown())
+    asyncio.run(b.shutdown())
 
 
 class TestAgentConformance(BackendConformance):
@@ -129,7 +129,7 @@ def test_container_removed_behind_our_back(client, backend):
     result = ex(backend, env, ["true"])
     assert result.outcome == "infra_error", result
     assert not backend.env_exists(env)
-    run(backend.create_env(env, None, None))
+    asyncio.run(backend.create_env(env, None, None))
     assert ex(backend, env, ["echo", "back"]).stdout == "back\n"
 
 
@@ -144,7 +144,7 @@ def test_container_died_during_exec(client, backend):
         await asyncio.to_thread(client.api.kill, info["Id"])
         return await asyncio.wait_for(running, 20)
 
-    result = run(scenario())
+    result = asyncio.run(scenario())
     assert result.outcome == "infra_error", result
     assert not backend.env_exists(env)
 
@@ -166,7 +166,7 @@ def test_sequential_execs_reuse_one_agent_connection(agent_backend):
         await agent_backend.close_env(env)
         return kept
 
-    kept = run(three_then_close())
+    kept = asyncio.run(three_then_close())
     assert kept[0] is kept[1] is kept[2]
     assert live.idle == [] and kept[0].is_closing()
 
@@ -191,12 +191,12 @@ def test_image_without_python_uses_docker_exec(client, state_dir):
         base.remove(force=True)
     b = make_backend(client, state_dir)
     try:
-        run(b.create_env("nopy", NOPYTHON_IMAGE, None))
+        asyncio.run(b.create_env("nopy", NOPYTHON_IMAGE, None))
         assert not b.uses_agent("nopy")
         result = ex(b, "nopy", "grep Cpus_allowed_list /proc/self/status", BOTH_CORES)
         assert result.outcome == "ok" and result.stdout.strip().endswith(("0-1", "0"))
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 def test_memory_limit_is_applied(client, agent_backend):
@@ -211,17 +211,17 @@ def test_reconcile_removes_other_owners_and_adopts_our_own(client, state_dir):
     """Leftovers of another owner are removed; our own running ones that the daemon kept
     records of are adopted and work, our own without a record are removed."""
     crashed = make_backend(client, state_dir, owner_id="crashed")
-    run(crashed.create_env("left", None, None))
-    run(crashed.create_env("unrecorded", None, None))
+    asyncio.run(crashed.create_env("left", None, None))
+    asyncio.run(crashed.create_env("unrecorded", None, None))
     restarted_same = make_backend(client, state_dir, owner_id="crashed")
-    done = run(restarted_same.reconcile({"left": None}))
+    done = asyncio.run(restarted_same.reconcile({"left": None}))
     assert any("removed unrecorded" in line for line in done)
     assert not restarted_same.env_exists("unrecorded")
     assert any("adopted left" in line for line in done)
     assert restarted_same.env_exists("left")
     assert ex(restarted_same, "left", ["echo", "adopted"]).stdout == "adopted\n"
     other = make_backend(client, state_dir, owner_id="other")
-    done = run(other.reconcile())
+    done = asyncio.run(other.reconcile())
     assert any("removed left" in line for line in done)
     assert client.api.containers(all=True, filters={"label": LABEL}) == []
 
@@ -232,7 +232,7 @@ def test_shutdown_removes_all_our_containers(client, state_dir):
     for _ in range(2):
         new_env(b)
     assert len(owned(client, b)) == 2
-    run(b.shutdown())
+    asyncio.run(b.shutdown())
     assert owned(client, b) == []
 
 
@@ -303,7 +303,7 @@ def test_unreachable_engine_fails_fast_and_recovers(client, state_dir):
         proxy.start()
         assert ex(b, env, ["echo", "ok"]).stdout == "ok\n"
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
         via_proxy.close()
 
 
@@ -322,12 +322,12 @@ def test_agent_path_needs_no_engine_while_creation_fails_fast(client, state_dir)
         assert r.outcome == "ok" and r.stdout.split()[-1] == "1", r
         started = time.monotonic()
         with pytest.raises(EnvError):
-            run(b.create_env("e-new", None, None))
+            asyncio.run(b.create_env("e-new", None, None))
         assert time.monotonic() - started < 12
         proxy.start()
         assert ex(b, env, ["echo", "ok"]).stdout == "ok\n"
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
         via_proxy.close()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import stat
@@ -14,14 +15,14 @@ from tangramd.backends.process import CPUSET_ROOT, SPARE, ProcessBackend
 
 # A helper module with asserts, not a test module: have pytest rewrite them too.
 pytest.register_assert_rewrite("backend_conformance")
-from backend_conformance import BOTH_CORES, BackendConformance, ex, new_env, run  # noqa: E402
+from backend_conformance import BOTH_CORES, BackendConformance, ex, new_env  # noqa: E402
 
 
 @pytest.fixture
 def backend(tmp_path):
     b = ProcessBackend(tmp_path / "state")
     yield b
-    run(b.shutdown())
+    asyncio.run(b.shutdown())
 
 
 def gone(pid: int) -> bool:
@@ -99,32 +100,32 @@ def test_cgroup_has_the_allocated_cores(backend):
 def test_reconcile_removes_leftovers_of_a_previous_run(tmp_path):
     """Env dirs and exec cgroups left by a crashed daemon are removed on start."""
     crashed = ProcessBackend(tmp_path)
-    run(crashed.create_env("old-env", None, None))
+    asyncio.run(crashed.create_env("old-env", None, None))
     leftover_cg = crashed.cgroups.for_cores((0,)) if crashed.cgroups else None
     fresh = ProcessBackend(tmp_path)
-    done = run(fresh.reconcile())
+    done = asyncio.run(fresh.reconcile())
     assert not (tmp_path / "envs" / "old-env").exists()
     assert any("old-env" in line for line in done)
     if leftover_cg is not None:
         assert not leftover_cg.exists()
-    run(fresh.shutdown())
+    asyncio.run(fresh.shutdown())
 
 
 def test_closing_environments_leaves_nothing(backend):
     """A closed environment's directory is gone, the short way (a few files) and the long
     way (subdirectories, many files) alike, and nothing is left where it was moved to."""
     small, big = new_env(backend), new_env(backend)
-    run(backend.put(small, "main.py", b"print(1)"))
+    asyncio.run(backend.put(small, "main.py", b"print(1)"))
     assert ex(backend, big, "mkdir -p a/b && touch a/b/c $(seq 1 50)").outcome == "ok"
-    run(backend.close_env(small))
-    run(backend.close_env(big))
+    asyncio.run(backend.close_env(small))
+    asyncio.run(backend.close_env(big))
     left = sorted(p.name for p in backend.envs_dir.iterdir() if p.name != SPARE)
     assert left in ([], [".removing"])
     assert not any(backend.envs_dir.glob(".removing/*"))
     for spare in backend.envs_dir.glob(f"{SPARE}/*"):  # empty, private, made ahead
         assert not any(spare.iterdir()) and spare.stat().st_mode & 0o777 == 0o700
-    run(backend.close_env(small))  # closing twice is harmless
-    run(backend.shutdown())  # the spares go with the backend
+    asyncio.run(backend.close_env(small))  # closing twice is harmless
+    asyncio.run(backend.shutdown())  # the spares go with the backend
     assert sorted(p.name for p in backend.envs_dir.iterdir()) in ([], [".removing"])
 
 
@@ -166,14 +167,14 @@ def test_an_environment_opens_by_renaming_a_spare_directory(backend, monkeypatch
         assert len(list(backend.envs_dir.glob(f"{SPARE}/*"))) >= process.SPARE_DIRS // 2
         return seen
 
-    seen = run(scenario())
+    seen = asyncio.run(scenario())
     assert on_loop == []
     assert all(renamed and mode == 0o700 and uid == 4321 for _, renamed, mode, uid in seen)
 
 
 def test_memory_limit_is_advisory(backend):
     """The process backend accepts a memory size without enforcing it."""
-    run(backend.create_env("big", None, 1 << 40))
+    asyncio.run(backend.create_env("big", None, 1 << 40))
     assert backend.env_exists("big")
 
 
@@ -182,7 +183,7 @@ def test_env_ids_cannot_escape_the_root(backend):
     from tangramd.backends.base import EnvError
 
     with pytest.raises(EnvError):
-        run(backend.create_env("../escape", None, None))
+        asyncio.run(backend.create_env("../escape", None, None))
     assert not Path(backend.root.parent / "escape").exists()
 
 
@@ -196,7 +197,7 @@ def test_affinity_without_cgroups(tmp_path):
     )
     assert "Cpus_allowed_list:\t1\n" in out.stdout
     assert "tangram" not in out.stdout
-    run(b.shutdown())
+    asyncio.run(b.shutdown())
     assert os.sched_getaffinity(0) == before  # the daemon itself is never pinned
 
 
@@ -210,7 +211,7 @@ def test_background_process_holding_the_pipes_does_not_stall_the_action(tmp_path
         assert (result.outcome, result.exit_code, result.stdout) == ("ok", 0, "started\n")
         assert result.exec_s < 2.0
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 def test_a_short_exec_is_read_at_its_end_without_readers(backend, monkeypatch):

@@ -70,7 +70,7 @@ def test_no_core_serves_two_actions_under_100_trajectories(daemon):
         "i=0; while [ $i -lt 2000 ]; do i=$((i+1)); done; e=$(date +%s%N); echo $s $e $c"
     )
 
-    async def run() -> list:
+    async def run_trajectories() -> list:
         async with AsyncClient(daemon.socket) as c:
 
             async def traj(k: int) -> list:
@@ -85,7 +85,7 @@ def test_no_core_serves_two_actions_under_100_trajectories(daemon):
             results = await asyncio.gather(*(traj(k) for k in range(100)))
         return [r for rs in results for r in rs]
 
-    results = asyncio.run(run())
+    results = asyncio.run(run_trajectories())
     assert len(results) == 300
     per_core: dict[str, list[tuple[int, int]]] = {}
     for r in results:

@@ -116,11 +116,11 @@ def call_in_background(
     """Start one call on its own connection; the box gets its result."""
     box: list[CallResult] = []
 
-    def run() -> None:
+    def call_and_keep() -> None:
         with gpu_daemon.client() as c:
             box.append(c.call(name, payload))
 
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=call_and_keep)
     thread.start()
     return thread, box
 

@@ -172,11 +172,11 @@ def test_session_interrupt_and_busy(daemon, c, env):
     sid = c.session_open(env)
     results = []
 
-    def run() -> None:
+    def exec_in_session() -> None:
         with daemon.client() as other:
             results.append(other.exec("sleep 30; echo never", session=sid))
 
-    worker = threading.Thread(target=run)
+    worker = threading.Thread(target=exec_in_session)
     worker.start()
     deadline = time.monotonic() + 10
     while not c.queue()["running"] and time.monotonic() < deadline:

@@ -3,6 +3,7 @@ plain `docker exec`; marked `docker`, CI starts dockerd)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import tarfile
 
@@ -15,7 +16,6 @@ from backend_conformance import (
     ex,
     new_env,
     req,
-    run,
 )
 
 from tangramd.backends.base import EnvError
@@ -41,20 +41,20 @@ def test_stdin_cwd_and_transfers(backend):
     assert (r.outcome, r.stdout) == ("ok", "in\x00put\n")
     assert ex(backend, env, ["cat"]).stdout == ""
     assert ex(backend, env, "wc -c", stdin=b"z" * 300_000).stdout.strip() == "300000"
-    assert run(backend.put(env, "d/f.txt", b"hello")) == 5
+    assert asyncio.run(backend.put(env, "d/f.txt", b"hello")) == 5
     r = ex(backend, env, "pwd; cat f.txt", cwd="d")
     assert r.stdout.endswith("/d\nhello"), r
-    assert run(backend.get(env, "d/f.txt", max_bytes=100)) == (b"hello", False)
-    run(backend.put(env, "t", _tar({"a.txt": b"a", "s/b.txt": b"bb"}), tar=True))
+    assert asyncio.run(backend.get(env, "d/f.txt", max_bytes=100)) == (b"hello", False)
+    asyncio.run(backend.put(env, "t", _tar({"a.txt": b"a", "s/b.txt": b"bb"}), tar=True))
     assert ex(backend, env, "cat t/a.txt t/s/b.txt").stdout == "abb"
-    data, is_tar = run(backend.get(env, "t", max_bytes=1 << 20))
+    data, is_tar = asyncio.run(backend.get(env, "t", max_bytes=1 << 20))
     assert is_tar
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
         assert {"a.txt", "s/b.txt"} <= set(archive.getnames())
     with pytest.raises(FileNotFoundError):
-        run(backend.get(env, "missing", max_bytes=100))
+        asyncio.run(backend.get(env, "missing", max_bytes=100))
     with pytest.raises(ValueError, match="more than"):
-        run(backend.get(env, "d/f.txt", max_bytes=2))
+        asyncio.run(backend.get(env, "d/f.txt", max_bytes=2))
 
 
 def test_sessions_keep_state_and_survive_timeouts(backend):
@@ -82,4 +82,4 @@ def test_sessions_keep_state_and_survive_timeouts(backend):
         await backend.close_session("s1")
         assert (await go("true")).outcome == "infra_error"
 
-    run(scenario())
+    asyncio.run(scenario())

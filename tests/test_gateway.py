@@ -28,7 +28,8 @@ def stack(request, tmp_path_factory):
         yield s
 
 
-def run(stack, **body) -> dict:
+def post_run_code(stack, **body) -> dict:
+    """POST ``body`` to the gateway's /run_code; its JSON answer (the status must be 200)."""
     r = httpx.post(f"{stack.url}/run_code", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
@@ -50,12 +51,12 @@ def test_client_run_code_stdout_stderr_stdin(stack):
 
 def test_nonzero_exit_and_timeout_are_failed_not_errors(stack):
     """Exit 3 is Failed with return_code 3; a timeout is Failed with TimeLimitExceeded."""
-    failed = run(stack, code="import sys; print('x'); sys.exit(3)", language="python")
+    failed = post_run_code(stack, code="import sys; print('x'); sys.exit(3)", language="python")
     assert failed["status"] == "Failed" and failed["message"] == ""
     assert failed["run_result"]["status"] == "Finished"
     assert failed["run_result"]["return_code"] == 3 and failed["run_result"]["stdout"] == "x\n"
-    slow = run(stack, code="print('early', flush=True)\nwhile True: pass", language="python",
-               run_timeout=0.5)  # fmt: skip
+    spin = "print('early', flush=True)\nwhile True: pass"
+    slow = post_run_code(stack, code=spin, language="python", run_timeout=0.5)
     assert slow["status"] == "Failed"
     rr = slow["run_result"]
     assert rr["status"] == "TimeLimitExceeded" and rr["stdout"] == "early\n"
@@ -66,15 +67,15 @@ def test_files_in_and_out_and_a_fresh_sandbox_per_request(stack):
     """files are written before the run, fetch_files come back; nothing survives a request."""
     data = base64.b64encode(b"1 2 3\n").decode()
     code = "read a b c < in/nums.txt; echo $((a + b + c)) > sum.txt; touch leftover"
-    resp = run(stack, code=code, language="bash", files={"in/nums.txt": data},
+    resp = post_run_code(stack, code=code, language="bash", files={"in/nums.txt": data},
                fetch_files=["sum.txt", "missing.txt"])  # fmt: skip
     assert resp["status"] == "Success", resp
     assert resp["files"] == {"sum.txt": base64.b64encode(b"6\n").decode()}
-    again = run(stack, code="ls", language="bash")
+    again = post_run_code(stack, code="ls", language="bash")
     assert again["run_result"]["stdout"] == "main.sh\n"  # a fresh environment: no leftover
-    cpp = run(stack, code='#include <cstdio>\nint main(){puts("c++");}', language="cpp")
+    cpp = post_run_code(stack, code='#include <cstdio>\nint main(){puts("c++");}', language="cpp")
     assert cpp["compile_result"]["return_code"] == 0 and cpp["run_result"]["stdout"] == "c++\n"
-    broken = run(stack, code="int main(){", language="cpp")
+    broken = post_run_code(stack, code="int main(){", language="cpp")
     assert broken["status"] == "Failed" and broken["run_result"] is None
     assert broken["compile_result"]["return_code"] != 0
 
@@ -129,14 +130,14 @@ def test_bad_requests_get_422_and_the_gateway_stays_up(stack):
                        headers={"Content-Type": "application/json"})  # fmt: skip
         assert r.status_code == 422, (body, r.text)
         assert "detail" in r.json()
-    huge = run(stack, code="print(1)", language="python", memory_limit_MB=1 << 30)
+    huge = post_run_code(stack, code="print(1)", language="python", memory_limit_MB=1 << 30)
     assert huge["status"] == "SandboxError" and huge["message"]
     assert huge["run_result"]["status"] == "Error" and huge["run_result"]["stdout"] == ""
-    escape = run(stack, code="ls", language="bash", files={"../x": "eA=="})
+    escape = post_run_code(stack, code="ls", language="bash", files={"../x": "eA=="})
     assert escape["status"] == "SandboxError" and ".." in escape["message"]
     r = httpx.get(f"{stack.url}/no/such/route")
     assert r.status_code == 404
-    assert run(stack, code="print(1)", language="python")["status"] == "Success"
+    assert post_run_code(stack, code="print(1)", language="python")["status"] == "Success"
 
 
 def test_served_alike_on_the_fast_path_and_through_fastapi(stack):
@@ -176,8 +177,8 @@ def test_served_alike_on_the_fast_path_and_through_fastapi(stack):
 
 def test_metrics_expose_pools_queues_and_action_histograms(stack):
     """GET /metrics: pool units, queue length, clients, actions by kind/outcome, ACT buckets."""
-    run(stack, code="print(1)", language="python")
-    run(stack, code="raise SystemExit(1)", language="python")
+    post_run_code(stack, code="print(1)", language="python")
+    post_run_code(stack, code="raise SystemExit(1)", language="python")
     text = httpx.get(f"{stack.url}/metrics").text
     for needle in (
         'tangram_pool_free_units{pool="cpu:local"} 2.0',

@@ -21,7 +21,6 @@ from backend_conformance import (  # noqa: E402
     lodger_of,
     new_env,
     req,
-    run,
 )
 from hostile_user import local_user  # noqa: E402
 
@@ -47,7 +46,7 @@ def backend(request, tmp_path):
     want = {"v1": "v1-cpuset", "v2": "v2", "none": None}[request.param]
     assert (b.cgroups.kind if b.cgroups else None) == want, "CI runs as root, cgroup v1 + v2"
     yield b
-    run(b.shutdown())
+    asyncio.run(b.shutdown())
 
 
 # --- item 1 and 6: the action ends with its main process; nothing it left survives
@@ -109,9 +108,9 @@ def test_cpuset_widened_by_a_root_command_is_reset_before_the_next_exec(tmp_path
         return [(str(lodger), *g) for g in got]
 
     try:
-        got = run(scenario())
+        got = asyncio.run(scenario())
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
     for i, (lodger, widened, after) in enumerate(got):
         assert widened == "ok"
         assert allowed_list(after) == "0" and "cpus 0\n" in after.stdout, after
@@ -137,7 +136,7 @@ def test_sandboxed_command_cannot_change_its_cgroup_or_widen_its_cores(tmp_path,
         after = ex(b, env, "grep Cpus_allowed_list /proc/self/status", (0,))
         assert allowed_list(after) == "0"
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 def test_sandboxed_command_cannot_touch_the_lodger_that_spawned_it(tmp_path, user):
@@ -156,13 +155,13 @@ def test_sandboxed_command_cannot_touch_the_lodger_that_spawned_it(tmp_path, use
         return hit.stdout, lodger, after.stdout
 
     try:
-        out, lodger, after = run(scenario())
+        out, lodger, after = asyncio.run(scenario())
         assert "no-kill" in out and "no-stop" in out, out
         assert out.split()[-1] == str(lodger)
         assert after.strip() == str(lodger)
         assert not gone(lodger)
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 # --- item 3: commands run as the given user, never silently as root
@@ -171,8 +170,10 @@ def test_sandboxed_command_cannot_touch_the_lodger_that_spawned_it(tmp_path, use
 def test_exec_runs_as_the_requested_user_without_root_groups(backend, user):
     """run_as (the peer's uid/gid) is who the command is; root's groups are dropped."""
     env_id = "env-owned"
-    run(backend.create_env(env_id, None, None, owner=user.ids))
-    result = run(backend.exec(req(env_id, "id -u; id -g; id -G; cat /etc/shadow", run_as=user.ids)))
+    asyncio.run(backend.create_env(env_id, None, None, owner=user.ids))
+    result = asyncio.run(
+        backend.exec(req(env_id, "id -u; id -g; id -G; cat /etc/shadow", run_as=user.ids))
+    )
     lines = result.stdout.split("\n")
     assert lines[:3] == [str(user.uid), str(user.gid), str(user.gid)], result
     assert result.outcome == "failed" and "Permission denied" in result.stderr
@@ -185,13 +186,13 @@ def test_sandbox_user_is_the_default(tmp_path, user):
         env = new_env(b)
         assert ex(b, env, "id -u").stdout.strip() == str(user.uid)
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 def test_a_user_cannot_run_in_another_users_environment(backend, user):
     """An environment owned by root refuses execs as another uid (infra_error, no spawn)."""
-    run(backend.create_env("root-env", None, None, owner=(0, 0)))
-    result = run(backend.exec(req("root-env", "id -u", run_as=user.ids)))
+    asyncio.run(backend.create_env("root-env", None, None, owner=(0, 0)))
+    result = asyncio.run(backend.exec(req("root-env", "id -u", run_as=user.ids)))
     assert result.outcome == "infra_error" and "belongs to uid 0" in result.detail
 
 
@@ -209,10 +210,10 @@ def test_environment_dirs_and_files_are_private(backend, user):
     )
     assert backend.envs_dir.stat().st_mode & 0o777 == 0o711
     other = new_env(backend)
-    spy = run(backend.exec(req(other, f"cat {path}/data.txt; ls {backend.envs_dir}")))
+    spy = asyncio.run(backend.exec(req(other, f"cat {path}/data.txt; ls {backend.envs_dir}")))
     assert "secret" in spy.stdout  # root may read: the same user
-    run(backend.create_env("spy", None, None, owner=user.ids))
-    spy = run(
+    asyncio.run(backend.create_env("spy", None, None, owner=user.ids))
+    spy = asyncio.run(
         backend.exec(req("spy", f"cat {path}/data.txt; ls {backend.envs_dir}", run_as=user.ids))
     )
     assert "secret" not in spy.stdout and spy.outcome == "failed"
@@ -262,10 +263,10 @@ def test_no_daemon_thread_in_an_exec_cgroup(tmp_path, version):
         return members, ours
 
     try:
-        members, ours = run(scenario())
+        members, ours = asyncio.run(scenario())
         assert members and not members & ours
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 def test_spawn_leaves_the_daemon_thread_where_it_was(tmp_path):
@@ -274,5 +275,5 @@ def test_spawn_leaves_the_daemon_thread_where_it_was(tmp_path):
     b = ProcessBackend(tmp_path)
     env = new_env(b)
     ex(b, env, "true", (1,))
-    run(b.shutdown())
+    asyncio.run(b.shutdown())
     assert (os.sched_getaffinity(0), Path("/proc/thread-self/cgroup").read_text()) == before

@@ -299,11 +299,11 @@ def test_node_lost_ends_a_nodes_actions_now_and_a_live_node_rejoins(tmp_path: Pa
         with Client(coord.socket) as c:
             env = c.env_open()
 
-            def run() -> None:
+            def exec_sleep() -> None:
                 with Client(coord.socket) as worker_client:
                     results.append(worker_client.exec(["sleep", "30"], env=env))
 
-            worker = threading.Thread(target=run)
+            worker = threading.Thread(target=exec_sleep)
             worker.start()
             wait_for(lambda: c.queue()["running"], 30, "the action running on a")
             answer = c.node_lost("a", "the test says so")

@@ -100,7 +100,8 @@ def host(
     loop.run_until_complete(host.close())
 
 
-def run(loop: asyncio.AbstractEventLoop, coro: Any) -> Any:
+def complete(loop: asyncio.AbstractEventLoop, coro: Any) -> Any:
+    """Run ``coro`` to its end on ``loop``, failing after 120 s."""
     return loop.run_until_complete(asyncio.wait_for(coro, 120))
 
 
@@ -122,16 +123,16 @@ def test_vllm_sleep_and_wake_up_through_the_server(
     """Evict is POST /sleep?level=1 and restore POST /wake_up; results survive both."""
     payload = {"values": [1.0, 2.0, 3.0]}
     expected = reference.handle(payload)["score"]
-    first = run(loop, host.call("vl", [0], payload, timeout=30))
+    first = complete(loop, host.call("vl", [0], payload, timeout=30))
     assert first.outcome == "ok" and first.result["score"] == pytest.approx(expected)
     port = replica(host, "vl")["port"]
-    assert run(loop, is_sleeping(port)) is False
-    run(loop, host.evict("vl", [0]))
-    assert run(loop, is_sleeping(port)) is True
+    assert complete(loop, is_sleeping(port)) is False
+    complete(loop, host.evict("vl", [0]))
+    assert complete(loop, is_sleeping(port)) is True
     assert replica(host, "vl")["state"] == "backed_up"
-    again = run(loop, host.call("vl", [0], payload, timeout=30))
+    again = complete(loop, host.call("vl", [0], payload, timeout=30))
     assert again.outcome == "ok" and again.result["score"] == pytest.approx(expected)
-    assert again.restore_s > 0 and run(loop, is_sleeping(port)) is False
+    assert again.restore_s > 0 and complete(loop, is_sleeping(port)) is False
     assert replica(host, "vl")["service"]["restores"] == 1
 
 
@@ -140,11 +141,11 @@ def test_sglang_release_and_resume_memory(
 ) -> None:
     """The SGLang flavour evicts with /release_memory_occupation and restores with /resume."""
     port = replica(host, "sg")["port"]
-    run(loop, host.evict("sg", [1]))
-    assert run(loop, is_sleeping(port)) is True
-    restored = run(loop, host.ensure_resident("sg", [1]))
-    assert restored.needed and run(loop, is_sleeping(port)) is False
-    result = run(loop, host.call("sg", [1], {"values": [0.5]}, timeout=30))
+    complete(loop, host.evict("sg", [1]))
+    assert complete(loop, is_sleeping(port)) is True
+    restored = complete(loop, host.ensure_resident("sg", [1]))
+    assert restored.needed and complete(loop, is_sleeping(port)) is False
+    result = complete(loop, host.call("sg", [1], {"values": [0.5]}, timeout=30))
     assert result.result["score"] == pytest.approx(reference.handle({"values": [0.5]})["score"])
 
 
@@ -152,7 +153,7 @@ def test_server_rejection_is_failed_with_its_message(
     host: ServiceHost, loop: asyncio.AbstractEventLoop
 ) -> None:
     """A 4xx from the server is outcome 'failed' carrying the server's error text."""
-    bad = run(loop, host.call("vl", [0], {"values": "nope"}, timeout=30))
+    bad = complete(loop, host.call("vl", [0], {"values": "nope"}, timeout=30))
     assert bad.outcome == "failed"
     assert bad.error == "ValueError: 'values' must be a non-empty list"
 
@@ -162,9 +163,9 @@ def test_slow_call_times_out_and_the_server_stays(
 ) -> None:
     """A call past its timeout ends 'timeout' without restarting the model server."""
     pid = replica(host, "sg")["pid"]
-    slow = run(loop, host.call("sg", [1], {"values": [1.0], "sleep": 1.5}, timeout=0.3))
+    slow = complete(loop, host.call("sg", [1], {"values": [1.0], "sleep": 1.5}, timeout=0.3))
     assert slow.outcome == "timeout"
-    after = run(loop, host.call("sg", [1], {"values": [1.0]}, timeout=30))
+    after = complete(loop, host.call("sg", [1], {"values": [1.0]}, timeout=30))
     assert after.outcome == "ok"
     assert replica(host, "sg")["pid"] == pid and replica(host, "sg")["state"] == "resident"
 
@@ -175,9 +176,9 @@ def test_killed_server_is_infra_error_then_restarted(
     """A dead server fails its call with 'infra_error'; the next call starts a new one."""
     pid = replica(host, "vl")["pid"]
     os.kill(pid, signal.SIGKILL)
-    crashed = run(loop, host.call("vl", [0], {"values": [1.0]}, timeout=30))
+    crashed = complete(loop, host.call("vl", [0], {"values": [1.0]}, timeout=30))
     assert crashed.outcome == "infra_error"
-    again = run(loop, host.call("vl", [0], {"values": [1.0]}, timeout=60))
+    again = complete(loop, host.call("vl", [0], {"values": [1.0]}, timeout=60))
     assert again.outcome == "ok" and replica(host, "vl")["pid"] != pid
     assert again.result["score"] == pytest.approx(reference.handle({"values": [1.0]})["score"])
 
@@ -187,6 +188,6 @@ def test_server_that_exits_at_start_names_the_service(
 ) -> None:
     """A server command that dies at start-up is a load error with its exit status and log."""
     cmd = f"{sys.executable} -c \"import sys; print('bad flag {{port}}'); sys.exit(3)\""
-    run(loop, host.register(ServiceSpec("dead", "http", 0.01, cmd=cmd)))
+    complete(loop, host.register(ServiceSpec("dead", "http", 0.01, cmd=cmd)))
     with pytest.raises(ServiceLoadError, match=r"(?s)'dead'.*status 3.*bad flag"):
-        run(loop, host.ensure_resident("dead", [0]))
+        complete(loop, host.ensure_resident("dead", [0]))

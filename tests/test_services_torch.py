@@ -114,7 +114,8 @@ async def gather(*coros: Any) -> list[Any]:
     return list(await asyncio.gather(*coros, return_exceptions=True))
 
 
-def run(loop: asyncio.AbstractEventLoop, coro: Any) -> Any:
+def complete(loop: asyncio.AbstractEventLoop, coro: Any) -> Any:
+    """Run ``coro`` to its end on ``loop``, failing after 60 s."""
     return loop.run_until_complete(asyncio.wait_for(coro, 60))
 
 
@@ -130,13 +131,13 @@ def test_register_makes_backup_and_refuses_bad_factories(
     host, outcomes = setup
     assert isinstance(outcomes[0], dict) and isinstance(outcomes[1], dict)
     with pytest.raises(ServiceLoadError) as info:
-        run(loop, host.register(spec("bad", "broken_models:make", models)))
+        complete(loop, host.register(spec("bad", "broken_models:make", models)))
     assert "service 'bad'" in str(info.value)
     assert "RuntimeError: no weights here" in str(info.value)
     with pytest.raises(ServiceLoadError, match=r"'missing'.*ModuleNotFoundError"):
-        run(loop, host.register(spec("missing", "no_such_module:make", models)))
+        complete(loop, host.register(spec("missing", "no_such_module:make", models)))
     with pytest.raises(ValueError, match="already registered"):
-        run(loop, host.register(spec("a", "tiny_models:big", models)))
+        complete(loop, host.register(spec("a", "tiny_models:big", models)))
     services = by_name(host)
     assert sorted(services) == ["a", "b"]
     assert services["b"]["module_bytes"] >= 32 << 20
@@ -151,19 +152,19 @@ def test_call_is_correct_after_evict_and_restore(
     """Results equal the module's own after each eviction and restore, on either GPU."""
     host, _ = setup
     expected = reference.small().handle({"x": 3.0})["y"]
-    restored = run(loop, host.ensure_resident("a", [0]))
+    restored = complete(loop, host.ensure_resident("a", [0]))
     assert restored.needed and restored.nbytes > 0
     assert by_name(host)["a"]["replicas"][0] == {
         **by_name(host)["a"]["replicas"][0],
         "gpus": [0],
         "state": "resident",
     }
-    first = run(loop, host.call("a", [0], {"x": 3.0}, timeout=30))
+    first = complete(loop, host.call("a", [0], {"x": 3.0}, timeout=30))
     assert first.outcome == "ok" and first.result["y"] == pytest.approx(expected)
     assert first.restore_s == 0.0
-    run(loop, host.evict("a", [0]))
+    complete(loop, host.evict("a", [0]))
     assert by_name(host)["a"]["replicas"][0]["state"] == "backed_up"
-    again = run(loop, host.call("a", [1], {"x": 3.0}, timeout=30))
+    again = complete(loop, host.call("a", [1], {"x": 3.0}, timeout=30))
     assert again.outcome == "ok" and again.result["y"] == pytest.approx(expected)
     assert again.restore_s >= 0.5 * 0.9  # the simulated link: 0.06 GB at 0.12 GB/s
     entry = by_name(host)["a"]
@@ -176,15 +177,15 @@ def test_eviction_really_frees_the_working_copy(
 ) -> None:
     """Evicting the 32 MiB module drops the worker's resident memory by about that much."""
     host, _ = setup
-    run(loop, host.evict("a", [1]))
-    run(loop, host.ensure_resident("b", [1]))
+    complete(loop, host.evict("a", [1]))
+    complete(loop, host.ensure_resident("b", [1]))
     pid = by_name(host)["b"]["replicas"][0]["pid"]
     before = psutil.Process(pid).memory_info().rss
-    moved = run(loop, host.evict("b", [1]))
+    moved = complete(loop, host.evict("b", [1]))
     after = psutil.Process(pid).memory_info().rss
     assert moved.nbytes >= 32 << 20
     assert before - after >= 0.8 * moved.nbytes
-    result = run(loop, host.call("b", [1], {"x": 1.0}, timeout=30))
+    result = complete(loop, host.call("b", [1], {"x": 1.0}, timeout=30))
     assert result.result["y"] == pytest.approx(reference.big().handle({"x": 1.0})["y"], rel=1e-5)
     assert psutil.Process(pid).memory_info().rss - after >= 0.8 * moved.nbytes
 
@@ -197,7 +198,7 @@ def test_host_follows_the_pool_and_never_oversubscribes(
     host, _ = setup
     for name in ("a", "b"):
         for gpus in ([0], [1]):
-            run(loop, host.evict(name, gpus))
+            complete(loop, host.evict(name, gpus))
     pool = host.inventory.node_pool("n0")
     specs = {s.name: s.pool_spec() for s in host.specs()}
     for s in specs.values():
@@ -207,8 +208,8 @@ def test_host_follows_the_pool_and_never_oversubscribes(
         action = ActionId(f"act{tick}")
         pool.allocate_gpus(action, [gpu])
         plan = pool.restore(specs[name], [gpu], tick)
-        run(loop, host.apply(name, [gpu], plan.evicted))
-        assert run(loop, host.call(name, [gpu], {"x": 1}, timeout=30)).outcome == "ok"
+        complete(loop, host.apply(name, [gpu], plan.evicted))
+        assert complete(loop, host.call(name, [gpu], {"x": 1}, timeout=30)).outcome == "ok"
         pool.release(action)
 
     act(1, "a", 0)
@@ -222,11 +223,11 @@ def test_host_follows_the_pool_and_never_oversubscribes(
             assert on_gpu == pool.is_resident(name, [gpu]), (name, gpu)
     assert all(host.resident_bytes(g) <= host.inventory.gpu(g).mem_bytes for g in (0, 1))
     with pytest.raises(Oversubscribed, match="GPU 0"):
-        run(loop, host.ensure_resident("a", [0]))
+        complete(loop, host.ensure_resident("a", [0]))
     with pytest.raises(ServiceNotFound):
-        run(loop, host.ensure_resident("nope", [0]))
+        complete(loop, host.ensure_resident("nope", [0]))
     with pytest.raises(ValueError, match="not an aligned chunk"):
-        run(loop, host.ensure_resident("a", [1, 2]))
+        complete(loop, host.ensure_resident("a", [1, 2]))
 
 
 def test_restores_on_different_gpus_overlap(
@@ -236,9 +237,11 @@ def test_restores_on_different_gpus_overlap(
     host, _ = setup
     for name in ("a", "b"):
         for gpus in ([0], [1]):
-            run(loop, host.evict(name, gpus))
+            complete(loop, host.evict(name, gpus))
     start = time.perf_counter()
-    one, two = run(loop, gather(host.ensure_resident("a", [0]), host.ensure_resident("b", [1])))
+    one, two = complete(
+        loop, gather(host.ensure_resident("a", [0]), host.ensure_resident("b", [1]))
+    )
     wall = time.perf_counter() - start
     assert one.needed and two.needed
     assert min(one.seconds, two.seconds) >= 0.45
@@ -251,10 +254,10 @@ def test_handler_rejection_is_failed_and_worker_lives(
     """A payload the handler rejects ends 'failed' with its message; the worker carries on."""
     host, _ = setup
     pid = by_name(host)["a"]["replicas"][0]["pid"]
-    bad = run(loop, host.call("a", [0], {"y": 1}, timeout=30))
+    bad = complete(loop, host.call("a", [0], {"y": 1}, timeout=30))
     assert bad.outcome == "failed" and bad.error == "ValueError: payload needs 'x'"
     assert bad.result is None
-    good = run(loop, host.call("a", [0], {"x": 1}, timeout=30))
+    good = complete(loop, host.call("a", [0], {"x": 1}, timeout=30))
     assert good.outcome == "ok" and good.result["pid"] == pid
 
 
@@ -265,7 +268,7 @@ def test_timeout_ends_the_call_and_stops_the_worker(
     cannot be interrupted); the replica shows 'failed' until its next use restarts it."""
     host, _ = setup
     pid = by_name(host)["a"]["replicas"][0]["pid"]
-    slow = run(loop, host.call("a", [0], {"x": 1, "sleep": 30}, timeout=1.0))
+    slow = complete(loop, host.call("a", [0], {"x": 1, "sleep": 30}, timeout=1.0))
     assert slow.outcome == "timeout" and "1.0 s" in slow.error
     assert by_name(host)["a"]["replicas"][0]["state"] == "failed"
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -287,11 +290,11 @@ def test_killed_worker_is_infra_error_then_restarted(
         os.kill(pid, signal.SIGKILL)
         return await call
 
-    crashed = run(loop, kill_during_call())
+    crashed = complete(loop, kill_during_call())
     assert crashed.outcome == "infra_error" and "worker" in crashed.error
     assert by_name(host)["b"]["replicas"][0]["state"] == "failed"
     assert by_name(host)["a"]["replicas"][0] == other
-    again = run(loop, host.call("b", [1], {"x": 5}, timeout=30))
+    again = complete(loop, host.call("b", [1], {"x": 5}, timeout=30))
     assert again.outcome == "ok" and again.result["pid"] != pid
     assert again.result["y"] == pytest.approx(reference.big().handle({"x": 5})["y"], rel=1e-5)
     assert by_name(host)["b"]["replicas"][0]["state"] == "resident"
@@ -304,10 +307,12 @@ def test_killed_worker_is_infra_error_then_restarted(
             await asyncio.sleep(0.01)
         return str(by_name(host)["b"]["replicas"][0]["state"])
 
-    assert run(loop, kill_idle()) == "failed"
-    run(loop, host.evict("b", [1]))  # the pool moves on: the dead replica leaves its GPU
+    assert complete(loop, kill_idle()) == "failed"
+    complete(loop, host.evict("b", [1]))  # the pool moves on: the dead replica leaves its GPU
     assert by_name(host)["b"]["replicas"][0]["gpus"] == []
-    assert run(loop, host.call("b", [1], {"x": 5}, timeout=30)).result["y"] == again.result["y"]
+    assert (
+        complete(loop, host.call("b", [1], {"x": 5}, timeout=30)).result["y"] == again.result["y"]
+    )
     assert len(by_name(host)["b"]["replicas"]) == 1  # the slot was reused, not leaked
 
 
@@ -324,7 +329,7 @@ def test_remove_rejects_running_and_queued_calls(
         await host.remove("b")
         return list(await asyncio.gather(running, queued))
 
-    outcomes = run(loop, remove_under_load())
+    outcomes = complete(loop, remove_under_load())
     assert [o.outcome for o in outcomes] == ["rejected", "rejected"]
     assert sorted(by_name(host)) == ["a"]
     saved = json.loads((host.state_dir / "services.json").read_text())
@@ -344,12 +349,12 @@ def test_registrations_survive_a_restart(
     registry.write_text(json.dumps(saved))
     again = ServiceHost(host.inventory, host.state_dir)
     try:
-        errors = run(loop, again.start())
+        errors = complete(loop, again.start())
         assert list(errors) == ["tight"] and "more than mem_gb=0.001" in errors["tight"]
         assert [s["name"] for s in again.list()] == ["a", "tight"]
         assert by_name(again)["tight"]["replicas"][0]["state"] == "failed"
-        result = run(loop, again.call("a", [1], {"x": 4}, timeout=30))
+        result = complete(loop, again.call("a", [1], {"x": 4}, timeout=30))
         assert result.outcome == "ok"
         assert result.result["y"] == pytest.approx(reference.small().handle({"x": 4})["y"])
     finally:
-        run(loop, again.close())
+        complete(loop, again.close())

@@ -169,12 +169,12 @@ def test_same_seed_gives_identical_json() -> None:
     """The same workload and seed give byte-identical JSON; another seed does not."""
     c = load_cluster(SMALL)
 
-    def run(seed: int) -> str:
+    def simulated_json(seed: int) -> str:
         trace = generate("mopd+search", c, 6, seed=seed)
         return to_json([simulate(c, trace, parse_policy(p)) for p in ("tangram", "baseline")])
 
-    assert run(3) == run(3)
-    assert run(3) != run(4)
+    assert simulated_json(3) == simulated_json(3)
+    assert simulated_json(3) != simulated_json(4)
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)

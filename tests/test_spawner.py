@@ -1,20 +1,27 @@
-"""The process backend's fork server (tangramd/backends/spawner.py) on the real host."""
+"""The process backend's fork server (tangramd/backends/forkserver.py, driven by
+tangramd/backends/spawner.py) on the real host."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from backend_conformance import BOTH_CORES, lodger_of, new_env, req, run
+from backend_conformance import BOTH_CORES, lodger_of, new_env, req
 from hostile_user import local_user
 
 from tangramd.backends.base import EXEC_OOM_SCORE_ADJ
+from tangramd.backends.forkserver import _load_native
 from tangramd.backends.process import ProcessBackend
-from tangramd.backends.spawner import NATIVE_ENV, Spawner, SpawnError, _load_native
+from tangramd.backends.spawner import NATIVE_ENV, Spawner, SpawnError
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True, params=["c", "python"])
@@ -23,6 +30,26 @@ def lodger_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     where it is built) and in Python (the reference it must agree with)."""
     monkeypatch.setenv(NATIVE_ENV, "1" if request.param == "c" else "0")
     return str(request.param)
+
+
+def test_the_fork_server_imports_the_standard_library_only() -> None:
+    """The fork server runs as ``python -I -S forkserver.py`` (no site-packages on its path):
+    importing it in a fresh interpreter loads nothing but the standard library and its own
+    (empty) packages; nothing of the daemon's end or of the rest of tangramd."""
+    code = (
+        "import sys, json\n"
+        "before = set(sys.modules)\n"
+        "import tangramd.backends.forkserver\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    loaded = set(json.loads(out))
+    ours = {"tangramd", "tangramd.backends", "tangramd.backends.forkserver"}
+    assert ours <= loaded  # the import did happen
+    foreign = sorted(m for m in loaded - ours if m.split(".")[0] not in sys.stdlib_module_names)
+    assert foreign == []
 
 
 def _cgroup_of(pid: int) -> str:
@@ -47,13 +74,13 @@ def test_spawner_goes_home_after_each_spawn(tmp_path):
         )
 
     try:
-        cgroups, affinity, score, _ = run(scenario())
+        cgroups, affinity, score, _ = asyncio.run(scenario())
         assert cgroups == _cgroup_of(os.getpid())
         assert affinity == os.sched_getaffinity(0)
         assert score == Path("/proc/self/oom_score_adj").read_text().strip()
         assert score != str(EXEC_OOM_SCORE_ADJ)
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 def test_a_dead_spawner_fails_its_exec_and_is_replaced(tmp_path):
@@ -73,12 +100,12 @@ def test_a_dead_spawner_fails_its_exec_and_is_replaced(tmp_path):
         return first.outcome, first.detail, again.stdout
 
     try:
-        outcome, detail, again = run(scenario())
+        outcome, detail, again = asyncio.run(scenario())
         assert outcome == "infra_error" and "spawner" in detail
         assert again == "again\n"
         assert b.cgroups is None or not b.cgroups.pids(b.cgroups.for_cores(BOTH_CORES))
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 def test_a_command_that_cannot_be_run_is_126_or_127(tmp_path):
@@ -88,13 +115,13 @@ def test_a_command_that_cannot_be_run_is_126_or_127(tmp_path):
     script = b.env_dir(env) / "script"
     script.write_text("echo hi\n")
     try:
-        missing = run(b.exec(req(env, ["no-such-program-xyz"])))
+        missing = asyncio.run(b.exec(req(env, ["no-such-program-xyz"])))
         assert (missing.outcome, missing.exit_code) == ("failed", 127)
         assert "no-such-program-xyz" in missing.stderr
-        denied = run(b.exec(req(env, [str(script)])))
+        denied = asyncio.run(b.exec(req(env, [str(script)])))
         assert (denied.outcome, denied.exit_code) == ("failed", 126)
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 def test_a_command_gets_only_its_three_descriptors(tmp_path):
@@ -104,11 +131,11 @@ def test_a_command_gets_only_its_three_descriptors(tmp_path):
     env = new_env(b)
     probe = "import os; print(' '.join(sorted(os.listdir('/proc/self/fd'), key=int)))"
     try:
-        result = run(b.exec(req(env, ["python3", "-c", probe])))
+        result = asyncio.run(b.exec(req(env, ["python3", "-c", probe])))
         assert result.outcome == "ok", result
         assert set(result.stdout.split()) <= {"0", "1", "2", "3"}  # 3: listdir's own
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 # --- lodgers: pre-joined copies of the fork server, one per exec cgroup (cgroup v1)
@@ -135,7 +162,7 @@ def test_a_lodger_spawns_later_execs_in_place(tmp_path):
         return lodger, second.stdout, _cgroup_of(lodger), left
 
     try:
-        lodger, out, lodger_cgroup, left = run(scenario())
+        lodger, out, lodger_cgroup, left = asyncio.run(scenario())
         ppid, allowed, *cgroup_lines = out.splitlines()
         assert int(ppid) == lodger
         assert allowed.split()[-1] == "1"
@@ -149,7 +176,7 @@ def test_a_lodger_spawns_later_execs_in_place(tmp_path):
         helper = b._spawner.pid
         assert helper is not None and _cgroup_of(helper) == _cgroup_of(os.getpid())
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
     assert (
         not Path(f"/proc/{lodger}").exists()
         or "zombie" in Path(f"/proc/{lodger}/status").read_text()
@@ -173,14 +200,14 @@ def test_a_dead_lodger_fails_its_exec_and_is_replaced(tmp_path):
         return first.outcome, first.detail, again.stdout, lodger, await lodger_of(b, BOTH_CORES)
 
     try:
-        outcome, detail, again, old, new = run(scenario())
+        outcome, detail, again, old, new = asyncio.run(scenario())
         assert outcome == "infra_error" and "spawner" in detail
         assert again == "again\n"
         assert new != old
         assert b.cgroups is not None
         assert set(b.cgroups.pids(b.cgroups.for_cores(BOTH_CORES))) <= {new}
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 def test_lodgers_are_capped_and_can_be_turned_off(tmp_path):
@@ -199,13 +226,13 @@ def test_lodgers_are_capped_and_can_be_turned_off(tmp_path):
         return [len(b.cgroups.pids(b.cgroups.for_cores(c))) for c in ((0,), (1,))]
 
     try:
-        assert sorted(run(scenario(capped))) == [0, 1]
+        assert sorted(asyncio.run(scenario(capped))) == [0, 1]
         assert len(capped.lodger_pids) == 1
-        assert run(scenario(off)) == [0, 0]
+        assert asyncio.run(scenario(off)) == [0, 0]
         assert not off.lodger_pids
     finally:
-        run(capped.shutdown())
-        run(off.shutdown())
+        asyncio.run(capped.shutdown())
+        asyncio.run(off.shutdown())
 
 
 def test_a_lodger_that_cannot_join_is_not_asked_for_again(tmp_path):
@@ -251,7 +278,7 @@ def test_a_lodger_that_cannot_join_is_not_asked_for_again(tmp_path):
         finally:
             spawner.close()
 
-    first, second, refused, asked, lodgers = run(scenario())
+    first, second, refused, asked, lodgers = asyncio.run(scenario())
     assert "no-such-cgroup" in first and "no-such-cgroup" in second
     assert refused == {bogus}
     assert asked == 0 and lodgers == set()
@@ -281,10 +308,10 @@ def test_a_bare_command_name_is_looked_up_in_the_execs_own_path(tmp_path):
         return got
 
     try:
-        got = run(scenario())
+        got = asyncio.run(scenario())
         assert got == [("ok", 0, "found me\n"), ("failed", 127, "")] * 2
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 def test_a_lodger_is_a_subreaper_and_says_when_nothing_is_left(tmp_path, monkeypatch):
@@ -321,13 +348,13 @@ def test_a_lodger_is_a_subreaper_and_says_when_nothing_is_left(tmp_path, monkeyp
         return lodger, [clean.outcome, left.outcome, left.stdout, again.outcome], members, kids
 
     try:
-        lodger, outcomes, members, kids = run(scenario())
+        lodger, outcomes, members, kids = asyncio.run(scenario())
         assert outcomes == ["ok", "ok", "started\n", "ok"]
         assert reports == [False, True, False, True]
         assert members == [lodger]  # the grandchild was swept with the cgroup
         assert kids == []
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 def test_a_lodger_answers_a_quick_command_with_its_exit(tmp_path, monkeypatch):
@@ -369,13 +396,13 @@ def test_a_lodger_answers_a_quick_command_with_its_exit(tmp_path, monkeypatch):
         return [(r.outcome, r.exit_code, r.stdout, r.stderr) for r in ends], [lone_seen, busy_seen]
 
     try:
-        results, (lone_seen, busy_seen) = run(scenario())
+        results, (lone_seen, busy_seen) = asyncio.run(scenario())
         assert results[0] == results[1] == results[2] == ("failed", 3, "out\n", "err\n")
         assert results[3] == ("ok", 0, "late\n", "")
         assert lone_seen == [("pid",), ("exit",)]
         assert busy_seen == [("pid", "exit"), ("pid",), ("exit",)]
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 # --- the lodger loop in C (_lodger.c) and in Python: the same behaviour
@@ -396,11 +423,11 @@ def test_lodgers_run_their_loop_in_c_unless_told_not_to(tmp_path, lodger_loop):
         return outs, b._spawner.native_lodgers()
 
     try:
-        outs, native = run(scenario())
+        outs, native = asyncio.run(scenario())
         assert outs == ["one\n", "two\n"]
         assert native == (1 if lodger_loop == "c" else 0)
     finally:
-        run(b.shutdown())
+        asyncio.run(b.shutdown())
 
 
 def test_a_lodger_spawns_as_the_fork_server_does(tmp_path):
@@ -423,7 +450,7 @@ def test_a_lodger_spawns_as_the_fork_server_does(tmp_path):
 
     path = {"PATH": "/usr/bin:/bin"}  # the base PATH starts in root's pyenv: EACCES for user
     with local_user() as user:
-        run(b.create_env("owned", None, None, owner=user.ids))
+        asyncio.run(b.create_env("owned", None, None, owner=user.ids))
 
         async def scenario() -> list[tuple[Any, ...]]:
             await b.exec(req(env, ["true"], (1,)))  # the fork server's path
@@ -450,9 +477,9 @@ def test_a_lodger_spawns_as_the_fork_server_does(tmp_path):
             return got
 
         try:
-            got = run(scenario())
+            got = asyncio.run(scenario())
         finally:
-            run(b.shutdown())
+            asyncio.run(b.shutdown())
     shown, stdin, killed, missing, noexec, as_user, user_missing = got
     assert shown[:2] == ("ok", 0), shown
     cpus_foo_cwd_umask, blocked, ignored, sid, pid = shown[2].split("\n")[:5]

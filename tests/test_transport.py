@@ -90,7 +90,8 @@ async def serving(handler: Any = None, **kw: Any) -> AsyncIterator[tuple[UnixSer
             await server.close()
 
 
-def run(coro: Callable[[], Awaitable[None]]) -> None:
+def run_async_test(coro: Callable[[], Awaitable[None]]) -> None:
+    """Run the async test body ``coro()`` on a fresh event loop, failing after 20 s."""
     asyncio.run(asyncio.wait_for(coro(), 20))
 
 
@@ -136,7 +137,7 @@ def test_pipelined_responses_out_of_order() -> None:
             assert order == [3, 2, 1]
             raw.close()
 
-    run(main)
+    run_async_test(main)
 
 
 def test_async_client_pipelines_many_calls() -> None:
@@ -150,7 +151,7 @@ def test_async_client_pipelines_many_calls() -> None:
             assert len({id(c) for c in daemon.conns}) == 1
             assert server.connections == 1
 
-    run(main)
+    run_async_test(main)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -172,7 +173,7 @@ def test_malformed_frame_answered_and_closed_others_unaffected() -> None:
             bad.close()
             assert (await good.ping())["pong"] is True
 
-    run(main)
+    run_async_test(main)
 
 
 def test_bad_key_answered_with_its_id() -> None:
@@ -189,7 +190,7 @@ def test_bad_key_answered_with_its_id() -> None:
             assert await raw.recv() is None
             raw.close()
 
-    run(main)
+    run_async_test(main)
 
 
 def test_oversized_frame_rejected_and_closed() -> None:
@@ -205,7 +206,7 @@ def test_oversized_frame_rejected_and_closed() -> None:
             assert await raw.recv() is None
             raw.close()
 
-    run(main)
+    run_async_test(main)
 
 
 def test_bad_envelope_with_id_keeps_connection() -> None:
@@ -222,7 +223,7 @@ def test_bad_envelope_with_id_keeps_connection() -> None:
             assert second is not None and second["id"] == 6 and second["ok"] is True
             raw.close()
 
-    run(main)
+    run_async_test(main)
 
 
 def test_response_too_large_becomes_internal() -> None:
@@ -237,7 +238,7 @@ def test_response_too_large_becomes_internal() -> None:
                 await client.request("big", {"n": 10_000})
             assert (await client.ping())["pong"]
 
-    run(main)
+    run_async_test(main)
 
 
 # --------------------------------------------------------------------------- typed errors
@@ -256,7 +257,7 @@ def test_typed_errors_reach_async_client() -> None:
                 await client.request("boom", {})
             assert (await client.ping())["pong"] is True  # the server survived
 
-    run(main)
+    run_async_test(main)
 
 
 def test_sync_client_calls_and_errors() -> None:
@@ -279,7 +280,7 @@ def test_sync_client_calls_and_errors() -> None:
 
             await asyncio.to_thread(work)
 
-    run(main)
+    run_async_test(main)
 
 
 def test_sync_client_reconnects_after_idle_close() -> None:
@@ -298,7 +299,7 @@ def test_sync_client_reconnects_after_idle_close() -> None:
 
             await asyncio.to_thread(work)
 
-    run(main)
+    run_async_test(main)
 
 
 def test_async_client_reconnects_after_idle_close() -> None:
@@ -313,7 +314,7 @@ def test_async_client_reconnects_after_idle_close() -> None:
             await asyncio.sleep(0.4)
             assert (await client.ping())["pong"] is True
 
-    run(main)
+    run_async_test(main)
 
 
 def test_no_daemon_is_connection_failed() -> None:
@@ -327,7 +328,7 @@ def test_no_daemon_is_connection_failed() -> None:
             with pytest.raises(ConnectionFailed):
                 await AsyncClient(os.path.join(tmp, "none.sock")).ping()
 
-        run(main)
+        run_async_test(main)
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -352,7 +353,7 @@ def test_client_disconnect_mid_request() -> None:
             async with AsyncClient(server.path) as client:
                 assert (await client.ping())["pong"] is True
 
-    run(main)
+    run_async_test(main)
 
 
 def test_idle_connection_closed() -> None:
@@ -365,7 +366,7 @@ def test_idle_connection_closed() -> None:
             assert server.connections == 0
             raw.close()
 
-    run(main)
+    run_async_test(main)
 
 
 def test_in_flight_request_is_not_idle() -> None:
@@ -378,7 +379,7 @@ def test_in_flight_request_is_not_idle() -> None:
         ):
             assert (await client.request("sleep", {"s": 0.4}))["slept"] == 0.4
 
-    run(main)
+    run_async_test(main)
 
 
 def test_close_removes_socket_and_answers_in_flight() -> None:
@@ -396,7 +397,7 @@ def test_close_removes_socket_and_answers_in_flight() -> None:
                 await call
             await client.close()
 
-    run(main)
+    run_async_test(main)
 
 
 def test_stale_socket_replaced_live_socket_refused() -> None:
@@ -421,7 +422,7 @@ def test_stale_socket_replaced_live_socket_refused() -> None:
                 await UnixServer(path, Daemon()).start()
             assert os.path.exists(path)
 
-    run(main)
+    run_async_test(main)
 
 
 def test_inflight_limit_pauses_reading() -> None:
@@ -437,7 +438,7 @@ def test_inflight_limit_pauses_reading() -> None:
             )
             assert len(results) == 20
 
-    run(main)
+    run_async_test(main)
 
 
 def test_default_socket_path_rule(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -485,7 +486,7 @@ def test_bad_request_from_handler() -> None:
             with pytest.raises(BadRequest, match="cpus"):
                 await client.exec("true", cpus=0)
 
-    run(main)
+    run_async_test(main)
 
 
 # --------------------------------------------------------------------------- issue 9 limits
@@ -509,7 +510,7 @@ def test_frame_deadline_closes_a_trickling_sender() -> None:
             assert server.buffered_bytes == 0
             raw.close()
 
-    run(main)
+    run_async_test(main)
 
 
 def test_frame_deadline_does_not_count_while_we_stopped_reading() -> None:
@@ -526,7 +527,7 @@ def test_frame_deadline_does_not_count_while_we_stopped_reading() -> None:
             assert answers == {1, 2}
             raw.close()
 
-    run(main)
+    run_async_test(main)
 
 
 def test_buffer_budget_sheds_the_largest_holder_and_serves_the_rest() -> None:
@@ -543,7 +544,7 @@ def test_buffer_budget_sheds_the_largest_holder_and_serves_the_rest() -> None:
                 assert (await client.ping())["pong"] is True
             hog.close()
 
-    run(main)
+    run_async_test(main)
 
 
 def test_connection_cap() -> None:
@@ -560,7 +561,7 @@ def test_connection_cap() -> None:
             for raw in (a, b, c):
                 raw.close()
 
-    run(main)
+    run_async_test(main)
 
 
 def test_conn_info_carries_the_peer_credentials() -> None:
@@ -572,7 +573,7 @@ def test_conn_info_carries_the_peer_credentials() -> None:
             conn = daemon.conns[-1]
             assert conn.peer == (os.getuid(), os.getgid()) and conn.pid == os.getpid()
 
-    run(main)
+    run_async_test(main)
 
 
 # --------------------------------------------------------------------------- answers owed
@@ -624,7 +625,7 @@ def test_later_answers_in_the_turn_it_is_resolved_and_at_close() -> None:
             assert owed[0].done()
             raw.close()
 
-    run(main)
+    run_async_test(main)
 
 
 def test_an_answer_resolved_in_a_turn_is_written_at_the_end_of_that_turn() -> None:
@@ -678,7 +679,7 @@ def test_an_answer_resolved_in_a_turn_is_written_at_the_end_of_that_turn() -> No
         assert seen == [("after resolving", False), ("next turn", True)]
         assert [(a or {}).get("result") for a in answers] == [{"n": 2}, {"n": 1}]
 
-    run(main)
+    run_async_test(main)
 
 
 # --------------------------------------------------------------------------- in-process
@@ -753,4 +754,4 @@ def test_local_connection_takes_the_socket_path_without_the_socket() -> None:
             with pytest.raises(ShuttingDown):  # a closed connection takes no request
                 await local.request("ping", {})
 
-    run(main)
+    run_async_test(main)
