@@ -38,6 +38,7 @@ from tangram.protocol import (
     render_markdown,
     validate_args,
 )
+from tangram.protocol import link as link_table
 
 
 def frame(body: bytes) -> bytes:
@@ -392,7 +393,24 @@ def test_quota_error_class() -> None:
     assert QuotaExceeded("m").code == "quota_exceeded"
 
 
+def _doc_section(section: str) -> str:
+    """The text of one ``## `` section of docs/protocol.md ("" when it is missing)."""
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+    if section not in docs:
+        return ""
+    return docs.split(section, 1)[1].split("\n## ", 1)[0]
+
+
 def test_docs_match_op_table() -> None:
-    """docs/protocol.md contains the op table exactly as ops.py renders it."""
-    docs = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
-    assert render_markdown().strip() in docs.read_text()
+    """docs/protocol.md's Ops section holds the op table exactly as ops.py renders it."""
+    assert render_markdown().strip() in _doc_section("\n## Ops\n"), (
+        "docs/protocol.md's op table is stale: paste in `python -m tangram.protocol.ops`"
+    )
+
+
+def test_docs_match_link_table() -> None:
+    """docs/protocol.md's Link messages section holds the link table exactly as link.py
+    renders it."""
+    assert link_table.render_markdown().strip() in _doc_section("\n## Link messages\n"), (
+        "docs/protocol.md's link table is stale: paste in `python -m tangram.protocol.link`"
+    )

@@ -1,0 +1,441 @@
+"""The link table: every message between a cluster node and its coordinator, declared once.
+
+The link carries the client protocol's frames (a 4-byte length, then one msgpack map);
+each message is a map whose ``"t"`` key names it. :data:`LINK_MESSAGES` says, for each
+name, who sends it, what it is for and its fields, in the small type language of the op
+table (:mod:`tangram.protocol.ops`). From it:
+
+- :func:`make_message` builds a message to send, refusing an undeclared name or field (a
+  typo fails where it is made, not on the peer);
+- :func:`check_message` checks a received map in full (name, required fields, types);
+- :func:`render_markdown` writes the "Link messages" section of ``docs/protocol.md``.
+
+Each end dispatches what it receives after the join through a table from message name to
+handler (``RECEIVES`` in ``tangramd.cluster.node`` and ``tangramd.cluster.coordinator``);
+``tests/test_link_table.py`` holds those tables, and every message each end builds, to
+this one. ``null`` for an optional field
+means "not given".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from tangram.protocol.errors import BadRequest
+from tangram.protocol.ops import (
+    AnyType,
+    ArgType,
+    Bool,
+    Bytes,
+    Enum,
+    Int,
+    ListOf,
+    MapOf,
+    Number,
+    Str,
+)
+
+Sender = Literal["coordinator", "node", "both"]
+End = Literal["coordinator", "node"]
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One field of a link message (besides ``"t"``)."""
+
+    name: str
+    type: ArgType
+    required: bool = False  # present in every such message
+    doc: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LinkMessage:
+    """One message kind: who sends it, whether it belongs to the join handshake (read in
+    order, before anything else) or to the joined link (dispatched by name), its fields."""
+
+    name: str
+    sender: Sender
+    doc: str
+    fields: tuple[Field, ...] = ()
+    join: bool = False
+    field_names: frozenset[str] = field(init=False, repr=False, compare=False)
+    required: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "field_names", frozenset(f.name for f in self.fields))
+        object.__setattr__(self, "required", frozenset(f.name for f in self.fields if f.required))
+
+    def sent_by(self, end: End) -> bool:
+        return self.sender in (end, "both")
+
+    def received_by(self, end: End) -> bool:
+        return self.sender != end
+
+
+# --------------------------------------------------------------------------- field types
+
+ID = Str()
+TEXT = Str(allow_empty=True)
+BYTES = Int(min=0, unit="bytes")
+UID_GID = ListOf(Int(min=0))  # [uid, gid]
+IDS = ListOf(Str())
+MAP = MapOf(AnyType())
+ERROR_TEXT = Str(allow_empty=True)
+
+
+def _key(prefix: str, what: str) -> Field:
+    return Field(
+        "key",
+        ID,
+        True,
+        f"`{prefix}:<{what}>`: the outcome's key, kept by the node until the coordinator's"
+        " `ack` of it",
+    )
+
+
+_RUN_AS = Field("run_as", UID_GID, doc="[uid, gid] to run as (default: the environment's owner)")
+_ENV_ID = Field("env_id", ID, True, "the environment")
+_SESSION_ID = Field("session_id", ID, True, "the session")
+_ACTION_ID = Field("action_id", ID, True, "the exec action")
+
+# --------------------------------------------------------------------------- the table
+
+LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
+    m.name: m
+    for m in (
+        # ------------------------------------------------------------- the join
+        LinkMessage(
+            "ca",
+            "coordinator",
+            "the first message on a link: the CA the node checks against its pinned hash"
+            " before any secret leaves it",
+            (
+                Field("pem", TEXT, True, "the coordinator's CA certificate (empty: --insecure)"),
+                Field("version", Str(), doc="the coordinator's tangram version"),
+            ),
+            join=True,
+        ),
+        LinkMessage(
+            "reject",
+            "node",
+            "the coordinator failed the node's check (pin, certificate): why, then the node"
+            " closes and gives up",
+            (Field("reason", TEXT, True, "what failed"),),
+            join=True,
+        ),
+        LinkMessage(
+            "hello",
+            "node",
+            "who the node is, what it offers, what it holds and what it still owes",
+            (
+                Field("name", ID, True, "the node's name (1-64 printable characters)"),
+                Field("version", Str(), True, "the node's tangram version"),
+                Field("cores_by_numa", ListOf(ListOf(Int(min=0))), True, "core ids per NUMA node"),
+                Field("mem_bytes", BYTES, True, "memory it offers"),
+                Field(
+                    "gpus",
+                    ListOf(MAP),
+                    True,
+                    "its GPUs: {name, mem_bytes, h2d_bytes_per_s, simulated}",
+                ),
+                Field("backend", Str(), True, "its backend (process, docker)"),
+                Field("envs", IDS, True, "the environments it holds"),
+                Field("running", IDS, True, "the exec actions it still runs"),
+                Field("outbox", IDS, True, "keys of the outcomes it holds, not yet acknowledged"),
+                Field("credential", Str(), doc="the credential a welcome gave it earlier"),
+                Field("token", Str(), doc="the join token (its first join)"),
+            ),
+            join=True,
+        ),
+        LinkMessage(
+            "refused",
+            "coordinator",
+            "the join is refused: why, and whether to retry; then the coordinator closes",
+            (
+                Field("reason", TEXT, True, "why"),
+                Field("retry", Bool(), True, "true: retry later (e.g. the name is in use)"),
+            ),
+            join=True,
+        ),
+        LinkMessage(
+            "welcome",
+            "coordinator",
+            "the node has joined: its timings, and what it keeps of what it said it holds",
+            (
+                Field("name", ID, True, "the node's name"),
+                Field("credential", Str(), doc="the credential to join with from now on"),
+                Field(
+                    "heartbeat_s",
+                    Number(min=0, exclusive=True, unit="seconds"),
+                    True,
+                    "how often the node sends `hb`",
+                ),
+                Field(
+                    "heartbeat_timeout_s",
+                    Number(min=0, exclusive=True, unit="seconds"),
+                    True,
+                    "silence after which either end counts the other as gone",
+                ),
+                Field("keep", IDS, True, "environments the node still owns; it removes the rest"),
+                Field("cancel", IDS, True, "actions the coordinator has ended; it kills them"),
+            ),
+            join=True,
+        ),
+        # ------------------------------------------------------------- the joined link
+        LinkMessage(
+            "hb",
+            "both",
+            "heartbeat: the node sends one every heartbeat_s and the coordinator answers each",
+        ),
+        LinkMessage("bye", "node", "the node is stopping: it is lost now, not after the timeout"),
+        LinkMessage(
+            "req",
+            "node",
+            "a request from a client of the node's socket, served by the coordinator's op handlers",
+            (
+                Field("id", Int(), True, "the node's id for it, echoed in the `resp`"),
+                Field("conn", Int(), True, "the client connection it came on"),
+                Field("op", Str(), True, "the op (docs: Ops)"),
+                Field("args", MAP, True, "its args"),
+            ),
+        ),
+        LinkMessage(
+            "resp",
+            "coordinator",
+            "the answer to a `req`",
+            (
+                Field("id", Int(), True, "the `req`'s id"),
+                Field("ok", Bool(), True, "true: `result`; false: `error`"),
+                Field("result", AnyType(), doc="the op's result"),
+                Field("error", MAP, doc="{code, message}, as in a client response"),
+            ),
+        ),
+        LinkMessage(
+            "conn_closed",
+            "node",
+            "a client connection of the node's socket closed",
+            (Field("conn", Int(), True, "as in its `req`s"),),
+        ),
+        LinkMessage(
+            "create_env",
+            "coordinator",
+            "create an environment (the node answers `env_created`)",
+            (
+                _ENV_ID,
+                Field("image", Str(), doc="its image (default: the backend's)"),
+                Field("mem", BYTES, doc="its memory limit"),
+                Field("owner", UID_GID, doc="[uid, gid] owning it"),
+            ),
+        ),
+        LinkMessage(
+            "remove_env",
+            "coordinator",
+            "remove an environment (the node answers `env_removed`)",
+            (_ENV_ID,),
+        ),
+        LinkMessage(
+            "run_exec",
+            "coordinator",
+            "run a placed exec action (the node answers `exec_done`)",
+            (
+                _ACTION_ID,
+                Field("env_id", ID, True, "the environment it runs in"),
+                Field("cores", ListOf(Int(min=0)), True, "the cores it is pinned to"),
+                Field("spec", MAP, True, "the exec's args (`ExecSpec.to_wire`)"),
+                Field("max_output", BYTES, True, "limit of stdout and of stderr"),
+                _RUN_AS,
+                Field(
+                    "reply",
+                    MAP,
+                    doc="{id, queue_s}: the exec came from this node's own client, request"
+                    " `id`; the node answers it itself when the exec ends (see `exec_done`)",
+                ),
+            ),
+        ),
+        LinkMessage(
+            "transfer",
+            "coordinator",
+            "put or get a file in an environment (the node answers `transfer_done`)",
+            (
+                Field("tid", ID, True, "the transfer's id"),
+                _ENV_ID,
+                Field("direction", Enum(("put", "get")), True, "into or out of the environment"),
+                Field("path", Str(), True, "inside the environment"),
+                Field("data", Bytes(), doc="what to put (a tar stream when `tar`)"),
+                Field("tar", Bool(), True, "a directory as a tar stream"),
+                Field("max_bytes", BYTES, True, "the most a get may return"),
+            ),
+        ),
+        LinkMessage(
+            "open_session",
+            "coordinator",
+            "start a shell session in an environment (the node answers `session_opened`)",
+            (_SESSION_ID, _ENV_ID, _RUN_AS),
+        ),
+        LinkMessage(
+            "interrupt_session",
+            "coordinator",
+            "interrupt what a session's shell runs (no answer)",
+            (_SESSION_ID,),
+        ),
+        LinkMessage(
+            "close_session",
+            "coordinator",
+            "end a session's shell (the node answers `session_closed`)",
+            (_SESSION_ID,),
+        ),
+        LinkMessage(
+            "env_created",
+            "node",
+            "outcome of a `create_env`",
+            (
+                _key("c", "env_id"),
+                _ENV_ID,
+                Field("error", ERROR_TEXT, doc="why it failed (absent or null: created)"),
+            ),
+        ),
+        LinkMessage(
+            "env_removed",
+            "node",
+            "outcome of a `remove_env`",
+            (_key("r", "env_id"), _ENV_ID),
+        ),
+        LinkMessage(
+            "exec_done",
+            "node",
+            "outcome of a `run_exec`, sent in the turn the exec ends; the coordinator"
+            " defers its `ack` to ride with its next message to that node",
+            (
+                _key("x", "action_id"),
+                _ACTION_ID,
+                Field("result", MAP, True, "the `ExecResult` map"),
+                Field("env_lost", Bool(), True, "its environment is gone (infra_error)"),
+                Field("answered", Bool(), True, "the node answered the client (`reply`) itself"),
+            ),
+        ),
+        LinkMessage(
+            "transfer_done",
+            "node",
+            "outcome of a `transfer`",
+            (
+                _key("t", "tid"),
+                Field("tid", ID, True, "the `transfer`'s tid"),
+                Field("result", MAP, doc="the op's result map"),
+                Field("error", ListOf(Str(allow_empty=True)), doc="[code, message]"),
+            ),
+        ),
+        LinkMessage(
+            "session_opened",
+            "node",
+            "outcome of an `open_session`",
+            (
+                _key("so", "session_id"),
+                _SESSION_ID,
+                Field("error", ERROR_TEXT, doc="why it failed (absent or null: open)"),
+            ),
+        ),
+        LinkMessage(
+            "session_closed",
+            "node",
+            "outcome of a `close_session`",
+            (_key("sc", "session_id"), _SESSION_ID),
+        ),
+        LinkMessage(
+            "ack",
+            "coordinator",
+            "the coordinator has an outcome: the node forgets it",
+            (Field("key", ID, True, "the outcome's key"),),
+        ),
+    )
+}
+
+
+def sent_by(end: End) -> frozenset[str]:
+    """The names of the messages ``end`` sends."""
+    return frozenset(name for name, m in LINK_MESSAGES.items() if m.sent_by(end))
+
+
+def received_by(end: End, *, join: bool | None = None) -> frozenset[str]:
+    """The names of the messages ``end`` receives (``join``: only those of the handshake,
+    or only those after it)."""
+    return frozenset(
+        name
+        for name, m in LINK_MESSAGES.items()
+        if m.received_by(end) and (join is None or m.join == join)
+    )
+
+
+# --------------------------------------------------------------------------- build, check
+
+
+def make_message(name: str, /, **fields: Any) -> dict[str, Any]:
+    """``{"t": name, **fields}``; ValueError for an undeclared message, a field it does not
+    declare or a required field left out (a bug of the sender, not a wire error)."""
+    spec = LINK_MESSAGES.get(name)
+    if spec is None:
+        raise ValueError(f"undeclared link message {name!r}")
+    if not spec.field_names.issuperset(fields) or not spec.required.issubset(fields):
+        unknown = sorted(set(fields) - spec.field_names)
+        missing = sorted(spec.required - set(fields))
+        raise ValueError(f"link message {name!r}: unknown fields {unknown}, missing {missing}")
+    return {"t": name, **fields}
+
+
+def check_message(msg: Mapping[str, Any]) -> LinkMessage:
+    """The declaration of a received message, once it is checked in full: raise BadRequest
+    naming what is wrong (an unknown name, a missing, unknown or mistyped field)."""
+    name = msg.get("t")
+    spec = LINK_MESSAGES.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise BadRequest(f"unknown link message {str(name)[:40]!r}")
+    for f in spec.fields:
+        value = msg.get(f.name)
+        if value is None:
+            if f.required:
+                raise BadRequest(f"{spec.name}: missing field {f.name!r} ({f.type.doc})")
+            continue
+        f.type.check(f"{spec.name}: {f.name}", value)
+    unknown = sorted(k for k in msg if k != "t" and k not in spec.field_names)
+    if unknown:
+        raise BadRequest(f"{spec.name}: unknown field(s) {unknown}")
+    return spec
+
+
+# --------------------------------------------------------------------------- docs
+
+_SENDER_DOC: Final = {
+    "coordinator": "coordinator → node",
+    "node": "node → coordinator",
+    "both": "both ways",
+}
+
+
+def render_markdown() -> str:
+    """The link table as Markdown (the "Link messages" section of ``docs/protocol.md``,
+    below its introduction)."""
+    lines: list[str] = []
+    for join, title in ((True, "The join"), (False, "The joined link")):
+        lines += [f"### {title}", ""]
+        for m in LINK_MESSAGES.values():
+            if m.join != join:
+                continue
+            doc = m.doc[0].upper() + m.doc[1:] + "."
+            lines += [f"#### `{m.name}` ({_SENDER_DOC[m.sender]})", "", doc, ""]
+            if m.fields:
+                lines += ["| field | type | required | meaning |", "|---|---|---|---|"]
+                for f in m.fields:
+                    typ = f.type.doc.replace("|", "\\|")
+                    lines.append(
+                        f"| `{f.name}` | {typ} | {'yes' if f.required else 'no'} | {f.doc} |"
+                    )
+            else:
+                lines.append("Fields: none.")
+            lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render_markdown())
