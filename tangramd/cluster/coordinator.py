@@ -21,8 +21,9 @@ import contextlib
 import itertools
 import socket
 import ssl
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, Final
 
 import structlog
 
@@ -34,6 +35,7 @@ from tangram.protocol.errors import (
     UnknownOp,
     error_to_wire,
 )
+from tangram.protocol.link import make_message
 from tangram.protocol.results import ExecResult
 from tangram.version import __version__
 from tangramd import events as ev
@@ -241,18 +243,18 @@ class CoordinatorExecutor(Executor):
 
     # ------------------------------------------------------------------ commands to nodes
     async def _create_env(self, cmd: ev.CreateEnv) -> None:
-        msg = {
-            "t": "create_env",
-            "env_id": cmd.env_id,
-            "image": cmd.image,
-            "mem": cmd.mem,
-            "owner": list(cmd.owner) if cmd.owner else None,
-        }
+        msg = make_message(
+            "create_env",
+            env_id=cmd.env_id,
+            image=cmd.image,
+            mem=cmd.mem,
+            owner=list(cmd.owner) if cmd.owner else None,
+        )
         if not self._send(cmd.node, msg):
             self.feed(ev.EnvCreated(env_id=cmd.env_id, error=f"node {cmd.node} is not connected"))
 
     async def _remove_env(self, cmd: ev.RemoveEnv) -> None:
-        if not self._send(cmd.node, {"t": "remove_env", "env_id": cmd.env_id}):
+        if not self._send(cmd.node, make_message("remove_env", env_id=cmd.env_id)):
             # nothing to remove there now; the node drops it when it reconciles
             self.feed(ev.EnvRemoved(env_id=cmd.env_id))
 
@@ -267,18 +269,16 @@ class CoordinatorExecutor(Executor):
         self._log_placed(cmd)  # its node logs action_finished (with its cores)
 
     def _send_run_exec(self, cmd: ev.RunExec) -> None:
-        msg = {
-            "t": "run_exec",
-            "action_id": cmd.action_id,
-            "env_id": cmd.env_id,
-            "cores": list(cmd.cores),
-            "spec": cmd.spec.to_wire(),
-            "max_output": cmd.max_output,
-            "run_as": list(cmd.run_as) if cmd.run_as else None,
-        }
-        reply = self._reply_on_node(cmd)
-        if reply is not None:
-            msg["reply"] = reply
+        msg = make_message(
+            "run_exec",
+            action_id=cmd.action_id,
+            env_id=cmd.env_id,
+            cores=list(cmd.cores),
+            spec=cmd.spec.to_wire(),
+            max_output=cmd.max_output,
+            run_as=list(cmd.run_as) if cmd.run_as else None,
+            reply=self._reply_on_node(cmd),
+        )
         if not self._send(cmd.node, msg):
             detail = f"node {cmd.node} is not connected"
             self.feed(ev.ExecFinished(cmd.action_id, ExecResult("infra_error", detail=detail)))
@@ -288,7 +288,7 @@ class CoordinatorExecutor(Executor):
         client itself as soon as it ends (``reply``: the request and its time queued, the
         one fact the core adds that the node lacks), then reports the outcome: one link
         round trip less per action. The core's reply to it then goes nowhere (see
-        :meth:`_outcome`); the answer is the same ``ExecResult.placed``."""
+        :meth:`_on_exec_done`); the answer is the same ``ExecResult.placed``."""
         answer = self.core.exec_reply(cmd.action_id)
         if answer is None:
             return None
@@ -305,37 +305,37 @@ class CoordinatorExecutor(Executor):
 
     async def _run_transfer(self, cmd: ev.RunTransfer) -> None:
         self._transfers[key := f"t{next(self._transfer_ids)}"] = cmd
-        msg = {
-            "t": "transfer",
-            "tid": key,
-            "env_id": cmd.env_id,
-            "direction": cmd.direction,
-            "path": cmd.path,
-            "data": cmd.data,
-            "tar": cmd.tar,
-            "max_bytes": cmd.max_bytes,
-        }
+        msg = make_message(
+            "transfer",
+            tid=key,
+            env_id=cmd.env_id,
+            direction=cmd.direction,
+            path=cmd.path,
+            data=cmd.data,
+            tar=cmd.tar,
+            max_bytes=cmd.max_bytes,
+        )
         if not self._send(cmd.node, msg):
             self._transfers.pop(key, None)
             error = ("infra_error", f"node {cmd.node} is not connected")
             self.feed(ev.TransferDone(token=cmd.token, env_id=cmd.env_id, error=error))
 
     async def _start_shell(self, cmd: ev.StartShell) -> None:
-        msg = {
-            "t": "open_session",
-            "session_id": cmd.session_id,
-            "env_id": cmd.env_id,
-            "run_as": list(cmd.run_as) if cmd.run_as else None,
-        }
+        msg = make_message(
+            "open_session",
+            session_id=cmd.session_id,
+            env_id=cmd.env_id,
+            run_as=list(cmd.run_as) if cmd.run_as else None,
+        )
         if not self._send(cmd.node, msg):
             error = f"node {cmd.node} is not connected"
             self.feed(ev.SessionOpened(session_id=cmd.session_id, error=error))
 
     async def _interrupt_shell(self, cmd: ev.InterruptShell) -> None:
-        self._send(cmd.node, {"t": "interrupt_session", "session_id": cmd.session_id})
+        self._send(cmd.node, make_message("interrupt_session", session_id=cmd.session_id))
 
     async def _end_shell(self, cmd: ev.EndShell) -> None:
-        if not self._send(cmd.node, {"t": "close_session", "session_id": cmd.session_id}):
+        if not self._send(cmd.node, make_message("close_session", session_id=cmd.session_id)):
             self.feed(ev.SessionClosed(session_id=cmd.session_id))
 
     def _send(self, node: str, msg: dict[str, Any]) -> bool:
@@ -349,7 +349,7 @@ class CoordinatorExecutor(Executor):
             rec = await self._join(link)
         except Refused as exc:
             log.warning("node_refused", peer=link.peer, reason=str(exc))
-            link.send({"t": "refused", "reason": str(exc), "retry": exc.retry})
+            link.send(make_message("refused", reason=str(exc), retry=exc.retry))
             await _drain_quietly(link)
             await link.wait_closed()
             return
@@ -376,7 +376,7 @@ class CoordinatorExecutor(Executor):
 
     async def _join(self, link: Link) -> NodeRecord:
         pem = self.pki.ca_pem().decode() if self.pki is not None else ""
-        link.send({"t": "ca", "pem": pem, "version": __version__})
+        link.send(make_message("ca", pem=pem, version=__version__))
         hello = await asyncio.wait_for(link.recv(), HELLO_TIMEOUT_S)
         if hello.get("t") == "reject":
             log.warning(
@@ -392,17 +392,16 @@ class CoordinatorExecutor(Executor):
         rec.backend, rec.gpus, rec.restored = backend, gpus, False
         self.feed(ev.NodeJoined(node=name, cores_by_numa=cores, mem_bytes=mem))
         work = self.core.node_work(name)
-        welcome: dict[str, Any] = {
-            "t": "welcome",
-            "name": name,
-            "heartbeat_s": self.cluster.heartbeat_s,
-            "heartbeat_timeout_s": self.cluster.heartbeat_timeout_s,
-            "keep": work["keep"],
+        welcome = make_message(
+            "welcome",
+            name=name,
+            credential=credential,
+            heartbeat_s=self.cluster.heartbeat_s,
+            heartbeat_timeout_s=self.cluster.heartbeat_timeout_s,
+            keep=work["keep"],
             # what it still runs that the core has ended (lost meanwhile): it kills them
-            "cancel": [a for a in _str_list(hello, "running") if self.core.action_node(a) != name],
-        }
-        if credential is not None:
-            welcome["credential"] = credential
+            cancel=[a for a in _str_list(hello, "running") if self.core.action_node(a) != name],
+        )
         link.send(welcome)
         if not was_lost:
             self._resume_inflight(name, hello, work)
@@ -425,7 +424,14 @@ class CoordinatorExecutor(Executor):
         pending = set(_str_list(hello, "outbox"))
         for env in work["creating"]:
             if env["env_id"] not in held and f"c:{env['env_id']}" not in pending:
-                self._send(node, {"t": "create_env", **env})
+                msg = make_message(
+                    "create_env",
+                    env_id=env["env_id"],
+                    image=env.get("image"),
+                    mem=env.get("mem"),
+                    owner=env.get("owner"),
+                )
+                self._send(node, msg)
         for env_id in work["closing"]:
             if env_id not in held and f"r:{env_id}" not in pending:
                 self.feed(ev.EnvRemoved(env_id=env_id))
@@ -435,75 +441,85 @@ class CoordinatorExecutor(Executor):
                 self.feed(ev.ExecFinished(action_id, ExecResult("infra_error", detail=detail)))
 
     def _on_message(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        """One message from a node, to its handler (:data:`RECEIVES`); an unknown or
+        malformed one is logged and dropped."""
         kind = msg.get("t")
+        handler = RECEIVES.get(kind) if isinstance(kind, str) else None
+        if handler is None:
+            log.warning("node_message_unknown", node=rec.name, kind=str(kind)[:40])
+            return
         try:
-            if kind == "hb":
-                link.send({"t": "hb"})
-            elif kind == "req":
-                if not self._remote_inline(rec, link, msg):
-                    self._spawn(self._remote_request(rec, link, msg))
-            elif kind == "conn_closed":
-                conn = rec.remote_conns.pop(int(msg["conn"]), None)
-                if conn is not None:
-                    conn._fire()
-            elif kind == "exec_done":
-                self._outcome(rec, kind, msg)
-                link.defer({"t": "ack", "key": str(msg["key"])})  # see Link.defer
-            elif kind in ("env_created", "env_removed"):
-                self._outcome(rec, kind, msg)
-                link.send({"t": "ack", "key": str(msg["key"])})
-            elif kind == "transfer_done":
-                cmd = self._transfers.pop(str(msg["tid"]), None)
-                if cmd is not None:
-                    error = msg.get("error")
-                    self.feed(
-                        ev.TransferDone(
-                            token=cmd.token,
-                            env_id=cmd.env_id,
-                            result=msg.get("result"),
-                            error=(str(error[0]), str(error[1])) if error else None,
-                        )
-                    )
-                link.send({"t": "ack", "key": str(msg["key"])})
-            elif kind == "session_opened":
-                error = msg.get("error")
-                session_id = str(msg["session_id"])
-                self.feed(
-                    ev.SessionOpened(
-                        session_id=session_id, error=None if error is None else str(error)
-                    )
-                )
-                link.send({"t": "ack", "key": str(msg["key"])})
-            elif kind == "session_closed":
-                self.feed(ev.SessionClosed(session_id=str(msg["session_id"])))
-                link.send({"t": "ack", "key": str(msg["key"])})
-            elif kind == "bye":
-                self._lose(rec, "node stopped")
-            else:
-                log.warning("node_message_unknown", node=rec.name, kind=str(kind)[:40])
+            handler(self, rec, link, msg)
         except (KeyError, TypeError, ValueError, TangramError) as exc:
             log.warning("node_message_bad", node=rec.name, kind=str(kind)[:40], error=str(exc))
 
-    def _outcome(self, rec: NodeRecord, kind: str, msg: dict[str, Any]) -> None:
-        """A node's outcome becomes the core's event, if it is about that node's work."""
-        if kind == "exec_done":
-            action_id = str(msg["action_id"])
-            later = self._node_answers.pop(action_id, None)
-            if later is not None and msg.get("answered") is True:
-                self._forwarded.pop(later, None)  # its client has the answer
-            if self.core.action_node(action_id) != rec.name:
-                return  # already ended (node lost, resumed) or not this node's: ignore
+    def _on_hb(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        link.send(make_message("hb"))
+
+    def _on_req(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        if not self._remote_inline(rec, link, msg):
+            self._spawn(self._remote_request(rec, link, msg))
+
+    def _on_conn_closed(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        conn = rec.remote_conns.pop(int(msg["conn"]), None)
+        if conn is not None:
+            conn._fire()
+
+    def _on_bye(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        self._lose(rec, "node stopped")
+
+    # A node's outcome becomes the core's event if it is about that node's work; each is
+    # acknowledged (the node keeps it until then).
+
+    def _on_exec_done(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        action_id = str(msg["action_id"])
+        later = self._node_answers.pop(action_id, None)
+        if later is not None and msg.get("answered") is True:
+            self._forwarded.pop(later, None)  # its client has the answer
+        # not ended already (node lost, resumed), and this node's
+        if self.core.action_node(action_id) == rec.name:
             result = ExecResult.from_wire(msg["result"])
             self.feed(ev.ExecFinished(action_id, result, env_lost=bool(msg.get("env_lost"))))
-            return
+        link.defer(make_message("ack", key=str(msg["key"])))  # see Link.defer
+
+    def _on_env_created(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         env_id = str(msg["env_id"])
-        if self.core.env_node(env_id) != rec.name:
-            return
-        if kind == "env_created":
+        if self.core.env_node(env_id) == rec.name:
             error = msg.get("error")
             self.feed(ev.EnvCreated(env_id=env_id, error=None if error is None else str(error)))
-        else:
+        link.send(make_message("ack", key=str(msg["key"])))
+
+    def _on_env_removed(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        env_id = str(msg["env_id"])
+        if self.core.env_node(env_id) == rec.name:
             self.feed(ev.EnvRemoved(env_id=env_id))
+        link.send(make_message("ack", key=str(msg["key"])))
+
+    def _on_transfer_done(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        cmd = self._transfers.pop(str(msg["tid"]), None)
+        if cmd is not None:
+            error = msg.get("error")
+            self.feed(
+                ev.TransferDone(
+                    token=cmd.token,
+                    env_id=cmd.env_id,
+                    result=msg.get("result"),
+                    error=(str(error[0]), str(error[1])) if error else None,
+                )
+            )
+        link.send(make_message("ack", key=str(msg["key"])))
+
+    def _on_session_opened(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        error = msg.get("error")
+        session_id = str(msg["session_id"])
+        self.feed(
+            ev.SessionOpened(session_id=session_id, error=None if error is None else str(error))
+        )
+        link.send(make_message("ack", key=str(msg["key"])))
+
+    def _on_session_closed(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        self.feed(ev.SessionClosed(session_id=str(msg["session_id"])))
+        link.send(make_message("ack", key=str(msg["key"])))
 
     def _remote_inline(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> bool:
         """Answer a forwarded view (status, nodes, ...) at once, and submit an ``exec`` at
@@ -525,9 +541,9 @@ class CoordinatorExecutor(Executor):
                 return False
             if isinstance(result, Later):
                 return True  # wired in request_later, answered when the core answers
-            reply: dict[str, Any] = {"t": "resp", "id": request_id, "ok": True, "result": result}
+            reply = make_message("resp", id=request_id, ok=True, result=result)
         except Exception as exc:  # every failure is an answer, never a dead link
-            reply = {"t": "resp", "id": request_id, "ok": False, "error": error_to_wire(exc)}
+            reply = make_message("resp", id=request_id, ok=False, error=error_to_wire(exc))
         link.send(reply)
         return True
 
@@ -555,10 +571,10 @@ class CoordinatorExecutor(Executor):
         if action_id is not None:
             self._node_answers.pop(action_id, None)
         if later.error is None:
-            link.send({"t": "resp", "id": request_id, "ok": True, "result": later.result})
+            link.send(make_message("resp", id=request_id, ok=True, result=later.result))
         else:
             error = error_to_wire(later.error)
-            link.send({"t": "resp", "id": request_id, "ok": False, "error": error})
+            link.send(make_message("resp", id=request_id, ok=False, error=error))
 
     async def _remote_request(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         """A client request from a node's socket, through the same op handlers."""
@@ -571,9 +587,9 @@ class CoordinatorExecutor(Executor):
                 raise UnknownOp(f"{op} is served on the coordinator's own socket only")
             conn = self._remote_conn(rec, int(msg["conn"]))
             result = await self.handlers.handle(self, op, args, conn)
-            reply: dict[str, Any] = {"t": "resp", "id": request_id, "ok": True, "result": result}
+            reply = make_message("resp", id=request_id, ok=True, result=result)
         except Exception as exc:  # every failure is an answer, never a dead link
-            reply = {"t": "resp", "id": request_id, "ok": False, "error": error_to_wire(exc)}
+            reply = make_message("resp", id=request_id, ok=False, error=error_to_wire(exc))
         link.send(reply)
 
     def _remote_conn(self, rec: NodeRecord, conn_id: int) -> ConnInfo:
@@ -614,6 +630,26 @@ class CoordinatorExecutor(Executor):
         self._drop_remote_conns(rec)
         log.warning("node_lost", node=rec.name, why=why)
         self.feed(ev.NodeLost(node=rec.name, why=why))
+
+
+Handler = Callable[[CoordinatorExecutor, NodeRecord, Link, dict[str, Any]], None]
+
+# What the coordinator receives on a joined link, each message to its handler: exactly
+# the nodes' messages of tangram.protocol.link after the join (tests/test_link_table.py).
+RECEIVES: Final[Mapping[str, Handler]] = MappingProxyType(
+    {
+        "hb": CoordinatorExecutor._on_hb,
+        "req": CoordinatorExecutor._on_req,
+        "conn_closed": CoordinatorExecutor._on_conn_closed,
+        "exec_done": CoordinatorExecutor._on_exec_done,
+        "env_created": CoordinatorExecutor._on_env_created,
+        "env_removed": CoordinatorExecutor._on_env_removed,
+        "transfer_done": CoordinatorExecutor._on_transfer_done,
+        "session_opened": CoordinatorExecutor._on_session_opened,
+        "session_closed": CoordinatorExecutor._on_session_closed,
+        "bye": CoordinatorExecutor._on_bye,
+    }
+)
 
 
 # ---------------------------------------------------------------------- helpers

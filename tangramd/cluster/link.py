@@ -1,27 +1,14 @@
 """The node ↔ coordinator link: the client protocol's frames (4-byte length + msgpack map)
 over a TLS (or, with ``--insecure``, loopback-only plain) asyncio stream.
 
-Every message is a map with a ``"t"`` (type) key. In the order of a link's life:
-
-- coordinator ``ca`` {pem}: the CA the node checks against its pin before anything else;
-- node ``hello`` {name, token and/or credential, cores_by_numa, mem_bytes, backend,
-  envs, running, outbox}: who it is, what it offers, what it holds and still owes;
-- coordinator ``refused`` {reason, retry} (then closes), or ``welcome`` {name,
-  credential (after a token join), heartbeat_s, heartbeat_timeout_s, keep: the
-  environments the node still owns; it removes the rest, cancel: the running actions the
-  coordinator has ended; it kills them (``Backend.cancel``)};
-- both ``hb``: heartbeats (the coordinator answers each one);
-- coordinator ``create_env`` / ``remove_env`` / ``run_exec``: what the core decided (a
-  ``run_exec`` for an exec from this node's own client carries ``reply`` {id, queue_s}: the
-  node answers that request itself when the exec ends, and says so in ``exec_done``
-  {answered}, which it sends in the same turn, before it reads anything else);
-- node ``env_created`` / ``env_removed`` / ``exec_done`` {key, ...}: outcomes, kept by
-  the node until the coordinator's ``ack`` {key} (an exec's ack is deferred: it rides
-  with the next message to that node, or leaves on its own within ``DEFER_S``; an outcome
-  resent after a reconnect whose action has ended is ignored);
-- node ``req`` {id, conn, op, args} / ``conn_closed`` {conn}: clients of its socket;
-  coordinator ``resp`` {id, ok, result | error: {code, message}};
-- node ``bye``: it is stopping (lost at once rather than after the timeout).
+What travels on it is declared once, in :mod:`tangram.protocol.link` (``LINK_MESSAGES``:
+each message's name, sender, fields and doc; ``make_message`` builds one), and rendered
+into the "Link messages" section of ``docs/protocol.md``: the join (``ca``, ``hello``,
+``welcome`` or ``refused``), then heartbeats, the coordinator's commands, the node's
+outcomes (kept until the coordinator's ``ack``), and the requests of the node's clients.
+This module only moves maps: it sends what it is given, in order, and gives back each map
+received. An acknowledgement can be deferred (:meth:`Link.defer`) to ride with the next
+message, and the answers to one message corked (:meth:`Link.cork`) into one write.
 
 Framing and decoding are :mod:`tangram.protocol.codec` (sans-IO, size-checked before
 buffering, no object hooks): a malformed frame ends the link, never the daemon.

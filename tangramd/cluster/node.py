@@ -31,14 +31,16 @@ import json
 import random
 import ssl
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Final
 
 import structlog
 
 from tangram.protocol.codec import FrameError
 from tangram.protocol.errors import InfraError, error_from_wire
+from tangram.protocol.link import make_message
 from tangram.protocol.results import ExecResult, ExecSpec
 from tangram.version import __version__
 from tangramd.backends.base import Backend, ExecRequest
@@ -161,7 +163,7 @@ class NodeAgent:
             await self._close_env_quietly(env_id)
         link = self.link
         if link is not None:
-            link.send({"t": "bye"})
+            link.send(make_message("bye"))
             with contextlib.suppress(LinkClosed, TimeoutError):
                 await asyncio.wait_for(link.drain(), 1.0)
         if self._loop_task is not None:
@@ -221,18 +223,18 @@ class NodeAgent:
                 )
             except (PinMismatch, CertInvalid, ValueError) as exc:  # ValueError: unparsable
                 # no secret goes out, only why: so the coordinator's log says it too
-                link.send({"t": "reject", "reason": str(exc)})
+                link.send(make_message("reject", reason=str(exc)))
                 with contextlib.suppress(LinkClosed, TimeoutError):
                     await asyncio.wait_for(link.drain(), 1.0)
                 raise JoinFailed(str(exc)) from None
         # Only now, with the coordinator verified, do secrets go on the wire.
-        hello: dict[str, Any] = {
-            "t": "hello",
-            "name": self.name,
-            "version": __version__,
-            "cores_by_numa": [list(n) for n in self.cores_by_numa],
-            "mem_bytes": self.mem_bytes,
-            "gpus": [
+        hello = make_message(
+            "hello",
+            name=self.name,
+            version=__version__,
+            cores_by_numa=[list(n) for n in self.cores_by_numa],
+            mem_bytes=self.mem_bytes,
+            gpus=[
                 {
                     "name": g.name,
                     "mem_bytes": g.mem_bytes,
@@ -241,16 +243,13 @@ class NodeAgent:
                 }
                 for g in self.gpus
             ],
-            "backend": self.backend.name,
-            "envs": sorted(self._envs),
-            "running": sorted(self._running),
-            "outbox": list(self._outbox),
-        }
-        credential = self._stored_credential()
-        if credential is not None:
-            hello["credential"] = credential
-        if self.token:
-            hello["token"] = self.token
+            backend=self.backend.name,
+            envs=sorted(self._envs),
+            running=sorted(self._running),
+            outbox=list(self._outbox),
+            credential=self._stored_credential(),
+            token=self.token or None,
+        )
         link.send(hello)
         answer = await asyncio.wait_for(link.recv(), self._patience())
         if answer.get("t") == "refused":
@@ -294,7 +293,7 @@ class NodeAgent:
                 log.warning("coordinator_silent", node=self.name, silent_s=round(silent, 2))
                 link.abort()
                 return
-            link.send({"t": "hb"})
+            link.send(make_message("hb"))
             await asyncio.sleep(self.heartbeat_s)
 
     def _patience(self) -> float:
@@ -315,43 +314,61 @@ class NodeAgent:
                 )
 
     def _on_message(self, msg: dict[str, Any]) -> None:
+        """One message from the coordinator, to its handler (:attr:`RECEIVES`); an unknown
+        or malformed one is logged and dropped."""
         kind = msg.get("t")
+        handler = RECEIVES.get(kind) if isinstance(kind, str) else None
+        if handler is None:
+            log.warning("coordinator_message_unknown", kind=str(kind)[:40])
+            return
         try:
-            if kind == "hb":
-                return
-            if kind == "resp":
-                self._answer(msg)
-            elif kind == "ack":
-                self._outbox.pop(str(msg["key"]), None)
-            elif kind == "run_exec":
-                self._start_exec(msg)
-            elif kind == "create_env":
-                self._spawn(self._create_env(msg))
-            elif kind == "remove_env":
-                self._spawn(self._remove_env(str(msg["env_id"])))
-            elif kind == "transfer":
-                self._spawn(self._transfer(msg))
-            elif kind == "open_session":
-                self._spawn(self._open_session(msg))
-            elif kind == "interrupt_session":
-                self._spawn(self._interrupt_session(str(msg["session_id"])))
-            elif kind == "close_session":
-                self._spawn(self._close_session(str(msg["session_id"])))
-            else:
-                log.warning("coordinator_message_unknown", kind=str(kind)[:40])
+            handler(self, msg)
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("coordinator_message_bad", kind=str(kind)[:40], error=str(exc))
 
-    def _report(self, key: str, msg: dict[str, Any]) -> None:
-        """Send an outcome now if the link is up; keep it until acknowledged."""
-        msg = {**msg, "key": key}
-        self._outbox[key] = msg
+    def _on_hb(self, msg: dict[str, Any]) -> None:
+        """A heartbeat: its arrival (``_last_rx``) is all it says."""
+
+    def _on_ack(self, msg: dict[str, Any]) -> None:
+        self._outbox.pop(str(msg["key"]), None)
+
+    # A handler reads what it needs before it spawns its task: a malformed message is
+    # logged by _on_message, not lost in a task.
+
+    def _on_create_env(self, msg: dict[str, Any]) -> None:
+        self._spawn(self._create_env(str(msg["env_id"]), msg))
+
+    def _on_remove_env(self, msg: dict[str, Any]) -> None:
+        self._spawn(self._remove_env(str(msg["env_id"])))
+
+    def _on_transfer(self, msg: dict[str, Any]) -> None:
+        tid, env_id, path = str(msg["tid"]), str(msg["env_id"]), str(msg["path"])
+        direction, max_bytes = str(msg["direction"]), int(msg["max_bytes"])
+        data = msg.get("data") or b""
+        data = data if isinstance(data, bytes) else b""
+        transfer = run_transfer(
+            self.backend, env_id, direction, path, data, bool(msg.get("tar")), max_bytes
+        )
+        self._spawn(self._transfer(tid, transfer))
+
+    def _on_open_session(self, msg: dict[str, Any]) -> None:
+        self._spawn(self._open_session(str(msg["session_id"]), msg))
+
+    def _on_interrupt_session(self, msg: dict[str, Any]) -> None:
+        self._spawn(self._interrupt_session(str(msg["session_id"])))
+
+    def _on_close_session(self, msg: dict[str, Any]) -> None:
+        self._spawn(self._close_session(str(msg["session_id"])))
+
+    def _report(self, msg: dict[str, Any]) -> None:
+        """Send an outcome now if the link is up; keep it (by its ``key``) until
+        acknowledged."""
+        self._outbox[msg["key"]] = msg
         if self.link is not None:
             self.link.send(msg)
 
     # ------------------------------------------------------------------ work
-    async def _create_env(self, msg: dict[str, Any]) -> None:
-        env_id = str(msg["env_id"])
+    async def _create_env(self, env_id: str, msg: dict[str, Any]) -> None:
         error = None
         try:
             mem = msg.get("mem")
@@ -369,7 +386,7 @@ class NodeAgent:
         except Exception as exc:  # backend failure of any kind is an infra error
             error = f"{type(exc).__name__}: {exc}"
             log.warning("env_create_failed", node=self.name, env=env_id, error=error)
-        self._report(f"c:{env_id}", {"t": "env_created", "env_id": env_id, "error": error})
+        self._report(make_message("env_created", key=f"c:{env_id}", env_id=env_id, error=error))
 
     async def _cancel(self, action_id: str) -> None:
         """Kill an exec the coordinator has already ended (its outcome is ignored there)."""
@@ -382,7 +399,7 @@ class NodeAgent:
 
     async def _remove_env(self, env_id: str) -> None:
         await self._close_env_quietly(env_id)
-        self._report(f"r:{env_id}", {"t": "env_removed", "env_id": env_id})
+        self._report(make_message("env_removed", key=f"r:{env_id}", env_id=env_id))
 
     async def _close_env_quietly(self, env_id: str) -> None:
         self._envs.discard(env_id)
@@ -393,25 +410,23 @@ class NodeAgent:
         except Exception as exc:
             log.warning("env_remove_failed", node=self.name, env=env_id, error=str(exc))
 
-    async def _transfer(self, msg: dict[str, Any]) -> None:
-        tid = str(msg["tid"])
-        data = msg.get("data") or b""
-        result, error = await run_transfer(
-            self.backend,
-            str(msg["env_id"]),
-            str(msg["direction"]),
-            str(msg["path"]),
-            data if isinstance(data, bytes) else b"",
-            bool(msg.get("tar")),
-            int(msg["max_bytes"]),
-        )
+    async def _transfer(
+        self,
+        tid: str,
+        transfer: Coroutine[Any, Any, tuple[dict[str, Any] | None, tuple[str, str] | None]],
+    ) -> None:
+        result, error = await transfer
         self._report(
-            f"t:{tid}",
-            {"t": "transfer_done", "tid": tid, "result": result, "error": error and list(error)},
+            make_message(
+                "transfer_done",
+                key=f"t:{tid}",
+                tid=tid,
+                result=result,
+                error=error and list(error),
+            )
         )
 
-    async def _open_session(self, msg: dict[str, Any]) -> None:
-        session_id = str(msg["session_id"])
+    async def _open_session(self, session_id: str, msg: dict[str, Any]) -> None:
         error = None
         try:
             await self.backend.open_session(
@@ -421,7 +436,9 @@ class NodeAgent:
             error = f"{type(exc).__name__}: {exc}"
         log.info("session_opened", node=self.name, session=session_id, error=error)
         self._report(
-            f"so:{session_id}", {"t": "session_opened", "session_id": session_id, "error": error}
+            make_message(
+                "session_opened", key=f"so:{session_id}", session_id=session_id, error=error
+            )
         )
 
     async def _interrupt_session(self, session_id: str) -> None:
@@ -437,7 +454,7 @@ class NodeAgent:
             await self.backend.close_session(session_id)
         except Exception as exc:
             log.warning("session_close_failed", node=self.name, session=session_id, error=str(exc))
-        self._report(f"sc:{session_id}", {"t": "session_closed", "session_id": session_id})
+        self._report(make_message("session_closed", key=f"sc:{session_id}", session_id=session_id))
 
     def _start_exec(self, msg: dict[str, Any]) -> None:
         """Hand a placement to the backend as the all-in-one executor does
@@ -473,14 +490,14 @@ class NodeAgent:
         # after the answer, before this turn ends: the coordinator has the outcome before
         # whatever that client sends next reaches it over the same link
         self._report(
-            f"x:{action_id}",
-            {
-                "t": "exec_done",
-                "action_id": action_id,
-                "result": res.to_wire(),
-                "env_lost": lost,
-                "answered": answered,
-            },
+            make_message(
+                "exec_done",
+                key=f"x:{action_id}",
+                action_id=action_id,
+                result=res.to_wire(),
+                env_lost=lost,
+                answered=answered,
+            )
         )
         # formatting a log line is a tenth of a millisecond: after the outcome is on its way
         asyncio.get_running_loop().call_soon(
@@ -547,7 +564,7 @@ class NodeAgent:
             conn.on_close(self._conn_closed)
         request_id = next(self._ids)
         self._pending[request_id] = owed
-        link.send({"t": "req", "id": request_id, "conn": conn.id, "op": op, "args": args})
+        link.send(make_message("req", id=request_id, conn=conn.id, op=op, args=args))
         return request_id
 
     def _answer(self, msg: dict[str, Any]) -> None:
@@ -568,7 +585,7 @@ class NodeAgent:
     def _conn_closed(self, conn: ConnInfo) -> None:
         self._watched.discard(conn.id)
         if self.link is not None:
-            self.link.send({"t": "conn_closed", "conn": conn.id})
+            self.link.send(make_message("conn_closed", conn=conn.id))
 
     # ------------------------------------------------------------------ state dir
     def _stored_credential(self) -> str | None:
@@ -608,6 +625,24 @@ class NodeAgent:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+# What a node receives on a joined link, each message to its handler: exactly the
+# coordinator's messages of tangram.protocol.link after the join (tests/test_link_table.py).
+RECEIVES: Final[Mapping[str, Callable[[NodeAgent, dict[str, Any]], None]]] = MappingProxyType(
+    {
+        "hb": NodeAgent._on_hb,
+        "resp": NodeAgent._answer,
+        "ack": NodeAgent._on_ack,
+        "run_exec": NodeAgent._start_exec,
+        "create_env": NodeAgent._on_create_env,
+        "remove_env": NodeAgent._on_remove_env,
+        "transfer": NodeAgent._on_transfer,
+        "open_session": NodeAgent._on_open_session,
+        "interrupt_session": NodeAgent._on_interrupt_session,
+        "close_session": NodeAgent._on_close_session,
+    }
+)
 
 
 def _positive(value: Any, default: float) -> float:
