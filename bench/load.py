@@ -79,7 +79,7 @@ def daemon_usage(daemon: SpawnedDaemon) -> dict[str, int]:
 def _is_spawner(proc: psutil.Process) -> bool:
     """The process backend's fork server: part of the daemon, not a leftover."""
     with contextlib.suppress(psutil.Error):
-        return any(arg.endswith("tangramd/backends/spawner.py") for arg in proc.cmdline())
+        return any(arg.endswith("tangramd/backends/forkserver.py") for arg in proc.cmdline())
     return False
 
 

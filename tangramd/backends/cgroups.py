@@ -4,7 +4,7 @@ Each exec runs in the cgroup of its core set ``<parent>/tangram/<scope>/c<cores>
 once, reused: the scheduler never gives a core to two running actions). The cgroup does two
 jobs: it pins (``cpuset.cpus``, so a command cannot widen its affinity with ``taskset``) and
 it tracks (every descendant, ``setsid`` or double-forked, stays in it, so the exec's end
-kills them all). A command is born inside: the fork server (``spawner.py``) enters the
+kills them all). A command is born inside: the fork server (``forkserver.py``) enters the
 cgroup for the instant of the spawn, or, on v1, a *lodger* of the fork server that lives in
 the cgroup spawns it without any move (a v1 move waits for an RCU grace period after an
 idle gap). Lodgers are not leftovers: cleaning a cgroup spares their pids.

@@ -12,7 +12,7 @@ No container engine needed; this is the embedded default (docs/design.md §5.2).
   another user drops every supplementary group.
 - Each exec is a fresh session (its own process group) in the exec cgroup of its core set
   (``cgroups.py``: v1 cpuset, or v2 where delegated), pinned with ``sched_setaffinity``,
-  at ``EXEC_OOM_SCORE_ADJ``. It is spawned by the backend's fork server (``spawner.py``),
+  at ``EXEC_OOM_SCORE_ADJ``. It is spawned by the backend's fork server (``forkserver.py``),
   a small helper process that joins the cgroup, pins itself and raises its own score for
   the instant of the fork, so the child is born in place: the command never runs
   elsewhere, no wrapper shell, gate or ``preexec_fn`` is needed, the event loop never
@@ -82,7 +82,7 @@ log = structlog.get_logger(__name__)
 DRAIN_AFTER_EXIT_S = 1.0  # how long to wait for pipes to close once the group is dead
 MARKER_VAR = "TANGRAM_EXEC_ID"
 EXEC_UMASK = 0o077
-# The most lodgers (pre-joined copies of the fork server, one per exec cgroup: spawner.py)
+# The most lodgers (pre-joined copies of the fork server, one per exec cgroup: forkserver.py)
 # kept at once; each costs a few MiB of memory not shared with the fork server.
 MAX_LODGERS = 64
 _READ_CHUNK = 1 << 16
@@ -392,7 +392,7 @@ class ProcessBackend:
         self._spares: list[str] = []  # empty directories made ahead (SPARE)
         self._refill: asyncio.Task[list[str]] | None = None
         # The fork server: started on the first exec (and again if it dies), with lodgers
-        # in the exec cgroups where they pay (see spawner.py).
+        # in the exec cgroups where they pay (see forkserver.py).
         if lodgers is None:
             lodgers = min(MAX_LODGERS, 2 * len(os.sched_getaffinity(0)))
         self._spawner = Spawner(
