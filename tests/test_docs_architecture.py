@@ -25,6 +25,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 from tangramd import events as ev  # noqa: E402  # after the path fix above
 
 KINDS = {"events": ev.Event, "commands": ev.Command}
+REGENERATE = "docs/architecture.md is stale: run `python tests/test_docs_architecture.py`"
 
 
 def _kind_classes(base: type) -> list[type]:
@@ -97,12 +98,12 @@ def regenerate() -> None:
 
 def test_event_list_is_up_to_date() -> None:
     """The event list of docs/architecture.md is exactly what tangramd.events renders."""
-    assert block(ARCHITECTURE.read_text(), "events") == render("events")
+    assert block(ARCHITECTURE.read_text(), "events") == render("events"), REGENERATE
 
 
 def test_command_list_is_up_to_date() -> None:
     """The command list of docs/architecture.md is exactly what tangramd.events renders."""
-    assert block(ARCHITECTURE.read_text(), "commands") == render("commands")
+    assert block(ARCHITECTURE.read_text(), "commands") == render("commands"), REGENERATE
 
 
 def test_every_event_and_command_is_listed_once() -> None:
