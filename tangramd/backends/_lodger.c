@@ -1,9 +1,9 @@
 /* The process backend's lodger loop in C (see spawner.py: ``_Helper``, ``lodger=True``).
 
 A lodger is a copy of the fork server that lives in one exec cgroup for good and spawns
-each exec's command there. Its loop, in Python, took about a third of a millisecond of CPU
-per exec under a flood: most of it the interpreter (frames, dicts, the selector, the
-SIGCHLD handler and its wake-up pipe), against a few tens of microseconds of system calls.
+each exec's command there. Its loop, in Python, was most of the lodgers' CPU per exec under
+a flood (docs/results.md, ``bench/load.py``): most of it the interpreter (frames, dicts, the
+selector, the SIGCHLD handler and its wake-up pipe), not the system calls.
 ``serve`` runs the same loop in C, in the same process, once the lodger has joined its
 cgroup: the same protocol (frames of a 4-byte length and a JSON map, the descriptors with
 SCM_RIGHTS), the same replies. A request is still decoded by Python's ``json.loads`` (one

@@ -130,7 +130,7 @@ class _CannotStart(Exception):
 
 def _posix_spawn(msg: dict[str, Any], stdio: dict[str, int]) -> int:
     """Spawn as the helper's own user with ``posix_spawn`` (vfork and exec, no Python in
-    the child: about 0.15 ms less than ``subprocess`` here). The helper is single-threaded,
+    the child: cheaper than ``subprocess``). The helper is single-threaded,
     so it may lend the child its cwd, its umask and its ``PATH`` for the call: a bare
     command name is looked up by the C library in the child's ``PATH`` (``posix_spawnp``
     reads the caller's environment), which costs a twentieth of ``shutil.which``. Every
@@ -327,7 +327,8 @@ class _Helper:
         and one turn of the daemon's loop less, for the short commands that are most execs.
         The daemon asks for it (``quick``) only while other execs are in flight: a lone
         exec's answer would then come later, and the daemon's handling of the pid, which
-        overlaps the command, would move after it (~0.1 ms more per lone exec). A lodger
+        overlaps the command, would move after it (measured slower: docs/notebook.md,
+        "the gateway in the daemon's process", tried and not kept). A lodger
         serves one exec at a time (its cgroup's cores are that exec's), so nothing else
         waits meanwhile. (The daemon registers output readers ``READ_LATER_S`` after the
         spawn request, so a command still running then gets them at once.)"""
@@ -471,8 +472,9 @@ def _serve(fd: int) -> None:
     os.chdir("/")
     # SCHED_BATCH for the helper, its lodgers and (inherited) every command: a woken helper
     # never preempts the daemon on its core. Without it, the daemon sending a spawn
-    # request lost its core to the lodger it woke (sendmsg took 0.36 ms on average under
-    # a flood, against 0.045 ms) and the other core idled meanwhile.
+    # request lost its core to the lodger it woke (its sendmsg took several times longer
+    # under a flood: docs/notebook.md, "where an exec's turnaround went under the flood")
+    # and the other core idled meanwhile.
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     sock = socket.socket(fileno=fd)
