@@ -348,10 +348,6 @@ class Action:
             return e.t1_s / units if units > 0 else e.t1_s
         return self.dur_s
 
-    def fixed_amount(self, resource: str) -> int:
-        """Amount of a non-key resource (always its minimum)."""
-        return self.demand[resource].min
-
 
 def make_action(
     action_id: str,
@@ -488,13 +484,6 @@ class HistoryEstimator:
 
     def snapshot(self) -> dict[str, tuple[float, int]]:
         return {k: (self._mean[k], self._count[k]) for k in self._mean}
-
-
-def amounts_to_wire(amounts: Amounts) -> object:
-    """Inverse of ``parse_amounts`` for status output."""
-    if isinstance(amounts, Range):
-        return amounts.min if amounts.min == amounts.max else [amounts.min, amounts.max]
-    return {"set": list(amounts.values)}
 
 
 @dataclass(frozen=True, slots=True)

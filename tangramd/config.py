@@ -351,7 +351,7 @@ class CpuConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class SchedConfig:
+class SchedSection:
     """``[sched]``: the elastic scheduler (docs/design.md §4)."""
 
     depth: int = _key(_int(1), 2)
@@ -447,7 +447,7 @@ class Config:
 
     daemon: DaemonConfig
     cpu: CpuConfig
-    sched: SchedConfig
+    sched: SchedSection
     gpu: GpuConfig
     apis: tuple[ApiConfig, ...] = ()
     services: tuple[ServiceConfig, ...] = ()
@@ -461,7 +461,7 @@ class Config:
 _TABLES: Final[dict[str, type]] = {
     "daemon": DaemonConfig,
     "cpu": CpuConfig,
-    "sched": SchedConfig,
+    "sched": SchedSection,
     "gpu": GpuConfig,
 }
 _ARRAYS: Final[dict[str, tuple[str, type]]] = {
@@ -672,7 +672,7 @@ __all__ = [
     "CpuConfig",
     "DaemonConfig",
     "GpuConfig",
-    "SchedConfig",
+    "SchedSection",
     "ServiceConfig",
     "SimulatedGpuConfig",
     "cli_overrides",

@@ -13,7 +13,7 @@ import pytest
 
 from tangram.pools.gpu import GpuNodePool
 from tangramd.services.inventory import SimulatedGpus, discover, visible_devices
-from tangramd.services.spec import GB, Registry, ServiceSpec, SpecError
+from tangramd.services.spec import GB, ServiceRegistry, ServiceSpec, SpecError
 
 TORCH = {"name": "rm", "runtime": "torch", "mem_gb": 2, "entry": "pkg.mod:make"}
 HTTP = {"name": "llm", "runtime": "http", "mem_gb": 16, "cmd": "vllm serve m --port {port}"}
@@ -73,11 +73,11 @@ def test_spec_round_trips_and_normalises_gpus() -> None:
 
 def test_registry_persists_atomically(tmp_path: Path) -> None:
     """Registrations survive a reload, removal is persisted, and no temp file is left behind."""
-    registry = Registry(tmp_path)
+    registry = ServiceRegistry(tmp_path)
     registry.add(ServiceSpec.from_json(TORCH))
     registry.add(ServiceSpec.from_json(HTTP))
     registry.remove("rm")
-    again = Registry(tmp_path)
+    again = ServiceRegistry(tmp_path)
     assert [spec.name for spec in again.load()] == ["llm"]
     assert sorted(os.listdir(tmp_path)) == ["services.json"]
 
@@ -86,8 +86,8 @@ def test_registry_names_a_corrupt_file(tmp_path: Path) -> None:
     """A corrupt registry is an error naming the file, not a silent empty registry."""
     (tmp_path / "services.json").write_text('{"services": [{"name": "x"}]}')
     with pytest.raises(ValueError, match=r"services\.json"):
-        Registry(tmp_path).load()
-    assert Registry(tmp_path / "fresh").load() == []
+        ServiceRegistry(tmp_path).load()
+    assert ServiceRegistry(tmp_path / "fresh").load() == []
 
 
 def test_simulated_inventory_without_nvml() -> None:

@@ -215,18 +215,12 @@ class CpuNodePool:
         holder = self._holder  # lists, not generators: read on every scheduling pass
         return tuple([tuple([c for c in cores if c not in holder]) for cores in self.numa])
 
-    def free_cores(self) -> tuple[int, ...]:
-        return tuple(sorted(c for c in self._numa_of if c not in self._holder))
-
     def held(self, action_id: ActionId) -> tuple[int, ...]:
         """Cores the action holds (empty when none)."""
         return self._held.get(action_id, ())
 
     def holder(self, core: int) -> ActionId | None:
         return self._holder.get(core)
-
-    def numa_of(self, core: int) -> int:
-        return self._numa_of[core]
 
     def actions(self) -> tuple[ActionId, ...]:
         return tuple(self._held)

@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import attrgetter
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple
 
 from tangram.model import Action, ActionId, Shortfall, TrajectoryId
 from tangram.sched.dp import DPTable
@@ -101,22 +101,6 @@ class SchedConfig:
             raise ValueError(f"rule {self.rule!r} not in {RULES}")
         if self.replay_limit < 1 or self.max_branch < 1:
             raise ValueError("replay_limit and max_branch must be >= 1")
-
-
-class MemoryView(Protocol):
-    """What node choice needs from a CPU node pool."""
-
-    pool_id: str
-
-    @property
-    def mem_free(self) -> int: ...
-
-    @property
-    def mem_reserved(self) -> int: ...
-
-    def free_units(self) -> int: ...
-
-    def never_fits(self, action: Action) -> Shortfall | None: ...
 
 
 @dataclass(frozen=True, slots=True)

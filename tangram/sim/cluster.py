@@ -44,7 +44,7 @@ class GpuNodeSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class ServiceSpec:
+class SimService:
     name: str
     mem_gb: float
     static_gpus: int = 1
@@ -73,12 +73,12 @@ class ClusterSpec:
     step_train_s: float = 60.0
     cpu_nodes: tuple[CpuNodeSpec, ...] = ()
     gpu_nodes: tuple[GpuNodeSpec, ...] = ()
-    services: tuple[ServiceSpec, ...] = ()
+    services: tuple[SimService, ...] = ()
     apis: tuple[ApiSpec, ...] = ()
     baselines: Baselines = field(default_factory=Baselines)
     source: str = "<cluster>"
 
-    def service(self, name: str) -> ServiceSpec | None:
+    def service(self, name: str) -> SimService | None:
         return next((s for s in self.services if s.name == name), None)
 
     def api(self, name: str) -> ApiSpec | None:
@@ -107,7 +107,7 @@ class ClusterSpec:
 _SECTIONS: dict[str, tuple[type, set[str]]] = {
     "cpu_node": (CpuNodeSpec, {"count", "cores", "numa", "mem_gb"}),
     "gpu_node": (GpuNodeSpec, {"count", "gpus", "gpu_mem_gb", "h2d_gbps"}),
-    "service": (ServiceSpec, {"name", "mem_gb", "static_gpus", "static_replicas"}),
+    "service": (SimService, {"name", "mem_gb", "static_gpus", "static_replicas"}),
     "api": (ApiSpec, {"name", "concurrency", "quota", "period_s"}),
 }
 _INT_KEYS = {"count", "cores", "numa", "gpus", "static_gpus", "static_replicas", "concurrency"}
@@ -150,7 +150,7 @@ def parse_cluster(doc: Mapping[str, Any], source: str = "<cluster>") -> ClusterS
         if not isinstance(raw, list):
             raise ClusterError(f"{source}: [[{name}]] must be an array of tables")
         parts[name] = [_build(kind, f"{source}: {name}[{i}]", r, keys) for i, r in enumerate(raw)]
-        if kind in (ServiceSpec, ApiSpec):
+        if kind in (SimService, ApiSpec):
             names = [p.name for p in parts[name]]
             dup = sorted({n for n in names if names.count(n) > 1})
             if dup:

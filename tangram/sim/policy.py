@@ -41,10 +41,6 @@ class Policy:
     # the scheduler's rule (SchedConfig.rule): ours by default
     rule: Rule = "priced"
 
-    @property
-    def uses_scheduler(self) -> bool:
-        return "tangram" in (self.cpu, self.gpu, self.api)
-
 
 def parse_policy(name: str) -> Policy:
     """``tangram``, ``baseline``, ``k8s``, ``static-services``, ``api-retry``, ``fixed-dop:K``.

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import stat
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -356,14 +355,3 @@ def rewrite_pytest(cmd: list[str] | str, cores: int, elastic: bool) -> list[str]
     kept = args.rstrip(" \t")
     spacing = args[len(kept) :]
     return f"{head} -n {cores}{_SHELL_NUMPROC_RE.sub('', kept)}{spacing}{tail}"
-
-
-def shell_argv(cmd: list[str] | str) -> list[str]:
-    """The argv to spawn for `cmd`: lists as they are, strings through /bin/sh -c."""
-    return ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-
-
-def describe_cmd(cmd: list[str] | str) -> str:
-    """A short human-readable rendering of a command for logs and errors."""
-    text = cmd if isinstance(cmd, str) else shlex.join(cmd)
-    return text if len(text) <= 200 else text[:197] + "..."

@@ -56,7 +56,7 @@ class Refused(Exception):
         self.retry = retry
 
 
-class Registry:
+class NodeRegistry:
     """Nodes, the join token and node credentials (see the module doc)."""
 
     def __init__(self, store: Store) -> None:

@@ -119,6 +119,3 @@ class Store:
 
     def drop_envs(self, ids: Iterable[str]) -> None:
         self.db.executemany("DELETE FROM envs WHERE id = ?", [(i,) for i in ids])
-
-    def lose_node_envs(self, node: str) -> None:
-        self.db.execute("UPDATE envs SET lost_node = node WHERE node = ?", (node,))

@@ -42,11 +42,6 @@ SYNTAX_CHECK_TIMEOUT_S = 5.0
 # --------------------------------------------------------------------------- models
 
 
-class IsAliveResponse(BaseModel):
-    is_alive: bool
-    message: str = ""
-
-
 class CreateBashSessionRequest(BaseModel):
     startup_source: list[str] = []
     session: str = "default"

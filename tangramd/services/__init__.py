@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tangramd.services.host import (
-        CallResult,
+        HostResult,
         Oversubscribed,
         Restored,
         ServiceHost,
@@ -27,12 +27,12 @@ if TYPE_CHECKING:
         ServiceError,
         ServiceLoadError,
     )
-    from tangramd.services.spec import Registry, ServiceSpec, SpecError
+    from tangramd.services.spec import ServiceRegistry, ServiceSpec, SpecError
 
 # Names are imported lazily (PEP 562): ``tangramd.services.spec`` is part of the pure state
 # package's imports, and must not bring the service host's asyncio with it.
 _WHERE = {
-    "CallResult": "host",
+    "HostResult": "host",
     "Oversubscribed": "host",
     "Restored": "host",
     "ServiceHost": "host",
@@ -46,7 +46,7 @@ _WHERE = {
     "ReplicaCrashed": "runtime_base",
     "ServiceError": "runtime_base",
     "ServiceLoadError": "runtime_base",
-    "Registry": "spec",
+    "ServiceRegistry": "spec",
     "ServiceSpec": "spec",
     "SpecError": "spec",
 }
@@ -61,18 +61,18 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "OUTCOMES",
-    "CallResult",
     "Gpu",
+    "HostResult",
     "Inventory",
     "Moved",
     "Oversubscribed",
-    "Registry",
     "ReplicaCrashed",
     "Restored",
     "ServiceError",
     "ServiceHost",
     "ServiceLoadError",
     "ServiceNotFound",
+    "ServiceRegistry",
     "ServiceSpec",
     "SimulatedGpus",
     "SpecError",

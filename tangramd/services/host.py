@@ -38,7 +38,7 @@ from tangramd.services.runtime_base import (
     ServiceError,
     ServiceLoadError,
 )
-from tangramd.services.spec import Registry, ServiceSpec
+from tangramd.services.spec import ServiceRegistry, ServiceSpec
 from tangramd.services.torch_runtime import ForkServer, TorchReplica
 
 STATES = ("loading", "resident", "backed_up", "failed")
@@ -75,7 +75,7 @@ class Restored(NamedTuple):
     copy_s: float  # the copy itself, measured inside the replica
 
 
-class CallResult(NamedTuple):
+class HostResult(NamedTuple):
     """One service call: ``outcome`` is ok | failed | timeout | rejected | infra_error."""
 
     outcome: str
@@ -129,7 +129,7 @@ class ServiceHost:
     ) -> None:
         self.inventory = inventory
         self.state_dir = Path(state_dir)
-        self.registry = Registry(self.state_dir)
+        self.registry = ServiceRegistry(self.state_dir)
         self.load_timeout_s = load_timeout_s
         self.http_load_timeout_s = http_load_timeout_s
         self.restore_timeout_s = restore_timeout_s
@@ -241,7 +241,7 @@ class ServiceHost:
 
     async def call(
         self, name: str, gpus: Sequence[int], payload: dict[str, Any], timeout: float
-    ) -> CallResult:
+    ) -> HostResult:
         """One call on the replica at ``gpus``, restoring it first if it is not resident.
 
         Never raises for what happens at run time: a handler rejection is ``failed``, a
@@ -281,7 +281,7 @@ class ServiceHost:
         slot.last_used = time.monotonic()
         hosted.calls += 1
         outcome = "ok" if reply.ok else "failed"
-        return CallResult(outcome, reply.result, reply.error, reply.exec_s, restore_s)
+        return HostResult(outcome, reply.result, reply.error, reply.exec_s, restore_s)
 
     # ------------------------------------------------------------------ reading
 
@@ -299,13 +299,6 @@ class ServiceHost:
             "restore_s_total": hosted.restore_s_total,
             "copy_s_total": hosted.copy_s_total,
         }
-
-    def h2d_estimate(self) -> float | None:
-        """Observed restore bandwidth (B/s of wall time) over all services; None before any
-        restore. Feeds ``GpuNodePool.h2d_bytes_per_s`` on nodes with real GPUs."""
-        moved = sum(h.restore_bytes for h in self._services.values())
-        seconds = sum(h.restore_s_total for h in self._services.values())
-        return moved / seconds if moved and seconds > 0 else None
 
     def resident_bytes(self, gpu: int) -> int:
         """Bytes this host accounts on ``gpu`` (resident and loading replicas)."""
@@ -466,12 +459,12 @@ class ServiceHost:
         slot.state, slot.error = "failed", error
         await slot.replica.close()
 
-    def _ended(self, hosted: Hosted, outcome: str, error: str, restore_s: float) -> CallResult:
+    def _ended(self, hosted: Hosted, outcome: str, error: str, restore_s: float) -> HostResult:
         if hosted.removed:
             outcome, error = "rejected", f"service {hosted.spec.name!r} was removed"
         else:
             hosted.calls += 1
-        return CallResult(outcome, None, error, 0.0, restore_s)
+        return HostResult(outcome, None, error, 0.0, restore_s)
 
     def _describe(self, hosted: Hosted) -> dict[str, Any]:
         spec = hosted.spec

@@ -30,8 +30,8 @@ from tangramd.services.inventory import Gpu, visible_devices
 from tangramd.services.runtime_base import (
     Moved,
     ReplicaCrashed,
-    Reply,
     ServiceLoadError,
+    WorkerReply,
     log_tail,
 )
 from tangramd.services.spec import ServiceSpec
@@ -190,7 +190,7 @@ class HttpReplica:
         status, raw = await self._get("/is_sleeping")
         return bool(status == 200 and json.loads(raw).get("is_sleeping"))
 
-    async def call(self, payload: dict[str, Any], timeout: float) -> Reply:
+    async def call(self, payload: dict[str, Any], timeout: float) -> WorkerReply:
         start = time.perf_counter()
         async with self._lock:
             status, raw = await self._send("POST", self.spec.route, payload, timeout)
@@ -200,10 +200,12 @@ class HttpReplica:
         except ValueError:
             data = {"text": raw.decode(errors="replace")}
         if 200 <= status < 300:
-            return Reply(True, data if isinstance(data, dict) else {"result": data}, None, exec_s)
+            return WorkerReply(
+                True, data if isinstance(data, dict) else {"result": data}, None, exec_s
+            )
         message = _error_text(data) or f"HTTP {status}"
         if 400 <= status < 500:
-            return Reply(False, None, message, exec_s)
+            return WorkerReply(False, None, message, exec_s)
         raise ReplicaCrashed(f"service {self.spec.name!r}: server answered {status}: {message}")
 
     async def close(self) -> None:

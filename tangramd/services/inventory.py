@@ -18,7 +18,8 @@ from tangram.pools.gpu import ALLOWED_GPU_COUNTS, GpuNodePool
 from tangramd.services.spec import GB
 
 # Default host-to-device bandwidth for NVML GPUs until a restore has been measured (B/s):
-# PCIe gen4 x16 pinned copies; the measured figure replaces it (``ServiceHost.h2d_estimate``).
+# PCIe gen4 x16 pinned copies; the measured figure replaces it (``GpuNodePool.observe_h2d``,
+# fed by each call's restore).
 DEFAULT_NVML_H2D = 25 * GB
 
 

@@ -40,7 +40,7 @@ class Moved(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class Reply:
+class WorkerReply:
     """One call as the replica saw it: ``ok`` or ``failed`` (the handler rejected it)."""
 
     ok: bool
@@ -68,7 +68,7 @@ class Replica(Protocol):
     async def evict(self) -> Moved:
         """Drop the device copy, keep the backup; ``ReplicaCrashed`` if the process is gone."""
 
-    async def call(self, payload: dict[str, Any], timeout: float) -> Reply:
+    async def call(self, payload: dict[str, Any], timeout: float) -> WorkerReply:
         """Run one call; ``TimeoutError`` after ``timeout`` s, ``ReplicaCrashed`` on a crash."""
 
     async def close(self) -> None:

@@ -142,7 +142,7 @@ def _gpu_counts(value: object) -> tuple[int, ...]:
     return tuple(sorted(counts))
 
 
-class Registry:
+class ServiceRegistry:
     """Registered specs, persisted as one JSON file in the state dir (atomic replace)."""
 
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:

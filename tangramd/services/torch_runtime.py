@@ -31,8 +31,8 @@ from tangramd.services.inventory import Gpu
 from tangramd.services.runtime_base import (
     Moved,
     ReplicaCrashed,
-    Reply,
     ServiceLoadError,
+    WorkerReply,
     log_tail,
 )
 from tangramd.services.spec import ServiceSpec
@@ -287,7 +287,7 @@ class TorchReplica:
         reply = await self._request({"op": "evict"})
         return Moved(int(reply["bytes"]), float(reply["seconds"]))
 
-    async def call(self, payload: dict[str, Any], timeout: float) -> Reply:
+    async def call(self, payload: dict[str, Any], timeout: float) -> WorkerReply:
         """One call; on timeout the replica is killed (a handler cannot be interrupted)."""
         start = time.perf_counter()
         try:
@@ -299,8 +299,8 @@ class TorchReplica:
             raise
         exec_s = float(reply.get("exec_s", time.perf_counter() - start))
         if reply.get("ok"):
-            return Reply(True, reply["result"], None, exec_s)
-        return Reply(False, None, str(reply.get("error")), exec_s)
+            return WorkerReply(True, reply["result"], None, exec_s)
+        return WorkerReply(False, None, str(reply.get("error")), exec_s)
 
     async def close(self, grace_s: float = 0.5) -> None:
         """End of stream first (an idle replica exits at once), then SIGKILL."""

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tangramd.services.runtime_base import Moved  # (seconds: the copy, synchronised)
+
 ALIGN = 256
 
 
@@ -31,14 +33,6 @@ class Slot:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Moved:
-    """One restore or eviction: bytes copied and seconds the copy took (synchronised)."""
-
-    nbytes: int
-    seconds: float
 
 
 class FlatWeights:

@@ -58,7 +58,6 @@ class ActionRec:
     units: tuple[int, ...] = ()
     started_at: float | None = None
     expected_s: float = 0.0
-    finished_at: float | None = None
     outcome: str | None = None
 
 
@@ -174,7 +173,6 @@ def finish_action(
         core.passer.dirty = True
     books.move(rec, "done", now, f"{outcome} {detail}".strip(), core.stimulus)
     rec.outcome = outcome
-    rec.finished_at = now
     queue_s = (rec.started_at or now) - rec.submitted_at
     if result is None:
         exec_s = now - rec.started_at if rec.started_at is not None else 0.0
