@@ -4,7 +4,8 @@ Importing this package loads no I/O: no asyncio, socket, subprocess, threading, 
 or service runtime (``tests/test_state.py`` checks it in a fresh interpreter).
 """
 
-from tangramd.state.core import Core, CoreConfig
+from tangramd.state.config import CoreConfig
+from tangramd.state.core import Core
 from tangramd.state.story import IllegalTransition
 
 __all__ = ["Core", "CoreConfig", "IllegalTransition"]

@@ -2,28 +2,25 @@
 
 An action is one atomic call (an exec, a lease, a service call). The book holds the live
 ones, the FCFS queue of those waiting for units, and the outcome of recently ended ones;
-their stories stay in the core's :class:`~tangramd.state.story.Stories`. The exec
-handlers live here too; :func:`finish_action` is the one way any action ends.
+their stories stay in the core's :class:`~tangramd.state.story.Stories`. What the events
+do with them is :mod:`tangramd.state.handlers.actions` (where
+:func:`~tangramd.state.handlers.actions.finish_action` is the one way any action ends).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from tangram.model import Action, ActionId, EnvId, TangramError, make_action
-from tangram.protocol.errors import EnvLost, InfraError, NotFound, ShuttingDown
-from tangram.protocol.results import CallResult, CallSpec, ExecResult, ExecSpec
-from tangramd import events as ev
-from tangramd.state.dispatch import handles
-from tangramd.state.story import STORY_LIMIT, Stories, StoryLog, note, transition
+from tangram.model import Action, ActionId, EnvId
+from tangram.protocol.results import CallSpec, ExecSpec
+from tangramd.state.story import STORY_LIMIT, Stories, StoryLog, transition
 
 if TYPE_CHECKING:
-    from tangramd.state.core import Core
-    from tangramd.state.envs import EnvRec
+    pass
 
 ACTION_EDGES: dict[tuple[str, str], str] = {
     ("new", "queued"): "submitted with a ready environment",
@@ -141,229 +138,3 @@ class ActionBook:
         self.recent[rec.action.id] = outcome
         if len(self.recent) > STORY_LIMIT:
             self.recent.popitem(last=False)
-
-
-# ---------------------------------------------------------------------- how actions end
-def finish_action(
-    core: Core,
-    rec: ActionRec,
-    now: float,
-    out: list[ev.Command],
-    *,
-    outcome: str,
-    result: ExecResult | None = None,
-    detail: str = "",
-    error: tuple[str, str] | None = None,
-    call: CallResult | None = None,
-) -> None:
-    """End ``rec`` with ``outcome``: release its units, answer its client, close its
-    throwaway environment when it was the last user, and forget the record."""
-    if rec.state == "done":
-        return
-    books = core.actions
-    env = core.envs.get(rec.env) if rec.env else None
-    if env is not None and rec.action.id in env.pending:
-        env.pending.remove(rec.action.id)
-    books.unqueue(rec.action.id)
-    if rec.spec is not None and rec.spec.session is not None:
-        core.sessions.idle(rec.spec.session, rec.action.id)
-    if rec.units:
-        core.pools[rec.pool_id].release(rec.action.id)
-        core.meter.finished(rec.pool_id, rec.action.id)
-        core.passer.dirty = True
-    books.move(rec, "done", now, f"{outcome} {detail}".strip(), core.stimulus)
-    rec.outcome = outcome
-    queue_s = (rec.started_at or now) - rec.submitted_at
-    if result is None:
-        exec_s = now - rec.started_at if rec.started_at is not None else 0.0
-        result = ExecResult(outcome, exec_s=exec_s, detail=detail)  # type: ignore[arg-type]
-    books.finished.append((rec.action.kind, queue_s, result.exec_s))
-    if env is not None:
-        env.active = max(0, env.active - 1)
-        env.last_used = now
-        if not env.active:  # idle from now on, maybe
-            core.idle_from(now)
-    if rec.token is not None:
-        if error is not None:
-            out.append(core.reply(rec.token, error=error))
-        elif rec.call is not None:
-            from tangramd.state.services import call_answer
-
-            ended = call or CallResult(outcome, error=detail)  # type: ignore[arg-type]
-            answer = call_answer(core, rec, now, queue_s, ended)
-            out.append(core.reply(rec.token, result=answer.to_wire()))
-        else:
-            final = result.placed(
-                action_id=rec.action.id,
-                queue_s=queue_s,
-                cores=rec.units,
-                node=env.node if env else None,
-            )
-            out.append(core.reply(rec.token, result=final.to_wire()))
-        rec.token = None
-    if env is not None and env.active == 0 and env.throwaway:
-        close_env(core, env, now, out, "throwaway environment done")
-    books.forget(rec, outcome)
-
-
-def close_env(core: Core, env: EnvRec, now: float, out: list[ev.Command], why: str) -> None:
-    """Start removing an environment; the actions waiting for it end ``rejected``."""
-    for aid in core.envs.close(env, now, out, why, core.stimulus):
-        finish_action(core, core.actions[aid], now, out, outcome="rejected", detail=why)
-
-
-# ---------------------------------------------------------------------- exec handlers
-@handles(ev.SubmitExec)
-def submit_exec(core: Core, e: ev.SubmitExec, now: float, out: list[ev.Command]) -> None:
-    if core.shutting_down:
-        raise ShuttingDown("daemon is shutting down")
-    spec = e.spec
-    cpus: Any = 1 if spec.cpus is None else spec.cpus
-    t1_s, eff = spec.t1_s, spec.eff
-    if spec.profile is not None:
-        prof = core.profiles.get(spec.profile)
-        if prof is None:
-            raise NotFound(f"profile {spec.profile!r} not found (see `tangramctl profile --save`)")
-        if prof.get("elastic", True):
-            t1_s, eff = prof["t1_s"], prof["eff"]
-            if spec.cpus is None:
-                dops = sorted(int(k) for k in prof["dop"])
-                cpus = [dops[0], dops[-1]]
-    if isinstance(cpus, tuple):
-        cpus = list(cpus)
-    session = core.sessions.for_exec(spec.session, spec.env, e.peer) if spec.session else None
-    if session is not None:
-        env = core.ready_env(session.env, e.peer)
-    elif spec.env is not None:
-        opened = core.envs.open_env(spec.env, e.peer)
-        if opened is None:
-            raise NotFound(f"environment {spec.env!r} not found")
-        env = opened
-        if env.awaiting_node:
-            raise InfraError(
-                f"environment {env.id}: node {env.node} has not reconnected since the "
-                "coordinator restarted; retry"
-            )
-        if env.lost_node:
-            raise EnvLost(
-                f"environment {env.id} was lost with node {env.lost_node}; open a new one"
-            )
-    else:
-        env = core.envs.open(
-            now,
-            out,
-            core.stimulus,
-            image=spec.image,
-            mem=spec.mem,
-            trajectory=spec.trajectory,
-            throwaway=True,
-            token=None,
-            conn=e.conn,
-            owner=e.peer,
-        )
-    max_cores = max((p.capacity for p in core.cpu.nodes), default=0)
-    aid = ActionId(core.new_id("a"))
-    try:
-        action = make_action(
-            aid,
-            "exec",
-            env.trajectory,
-            {"cpu": cpus},
-            task=spec.task or "default",
-            seq=core.actions.next_seq(),
-            t1_s=t1_s,
-            eff=eff,
-            submitted_at=now,
-            klass=f"{spec.task or 'default'}/exec/{command_class(spec.cmd)}",
-            capacity={"cpu": max_cores},
-        )
-    except TangramError:
-        if env.throwaway:
-            close_env(core, env, now, out, "submission rejected")
-        raise
-    rec = core.actions.add(
-        action,
-        now,
-        token=e.token,
-        env=env.id,
-        conn=e.conn,
-        spec=spec,
-        run_as=e.peer if core.cfg.exec_as_peer else None,
-    )
-    if session is not None:
-        session.busy = aid  # one command at a time per shell
-    note(rec, now, "submitted", f"cpus={cpus} env={env.id} cmd={short(spec.cmd)}", core.stimulus)
-    env.active += 1
-    env.last_used = now
-    if env.state == "ready":
-        core.enqueue(rec, now)
-    elif env.state == "lost":
-        core.envs.recreate(env, now, out, core.stimulus)
-        env.pending.append(aid)
-        core.actions.move(
-            rec, "waiting_env", now, f"environment {env.id} being recreated", core.stimulus
-        )
-    else:
-        env.pending.append(aid)
-        core.actions.move(
-            rec, "waiting_env", now, f"environment {env.id} being created", core.stimulus
-        )
-
-
-@handles(ev.ExecFinished)
-def exec_done(core: Core, e: ev.ExecFinished, now: float, out: list[ev.Command]) -> None:
-    rec = core.actions.get(e.action_id)
-    if rec is None or rec.state != "running":
-        return
-    res = e.result
-    env = core.envs.get(rec.env) if rec.env else None
-    if res.outcome == "infra_error" and env is not None and e.env_lost:
-        core.envs.lose(env, now, res.detail or "backend lost it", core.stimulus)
-    elif res.outcome in ("ok", "failed"):
-        core.history.observe(rec.action.klass, res.exec_s)
-    finish_action(
-        core,
-        rec,
-        now,
-        out,
-        outcome=res.outcome,
-        result=res,
-        detail=f"exit={res.exit_code} exec_s={res.exec_s:.4f} {res.detail}".strip(),
-    )
-
-
-def run_exec(core: Core, rec: ActionRec, out: list[ev.Command]) -> None:
-    """The placed exec goes to the backend of its environment's node."""
-    env = core.envs.get(rec.env) if rec.env else None
-    assert env is not None and rec.spec is not None, "exec actions have an env and a spec"
-    out.append(
-        ev.RunExec(
-            action_id=rec.action.id,
-            env_id=env.id,
-            node=env.node,
-            cores=tuple(rec.units),
-            spec=rec.spec,
-            max_output=core.cfg.max_output,
-            run_as=rec.run_as,
-            cause=core.stimulus,
-        )
-    )
-
-
-# ---------------------------------------------------------------------- helpers
-def cmd_text(cmd: str | Sequence[str]) -> str:
-    return cmd if isinstance(cmd, str) else " ".join(str(c) for c in cmd)
-
-
-def command_class(cmd: str | Sequence[str]) -> str:
-    """History class of a command: its program name (``pytest`` for pytest runs)."""
-    words = cmd_text(cmd).split()
-    for w in words:
-        if "pytest" in w or w == "py.test":
-            return "pytest"
-    return words[0].rsplit("/", 1)[-1] if words else "?"
-
-
-def short(cmd: str | Sequence[str], limit: int = 80) -> str:
-    text = cmd_text(cmd)
-    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -2,20 +2,25 @@
 
 ``Core.handle(event, now) -> list[Command]`` is the only way the daemon's state changes.
 It gives the event a stimulus id, looks up the event type's handler in the dispatch table
-(:mod:`tangramd.state.dispatch`; each book's module registers its own handlers), and
-returns the commands the handler produced, each carrying that id as ``cause``. The
-executor (``tangramd.executor``) runs the commands and feeds each result back as a new
-event. ``now`` is always an argument: the core never awaits, sleeps or reads the clock,
-so tests and the simulator drive it synchronously.
+(:mod:`tangramd.state.dispatch`; each module of :mod:`tangramd.state.handlers` registers
+its own), and returns the commands the handler produced, each carrying that id as
+``cause``. The executor (``tangramd.executor``) runs the commands and feeds each result
+back as a new event. ``now`` is always an argument: the core never awaits, sleeps or reads
+the clock, so tests and the simulator drive it synchronously.
 
-The books, one per resource, each with its records and its transition table:
+The books, one per resource, each with its records and its transition table (births
+included), and no handler:
 
-- actions (:mod:`~tangramd.state.actions`): live actions, the queue, how one ends;
+- actions (:mod:`~tangramd.state.actions`): live actions, the FCFS queue, recent outcomes;
 - environments (:mod:`~tangramd.state.envs`): memory, placement, the wait for memory;
 - sessions (:mod:`~tangramd.state.sessions`), leases (:mod:`~tangramd.state.leases`),
-  services (:mod:`~tangramd.state.services`), profiles and nodes.
+  services (:mod:`~tangramd.state.services`), and what passes remember
+  (:mod:`~tangramd.state.passes`).
 
-Views are the read model (``core.read``, :mod:`~tangramd.state.views`).
+What each event does to them is a handler in :mod:`tangramd.state.handlers`, typed
+against :class:`tangramd.state.context.Core` (the protocol this class implements), so
+the handlers never import this module. Views are the read model (``core.read``,
+:mod:`~tangramd.state.views`).
 
 In ``tangramd up`` this one core is both the coordinator (queues, registry, global
 scheduler) and, through its environment book, the node's bookkeeping: the all-in-one
@@ -33,7 +38,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from tangram.model import HistoryEstimator, TangramError
@@ -41,39 +45,29 @@ from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster
 from tangram.pools.gpu import GpuCluster
 from tangram.protocol.errors import InfraError, NotFound
-from tangram.sched import LoadMeter, SchedConfig
+from tangram.sched import LoadMeter
 from tangramd import events as ev
-from tangramd.state import nodes, profiles, sessions  # noqa: F401  (register their handlers)
-from tangramd.state.actions import ActionBook, ActionRec, close_env, finish_action
-from tangramd.state.dispatch import HANDLERS, handles
-from tangramd.state.envs import EnvBook, EnvDefaults, EnvRec, persist_envs
-from tangramd.state.leases import LeaseBook, end_lease, expire_leases
-from tangramd.state.scheduling import PassBook, run_pass
+from tangramd.state.actions import ActionBook, ActionRec
+from tangramd.state.config import CoreConfig
+from tangramd.state.dispatch import HANDLERS
+from tangramd.state.envs import EnvBook, EnvDefaults, EnvRec
+from tangramd.state.handlers import (  # noqa: F401  (each registers its handlers)
+    actions,
+    envs,
+    leases,
+    nodes,
+    profiles,
+    router,
+    scheduling,
+    services,
+    sessions,
+)
+from tangramd.state.leases import LeaseBook
+from tangramd.state.passes import PassBook
 from tangramd.state.services import ServiceBook
 from tangramd.state.sessions import SessionBook
 from tangramd.state.story import Stories
 from tangramd.state.views import ReadModel
-
-
-@dataclass
-class CoreConfig:
-    sched: SchedConfig = field(default_factory=SchedConfig)
-    coalesce_s: float = 0.0
-    default_env_mem: int = 1 << 30
-    env_idle_ttl_s: float = 1800.0
-    default_lease_ttl_s: float = 60.0
-    default_deadline_s: float = 30.0
-    max_output: int = 1 << 20
-    default_image: str | None = None
-    exec_as_peer: bool = False  # commands run as the connecting client (cpu.exec_user="peer")
-    # emit RecordEnv / PersistEnvs (tangramd up; a coordinator keeps its own registry)
-    record_envs: bool = True
-    max_transfer: int = 8 << 20  # bytes one env.get may return (env.put: the op table's cap)
-    call_timeout_s: float = 300.0  # a service call's handler limit when the call gives none
-    # Short-cut passes that provably decide what the full pass would
-    # (``scheduling.short_waiting``); False: every pass reads the whole queue (tests
-    # compare the two).
-    short_passes: bool = True
 
 
 class Core:
@@ -118,7 +112,7 @@ class Core:
         self._stimuli = itertools.count(1)
         self._ids = itertools.count(1)
         # a lower bound of the earliest idle deadline (None: scan the environments)
-        self._idle_due: float | None = None
+        self.idle_due: float | None = None
 
     # ------------------------------------------------------------------ entry point
     def handle(self, event: ev.Event, now: float) -> list[ev.Command]:
@@ -126,7 +120,7 @@ class Core:
         out: list[ev.Command] = []
         kind = type(event)
         if kind not in _KEEP_IDLE_BOUND:
-            self._idle_due = None
+            self.idle_due = None
             self.passer.affinity = None  # environments may open, move or go
         elif isinstance(event, ev.SubmitExec) and (event.spec.env is None or event.spec.session):
             self.passer.affinity = None  # a throwaway environment opens
@@ -143,15 +137,15 @@ class Core:
         return out
 
     def run_pass(self, now: float, out: list[ev.Command]) -> None:
-        run_pass(self, now, out)
+        scheduling.run_pass(self, now, out)
 
     def next_wakeup(self, now: float) -> float | None:
         """Earliest time the executor must feed a ``Tick``."""
         times = [t for t in (self.passer.due,) if t is not None]
         times += self.leases.wakeups()
-        idle = self._idle_due
+        idle = self.idle_due
         if idle is None or idle <= now:
-            idle = self._idle_due = min(self.envs.idle_deadlines(), default=math.inf)
+            idle = self.idle_due = min(self.envs.idle_deadlines(), default=math.inf)
         if idle != math.inf:
             times.append(idle)
         if self.actions.queued_api:
@@ -194,8 +188,8 @@ class Core:
 
     def idle_from(self, now: float) -> None:
         """An environment became idle at ``now``: fold its idle deadline into the bound."""
-        if self._idle_due is not None:
-            self._idle_due = min(self._idle_due, now + self.envs.defaults.idle_ttl_s)
+        if self.idle_due is not None:
+            self.idle_due = min(self.idle_due, now + self.envs.defaults.idle_ttl_s)
 
     # ------------------------------------------------------------------ invariants
     def validate(self) -> None:
@@ -229,67 +223,7 @@ class Core:
                     assert held == tuple(rec.units), f"{rec.action.id} holds {held}"
 
 
-# ---------------------------------------------------------------------- the router's own
-# Events no single book owns: the clock's tick, a client leaving, shutdown.
-@handles(ev.Tick)
-def _tick(core: Core, e: ev.Tick, now: float, out: list[ev.Command]) -> None:
-    expire_leases(core, now, out)
-    if core._idle_due is None or core._idle_due <= now:  # (else none is due yet)
-        for env in core.envs.idle_expired(now):
-            close_env(core, env, now, out, "idle TTL expired")
-    passer = core.passer
-    if (passer.due is not None and now >= passer.due) or passer.dirty:
-        run_pass(core, now, out)
-
-
-@handles(ev.ConnClosed)
-def _conn_closed(core: Core, e: ev.ConnClosed, now: float, out: list[ev.Command]) -> None:
-    """Waiting work of a dead client is dropped; its leases return at once (never leaked)."""
-    for rec in core.actions:
-        if rec.conn != e.conn or rec.state == "done":
-            continue
-        rec.token = None
-        if rec.action.kind == "api":
-            lease = core.leases.get(rec.action.id)
-            if lease is not None and lease.state == "granted":
-                end_lease(core, lease, now, out, "released")
-            elif rec.state == "queued":
-                if lease is not None:
-                    core.leases.move(lease, "failed", now, "client disconnected", core.stimulus)
-                finish_action(core, rec, now, out, outcome="rejected", detail="client gone")
-        elif rec.state in ("queued", "waiting_env"):
-            finish_action(core, rec, now, out, outcome="rejected", detail="client gone")
-    for env in core.envs:
-        if env.throwaway and env.conn == e.conn and env.active == 0:
-            close_env(core, env, now, out, "client gone")
-
-
-@handles(ev.Shutdown)
-def _shutdown(core: Core, e: ev.Shutdown, now: float, out: list[ev.Command]) -> None:
-    """Refuse new work, end waiting work, return leases, close throwaway environments.
-
-    Persistent environments belong to their trajectories, not to this process: they are
-    kept, their records written, and the next daemon on this state dir re-adopts them.
-    A throwaway environment with a running action closes when the action ends
-    (``finish_action``); the executor ends running execs through the backend.
-    """
-    core.shutting_down = True
-    waiting = list(core.actions.queue.values())
-    waiting += [r for r in core.actions if r.state == "waiting_env"]
-    for rec in waiting:
-        finish_action(core, rec, now, out, outcome="rejected", detail="daemon shutting down")
-    for lease in core.leases:
-        if lease.state == "granted":
-            end_lease(core, lease, now, out, "released")
-    for env in core.envs:
-        if env.throwaway and env.active == 0:
-            close_env(core, env, now, out, "daemon shutting down")
-        elif not env.throwaway and env.state in ("creating", "waiting_mem"):
-            close_env(core, env, now, out, "daemon shutting down before it was ready")
-    persist_envs(core, out)
-
-
-# Events after which the cached idle bound (``Core._idle_due``) is still a lower bound of
+# Events after which the cached idle bound (``Core.idle_due``) is still a lower bound of
 # the earliest idle deadline: they only end idleness, or start it at ``now`` (the deadline
 # then is ``now + ttl``, which ``finish_action`` folds in). Any other event drops it. The
 # same set, less a SubmitExec that opens a throwaway environment or uses a session, keeps

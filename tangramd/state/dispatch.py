@@ -1,7 +1,8 @@
 """The router's table: which handler owns each event type.
 
-Each book's module registers its handlers with :func:`handles`; :mod:`tangramd.state.core`
-imports every such module, so the table is complete once the package is imported, and
+Each handler module (:mod:`tangramd.state.handlers`) registers its handlers with
+:func:`handles`; :mod:`tangramd.state.core` imports every such module, so the table is
+complete once the package is imported, and
 ``tests/test_state.py`` checks that every event type of :mod:`tangramd.events` has exactly
 one handler.
 """
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tangramd import events as ev
 
 if TYPE_CHECKING:
-    from tangramd.state.core import Core
+    from tangramd.state.context import Core
 
 E = TypeVar("E", bound=ev.Event)
 Handler = Callable[["Core", Any, float, list[ev.Command]], None]

@@ -10,20 +10,14 @@ the host's ``CallFinished``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from tangram.model import ActionId, make_action
-from tangram.protocol.errors import BadRequest, NotFound, ShuttingDown
-from tangram.protocol.results import CallResult, ExecResult
-from tangramd import events as ev
-from tangramd.services.spec import ServiceSpec, SpecError
-from tangramd.state.actions import ActionRec, finish_action
-from tangramd.state.dispatch import handles
-from tangramd.state.story import note
+from tangram.pools.gpu import GpuCluster
+from tangramd.services.spec import ServiceSpec
+from tangramd.state.actions import ActionRec
 
 if TYPE_CHECKING:
-    from tangramd.state.core import Core
+    pass
 
 
 class ServiceBook:
@@ -44,206 +38,8 @@ class ServiceBook:
         return waiting
 
 
-# ---------------------------------------------------------------------- handlers
-@handles(ev.RegisterService)
-def register_service(core: Core, e: ev.RegisterService, now: float, out: list[ev.Command]) -> None:
-    """Validate the spec; the host loads it (``LoadService``) and only once it has
-    (``ServiceLoaded``) does the pool learn the service and the client get its answer."""
-    if core.shutting_down:
-        raise ShuttingDown("daemon is shutting down")
-    if core.gpu is None:
-        raise BadRequest(
-            "this daemon has no GPUs: declare [gpu] simulated = { count = N, mem_gb = G } "
-            "or run it on a host with NVML GPUs"
-        )
-    try:
-        spec = ServiceSpec.from_json(e.args)
-    except SpecError as exc:
-        raise BadRequest(str(exc)) from None
-    name = spec.name
-    if name in core.services.registering or name in core.services.removing:
-        what = "registered" if name in core.services.registering else "removed"
-        raise BadRequest(f"service {name!r} is being {what}; try again when that is done")
-    known = core.services.specs.get(name)
-    if known is not None and known != spec:
-        raise BadRequest(f"service {name!r} is already registered differently; remove it first")
-    pool_spec = spec.pool_spec()
-    if not any(node.fits_memory(pool_spec, k) for node in core.gpu.nodes for k in spec.gpus):
-        largest = max(node.mem_per_gpu for node in core.gpu.nodes)
-        raise BadRequest(
-            f"service {name!r}: mem_gb={spec.mem_gb:g} does not fit on "
-            f"{'/'.join(map(str, spec.gpus))} GPU(s) of {largest} bytes each "
-            f"(a node has {core.gpu.max_single()} GPUs)"
-        )
-    core.services.registering[name] = e.token
-    out.append(ev.LoadService(spec=spec, cause=core.stimulus))
-
-
-@handles(ev.ServiceLoaded)
-def service_loaded(core: Core, e: ev.ServiceLoaded, now: float, out: list[ev.Command]) -> None:
-    token = core.services.registering.pop(e.spec.name, None)
-    if e.error is None:
-        add_service(core, e.spec)
-        if token is not None:
-            out.append(core.reply(token, result=dict(e.info)))
-    elif token is not None:
-        out.append(core.reply(token, error=(e.code, e.error)))
-
-
-@handles(ev.ServicesRecovered)
-def services_recovered(
-    core: Core, e: ev.ServicesRecovered, now: float, out: list[ev.Command]
-) -> None:
-    for spec in e.specs:
-        add_service(core, spec)
-
-
-def add_service(core: Core, spec: ServiceSpec) -> None:
-    assert core.gpu is not None, "services need the gpu pool"
-    core.gpu.register_service(spec.pool_spec())
-    core.services.specs[spec.name] = spec
-
-
-@handles(ev.RemoveService)
-def remove_service(core: Core, e: ev.RemoveService, now: float, out: list[ev.Command]) -> None:
-    """Queued calls end ``rejected`` at once; running ones end when the host stops the
-    service's replicas (``UnloadService``), which also answers the client."""
-    if e.name not in core.services.specs:
-        raise NotFound(f"service {e.name!r} is not registered")
-    del core.services.specs[e.name]
-    rejected = 0
-    for rec in list(core.actions.queue.values()):
-        if rec.call is not None and rec.call.name == e.name:
-            why = f"service {e.name!r} was removed"
-            finish_action(core, rec, now, out, outcome="rejected", detail=why)
-            rejected += 1
-    assert core.gpu is not None, "a registered service implies the gpu pool"
-    core.gpu.unregister_service(e.name)
-    core.services.removing[e.name] = (e.token, rejected)
-    out.append(ev.UnloadService(name=e.name, cause=core.stimulus))
-
-
-@handles(ev.ServiceUnloaded)
-def service_unloaded(core: Core, e: ev.ServiceUnloaded, now: float, out: list[ev.Command]) -> None:
-    token, rejected = core.services.removing.pop(e.name, (None, 0))
-    if token is not None:
-        answer = {"name": e.name, "removed": True, "rejected": rejected}
-        out.append(core.reply(token, result=answer))
-
-
-@handles(ev.SubmitCall)
-def submit_call(core: Core, e: ev.SubmitCall, now: float, out: list[ev.Command]) -> None:
-    if core.shutting_down:
-        raise ShuttingDown("daemon is shutting down")
-    name = e.spec.name
-    spec = core.services.specs.get(name)
-    if spec is None or core.gpu is None:
-        raise NotFound(f"service {name!r} is not registered (see `tangramctl service list`)")
-    # The GPU counts whose shard fits a GPU; with no elasticity known for a call, the
-    # scheduler runs it at the smallest of them (its minimum).
-    largest, pool_spec = core.gpu.max_single(), spec.pool_spec()
-    counts = [
-        k
-        for k in spec.gpus
-        if k <= largest and any(node.fits_memory(pool_spec, k) for node in core.gpu.nodes)
-    ] or [min(spec.gpus)]
-    demand: Any = counts[0] if len(counts) == 1 else {"set": counts}
-    aid = ActionId(core.new_id("c"))
-    action = make_action(
-        aid,
-        "service",
-        f"call-{aid}",
-        {"gpu": demand},
-        service=name,
-        seq=core.actions.next_seq(),
-        submitted_at=now,
-        klass=f"service/{name}",
-        capacity={"gpu": largest},
-    )
-    timeout = e.spec.timeout_s if e.spec.timeout_s is not None else core.cfg.call_timeout_s
-    call = replace(e.spec, timeout_s=timeout)
-    rec = core.actions.add(action, now, token=e.token, env=None, conn=e.conn, call=call)
-    detail = f"call service={name} gpus={counts} timeout_s={timeout:g}"
-    note(rec, now, "submitted", detail, core.stimulus)
-    core.enqueue(rec, now)
-
-
-def start_call(core: Core, rec: ActionRec, now: float, out: list[ev.Command]) -> None:
-    """Placed on GPUs: ask the pool for the restore plan (LRU evictions on those GPUs,
-    then the restore) and send it with the call to the node's service host."""
-    assert core.gpu is not None and rec.call is not None, "calls hold GPUs and a spec"
-    core.services.gpu_tick += 1
-    plan = core.gpu.restore_for(rec.action.id, rec.call.name, core.services.gpu_tick)
-    node, local = gpu_place(core, rec.units)
-    evicted = tuple(v._replace(gpu=core.gpu.locate(v.gpu)[1]) for v in plan.evicted)
-    if plan.needed:
-        victims = sorted({f"{v.service}@{v.dop}" for v in evicted})
-        why = f"restore onto node={node} gpus={list(local)} est_s={plan.seconds:.3g}"
-        why += f" evicting {victims}" if victims else ""
-    else:
-        why = f"resident on node={node} gpus={list(local)}"
-    core.actions.move(rec, "running", now, why, core.stimulus)
-    out.append(
-        ev.RunCall(
-            action_id=rec.action.id,
-            service=rec.call.name,
-            node=node,
-            gpus=local,
-            evicted=evicted,
-            payload=rec.call.payload,
-            timeout_s=rec.call.timeout_s or core.cfg.call_timeout_s,
-            cause=core.stimulus,
-        )
-    )
-
-
-@handles(ev.CallFinished)
-def call_done(core: Core, e: ev.CallFinished, now: float, out: list[ev.Command]) -> None:
-    rec = core.actions.get(e.action_id)
-    if rec is None or rec.state != "running":
-        return
-    if e.outcome in ("ok", "failed"):
-        core.history.observe(rec.action.klass, e.exec_s)
-    if e.h2d_bytes_per_s and core.gpu is not None:
-        node = core.gpu.node_of_action(rec.action.id)
-        if node is not None:
-            core.gpu.node(node).observe_h2d(e.h2d_bytes_per_s)
-    call = CallResult(
-        e.outcome,  # type: ignore[arg-type]  # the host's outcomes are OUTCOMES
-        result=e.result,
-        error=e.error,
-        restore_s=e.restore_s,
-        exec_s=e.exec_s,
-    )
-    detail = f"restore_s={e.restore_s:.4f} exec_s={e.exec_s:.4f} {e.error or ''}".strip()
-    finish_action(
-        core,
-        rec,
-        now,
-        out,
-        outcome=e.outcome,
-        result=ExecResult(call.outcome, exec_s=e.restore_s + e.exec_s, detail=detail),
-        detail=detail,
-        call=call,
-    )
-
-
-def call_answer(
-    core: Core, rec: ActionRec, now: float, queue_s: float, call: CallResult
-) -> CallResult:
-    node, local = gpu_place(core, rec.units) if rec.units else (None, ())
-    return replace(
-        call,
-        queue_s=queue_s,
-        act_s=now - rec.submitted_at,
-        gpus=local,
-        node=node,
-        action_id=rec.action.id,
-    )
-
-
-def gpu_place(core: Core, units: Sequence[int]) -> tuple[str, tuple[int, ...]]:
+def gpu_place(gpu: GpuCluster | None, units: Sequence[int]) -> tuple[str, tuple[int, ...]]:
     """``(node, local GPU ids)`` of global GPU ids on one node."""
-    assert core.gpu is not None
-    located = [core.gpu.locate(unit) for unit in units]
+    assert gpu is not None, "GPU units imply the gpu pool"
+    located = [gpu.locate(unit) for unit in units]
     return located[0][0], tuple(local for _, local in located)

@@ -11,7 +11,7 @@ from tangram.protocol.errors import NotFound
 from tangramd.state.actions import ActionRec
 
 if TYPE_CHECKING:
-    from tangramd.state.core import Core
+    from tangramd.state.context import Core
 
 
 class ReadModel:

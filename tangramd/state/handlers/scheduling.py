@@ -4,48 +4,27 @@ A pass reads the queued actions, the pools, the environments' affinity and the r
 load, asks :func:`tangram.sched.schedule` for a decision, and carries it out: infeasible
 actions end ``rejected``, placed ones get their units and start (an exec goes to its
 node's backend, a call to its service host, a lease is granted). Passes are coalesced
-(see :mod:`tangramd.state.core`); :class:`PassBook` holds what the passes remember
-between them, including what the short pass relies on (:func:`short_waiting`).
+(see :mod:`tangramd.state.core`); :class:`~tangramd.state.passes.PassBook` holds what
+the passes remember between them, including what the short pass relies on
+(:func:`short_waiting`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tangram.model import Action, ActionId, TrajectoryId
 from tangram.pools.cpu import CpuNodePool
 from tangram.sched import Decision, Infeasible, Snapshot, schedule
 from tangramd import events as ev
-from tangramd.state.actions import finish_action, run_exec
-from tangramd.state.leases import grant_lease
-from tangramd.state.services import start_call
+from tangramd.state.handlers.actions import finish_action, run_exec
+from tangramd.state.handlers.leases import grant_lease
+from tangramd.state.handlers.services import start_call
 from tangramd.state.story import PlacementNote, note
 
 if TYPE_CHECKING:
-    from tangramd.state.core import Core
-
-
-@dataclass
-class PassBook:
-    """What the passes remember between them."""
-
-    dirty: bool = False  # an arrival or a completion since the last pass
-    due: float | None = None  # when the next pass is due (None: none is)
-    last: float = float("-inf")  # when the last pass ran
-    passes: int = 0
-    short: int = 0  # passes that read only a prefix of the queue
-    full_pools: int = 0  # short passes with no free core: no scheduler run
-    # What the short-cut pass relies on (``short_waiting``): the affinity and pools the
-    # previous pass saw, and whether every action it left queued was an exec with a node.
-    seen_affinity: dict[TrajectoryId, str] | None = None
-    seen_pools: tuple[tuple[str, int], ...] = ()
-    seen_plain: bool = False
-    # envs.affinity() until it may change (None: read it afresh), and the environments per
-    # CPU node derived from it (the priced rule's bound, ``PoolLoad.envs``)
-    affinity: dict[TrajectoryId, str] | None = None
-    envs_on: Counter[str] = field(default_factory=Counter)
+    from tangramd.state.context import Core
 
 
 def read_affinity(core: Core) -> dict[TrajectoryId, str]:

@@ -12,11 +12,11 @@ from tangram.model import TangramError
 from tangram.pools.cpu import CpuNodePool
 from tangram.protocol.errors import NotFound
 from tangramd import events as ev
-from tangramd.state.actions import close_env, finish_action
 from tangramd.state.dispatch import handles
+from tangramd.state.handlers.actions import close_env, finish_action
 
 if TYPE_CHECKING:
-    from tangramd.state.core import Core
+    from tangramd.state.context import Core
     from tangramd.state.envs import EnvRec
 
 

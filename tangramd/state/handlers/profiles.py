@@ -10,7 +10,7 @@ from tangramd import events as ev
 from tangramd.state.dispatch import handles
 
 if TYPE_CHECKING:
-    from tangramd.state.core import Core
+    from tangramd.state.context import Core
 
 
 @handles(ev.SaveProfile)
