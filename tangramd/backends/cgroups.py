@@ -144,12 +144,6 @@ class Cgroups:
             f.write(str(pid))
 
     @staticmethod
-    def join_thread(path: Path, tid: int) -> None:
-        """Move one thread of ours (v1 ``tasks``) into the cgroup."""
-        with open(path / "tasks", "w") as f:
-            f.write(str(tid))
-
-    @staticmethod
     def pids(path: Path) -> list[int]:
         with contextlib.suppress(OSError, ValueError):
             return [int(p) for p in _read(f"{path}/cgroup.procs").split()]
