@@ -2,14 +2,16 @@
 
 ``spawn_daemon``: ``tangramd up`` on a private socket. ``spawn_gateway``: ``tangramd http``
 on a free loopback port in front of it; ``wait_http`` waits for the gateway of a
-``tangramd up --http``. ``wait_for`` polls a condition with a deadline: tests wait on the
-event itself, never on a fixed sleep. The test suite, ``bench/`` and ``examples/`` all
-spawn through this one module.
+``tangramd up --http``. ``wait_for`` (and ``wait_for_async`` in an event loop) polls a
+condition with a deadline: tests wait on the event itself, never on a fixed sleep. The
+test suite, ``bench/`` and ``examples/`` all spawn through this one module.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import os
 import signal
 import socket
@@ -18,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -54,6 +56,33 @@ def wait_for(
             why = f" (last error: {last_error!r})" if last_error is not None else ""
             raise TimeoutError(f"{what}: not within {timeout_s} s{why}")
         time.sleep(every_s)
+
+
+async def wait_for_async(
+    check: Callable[[], T | Awaitable[T]],
+    timeout_s: float,
+    what: str,
+    *,
+    every_s: float = 0.01,
+    ignore: tuple[type[BaseException], ...] = (),
+) -> T:
+    """``wait_for`` inside an event loop: ``check`` may be a coroutine function, and the
+    loop's other tasks run between polls."""
+    deadline = time.monotonic() + timeout_s
+    last_error: BaseException | None = None
+    while True:
+        try:
+            value = check()
+            if inspect.isawaitable(value):
+                value = await value
+            if value:
+                return value
+        except ignore as exc:
+            last_error = exc
+        if time.monotonic() > deadline:
+            why = f" (last error: {last_error!r})" if last_error is not None else ""
+            raise TimeoutError(f"{what}: not within {timeout_s} s{why}")
+        await asyncio.sleep(every_s)
 
 
 def free_port() -> int:

@@ -21,6 +21,7 @@ from typing import Any
 import docker
 import pytest
 
+from tangram.testing import wait_for_async
 from tangramd.backends.base import TRUNCATION_MARKER, ExecRequest, ExecResult
 
 SUITE_DIR = Path(__file__).parent / "data" / "cpu_suite"
@@ -238,8 +239,9 @@ class BackendConformance:
         env = new_env(backend)
 
         async def scenario() -> ExecResult:
-            running = asyncio.ensure_future(backend.exec(req(env, ["sleep", "30"])))
-            await asyncio.sleep(0.5)
+            cmd = ["sh", "-c", "touch started; exec sleep 30"]
+            running = asyncio.ensure_future(backend.exec(req(env, cmd)))
+            await until_started(backend, env)
             await backend.shutdown()
             return await asyncio.wait_for(running, 15)
 
@@ -249,13 +251,21 @@ class BackendConformance:
         assert ex(backend, env, ["true"]).outcome == "infra_error"
 
 
+async def until_started(backend: Any, env: str, marker: str = "started") -> None:
+    """Until the command running in ``env`` has written ``marker`` in its directory (the
+    command's own signal that it runs: ``touch started; exec sleep 30``)."""
+    await wait_for_async(
+        lambda: backend.get(env, marker, max_bytes=1), 10, f"{marker} written", ignore=(Exception,)
+    )
+
+
 async def lodger_of(b: Any, cores: tuple[int, ...]) -> int:
     """The pid of the process backend's lodger for ``cores``' cgroup once it has joined and
     takes spawns (waits up to 5 s)."""
     key = str(b.cgroups.for_cores(cores))
-    for _ in range(500):
+
+    def ready_pid() -> int | None:
         chan = b._spawner._lodgers.get(key)
-        if chan is not None and chan.ready:
-            return int(chan.pid)
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"no lodger joined {key}")
+        return int(chan.pid) if chan is not None and chan.ready else None
+
+    return await wait_for_async(ready_pid, 5, f"a lodger joined {key}")

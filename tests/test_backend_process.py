@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tangram.testing import wait_for_async
 from tangramd.backends.process import CPUSET_ROOT, SPARE, ProcessBackend
 
 # A helper module with asserts, not a test module: have pytest rewrite them too.
@@ -151,8 +152,7 @@ def test_an_environment_opens_by_renaming_a_spare_directory(backend, monkeypatch
 
     async def scenario() -> list[tuple[str, int, int, int]]:
         await backend.create_env("first", None, None)  # no spare yet: made in a thread
-        while backend._refill is not None:
-            await asyncio.sleep(0.01)
+        await wait_for_async(lambda: backend._refill is None, 10, "the spares made")
         spares = {p.stat().st_ino for p in backend.envs_dir.glob(f"{SPARE}/*")}
         assert len(spares) == process.SPARE_DIRS
         seen = []
@@ -162,8 +162,7 @@ def test_an_environment_opens_by_renaming_a_spare_directory(backend, monkeypatch
             st = backend.env_dir(env).stat()
             seen.append((env, st.st_ino in spares, st.st_mode & 0o777, st.st_uid))
             assert not any(backend.env_dir(env).iterdir())
-        while backend._refill is not None:
-            await asyncio.sleep(0.01)
+        await wait_for_async(lambda: backend._refill is None, 10, "the spares made again")
         assert len(list(backend.envs_dir.glob(f"{SPARE}/*"))) >= process.SPARE_DIRS // 2
         return seen
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tangram.testing import SpawnedDaemon
+from tangram.testing import SpawnedDaemon, wait_for
 from tangramctl.main import cli
 
 SUITE = Path(__file__).parent / "data" / "cpu_suite"
@@ -124,7 +124,6 @@ def test_top_shows_pools_recent_act_and_running_actions(sock):
     """`top` frames show the CPU pool, recent ACT per kind and the running actions; --json
     prints one {status, queue} object per frame."""
     import threading
-    import time
 
     from tangram import Client
 
@@ -140,11 +139,8 @@ def test_top_shows_pools_recent_act_and_running_actions(sock):
     t = threading.Thread(target=busy)
     t.start()
     try:
-        deadline = time.monotonic() + 10
         with Client(sock) as c:
-            while not c.queue()["running"]:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_for(lambda: c.queue()["running"], 10, "the exec running")
         r = ctl(sock, "top", "--iterations", "2", "--interval", "0.1")
         assert r.exit_code == 0, r.output
         assert r.output.count("recent ACT per kind") == 2

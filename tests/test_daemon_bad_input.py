@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 
 import pytest
 from harness import frame
 
 from tangram.protocol.codec import FrameDecoder
+from tangram.testing import wait_for
 
 
 def raw(daemon) -> socket.socket:
@@ -78,9 +78,12 @@ def test_disconnect_mid_request_leaks_nothing(daemon):
     s = raw(daemon)
     s.sendall(frame({"id": 1, "op": "exec", "args": {"cmd": "sleep 0.5", "cpus": 2}}))
     s.sendall(frame({"id": 2, "op": "lease.acquire", "args": {"api": "search"}}))
-    time.sleep(0.2)
-    s.close()
-    time.sleep(1.0)
+    with daemon.client() as c:
+        # the lease request comes after the exec on the connection: both have been read
+        wait_for(lambda: c.status()["leases"] == 1, 10, "the lease held")
+        s.close()
+        wait_for(lambda: c.status()["leases"] == 0, 10, "the lease returned")
+        wait_for(lambda: c.status()["pools"]["cpu:local"]["free"] == 2, 10, "the cores freed")
     assert_healthy(daemon)
 
 

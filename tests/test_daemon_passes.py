@@ -9,7 +9,7 @@ import time
 from harness import frame
 
 from tangram.protocol.codec import FrameDecoder
-from tangram.testing import spawn_daemon
+from tangram.testing import spawn_daemon, wait_for
 
 N = 12
 
@@ -34,9 +34,12 @@ def test_a_burst_is_scheduled_in_one_pass_and_each_completion_starts_the_next(tm
         )
         started = time.monotonic()
         s.sendall(burst)
-        time.sleep(0.2)  # read and placed; none has ended yet
-        with daemon.client() as c:
-            st = c.status()
+        with daemon.client() as c:  # read and placed; none has ended yet (each takes 0.4 s)
+            st = wait_for(
+                lambda: (now := c.status())["running"] + now["queued"] == N and now,
+                5,
+                "all twelve read and placed or queued before the first ended",
+            )
         assert (st["running"], st["queued"]) == (free, N - free), st
         assert st["passes"] - before == 1, st
         dec = FrameDecoder()

@@ -14,8 +14,7 @@ import signal
 import sys
 import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from tangram import Client
 from tangram.client import CallResult
 from tangram.model import TangramError
 from tangram.protocol import BadRequest, NotFound
-from tangram.testing import SpawnedDaemon, spawn_daemon
+from tangram.testing import SpawnedDaemon, spawn_daemon, wait_for
 from tangramctl.main import cli
 
 SERVICES = Path(__file__).parent / "data" / "services"
@@ -123,13 +122,6 @@ def call_in_background(
     thread = threading.Thread(target=call_and_keep)
     thread.start()
     return thread, box
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def test_gpus_are_a_pool_and_a_node_resource(gpu_daemon: GpuDaemon) -> None:
@@ -294,16 +286,19 @@ def test_http_runtime_serves_calls_through_the_daemon(gpu_daemon: GpuDaemon) -> 
         assert c.service_remove("h")["removed"] is True
 
 
-def test_worker_kill_is_infra_error_then_next_call_works(gpu_daemon: GpuDaemon) -> None:
+def test_worker_kill_is_infra_error_then_next_call_works(
+    gpu_daemon: GpuDaemon, tmp_path: Path
+) -> None:
     """Killing the worker under a call ends that call `infra_error`; the next call
     restarts the replica and answers correctly."""
     with gpu_daemon.client() as c:
         first = c.call("a", {"x": 1})
         assert first.outcome == "ok" and first.result is not None
         victim = first.result["pid"]
-        thread, box = call_in_background(gpu_daemon, "a", {"x": 1, "sleep": 30})
-        wait_for(lambda: bool(c.queue()["running"]))
-        time.sleep(0.5)  # inside the handler by now
+        started = tmp_path / "started"
+        payload = {"x": 1, "sleep": 30, "started": str(started)}
+        thread, box = call_in_background(gpu_daemon, "a", payload)
+        wait_for(started.exists, 60, "the call inside the handler")
         os.kill(victim, signal.SIGKILL)
         thread.join(60)
         assert box and box[0].outcome == "infra_error", box
@@ -335,7 +330,11 @@ def test_remove_ends_queued_calls_rejected(gpu_daemon: GpuDaemon) -> None:
     with gpu_daemon.client() as c:
         assert "cli" in listed(c)  # registered by the CLI test
         calls = [call_in_background(gpu_daemon, "cli", {"x": 1, "sleep": 2}) for _ in range(4)]
-        wait_for(lambda: len(c.queue()["running"]) == 2 and len(c.queue()["waiting"]) == 2)
+        wait_for(
+            lambda: len((q := c.queue())["running"]) == 2 and len(q["waiting"]) == 2,
+            60,
+            "two calls running and two waiting",
+        )
         removed = c.service_remove("cli")
         assert removed == {"name": "cli", "removed": True, "rejected": 2}
         for thread, _ in calls:

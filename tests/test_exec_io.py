@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import tarfile
 import threading
-import time
 
+import psutil
 import pytest
 from click.testing import CliRunner
 
 from tangram.protocol.errors import BadRequest, NotFound
 from tangram.protocol.ops import MAX_TRANSFER
+from tangram.testing import wait_for
 from tangramctl.main import cli
 
 
@@ -167,6 +169,15 @@ def test_session_run_is_an_action_pinned_to_its_cores(c, env):
     c.session_close(sid)
 
 
+def running(argv: list[str]) -> bool:
+    """Whether a process of this test's (the daemon's commands included) runs ``argv``."""
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if proc.cmdline() == argv:
+                return True
+    return False
+
+
 def test_session_interrupt_and_busy(daemon, c, env):
     """interrupt stops the running command (the shell stays); a busy shell refuses a second."""
     sid = c.session_open(env)
@@ -174,14 +185,11 @@ def test_session_interrupt_and_busy(daemon, c, env):
 
     def exec_in_session() -> None:
         with daemon.client() as other:
-            results.append(other.exec("sleep 30; echo never", session=sid))
+            results.append(other.exec("sleep 37; echo never", session=sid))
 
     worker = threading.Thread(target=exec_in_session)
     worker.start()
-    deadline = time.monotonic() + 10
-    while not c.queue()["running"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.2)
+    wait_for(lambda: running(["sleep", "37"]), 10, "the session's command running")
     with pytest.raises(BadRequest, match="busy"):
         c.exec("true", session=sid)
     assert c.session_interrupt(sid) is True

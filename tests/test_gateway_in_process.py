@@ -8,7 +8,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from harness import running_daemon, running_stack
 
 from tangram import Client
-from tangram.testing import SpawnedDaemon, free_port, spawn_gateway, wait_http
+from tangram.testing import SpawnedDaemon, free_port, spawn_gateway, wait_for, wait_http
 
 BODY = {"code": "print(1)", "language": "python"}
 
@@ -123,11 +122,8 @@ class _Stack:
 
 
 def _wait_running(sock: str, n: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
     with Client(sock) as c:
-        while c.status()["running"] != n:
-            assert time.monotonic() < deadline, c.status()
-            time.sleep(0.02)
+        wait_for(lambda: c.status()["running"] == n, timeout_s, f"{n} running")
 
 
 def test_http_user_runs_http_callers_unprivileged(tmp_path):

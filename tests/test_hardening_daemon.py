@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import stat
@@ -10,6 +11,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import time
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from harness import running_daemon
 from hostile_user import in_child_as, local_user
 
 from tangram.protocol.codec import FrameDecoder
-from tangram.testing import spawn_daemon
+from tangram.testing import spawn_daemon, wait_for
 from tangramd.main import cli as tangramd_cli
 
 MIB = 1 << 20
@@ -65,6 +67,11 @@ def closed_by_peer(s: socket.socket, within: float) -> bool:
     except (TimeoutError, ConnectionResetError):
         return False
     return False
+
+
+def unread(s: socket.socket) -> int:
+    """Bytes ``s`` sent that its peer has not read yet (SIOCOUTQ on a Unix socket)."""
+    return int(struct.unpack("i", fcntl.ioctl(s.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0])
 
 
 def ping(path: str) -> bool:
@@ -197,7 +204,7 @@ def test_hostile_half_frames_keep_memory_under_the_cap(tmp_path):
             if i % 25 == 0:
                 peak = max(peak, proc.memory_info().rss)
                 assert ping(d.socket), "a well-behaved client must be served meanwhile"
-        time.sleep(0.2)
+        wait_for(lambda: not any(map(unread, hostile)), 30, "the daemon read or dropped every byte")
         peak = max(peak, proc.memory_info().rss)
         assert ping(d.socket)
         for s in hostile:
@@ -216,8 +223,7 @@ def test_connections_past_the_cap_are_refused_and_others_served(tmp_path):
         held[0].sendall(frame({"id": 7, "op": "ping", "args": {}}))
         assert reply_or_eof(held[0])["id"] == 7
         held.pop().close()
-        time.sleep(0.1)
-        assert ping(d.socket)
+        wait_for(lambda: ping(d.socket), 5, "a new connection served in the freed slot")
         for s in [*held, extra]:
             s.close()
 

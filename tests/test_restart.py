@@ -8,7 +8,6 @@ import os
 import signal
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from harness import running_daemon
 
 from tangram import Client
 from tangram.protocol.errors import ConnectionFailed, NotFound
+from tangram.testing import wait_for
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
@@ -57,20 +57,19 @@ def test_command_running_at_the_crash_is_ended_not_left_running(tmp_path) -> Non
         t = threading.Thread(target=long_exec)
         t.start()
         pid_file = Path(d.state_dir, "process", "envs", env, "pid")
-        deadline = time.monotonic() + 10
-        while not (pid_file.exists() and pid_file.read_text().strip()):
-            assert time.monotonic() < deadline, d.log()
-            time.sleep(0.02)
-        pid = int(pid_file.read_text())
+        pid = int(
+            wait_for(lambda: pid_file.read_text().strip(), 10, "the pid file", ignore=(OSError,))
+        )
         d.stop(signal.SIGKILL)
         t.join(10)
         assert isinstance(box.get("error"), ConnectionFailed)  # never a silent success
         os.kill(pid, 0)  # still running: the dead daemon could not end it
     with running_daemon(tmp_path) as d2:
-        deadline = time.monotonic() + 5
-        while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z":
-            assert time.monotonic() < deadline, "the orphaned command was left running"
-            time.sleep(0.02)
+        wait_for(
+            lambda: not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z",
+            5,
+            "the orphaned command ended",
+        )
         assert "actions that were running when the previous daemon died" in d2.log()
         with d2.client() as c:
             assert c.exec("cat pid", env=env).stdout.strip() == str(pid)

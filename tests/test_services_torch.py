@@ -22,6 +22,7 @@ import pytest
 import torch  # noqa: F401  # the tests need torch installed (the gpu extra), as CI has it
 
 from tangram.model import ActionId
+from tangram.testing import wait_for_async
 from tangramd.services import (
     Oversubscribed,
     ServiceHost,
@@ -47,6 +48,8 @@ class Scaler(torch.nn.Module):
     def handle(self, payload):
         if "x" not in payload:
             raise ValueError("payload needs 'x'")
+        if "started" in payload:  # a test waits for this file: the call is in the handler
+            open(payload["started"], "w").close()
         time.sleep(float(payload.get("sleep", 0)))
         y = (self.weight * float(payload["x"])).sum() + self.bias
         return {"y": float(y.detach()), "pid": os.getpid()}
@@ -275,7 +278,10 @@ def test_timeout_ends_the_call_and_stops_the_worker(
 
 
 def test_killed_worker_is_infra_error_then_restarted(
-    setup: tuple[ServiceHost, list[Any]], loop: asyncio.AbstractEventLoop, reference: Any
+    setup: tuple[ServiceHost, list[Any]],
+    loop: asyncio.AbstractEventLoop,
+    reference: Any,
+    tmp_path: Path,
 ) -> None:
     """SIGKILL during a call: that call is 'infra_error', other services are untouched, and
     the next call restarts the replica with correct results; an idle replica's death is
@@ -285,8 +291,10 @@ def test_killed_worker_is_infra_error_then_restarted(
     other = by_name(host)["a"]["replicas"][0]
 
     async def kill_during_call() -> Any:
-        call = asyncio.ensure_future(host.call("b", [1], {"x": 1, "sleep": 20}, timeout=30))
-        await asyncio.sleep(0.5)
+        started = tmp_path / "started"
+        payload = {"x": 1, "sleep": 20, "started": str(started)}
+        call = asyncio.ensure_future(host.call("b", [1], payload, timeout=30))
+        await wait_for_async(started.exists, 30, "the call inside the handler")
         os.kill(pid, signal.SIGKILL)
         return await call
 
@@ -301,10 +309,10 @@ def test_killed_worker_is_infra_error_then_restarted(
 
     async def kill_idle() -> str:
         os.kill(again.result["pid"], signal.SIGKILL)
-        for _ in range(200):  # noticed without any call: the replica's pidfd fires
-            if by_name(host)["b"]["replicas"][0]["state"] == "failed":
-                break
-            await asyncio.sleep(0.01)
+        # noticed without any call: the replica's pidfd fires
+        await wait_for_async(
+            lambda: by_name(host)["b"]["replicas"][0]["state"] == "failed", 2, "noticed"
+        )
         return str(by_name(host)["b"]["replicas"][0]["state"])
 
     assert complete(loop, kill_idle()) == "failed"
@@ -317,15 +325,17 @@ def test_killed_worker_is_infra_error_then_restarted(
 
 
 def test_remove_rejects_running_and_queued_calls(
-    setup: tuple[ServiceHost, list[Any]], loop: asyncio.AbstractEventLoop
+    setup: tuple[ServiceHost, list[Any]], loop: asyncio.AbstractEventLoop, tmp_path: Path
 ) -> None:
     """Removing a service ends its in-flight and queued calls 'rejected' and forgets it."""
     host, _ = setup
 
     async def remove_under_load() -> list[Any]:
-        running = asyncio.ensure_future(host.call("b", [1], {"x": 1, "sleep": 20}, timeout=30))
+        started = tmp_path / "started"
+        payload = {"x": 1, "sleep": 20, "started": str(started)}
+        running = asyncio.ensure_future(host.call("b", [1], payload, timeout=30))
         queued = asyncio.ensure_future(host.call("b", [1], {"x": 1}, timeout=30))
-        await asyncio.sleep(0.5)
+        await wait_for_async(started.exists, 30, "the first call inside the handler")
         await host.remove("b")
         return list(await asyncio.gather(running, queued))
 
