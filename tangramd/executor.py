@@ -14,7 +14,7 @@ import itertools
 import os
 import tarfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -56,6 +56,17 @@ class OpHandlers(Protocol):
     def handle_inline(self, ex: Executor, op: str, args: dict[str, Any], conn: ConnInfo) -> Any: ...
 
 
+class EnvRecords(Protocol):
+    """Where the persistent environments' records go (``RecordEnv`` / ``PersistEnvs``):
+    the state dir's journal in ``tangramd up``, the coordinator's SQLite store in a cluster."""
+
+    def load(self) -> dict[str, dict[str, Any]]: ...
+
+    def put(self, key: str, record: Mapping[str, Any] | None) -> None: ...
+
+    def replace(self, records: Iterable[Mapping[str, Any]]) -> None: ...
+
+
 class Executor:
     """Wires one ``Core`` to a backend and a socket server (the all-in-one daemon)."""
 
@@ -69,10 +80,11 @@ class Executor:
         clock: Callable[[], float] = time.monotonic,
         handlers: OpHandlers,
         services: ServiceHost | None = None,
+        env_records: EnvRecords | None = None,
         **server_options: Any,
     ) -> None:
         """``server_options`` go to the ``UnixServer`` (frame and connection limits, the
-        peer allowlist)."""
+        peer allowlist); ``env_records`` defaults to the state dir's journal."""
         self.core = core
         self.backend = backend
         self.services = services  # the node's GPU service host (None: no GPUs)
@@ -93,8 +105,8 @@ class Executor:
         self._soon: asyncio.Handle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._running_execs: dict[str, ev.RunExec] = {}  # handed to the backend, not ended
-        # the persistent environments' records (envs.json + envs.journal)
-        self._env_records = RecordJournal(
+        # the persistent environments' records (default: envs.json + envs.journal)
+        self._env_records: EnvRecords = env_records or RecordJournal(
             self.state_dir / "envs.json", valid=_is_env_record, problem="env_records_unreadable"
         )
         # TANGRAM_VALIDATE=1 (tests): check the core's invariants after every event
@@ -151,10 +163,6 @@ class Executor:
                 fut.set_exception(InfraError("daemon shutting down"))
         log.info("daemon_stopped")
 
-    def persist(self, event: ev.Event) -> None:
-        """Write what ``event`` changed that must survive a restart, before its commands
-        run (the all-in-one daemon persists profiles through ``PersistProfiles`` only)."""
-
     # ------------------------------------------------------------------ views of the mode
     def node_rows(self) -> list[dict[str, Any]]:
         """The ``nodes`` view: the one local node, always ready to itself."""
@@ -178,9 +186,10 @@ class Executor:
             if token is not None:
                 self._resolve(token, None, ("internal", "internal error; see daemon log"))
             return
-        self.persist(event)  # before any reply goes out
-        # Replies go out last, after a pass this event made due: an answer wakes its
-        # client, which may take the core before the next spawn request has left.
+        # Replies go out last: after the records the commands write (an answer never
+        # reveals what a restart would forget), and after a pass this event made due (an
+        # answer wakes its client, which may take the core before the next spawn request
+        # has left).
         replies: list[ev.Reply] = []
         try:
             for cmd in commands:

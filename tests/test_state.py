@@ -156,3 +156,30 @@ def test_story_of_an_unknown_id_names_what_it_accepts() -> None:
 
     with pytest.raises(NotFound, match="environment, session or lease"):
         make_core().read.story("e999", origin=0.0)
+
+
+def test_a_lost_node_is_recorded_by_commands_not_by_the_executor(tmp_path: Path) -> None:
+    """Persistence is commands in every mode: losing a node emits ``RecordEnv`` for its
+    persistent environments (lost for good, with ``lost_node``), and the coordinator's
+    SQLite sink stores exactly that record."""
+    from tangramd.cluster.store import Store, StoreEnvRecords
+
+    core = Core(CpuCluster([]), {}, CoreConfig())
+    core.handle(ev.NodeJoined(node="a", cores_by_numa=((0, 1),), mem_bytes=8 * GIB), 0.0)
+    (create,) = core.handle(ev.OpenEnv(token=1), 0.1)
+    out = core.handle(ev.EnvCreated(env_id=create.env_id), 0.2)
+    (created,) = [c for c in out if isinstance(c, ev.RecordEnv)]
+    assert created.record is not None and created.record["lost_node"] == ""
+
+    out = core.handle(ev.NodeLost(node="a", why="test"), 1.0)
+    (lost,) = [c for c in out if isinstance(c, ev.RecordEnv)]
+    assert lost.env_id == create.env_id
+    assert lost.record is not None and lost.record["lost_node"] == "a"
+
+    sink = StoreEnvRecords(Store(str(tmp_path)))
+    for cmd in (created, lost):
+        sink.put(cmd.env_id, cmd.record)
+    (row,) = sink.load().values()
+    assert row["id"] == create.env_id and row["node"] == "a" and row["lost_node"] == "a"
+    sink.put(create.env_id, None)
+    assert sink.load() == {}

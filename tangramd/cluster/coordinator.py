@@ -1,7 +1,7 @@
 """``tangramd coordinator``: the one global core over every node's pools.
 
 The coordinator is the all-in-one executor with its backend replaced by the nodes: the
-same :class:`~tangramd.core.Core` (queues, scheduler, environment book over a
+same :class:`~tangramd.state.Core` (queues, scheduler, environment book over a
 :class:`~tangram.pools.cpu.CpuCluster` whose nodes come and go), the same op handlers on
 its Unix socket, and a TLS link server for nodes. A command for a node (``CreateEnv``,
 ``RunExec``, ``RemoveEnv``) goes over that node's link; the node's answer comes back as
@@ -42,11 +42,11 @@ from tangramd import events as ev
 from tangramd.cluster.config import ClusterConfig
 from tangramd.cluster.link import Link, LinkClosed
 from tangramd.cluster.pki import CoordinatorPki
-from tangramd.cluster.registry import NodeRecord, Refused, Registry
-from tangramd.cluster.store import Store, StoredEnv
-from tangramd.core import Core
+from tangramd.cluster.registry import NodeRecord, NodeRegistry, Refused
+from tangramd.cluster.store import Store, StoreEnvRecords
 from tangramd.executor import Executor, OpHandlers
 from tangramd.lifecycle import loop_name
+from tangramd.state import Core
 from tangramd.transport import NOT_SYNC, ConnInfo, Later
 
 log = structlog.get_logger("tangramd")
@@ -79,20 +79,22 @@ class CoordinatorExecutor(Executor):
         handlers: OpHandlers,
         **server_options: Any,
     ) -> None:
+        store = Store(state_dir)
         super().__init__(
             core,
             _Nodes(),  # type: ignore[arg-type]  # commands go to nodes, see _create_env etc.
             socket_path,
             state_dir=state_dir,
             handlers=handlers,
+            env_records=StoreEnvRecords(store),  # RecordEnv reaches SQLite before replies
             **server_options,
         )
         self.handlers = handlers
         self.listen = listen
         self.cluster = cluster
         self.pki = pki
-        self.store = Store(state_dir)
-        self.registry = Registry(self.store)
+        self.store = store
+        self.registry = NodeRegistry(self.store)
         self.max_frame = int(server_options.get("max_frame", 16 << 20))
         self._link_server: asyncio.base_events.Server | None = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -159,24 +161,6 @@ class CoordinatorExecutor(Executor):
             self.feed(ev.EnvsRestored(envs=rows))
             log.info("envs_restored", count=len(rows))
 
-    def persist(self, event: ev.Event) -> None:
-        """Environments and their nodes reach SQLite before the answer that reveals them."""
-        if isinstance(event, ev.EnvCreated) and event.error is None:
-            self._store_env(event.env_id)
-        elif isinstance(event, ev.EnvRemoved):
-            self.store.drop_envs([event.env_id])
-        elif isinstance(event, ev.NodeLost):
-            for env in self.store.envs():
-                if env.node == event.node:
-                    self._store_env(env.id)
-
-    def _store_env(self, env_id: str) -> None:
-        row = self.core.env_record(env_id)
-        if row is None:
-            self.store.drop_envs([env_id])
-        else:
-            self.store.put_env(StoredEnv(**row))
-
     async def stop(self) -> None:
         """Stop serving; environments on nodes stay (nodes reconcile when it is back)."""
         if self._watchdog is not None:
@@ -195,7 +179,7 @@ class CoordinatorExecutor(Executor):
 
     # ------------------------------------------------------------------ views
     def node_rows(self) -> list[dict[str, Any]]:
-        rows = {row["name"]: row for row in self.core.node_rows()}
+        rows = {row["name"]: row for row in self.core.read.node_rows()}
         now = self.clock()
         out = []
         for rec in sorted(self.registry.nodes.values(), key=lambda r: r.name):
@@ -289,7 +273,7 @@ class CoordinatorExecutor(Executor):
         one fact the core adds that the node lacks), then reports the outcome: one link
         round trip less per action. The core's reply to it then goes nowhere (see
         :meth:`_on_exec_done`); the answer is the same ``ExecResult.placed``."""
-        answer = self.core.exec_reply(cmd.action_id)
+        answer = self.core.read.exec_reply(cmd.action_id)
         if answer is None:
             return None
         token, queue_s = answer
@@ -391,7 +375,7 @@ class CoordinatorExecutor(Executor):
         rec, was_lost = self.registry.attach(name, link, cores, mem, self.clock())
         rec.backend, rec.gpus, rec.restored = backend, gpus, False
         self.feed(ev.NodeJoined(node=name, cores_by_numa=cores, mem_bytes=mem))
-        work = self.core.node_work(name)
+        work = self.core.read.node_work(name)
         welcome = make_message(
             "welcome",
             name=name,
@@ -400,7 +384,9 @@ class CoordinatorExecutor(Executor):
             heartbeat_timeout_s=self.cluster.heartbeat_timeout_s,
             keep=work["keep"],
             # what it still runs that the core has ended (lost meanwhile): it kills them
-            cancel=[a for a in _str_list(hello, "running") if self.core.action_node(a) != name],
+            cancel=[
+                a for a in _str_list(hello, "running") if self.core.read.action_node(a) != name
+            ],
         )
         link.send(welcome)
         if not was_lost:
@@ -477,21 +463,21 @@ class CoordinatorExecutor(Executor):
         if later is not None and msg.get("answered") is True:
             self._forwarded.pop(later, None)  # its client has the answer
         # not ended already (node lost, resumed), and this node's
-        if self.core.action_node(action_id) == rec.name:
+        if self.core.read.action_node(action_id) == rec.name:
             result = ExecResult.from_wire(msg["result"])
             self.feed(ev.ExecFinished(action_id, result, env_lost=bool(msg.get("env_lost"))))
         link.defer(make_message("ack", key=str(msg["key"])))  # see Link.defer
 
     def _on_env_created(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         env_id = str(msg["env_id"])
-        if self.core.env_node(env_id) == rec.name:
+        if self.core.read.env_node(env_id) == rec.name:
             error = msg.get("error")
             self.feed(ev.EnvCreated(env_id=env_id, error=None if error is None else str(error)))
         link.send(make_message("ack", key=str(msg["key"])))
 
     def _on_env_removed(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         env_id = str(msg["env_id"])
-        if self.core.env_node(env_id) == rec.name:
+        if self.core.read.env_node(env_id) == rec.name:
             self.feed(ev.EnvRemoved(env_id=env_id))
         link.send(make_message("ack", key=str(msg["key"])))
 

@@ -10,12 +10,14 @@ config file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -119,3 +121,35 @@ class Store:
 
     def drop_envs(self, ids: Iterable[str]) -> None:
         self.db.executemany("DELETE FROM envs WHERE id = ?", [(i,) for i in ids])
+
+
+class StoreEnvRecords:
+    """The coordinator's end of the core's ``RecordEnv`` / ``PersistEnvs`` commands: the
+    environments' rows of its SQLite store (what ``tangramd.executor.EnvRecords`` asks)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def load(self) -> dict[str, dict[str, Any]]:
+        return {e.id: dataclasses.asdict(e) for e in self.store.envs()}
+
+    def put(self, key: str, record: Mapping[str, Any] | None) -> None:
+        if record is None:
+            self.store.drop_envs([key])
+            return
+        self.store.put_env(
+            StoredEnv(
+                id=str(record["id"]),
+                trajectory=str(record["trajectory"]),
+                node=str(record["node"]),
+                image=record.get("image"),
+                mem=int(record["mem"]),
+                lost_node=str(record.get("lost_node") or ""),
+            )
+        )
+
+    def replace(self, records: Iterable[Mapping[str, Any]]) -> None:
+        rows = list(records)
+        self.store.drop_envs([e.id for e in self.store.envs()])
+        for record in rows:
+            self.put(str(record["id"]), record)

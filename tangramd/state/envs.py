@@ -185,6 +185,7 @@ class EnvBook:
             "image": e.image,
             "mem": e.mem,
             "owner": list(e.owner) if e.owner is not None else None,
+            "lost_node": e.lost_node,  # lost with its node (a coordinator's record)
         }
 
     # ------------------------------------------------------------------ changes

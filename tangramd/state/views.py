@@ -179,21 +179,6 @@ class ReadModel:
         ]
         return {"keep": keep, "creating": creating, "closing": closing, "running": running}
 
-    def env_record(self, env_id: str) -> dict[str, Any] | None:
-        """A persistent environment as the coordinator stores it (None: gone, throwaway,
-        or not yet created)."""
-        env = self.core.envs.get(env_id)
-        if env is None or env.throwaway or env.state not in ("ready", "lost"):
-            return None
-        return {
-            "id": env.id,
-            "trajectory": env.trajectory,
-            "node": env.node,
-            "image": env.image,
-            "mem": env.mem,
-            "lost_node": env.lost_node,
-        }
-
     def env_node(self, env_id: str) -> str | None:
         """The node holding an environment (None: unknown or not placed)."""
         env = self.core.envs.get(env_id)

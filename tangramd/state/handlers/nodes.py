@@ -46,6 +46,7 @@ def node_lost(core: Core, e: ev.NodeLost, now: float, out: list[ev.Command]) -> 
     cause = core.stimulus
     core.envs.give_up(e.node)
     on_node = [env for env in core.envs if env.node == e.node]
+    persistent = [env.id for env in on_node if not env.throwaway]
     ids = {env.id for env in on_node}
     moving: list[EnvRec] = []
     for rec in core.actions:
@@ -82,6 +83,12 @@ def node_lost(core: Core, e: ev.NodeLost, now: float, out: list[ev.Command]) -> 
                 finish_action(
                     core, core.actions[aid], now, out, outcome="infra_error", detail=exc.message
                 )
+    if core.cfg.record_envs:  # what survives a restart: lost for good, or gone
+        for env_id in persistent:
+            gone_or_lost = core.envs.get(env_id)
+            kept = gone_or_lost is not None and gone_or_lost.state in ("ready", "lost")
+            record = core.envs.record(gone_or_lost) if kept and gone_or_lost else None
+            out.append(ev.RecordEnv(env_id=env_id, record=record, cause=cause))
     core.passer.dirty = True
 
 
