@@ -21,12 +21,20 @@ from pathlib import Path
 import docker
 import pytest
 
+from tangram.testing import wait_for
 from tangramd.backends.base import EnvError
 from tangramd.backends.docker import AGENT_SOCK, DockerBackend
 
 # A helper module with asserts, not a test module: have pytest rewrite them too.
 pytest.register_assert_rewrite("backend_conformance")
-from backend_conformance import BOTH_CORES, BackendConformance, ex, new_env, req  # noqa: E402
+from backend_conformance import (  # noqa: E402
+    BOTH_CORES,
+    BackendConformance,
+    ex,
+    new_env,
+    req,
+    until_started,
+)
 
 pytestmark = pytest.mark.docker
 
@@ -111,14 +119,12 @@ def test_timeout_leaves_no_stray_processes(backend):
     cmd = "sleep 300 & setsid sleep 301 & (sleep 302 &); echo started; sleep 303"
     result = ex(backend, env, cmd, timeout_s=1.0)
     assert (result.outcome, result.stdout) == ("timeout", "started\n")
-    deadline = time.monotonic() + 5
-    while True:
-        ps = ex(backend, env, ["ps", "-eo", "stat,args"])
-        strays = [ln for ln in ps.stdout.splitlines() if "sleep 30" in ln and "Z" not in ln[:2]]
-        if not strays or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert strays == [], ps.stdout
+
+    def strays() -> list[str]:
+        ps = ex(backend, env, ["ps", "-eo", "stat,args"]).stdout.splitlines()
+        return [ln for ln in ps if "sleep 30" in ln and "Z" not in ln[:2]]
+
+    wait_for(lambda: not strays(), 5, "no stray sleep left", every_s=0.2)
 
 
 def test_container_removed_behind_our_back(client, backend):
@@ -139,8 +145,9 @@ def test_container_died_during_exec(client, backend):
     (info,) = owned(client, backend)
 
     async def scenario():
-        running = asyncio.ensure_future(backend.exec(req(env, ["sleep", "30"])))
-        await asyncio.sleep(0.5)
+        cmd = ["sh", "-c", "touch started; exec sleep 30"]
+        running = asyncio.ensure_future(backend.exec(req(env, cmd)))
+        await until_started(backend, env)
         await asyncio.to_thread(client.api.kill, info["Id"])
         return await asyncio.wait_for(running, 20)
 

@@ -21,6 +21,7 @@ from backend_conformance import (  # noqa: E402
     lodger_of,
     new_env,
     req,
+    until_started,
 )
 from hostile_user import local_user  # noqa: E402
 
@@ -251,8 +252,8 @@ def test_no_daemon_thread_in_an_exec_cgroup(tmp_path, version):
     async def scenario() -> tuple[set[int], set[int]]:
         env = "e1"
         await b.create_env(env, None, None)
-        task = asyncio.create_task(b.exec(req(env, "sleep 1", BOTH_CORES)))
-        await asyncio.sleep(0.4)
+        task = asyncio.create_task(b.exec(req(env, "touch started; sleep 1", BOTH_CORES)))
+        await until_started(b, env)
         assert b.cgroups is not None
         cgroup = b.cgroups.for_cores(BOTH_CORES)
         members = set(b.cgroups.pids(cgroup))

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backend_conformance import BOTH_CORES, lodger_of, new_env, req
+from backend_conformance import BOTH_CORES, lodger_of, new_env, req, until_started
 from hostile_user import local_user
 
+from tangram.testing import wait_for_async
 from tangramd.backends.base import EXEC_OOM_SCORE_ADJ
 from tangramd.backends.forkserver import _load_native
 from tangramd.backends.process import ProcessBackend
@@ -90,8 +91,9 @@ def test_a_dead_spawner_fails_its_exec_and_is_replaced(tmp_path):
     env = new_env(b)
 
     async def scenario() -> tuple[str, str, str]:
-        running = asyncio.ensure_future(b.exec(req(env, ["sleep", "30"], BOTH_CORES)))
-        await asyncio.sleep(0.5)
+        cmd = ["sh", "-c", "touch started; exec sleep 30"]
+        running = asyncio.ensure_future(b.exec(req(env, cmd, BOTH_CORES)))
+        await until_started(b, env)
         pid = b._spawner.pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
@@ -192,8 +194,9 @@ def test_a_dead_lodger_fails_its_exec_and_is_replaced(tmp_path):
     async def scenario() -> tuple[str, str, str, int, int]:
         await b.exec(req(env, ["true"], BOTH_CORES))
         lodger = await lodger_of(b, BOTH_CORES)
-        running = asyncio.ensure_future(b.exec(req(env, ["sleep", "30"], BOTH_CORES)))
-        await asyncio.sleep(0.5)
+        cmd = ["sh", "-c", "touch started; exec sleep 30"]
+        running = asyncio.ensure_future(b.exec(req(env, cmd, BOTH_CORES)))
+        await until_started(b, env)
         os.kill(lodger, signal.SIGKILL)
         first = await asyncio.wait_for(running, 10)
         again = await b.exec(req(env, ["echo", "again"], BOTH_CORES))
@@ -262,12 +265,13 @@ def test_a_lodger_that_cannot_join_is_not_asked_for_again(tmp_path):
                         await spawner.spawn(request, stdio)
                     except SpawnError as e:
                         errors.append(str(e))
-                if attempt == 0:
-                    for _ in range(500):  # the lodger is forked, told to join, and refused
-                        if bogus in spawner._refused and not spawner.lodger_pids:
-                            break
-                        await asyncio.sleep(0.01)
-            await asyncio.sleep(0.2)
+                if attempt == 0:  # the lodger is forked, told to join, and refused
+                    await wait_for_async(
+                        lambda: bogus in spawner._refused and not spawner.lodger_pids,
+                        5,
+                        "the lodger refused",
+                    )
+            await asyncio.sleep(0.2)  # the window a second lodger would appear in: none may
             return (
                 errors[0],
                 errors[1],
@@ -339,11 +343,10 @@ def test_a_lodger_is_a_subreaper_and_says_when_nothing_is_left(tmp_path, monkeyp
         left = await b.exec(req(env, ["sh", "-c", escape], (1,)))
         assert b.cgroups is not None
         members = b.cgroups.pids(b.cgroups.for_cores((1,)))
-        for _ in range(200):  # the swept grandchild's zombie is the lodger's to reap
-            kids = Path(f"/proc/{lodger}/task/{lodger}/children").read_text().split()
-            if not kids:
-                break
-            await asyncio.sleep(0.01)
+        children = Path(f"/proc/{lodger}/task/{lodger}/children")
+        # the swept grandchild's zombie is the lodger's to reap
+        await wait_for_async(lambda: not children.read_text().split(), 2, "the zombie reaped")
+        kids = children.read_text().split()
         again = await b.exec(req(env, ["true"], (1,)))
         return lodger, [clean.outcome, left.outcome, left.stdout, again.outcome], members, kids
 
@@ -384,8 +387,9 @@ def test_a_lodger_answers_a_quick_command_with_its_exit(tmp_path, monkeypatch):
         lone = await b.exec(req(env, quick, (1,)))
         lone_seen = list(seen)
         other = asyncio.ensure_future(b.exec(req(env, ["sleep", "5"], (0,), action_id="other")))
-        while not b._running or next(iter(b._running)).child is None:
-            await asyncio.sleep(0.01)  # in flight, its pid back
+        await wait_for_async(  # in flight, its pid back
+            lambda: b._running and next(iter(b._running)).child is not None, 10, "other's pid"
+        )
         seen.clear()
         lodged = await b.exec(req(env, quick, (1,)))
         slow = await b.exec(req(env, ["sh", "-c", "sleep 0.1; echo late"], (1,)))

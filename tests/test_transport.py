@@ -29,6 +29,7 @@ from tangram import (
 )
 from tangram.client import SYSTEM_SOCKET, default_socket_path
 from tangram.protocol import FrameDecoder, encode, make_request
+from tangram.testing import wait_for, wait_for_async
 from tangramd.transport import ConnInfo, UnixServer
 
 pytestmark = pytest.mark.timeout(30)
@@ -290,11 +291,9 @@ def test_sync_client_reconnects_after_idle_close() -> None:
         async with serving(idle_timeout_s=0.1) as (server, _):
 
             def work() -> None:
-                import time
-
                 with Client(server.path) as client:
                     client.ping()
-                    time.sleep(0.4)  # the server closes the idle connection meanwhile
+                    wait_for(lambda: server.connections == 0, 5, "the idle connection closed")
                     assert client.ping()["pong"] is True
 
             await asyncio.to_thread(work)
@@ -311,7 +310,7 @@ def test_async_client_reconnects_after_idle_close() -> None:
             AsyncClient(server.path) as client,
         ):
             await client.ping()
-            await asyncio.sleep(0.4)
+            await wait_for_async(lambda: server.connections == 0, 5, "the idle connection closed")
             assert (await client.ping())["pong"] is True
 
     run_async_test(main)
@@ -348,8 +347,7 @@ def test_client_disconnect_mid_request() -> None:
             raw.close()
             await asyncio.wait_for(conn.closed.wait(), 2)
             assert closed == [conn.id]
-            await asyncio.sleep(0.35)
-            assert daemon.finished == [77]  # ran to completion
+            await wait_for_async(lambda: daemon.finished == [77], 5, "the handler ran to its end")
             async with AsyncClient(server.path) as client:
                 assert (await client.ping())["pong"] is True
 
@@ -652,10 +650,7 @@ def test_an_answer_resolved_in_a_turn_is_written_at_the_end_of_that_turn() -> No
             client.connect(server.path)
             client.setblocking(False)
             client.sendall(encode(make_request(1, "x", {})) + encode(make_request(2, "x", {})))
-            for _ in range(500):
-                if len(owed) == 2:
-                    break
-                await asyncio.sleep(0.001)
+            await wait_for_async(lambda: len(owed) == 2, 5, "both requests read", every_s=0.001)
 
             def readable() -> bool:
                 return bool(select.select([client], [], [], 0)[0])
@@ -738,13 +733,12 @@ def test_local_connection_takes_the_socket_path_without_the_socket() -> None:
             waiting = loop.create_task(client.request("sleep", {"s": 0.2, "tag": 7}))
             await daemon.started.wait()
             waiting.cancel()
-            await asyncio.sleep(0.3)
-            assert daemon.finished == [7]
+            await wait_for_async(lambda: daemon.finished == [7], 5, "the handler ran to its end")
             conn = daemon.conns[-1]
             closed: list[int] = []
             conn.on_close(lambda c: closed.append(c.id))
             pending = loop.create_task(client.request("owed", {}))
-            await asyncio.sleep(0.01)
+            await wait_for_async(lambda: owed, 5, "the request reached the handler")
             await server.close()  # never started: only the in-process connection to close
             with pytest.raises(ShuttingDown):
                 await pending
