@@ -1,4 +1,7 @@
-"""Cluster mode with real daemons: a coordinator and nodes as subprocesses on loopback.
+"""Cluster mode with real daemons: a coordinator and nodes on loopback, in this process
+(``InProcessCluster``: the real daemons, link, TLS and process backend on one event loop;
+the command lines through click's runner). The end-to-end path with subprocesses is
+tests/test_cluster_restart.py's.
 
 Two nodes share this small host's cores (``--cpus 0`` and ``--cpus 1``); heartbeats are
 fast so failures show within seconds. Every wait is bounded.
@@ -9,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,21 +19,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 from tangram import AsyncClient, Client, EnvLost
 from tangram.protocol import OPS, BadRequest, InfraError, NotFound, UnknownOp
+from tangramctl.main import cli
 from tangramd.cluster.testing import (
-    Daemon,
+    InProcessCluster,
+    InProcessDaemon,
     check_clean,
     node_row,
-    spawn_coordinator,
-    spawn_node,
     stop_all,
     wait_for,
     wait_node_state,
 )
+from tangramd.main import cli as tangramd_cli
 
-HEARTBEAT_TIMEOUT_S = 2.0
+HEARTBEAT_TIMEOUT_S = 1.0
 CONFIG = f"""
 [cluster]
 heartbeat_s = 0.25
@@ -48,20 +51,29 @@ CPUS_A, CPUS_B = str(CORES[0]), str(CORES[-1])  # the same core on a one-core ho
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[dict[str, Daemon]]:
-    """A coordinator and two joined nodes, ``a`` and ``b``; logs must stay clean."""
-    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
-    daemons = {"coordinator": coord}
-    try:
-        daemons["a"] = spawn_node(tmp_path, coord, "a", cpus=CPUS_A, env=ENV)
-        daemons["b"] = spawn_node(tmp_path, coord, "b", cpus=CPUS_B, env=ENV)
+def here(tmp_path: Path) -> Iterator[InProcessCluster]:
+    """Daemons in this process (validated after every event); none outlives the test."""
+    with InProcessCluster(tmp_path, env=ENV) as daemons:
         yield daemons
-    finally:
-        for daemon in reversed(list(daemons.values())):
-            if daemon.proc.poll() is None:
-                daemon.stop()
-    for daemon in daemons.values():
-        check_clean(daemon)
+
+
+@pytest.fixture
+def cluster(here: InProcessCluster) -> Iterator[dict[str, InProcessDaemon]]:
+    """A coordinator and two joined nodes, ``a`` and ``b``; logs must stay clean."""
+    coord = here.coordinator(CONFIG)
+    daemons = {"coordinator": coord}
+    daemons["a"] = here.node(coord, "a", cpus=CPUS_A)
+    daemons["b"] = here.node(coord, "b", cpus=CPUS_B)
+    yield daemons
+    stop_all(list(daemons.values()))
+    check_clean(*daemons.values())
+
+
+def ctl(daemon: InProcessDaemon, *args: str) -> str:
+    """``tangramctl --socket <daemon's> ARGS`` in this process; its output."""
+    result = CliRunner().invoke(cli, ["--socket", daemon.socket, *args])
+    assert result.exit_code == 0, result.output
+    return result.output
 
 
 def _env_on(c: Client, node: str, tries: int = 8) -> str:
@@ -73,7 +85,9 @@ def _env_on(c: Client, node: str, tries: int = 8) -> str:
     raise AssertionError(f"no environment landed on {node} in {tries} tries")
 
 
-def test_exec_through_a_node_runs_where_its_environment_is(cluster: dict[str, Daemon]) -> None:
+def test_exec_through_a_node_runs_where_its_environment_is(
+    cluster: dict[str, InProcessDaemon],
+) -> None:
     """An exec sent to node a's socket runs on the node holding its env, within its cores."""
     cpus = {"a": {int(CPUS_A)}, "b": {int(CPUS_B)}}
     with cluster["a"].client() as c:
@@ -99,7 +113,7 @@ def test_exec_through_a_node_runs_where_its_environment_is(cluster: dict[str, Da
 
 
 def test_exec_results_through_a_node_carry_the_cores_facts(
-    cluster: dict[str, Daemon],
+    cluster: dict[str, InProcessDaemon],
 ) -> None:
     """An exec's answer through a node, run on that node or another, carries the facts the
     core adds (action id, time queued, cores, node); the coordinator has its outcome before
@@ -131,7 +145,9 @@ def test_exec_results_through_a_node_carry_the_cores_facts(
     assert answered["b"][remote.action_id] is False
 
 
-def test_execs_through_a_node_each_get_their_own_answer(cluster: dict[str, Daemon]) -> None:
+def test_execs_through_a_node_each_get_their_own_answer(
+    cluster: dict[str, InProcessDaemon],
+) -> None:
     """Execs a node forwards are answered without a task on either side: many at once on
     one connection each get their own answer, on both nodes; an exec with files runs in a
     task on its node and brings its files back; refusals and errors are answered too."""
@@ -165,7 +181,7 @@ def test_execs_through_a_node_each_get_their_own_answer(cluster: dict[str, Daemo
         assert {row["name"]: row["running"] for row in c.nodes()} == {"a": 0, "b": 0}
 
 
-def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, Daemon]) -> None:
+def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, InProcessDaemon]) -> None:
     """Each op of the table, forwarded by a node, answers exactly its documented fields;
     cluster.join answers on the coordinator and is refused through a node (it is secret),
     as is node.lost (it could take any node down)."""
@@ -231,41 +247,40 @@ def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, Daemon
     assert answers["exec"]["node"] in ("a", "b")
 
 
-def test_wrong_token_is_refused_on_both_sides(tmp_path: Path) -> None:
+def test_wrong_token_is_refused_on_both_sides(here: InProcessCluster) -> None:
     """A node with a wrong token exits 1 saying so; the coordinator logs the refusal."""
-    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
-    try:
-        node = spawn_node(tmp_path, coord, "x", token="not-the-token", wait_ready=False)
-        assert node.proc.wait(30) == 1
-        assert "wrong join token" in node.log()
-        assert "refused the join" in node.log()
-        wait_for(lambda: "node_refused" in coord.log(), 10, "coordinator logs the refusal")
-        assert node_row(coord, "x") is None
-    finally:
-        coord.stop()
+    coord = here.coordinator(CONFIG)
+    node = here.node(coord, "x", token="not-the-token", wait_ready=False)
+    assert node.wait(30) == 1
+    assert "wrong join token" in node.log()
+    assert "refused the join" in node.log()
+    wait_for(lambda: "node_refused" in coord.log(), 10, "coordinator logs the refusal")
+    assert node_row(coord, "x") is None
+    coord.stop()
     check_clean(coord)
 
 
-def test_wrong_ca_hash_is_refused_before_the_token_is_sent(tmp_path: Path) -> None:
+def test_wrong_ca_hash_is_refused_before_the_token_is_sent(here: InProcessCluster) -> None:
     """A node pinned to another CA names the expected and actual hash and never sends its
     token; the coordinator logs that the node rejected it."""
-    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
+    coord = here.coordinator(CONFIG)
     wrong = "sha256:" + "0" * 64
-    try:
-        node = spawn_node(tmp_path, coord, "x", ca_sha256=wrong, wait_ready=False)
-        assert node.proc.wait(30) == 1
-        log = node.log()
-        assert f"expected {wrong}" in log and f"got {coord.join['ca_sha256']}" in log
-        wait_for(lambda: "node_rejected_coordinator" in coord.log(), 10, "coordinator log")
-        assert "node_refused" not in coord.log()  # no hello (and so no token) ever arrived
-    finally:
-        coord.stop()
+    node = here.node(coord, "x", ca_sha256=wrong, wait_ready=False)
+    assert node.wait(30) == 1
+    log = node.log()
+    assert f"expected {wrong}" in log and f"got {coord.join['ca_sha256']}" in log
+    wait_for(lambda: "node_rejected_coordinator" in coord.log(), 10, "coordinator log")
+    assert "node_refused" not in coord.log()  # no hello (and so no token) ever arrived
+    coord.stop()
     check_clean(coord)
 
 
-def test_killed_node_ends_its_actions_and_loses_its_envs(cluster: dict[str, Daemon]) -> None:
-    """SIGKILL of node b: its running action ends infra_error naming b within the timeout,
-    its env answers env_lost, b shows lost, and node a keeps working."""
+def test_killed_node_ends_its_actions_and_loses_its_envs(
+    cluster: dict[str, InProcessDaemon],
+) -> None:
+    """Node b killed (its link reset, no goodbye): its running action ends infra_error
+    naming b within the timeout, its env answers env_lost, b shows lost, and node a keeps
+    working."""
     with cluster["a"].client() as c:
         env_b = _env_on(c, "b")
         env_a = _env_on(c, "a")
@@ -298,107 +313,68 @@ def test_killed_node_ends_its_actions_and_loses_its_envs(cluster: dict[str, Daem
     assert "node_lost" in cluster["coordinator"].log()
 
 
-def test_drained_node_gets_no_new_trajectories(cluster: dict[str, Daemon]) -> None:
+def test_drained_node_gets_no_new_trajectories(cluster: dict[str, InProcessDaemon]) -> None:
     """After `tangramctl node drain a` new environments land on b only; a's existing
     environment keeps working; undrain makes a eligible again."""
     with cluster["a"].client() as c:
         env_a = _env_on(c, "a")
-    ctl = [sys.executable, "-m", "tangramctl.main", "--socket", cluster["b"].socket]
-    subprocess.run([*ctl, "node", "drain", "a"], check=True, timeout=30)
+    ctl(cluster["b"], "node", "drain", "a")
     with cluster["a"].client() as c:
         assert node_row(cluster["coordinator"], "a")["state"] == "draining"
         placed = {c.request("env.open", {})["node"] for _ in range(4)}
         assert placed == {"b"}
         assert c.exec(["true"], env=env_a).node == "a"
         assert c.exec(["true"]).node == "b"
-    subprocess.run([*ctl, "node", "undrain", "a"], check=True, timeout=30)
-    out = subprocess.run([*ctl, "nodes", "--json"], check=True, timeout=30, capture_output=True)
-    states = {row["name"]: row["state"] for row in json.loads(out.stdout)["nodes"]}
+    ctl(cluster["b"], "node", "undrain", "a")
+    out = ctl(cluster["b"], "nodes", "--json")
+    states = {row["name"]: row["state"] for row in json.loads(out)["nodes"]}
     assert states == {"a": "ready", "b": "ready"}
     with cluster["a"].client() as c:
         assert _env_on(c, "a")  # a takes new trajectories again (it is now the lighter)
 
 
-def test_rotated_token_keeps_joined_nodes(tmp_path: Path) -> None:
+def test_rotated_token_keeps_joined_nodes(here: InProcessCluster) -> None:
     """`cluster join --rotate` stops the old token; a joined node restarted with it still
     rejoins with its credential; a new node needs the new token."""
-    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
-    daemons = [coord]
-    try:
-        a = spawn_node(tmp_path, coord, "a", cpus=CPUS_A, env=ENV)
-        daemons.append(a)
-        old = coord.join["token"]
-        ctl = [sys.executable, "-m", "tangramctl.main", "--socket", coord.socket]
-        out = subprocess.run(
-            [*ctl, "cluster", "join", "--rotate", "--json"],
-            check=True,
-            timeout=30,
-            capture_output=True,
-        )
-        rotated = json.loads(out.stdout)
-        assert rotated["token"] != old and rotated["ca_sha256"] == coord.join["ca_sha256"]
-        line = subprocess.run(
-            [*ctl, "cluster", "join"], check=True, timeout=30, capture_output=True, text=True
-        ).stdout
-        assert f"--token {rotated['token']}" in line and "tangramd node --coordinator" in line
-        assert a.stop() == 0
-        wait_node_state(coord, "a", "lost", 10)
-        a = spawn_node(tmp_path, coord, "a", cpus=CPUS_A, token=old, env=ENV)
-        daemons.append(a)
-        with a.client() as c:
-            assert c.exec(["true"]).node == "a"
-        stale = spawn_node(tmp_path, coord, "c", token=old, wait_ready=False)
-        assert stale.proc.wait(30) == 1 and "wrong join token" in stale.log()
-        coord.join = rotated
-        daemons.append(spawn_node(tmp_path, coord, "c", cpus=CPUS_B, env=ENV))
-    finally:
-        stop_all(daemons)
+    coord = here.coordinator(CONFIG)
+    a = here.node(coord, "a", cpus=CPUS_A)
+    old = coord.join["token"]
+    rotated = json.loads(ctl(coord, "cluster", "join", "--rotate", "--json"))
+    assert rotated["token"] != old and rotated["ca_sha256"] == coord.join["ca_sha256"]
+    line = ctl(coord, "cluster", "join")
+    assert f"--token {rotated['token']}" in line and "tangramd node --coordinator" in line
+    assert a.stop() == 0
+    wait_node_state(coord, "a", "lost", 10)
+    a = here.node(coord, "a", cpus=CPUS_A, token=old)
+    with a.client() as c:
+        assert c.exec(["true"]).node == "a"
+    stale = here.node(coord, "c", token=old, wait_ready=False)
+    assert stale.wait(30) == 1 and "wrong join token" in stale.log()
+    coord.join = rotated
+    here.node(coord, "c", cpus=CPUS_B)
+    stop_all(here.daemons)
     check_clean(coord)
 
 
-def test_gateway_node_forwards_without_offering_cores(tmp_path: Path) -> None:
+def test_gateway_node_forwards_without_offering_cores(here: InProcessCluster) -> None:
     """A node started with --cpus '' offers no cores: its clients' work runs elsewhere."""
-    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
-    daemons = [coord]
-    try:
-        daemons.append(spawn_node(tmp_path, coord, "worker", cpus=CPUS_A, env=ENV))
-        gateway = spawn_node(tmp_path, coord, "gw", cpus="", env=ENV)
-        daemons.append(gateway)
-        with gateway.client() as c:
-            assert c.exec(["true"]).node == "worker"
-            rows = {row["name"]: row for row in c.nodes()}
-        assert rows["gw"]["cores"] == 0 and rows["gw"]["state"] == "ready"
-    finally:
-        stop_all(daemons)
+    coord = here.coordinator(CONFIG)
+    here.node(coord, "worker", cpus=CPUS_A)
+    gateway = here.node(coord, "gw", cpus="")
+    with gateway.client() as c:
+        assert c.exec(["true"]).node == "worker"
+        rows = {row["name"]: row for row in c.nodes()}
+    assert rows["gw"]["cores"] == 0 and rows["gw"]["state"] == "ready"
 
 
-def test_node_reports_its_gpus(tmp_path: Path) -> None:
+def test_node_reports_its_gpus(here: InProcessCluster) -> None:
     """GPUs of the node's [gpu] inventory (here simulated, NVML off) are its capacity in
     `nodes --json`; a node without any reports none."""
-    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
-    daemons = [coord]
+    coord = here.coordinator(CONFIG)
     gpu_config = "[gpu]\nnvml = false\nsimulated = { count = 2, mem_gb = 16, h2d_gbps = 10 }\n"
-    try:
-        daemons.append(spawn_node(tmp_path, coord, "g", cpus=CPUS_A, env=ENV, config=gpu_config))
-        daemons.append(spawn_node(tmp_path, coord, "c", cpus=CPUS_B, env=ENV))
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tangramctl.main",
-                "--socket",
-                daemons[1].socket,
-                "nodes",
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-        rows = {row["name"]: row for row in json.loads(out)["nodes"]}
-    finally:
-        stop_all(daemons)
+    gpu_node = here.node(coord, "g", cpus=CPUS_A, config=gpu_config)
+    here.node(coord, "c", cpus=CPUS_B)
+    rows = {row["name"]: row for row in json.loads(ctl(gpu_node, "nodes", "--json"))["nodes"]}
     assert rows["g"]["gpus"] == 2 and rows["c"]["gpus"] == 0
     assert rows["g"]["gpu_list"] == [
         {"local": k, "name": "simulated", "mem_bytes": 16 * 10**9, "simulated": True}
@@ -407,16 +383,14 @@ def test_node_reports_its_gpus(tmp_path: Path) -> None:
     assert rows["c"]["gpu_list"] == []
 
 
-def test_node_without_coordinator_answers_infra_error(tmp_path: Path) -> None:
+def test_node_without_coordinator_answers_infra_error(here: InProcessCluster) -> None:
     """A client of a node whose coordinator is gone gets a typed infra_error, not a hang."""
-    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
-    node = spawn_node(tmp_path, coord, "a", cpus=CPUS_A, env=ENV)
-    try:
-        coord.kill()
-        with node.client() as c:
-            wait_for(lambda: _raises_infra(c), HEARTBEAT_TIMEOUT_S + 10, "infra_error")
-    finally:
-        node.stop()
+    coord = here.coordinator(CONFIG)
+    node = here.node(coord, "a", cpus=CPUS_A)
+    coord.kill()
+    with node.client() as c:
+        wait_for(lambda: _raises_infra(c), HEARTBEAT_TIMEOUT_S + 10, "infra_error")
+    node.stop()
     check_clean(node)
 
 
@@ -428,7 +402,7 @@ def _raises_infra(c: Client) -> bool:
     return False
 
 
-def test_garbage_on_the_node_port_never_crashes_the_coordinator(tmp_path: Path) -> None:
+def test_garbage_on_the_node_port_never_crashes_the_coordinator(here: InProcessCluster) -> None:
     """Plain bytes, TLS garbage, a huge length prefix and malformed hellos are refused or
     dropped; the coordinator keeps serving and logs no traceback."""
     import socket
@@ -437,7 +411,7 @@ def test_garbage_on_the_node_port_never_crashes_the_coordinator(tmp_path: Path) 
     from tangram.protocol.codec import encode
     from tangramd.cluster.link import split_host_port
 
-    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
+    coord = here.coordinator(CONFIG)
     host, port = split_host_port(coord.join["coordinator"])
     ctx = ssl.create_default_context()
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
@@ -453,57 +427,42 @@ def test_garbage_on_the_node_port_never_crashes_the_coordinator(tmp_path: Path) 
                 chunks.append(chunk)
             return b"".join(chunks)
 
-    try:
-        with socket.create_connection((host, port), timeout=10) as raw:
-            raw.sendall(b"GET / HTTP/1.0\r\n\r\n" * 10)
-            raw.settimeout(10)
-            assert raw.recv(65536) is not None  # the TLS server answers or closes
-        assert b"refused" in tls_send(encode({"t": "hello", "name": 7}))
-        assert b"refused" in tls_send(encode({"t": "hello", "name": "x", "cores_by_numa": "0"}))
-        assert b"refused" in tls_send(encode({"t": "bogus"}))
-        tls_send(b"\xff\xff\xff\xff" + b"x" * 100)  # a 4 GiB frame is never buffered
-        tls_send(b"\x00\x00\x00\x02\xc1\xc1")  # not msgpack
-        with coord.client() as c:
-            assert c.ping()["pong"] is True
-            assert c.nodes() == []
-    finally:
-        coord.stop()
+    with socket.create_connection((host, port), timeout=10) as raw:
+        raw.sendall(b"GET / HTTP/1.0\r\n\r\n" * 10)
+        raw.settimeout(10)
+        assert raw.recv(65536) is not None  # the TLS server answers or closes
+    assert b"refused" in tls_send(encode({"t": "hello", "name": 7}))
+    assert b"refused" in tls_send(encode({"t": "hello", "name": "x", "cores_by_numa": "0"}))
+    assert b"refused" in tls_send(encode({"t": "bogus"}))
+    tls_send(b"\xff\xff\xff\xff" + b"x" * 100)  # a 4 GiB frame is never buffered
+    tls_send(b"\x00\x00\x00\x02\xc1\xc1")  # not msgpack
+    with coord.client() as c:
+        assert c.ping()["pong"] is True
+        assert c.nodes() == []
+    coord.stop()
     check_clean(coord)
 
 
 def test_insecure_is_refused_off_loopback(tmp_path: Path) -> None:
     """--insecure (plain TCP) exits 2 with a clear message unless the address is loopback."""
-    base = [sys.executable, "-m", "tangramd.main"]
     sock, state = str(tmp_path / "s.sock"), str(tmp_path / "state")
     coord_args = ["--listen", "0.0.0.0:0", "--socket", sock, "--state-dir", state, "--insecure"]
-    coord = subprocess.run(
-        [*base, "coordinator", *coord_args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert coord.returncode == 2 and "refused off loopback" in coord.stderr
+    coord = CliRunner().invoke(tangramd_cli, ["coordinator", *coord_args])
+    assert coord.exit_code == 2 and "refused off loopback" in coord.stderr
     node_args = ["--coordinator", "192.0.2.1:7000", "--token", "t", "--socket", sock]
-    node = subprocess.run(
-        [*base, "node", *node_args, "--state-dir", state, "--insecure"],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    node = CliRunner().invoke(
+        tangramd_cli, ["node", *node_args, "--state-dir", state, "--insecure"]
     )
-    assert node.returncode == 2 and "refused off loopback" in node.stderr
+    assert node.exit_code == 2 and "refused off loopback" in node.stderr
+    assert not Path(state).exists()  # refused before anything was made
 
 
-def test_insecure_mode_works_on_loopback(tmp_path: Path) -> None:
+def test_insecure_mode_works_on_loopback(here: InProcessCluster) -> None:
     """With --insecure on both ends (loopback only) a node joins over plain TCP and runs."""
-    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV, extra=["--insecure"])
+    coord = here.coordinator(CONFIG, insecure=True)
     assert coord.join["ca_sha256"] == ""
-    node = None
-    try:
-        node = spawn_node(tmp_path, coord, "plain", cpus=CPUS_A, env=ENV, extra=["--insecure"])
-        with node.client() as c:
-            assert c.exec(["true"]).node == "plain"
-    finally:
-        if node is not None:
-            node.stop()
-        coord.stop()
-    check_clean(coord)
+    node = here.node(coord, "plain", cpus=CPUS_A, insecure=True)
+    with node.client() as c:
+        assert c.exec(["true"]).node == "plain"
+    stop_all([coord, node])
+    check_clean(coord, node)

@@ -1,4 +1,5 @@
-"""Partitions between a node and the coordinator, through a real TCP fault proxy.
+"""Partitions between a node and the coordinator, through a real TCP fault proxy (the
+daemons in this process: ``InProcessCluster``).
 
 A partition shorter than the heartbeat timeout is nothing (TCP delivers late); a longer
 one is a node failure, and the node, once it is back, is reconciled: it removes the
@@ -19,18 +20,16 @@ import pytest
 from tangram import Client, EnvLost
 from tangramd.cluster.link import split_host_port
 from tangramd.cluster.testing import (
-    Daemon,
     FaultProxy,
+    InProcessCluster,
     check_clean,
     node_row,
-    spawn_coordinator,
-    spawn_node,
     stop_all,
     wait_for,
     wait_node_state,
 )
 
-TIMEOUT_S = 2.0
+TIMEOUT_S = 1.0
 CONFIG = f"""
 [cluster]
 heartbeat_s = 0.25
@@ -43,20 +42,18 @@ CORES = sorted(os.sched_getaffinity(0))
 @pytest.fixture
 def partitioned(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """Coordinator; node ``far`` behind a fault proxy; node ``near`` direct."""
-    coord = spawn_coordinator(tmp_path, CONFIG, env=ENV)
-    proxy = FaultProxy(split_host_port(coord.join["coordinator"]))
-    daemons: list[Daemon] = [coord]
-    try:
-        address = proxy.start()
-        far = spawn_node(tmp_path, coord, "far", cpus=str(CORES[0]), env=ENV, address=address)
-        daemons.append(far)
-        near = spawn_node(tmp_path, coord, "near", cpus=str(CORES[-1]), env=ENV)
-        daemons.append(near)
-        yield {"coord": coord, "far": far, "near": near, "proxy": proxy}
-    finally:
-        proxy.close()
-        stop_all(daemons)
-    check_clean(*daemons)
+    with InProcessCluster(tmp_path, env=ENV) as here:
+        coord = here.coordinator(CONFIG)
+        proxy = FaultProxy(split_host_port(coord.join["coordinator"]))
+        try:
+            address = proxy.start()
+            far = here.node(coord, "far", cpus=str(CORES[0]), address=address)
+            near = here.node(coord, "near", cpus=str(CORES[-1]))
+            yield {"coord": coord, "far": far, "near": near, "proxy": proxy}
+        finally:
+            proxy.close()
+            stop_all(here.daemons)
+        check_clean(*here.daemons)
 
 
 def _env_on(c: Client, node: str) -> str:
@@ -117,7 +114,7 @@ def test_long_partition_is_a_node_failure_then_reconciled(partitioned: dict[str,
         env = _env_on(c, "far")
     env_dir = Path(far.state_dir) / "process" / "envs" / env
     assert env_dir.is_dir()
-    pid_file = far.log_path.parent / "sleep.pid"
+    pid_file = far.workdir / "sleep.pid"
     cmd = ["sh", "-c", f"echo $$ > {pid_file}; exec sleep 30"]
     thread, out = _run_in_thread(near.socket, cmd, env)
     wait_for(lambda: node_row(coord, "far")["running"] == 1, 10, "sleep runs on far")

@@ -1,18 +1,19 @@
 """Start-up of ``tangramd coordinator`` and ``tangramd node``: config, state dir, serve.
 
 The click commands in :mod:`tangramd.main` parse the options and call :func:`coordinator`
-or :func:`node`; everything they build is composed here.
+or :func:`node`; everything they build is composed here (:func:`build_coordinator`,
+:func:`build_node`, :func:`serve_node`), and the in-process test cluster
+(:mod:`tangramd.cluster.testing`) composes its daemons through the same functions.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import os
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import structlog
@@ -32,6 +33,11 @@ from tangramd.lifecycle import (
 )
 from tangramd.logs import configure_logging
 from tangramd.transport import check_socket_free
+
+if TYPE_CHECKING:
+    from tangramd.cluster.config import ClusterConfig
+    from tangramd.cluster.coordinator import CoordinatorExecutor
+    from tangramd.cluster.node import NodeAgent
 
 log = structlog.get_logger("tangramd")
 
@@ -87,6 +93,31 @@ def _run(config: Any, serve: Any) -> None:
 # --------------------------------------------------------------------------- coordinator
 
 
+def build_coordinator(
+    config: Any, cluster: ClusterConfig, listen: tuple[str, int], *, insecure: bool
+) -> CoordinatorExecutor:
+    """The coordinator as ``tangramd coordinator`` composes it, not started (the
+    in-process test cluster builds it here too): its PKI unless ``insecure``, its core."""
+    from tangramd.cluster.coordinator import CoordinatorExecutor
+    from tangramd.cluster.pki import ensure_pki
+    from tangramd.runtime import api_pools, core_config, server_options
+    from tangramd.state import Core
+
+    pki = None if insecure else ensure_pki(config.daemon.state_dir, [listen[0]])
+    # the environments' records go to the coordinator's SQLite store (StoreEnvRecords)
+    core = Core(CpuCluster([]), api_pools(config), core_config(config))
+    return CoordinatorExecutor(
+        core,
+        socket_path=config.daemon.socket,
+        state_dir=config.daemon.state_dir,
+        listen=listen,
+        cluster=cluster,
+        pki=pki,
+        handlers=ops,
+        **server_options(config),
+    )
+
+
 def coordinator(
     *,
     listen: str,
@@ -103,25 +134,7 @@ def coordinator(
     )
 
     async def serve() -> int:
-        from tangramd.cluster.coordinator import CoordinatorExecutor
-        from tangramd.cluster.pki import ensure_pki
-        from tangramd.core import Core
-        from tangramd.runtime import api_pools, core_config, server_options
-
-        pki = None if insecure else ensure_pki(config.daemon.state_dir, [host])
-        # the coordinator's registry (SQLite) keeps the environments, not PersistEnvs
-        cfg = dataclasses.replace(core_config(config), record_envs=False)
-        core = Core(CpuCluster([]), api_pools(config), cfg)
-        ex = CoordinatorExecutor(
-            core,
-            socket_path=config.daemon.socket,
-            state_dir=config.daemon.state_dir,
-            listen=(host, port),
-            cluster=cluster,
-            pki=pki,
-            handlers=ops,
-            **server_options(config),
-        )
+        ex = build_coordinator(config, cluster, (host, port), insecure=insecure)
         stop = asyncio.Event()
         uninstall = install_stop_handlers(asyncio.get_running_loop(), stop)
         try:
@@ -140,6 +153,77 @@ def coordinator(
 
 
 # --------------------------------------------------------------------------- node
+
+
+def node_capacity(config: Any, cpus: str | None) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """The cores (by NUMA node) and the memory a node offers: ``cpus`` as ``--cpus`` takes
+    it (None: ``[cpu] cores`` or every usable core; "": none, a pure gateway). Raises
+    ValueError naming what is wrong."""
+    from tangramd.topology import discover
+
+    topo = discover()
+    if cpus is None:
+        offered = set(config.cpu.cores or topo.cores)
+    elif cpus.strip() == "":
+        offered = set()
+    else:
+        offered = set(parse_cores(cpus))
+        outside = offered - set(topo.cores)
+        if outside:
+            raise ValueError(f"core(s) {sorted(outside)} are not usable on this host")
+    numa = (tuple(c for c in cores if c in offered) for cores in topo.cores_by_numa)
+    return tuple(cores for cores in numa if cores), config.cpu.mem or topo.mem_bytes
+
+
+def build_node(
+    config: Any,
+    *,
+    name: str,
+    coordinator: tuple[str, int],
+    token: str | None,
+    ca_sha256: str | None,
+    insecure: bool,
+    capacity: tuple[tuple[tuple[int, ...], ...], int],
+) -> NodeAgent:
+    """The node as ``tangramd node`` composes it, not started (the in-process test cluster
+    builds it here too): its backend and GPU inventory from ``config``."""
+    from tangramd.cluster.node import NodeAgent
+    from tangramd.cluster.pki import normalise_pin
+    from tangramd.runtime import gpu_inventory, make_backend, server_options
+
+    layout, mem = capacity
+    return NodeAgent(
+        name=name,
+        coordinator=coordinator,
+        token=token,
+        ca_sha256=normalise_pin(ca_sha256) if ca_sha256 else None,
+        insecure=insecure,
+        backend=make_backend(config),
+        socket_path=config.daemon.socket,
+        state_dir=config.daemon.state_dir,
+        cores_by_numa=layout,
+        mem_bytes=mem,
+        gpus=gpu_inventory(config.gpu).gpus,
+        **server_options(config),
+    )
+
+
+async def serve_node(agent: NodeAgent, stop: asyncio.Event) -> int:
+    """Start ``agent`` and serve until ``stop`` is set or it gives up joining (wrong pin,
+    wrong token: ``agent.failed`` says why); stop it. The exit code: 1 if it gave up."""
+    loop = asyncio.get_running_loop()
+    await agent.start()
+    sd_notify("READY=1\nSTATUS=serving")
+    gave_up = loop.create_task(agent.gave_up.wait())
+    stopping = loop.create_task(stop.wait())
+    try:
+        await asyncio.wait({gave_up, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gave_up.cancel()
+        stopping.cancel()
+    sd_notify("STOPPING=1")
+    await agent.stop()
+    return 0 if agent.failed is None else 1
 
 
 def node(
@@ -164,64 +248,30 @@ def node(
         config_path,
         {"daemon.socket": socket_path, "daemon.state_dir": state_dir, "cpu.backend": cpu_backend},
     )
-    from tangramd.topology import discover
-
-    topo = discover()
-    if cpus is None:
-        offered = set(config.cpu.cores or topo.cores)
-    elif cpus.strip() == "":
-        offered = set()  # a pure gateway
-    else:
-        try:
-            offered = set(parse_cores(cpus))
-        except ValueError as exc:
-            _fail(f"--cpus: {exc}", 2)
-            return
-        outside = offered - set(topo.cores)
-        if outside:
-            _fail(f"--cpus: core(s) {sorted(outside)} are not usable on this host", 2)
-    numa = (tuple(c for c in cores if c in offered) for cores in topo.cores_by_numa)
-    layout = tuple(cores for cores in numa if cores)
-    mem = config.cpu.mem or topo.mem_bytes
+    try:
+        capacity = node_capacity(config, cpus)
+    except ValueError as exc:
+        _fail(f"--cpus: {exc}", 2)
+        return
 
     async def serve() -> int:
-        from tangramd.cluster.node import NodeAgent
-        from tangramd.cluster.pki import normalise_pin
-        from tangramd.runtime import gpu_inventory, make_backend, server_options
-
-        inventory = gpu_inventory(config.gpu)
-        agent = NodeAgent(
+        agent = build_node(
+            config,
             name=name or socket.gethostname(),
             coordinator=(host, port),
             token=token,
-            ca_sha256=normalise_pin(ca_sha256) if ca_sha256 else None,
+            ca_sha256=ca_sha256,
             insecure=insecure,
-            backend=make_backend(config),
-            socket_path=config.daemon.socket,
-            state_dir=config.daemon.state_dir,
-            cores_by_numa=layout,
-            mem_bytes=mem,
-            gpus=inventory.gpus,
-            **server_options(config),
+            capacity=capacity,
         )
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        uninstall = install_stop_handlers(loop, stop)
+        uninstall = install_stop_handlers(asyncio.get_running_loop(), stop)
         try:
-            await agent.start()
-            sd_notify("READY=1\nSTATUS=serving")
-            gave_up = loop.create_task(agent.gave_up.wait())
-            stopping = loop.create_task(stop.wait())
-            await asyncio.wait({gave_up, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            gave_up.cancel()
-            stopping.cancel()
-            sd_notify("STOPPING=1")
-            await agent.stop()
+            code = await serve_node(agent, stop)
         finally:
             uninstall()
         if agent.failed is not None:
             click.echo(f"tangramd node: {agent.failed}", err=True)
-            return 1
-        return 0
+        return code
 
     _run(config, serve)
