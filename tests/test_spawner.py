@@ -224,7 +224,12 @@ def test_lodgers_are_capped_and_can_be_turned_off(tmp_path):
         await b.create_env(env, None, None)
         for cores in ((0,), (1,), (0,), (1,)):
             assert (await b.exec(req(env, ["true"], cores))).outcome == "ok"
-            await asyncio.sleep(0.05)
+        spawner = b._spawner
+        await wait_for_async(
+            lambda: not spawner._asked and all(c.ready for c in spawner._lodgers.values()),
+            5,
+            "every lodger asked for has joined its cgroup",
+        )
         assert b.cgroups is not None
         return [len(b.cgroups.pids(b.cgroups.for_cores(c))) for c in ((0,), (1,))]
 
