@@ -183,3 +183,43 @@ def test_a_lost_node_is_recorded_by_commands_not_by_the_executor(tmp_path: Path)
     assert row["id"] == create.env_id and row["node"] == "a" and row["lost_node"] == "a"
     sink.put(create.env_id, None)
     assert sink.load() == {}
+
+
+def test_tangramctl_story_tells_any_record_of_a_real_daemon(daemon) -> None:
+    """On a real ``tangramd up``, ``tangramctl story --json`` takes an environment, a
+    session, a lease or an action id and says which kind it is, with every transition."""
+    from click.testing import CliRunner
+
+    from tangramctl.main import cli
+
+    def story(record_id: str) -> dict:
+        result = CliRunner().invoke(
+            cli, ["--socket", daemon.socket, "story", record_id, "--json"], catch_exceptions=False
+        )
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+
+    with daemon.client() as c:
+        env_id = c.env_open()
+        session = c.session_open(env_id)
+        action = c.exec("true", env=env_id)
+        lease = c.acquire_lease("search")
+        c.release_lease(lease)
+        c.session_close(session)
+        c.env_close(env_id)
+
+    env = story(env_id)
+    assert env["kind"] == "environment" and env["state"] == "closed"
+    assert [e["event"] for e in env["events"]] == ["creating", "ready", "closing", "closed"]
+    assert story(session)["kind"] == "session"
+    assert [e["event"] for e in story(session)["events"]] == [
+        "opening",
+        "open",
+        "closing",
+        "closed",
+    ]
+    leased = story(lease)
+    assert leased["kind"] == "lease" and leased["outcome"] == "ok"
+    assert {"waiting", "granted", "released"} <= {e["event"] for e in leased["events"]}
+    ran = story(action.action_id)
+    assert ran["kind"] == "action" and ran["outcome"] == "ok"
