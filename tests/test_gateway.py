@@ -14,18 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 import sandbox_fusion as sfc
-from harness import running_stack
 from verl_loader import verl_module
 
 from tangram.testing import spawn_gateway
 
 
 @pytest.fixture(scope="module", params=["separate", "in_process"])
-def stack(request, tmp_path_factory):
-    in_process = request.param == "in_process"
-    with running_stack(tmp_path_factory.mktemp("gw"), in_process=in_process) as s:
-        sfc.set_endpoint(s.url)
-        yield s
+def gateway_in_process(request: pytest.FixtureRequest) -> bool:
+    """Every test runs against a `tangramd http` and against `tangramd up --http`."""
+    return bool(request.param == "in_process")
 
 
 def post_run_code(stack, **body) -> dict:
@@ -35,6 +32,7 @@ def post_run_code(stack, **body) -> dict:
     return r.json()
 
 
+@pytest.mark.usefixtures("sandbox_fusion_endpoint")
 def test_client_run_code_stdout_stderr_stdin(stack):
     """The sandbox-fusion client gets stdout, stderr and its stdin through one exec action."""
     code = "import sys\nname = input()\nprint('hi', name)\nprint('oops', file=sys.stderr)"
@@ -80,6 +78,7 @@ def test_files_in_and_out_and_a_fresh_sandbox_per_request(stack):
     assert broken["compile_result"]["return_code"] != 0
 
 
+@pytest.mark.usefixtures("sandbox_fusion_endpoint")
 def test_concurrent_requests_overlap_on_free_cores(stack):
     """run_concurrent and run_code_async: calls run side by side when cores are free."""
     req = sfc.RunCodeRequest(code="import time; time.sleep(1); print('done')", language="python")

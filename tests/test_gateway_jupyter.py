@@ -9,17 +9,10 @@ import base64
 import httpx
 import pytest
 import sandbox_fusion as sfc
-from harness import running_stack
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("gwj")) as s:
-        sfc.set_endpoint(s.url)
-        yield s
-
-
-def test_cells_share_one_kernel_and_report_as_sandbox_fusion(stack):
+@pytest.mark.usefixtures("sandbox_fusion_endpoint")
+def test_cells_share_one_kernel_and_report_as_sandbox_fusion():
     """SandboxFusion's own jupyter test cases: state across cells, the last expression as
     display data, stderr, an error that does not stop the next cells."""
     cells = [
@@ -41,7 +34,8 @@ def test_cells_share_one_kernel_and_report_as_sandbox_fusion(stack):
     assert c[0].error == c[5].error == []
 
 
-def test_subprocess_output_display_files_and_a_figure(stack):
+@pytest.mark.usefixtures("sandbox_fusion_endpoint")
+def test_subprocess_output_display_files_and_a_figure():
     """Output of a child process counts (fd-level capture); display() and a matplotlib
     figure become MIME bundles; files go in and fetch_files come back."""
     cells = [

@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-from harness import running_stack
 from swerex.exceptions import (
     BashIncorrectSyntaxError,
     CommandTimeoutError,
@@ -32,12 +31,11 @@ AUTH = {"X-API-Key": KEY}
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def gateway_args(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
     """Served with an API key: RemoteRuntime sends its auth_token as X-API-Key."""
-    tmp = tmp_path_factory.mktemp("swerex")
-    (tmp / "key").write_text(KEY)
-    with running_stack(tmp, "--api-key-file", str(tmp / "key")) as s:
-        yield s
+    key = tmp_path_factory.mktemp("swerex") / "key"
+    key.write_text(KEY)
+    return ("--api-key-file", str(key))
 
 
 @pytest.fixture
