@@ -1,12 +1,17 @@
 """The node <-> coordinator link table (tangram/protocol/link.py) and the two ends held to
 it: each end dispatches exactly the messages the table says it receives, builds only
-declared messages with declared fields, and drops what it cannot read."""
+declared messages with declared fields, and drops what it cannot read; what a real
+coordinator and node exchange (in this process) passes the table's check."""
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import os
+import time
 import types
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 from unittest.mock import MagicMock
@@ -14,7 +19,8 @@ from unittest.mock import MagicMock
 import pytest
 from structlog.testing import capture_logs
 
-from tangram.protocol.errors import BadRequest
+from tangram import Client
+from tangram.protocol.errors import BadRequest, NotFound
 from tangram.protocol.link import (
     LINK_MESSAGES,
     End,
@@ -25,8 +31,15 @@ from tangram.protocol.link import (
 )
 from tangramd.backends.base import Backend
 from tangramd.cluster import coordinator, node
+from tangramd.cluster.link import Link
+from tangramd.cluster.testing import InProcessCluster
 
 ROOT = Path(__file__).resolve().parent.parent
+LINK_CONFIG = """
+[cluster]
+heartbeat_s = 0.05
+heartbeat_timeout_s = 5.0
+"""
 SOURCES: dict[End, Path] = {
     "node": ROOT / "tangramd" / "cluster" / "node.py",
     "coordinator": ROOT / "tangramd" / "cluster" / "coordinator.py",
@@ -285,3 +298,102 @@ def test_coordinator_drops_unknown_and_malformed_messages() -> None:
     events = [e["event"] for e in logs]
     assert events.count("node_message_unknown") == len(MALFORMED)
     assert "node_message_bad" in events
+
+
+# ---------------------------------------------------------------------- real traffic
+
+
+def test_real_link_traffic_matches_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every message a real coordinator and node exchange (a join, execs, transfers, a
+    session and its interrupt, a goodbye) passes the table's full check, types included;
+    together they use every message but the two that turn a join down."""
+    seen: list[dict[str, Any]] = []
+    send, defer = Link.send, Link.defer
+
+    def record_send(self: Link, msg: Mapping[str, Any]) -> bool:
+        seen.append(dict(msg))
+        return send(self, msg)
+
+    def record_defer(self: Link, msg: Mapping[str, Any]) -> bool:
+        seen.append(dict(msg))
+        return defer(self, msg)
+
+    monkeypatch.setattr(Link, "send", record_send)
+    monkeypatch.setattr(Link, "defer", record_defer)
+    with InProcessCluster(tmp_path) as here:
+        coord = here.coordinator(LINK_CONFIG)
+        a = here.node(coord, "a")
+        with a.client() as c, a.client() as c2:
+            assert c.exec(["cat"], stdin=b"in").stdout == "in"
+            env = c.request("env.open", {})["id"]
+            c.request("env.put", {"id": env, "path": "f.txt", "data": b"x"})
+            assert c.request("env.get", {"id": env, "path": "f.txt"})["data"] == b"x"
+            session = c.request("session.open", {"env": env})["id"]
+            with ThreadPoolExecutor(1) as pool:  # a session's command runs: interrupt it
+                sleeping = pool.submit(c2.exec, "sleep 30", session=session)
+                deadline = time.monotonic() + 20
+                while not sleeping.done():  # (an interrupt may beat the command to the shell)
+                    assert time.monotonic() < deadline, "the session's command was not stopped"
+                    c.request("session.interrupt", {"id": session})
+                    time.sleep(0.05)
+                assert sleeping.result().exec_s < 20
+            c.request("session.close", {"id": session})
+            c.request("env.close", {"id": env})
+            with pytest.raises(NotFound):
+                c.request("env.get", {"id": "no-such-env", "path": "f.txt"})
+        here.stop_all()
+    bad = []
+    for msg in seen:
+        try:
+            check_message(msg)
+        except BadRequest as exc:
+            bad.append(f"{exc}: {str(msg)[:200]}")
+    assert not bad, "\n".join(bad)
+    unseen = set(LINK_MESSAGES) - {msg["t"] for msg in seen}
+    assert unseen == {"refused", "reject"}  # a join turned down: test_cluster*.py
+
+
+def test_an_exec_input_crosses_the_link_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exec's stdin and files from a node's own client, run on that node, go to the
+    coordinator and not back (the node holds them: run_exec's held); run on another node,
+    they are in that node's run_exec; the command gets them either way."""
+    seen: list[dict[str, Any]] = []
+    send = Link.send
+
+    def record_send(self: Link, msg: Mapping[str, Any]) -> bool:
+        seen.append(dict(msg))
+        return send(self, msg)
+
+    monkeypatch.setattr(Link, "send", record_send)
+    cores = sorted(os.sched_getaffinity(0))
+    with InProcessCluster(tmp_path) as here:
+        coord = here.coordinator(LINK_CONFIG)
+        a = here.node(coord, "a", cpus=str(cores[0]))
+        b = here.node(coord, "b", cpus=str(cores[-1]))
+        with a.client() as on_a, b.client() as on_b:
+            env = _env_on(on_a, "a")
+            args = {"env": env, "stdin": b"in", "files": {"f.txt": b"file"}}
+            local = on_a.request("exec", {"cmd": ["sh", "-c", "cat; cat f.txt"], **args})
+            remote = on_b.request("exec", {"cmd": ["sh", "-c", "cat; cat f.txt"], **args})
+        here.stop_all()
+    assert local["stdout"] == remote["stdout"] == "infile"
+    run = {m["action_id"]: m for m in seen if m["t"] == "run_exec"}
+    held = run[local["action_id"]]
+    assert held["held"] is True and not {"stdin", "files"} & set(held["spec"])
+    shipped = run[remote["action_id"]]
+    assert shipped["held"] is None
+    assert shipped["spec"]["stdin"] == b"in" and shipped["spec"]["files"] == {"f.txt": b"file"}
+    assert [m["held"] for m in seen if m["t"] == "req" and m["op"] == "exec"] == [True, True]
+
+
+def _env_on(c: Client, node_name: str, tries: int = 8) -> str:
+    """Open environments until one lands on ``node_name`` (placement balances memory)."""
+    for _ in range(tries):
+        env = c.request("env.open", {})
+        if env["node"] == node_name:
+            return str(env["id"])
+    raise AssertionError(f"no environment landed on {node_name} in {tries} tries")

@@ -40,6 +40,11 @@ from tangram.protocol.ops import (
 Sender = Literal["coordinator", "node", "both"]
 End = Literal["coordinator", "node"]
 
+# The exec args that a node keeps when it forwards an exec (``req``'s ``held``): when the
+# exec runs on that node, its ``run_exec`` leaves them out (``held``) and the node puts
+# them back, so they cross the link once, not there and back.
+EXEC_INPUT: Final = ("stdin", "files")
+
 
 @dataclass(frozen=True, slots=True)
 class Field:
@@ -200,6 +205,12 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
                 Field("conn", Int(), True, "the client connection it came on"),
                 Field("op", Str(), True, "the op (docs: Ops)"),
                 Field("args", MAP, True, "its args"),
+                Field(
+                    "held",
+                    Bool(),
+                    doc="an `exec` whose stdin and files the node keeps until its placement"
+                    " or its answer (the coordinator may leave them out of a `run_exec` to it)",
+                ),
             ),
         ),
         LinkMessage(
@@ -252,6 +263,12 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
                     MAP,
                     doc="{id, queue_s}: the exec came from this node's own client, request"
                     " `id`; the node answers it itself when the exec ends (see `exec_done`)",
+                ),
+                Field(
+                    "held",
+                    Bool(),
+                    doc="`spec` lacks its stdin and files: the node takes them from request"
+                    " `reply.id`, which it holds (`req`'s `held`)",
                 ),
             ),
         ),

@@ -35,7 +35,7 @@ from tangram.protocol.errors import (
     UnknownOp,
     error_to_wire,
 )
-from tangram.protocol.link import make_message
+from tangram.protocol.link import EXEC_INPUT, make_message
 from tangram.protocol.results import ExecResult
 from tangram.version import __version__
 from tangramd import events as ev
@@ -102,10 +102,12 @@ class CoordinatorExecutor(Executor):
         self._transfers: dict[str, ev.RunTransfer] = {}  # sent to a node, not answered yet
         self._transfer_ids = itertools.count(1)
         # forwarded execs owed an answer: (link, the node's request id, the action when
-        # that node answers its client itself, see _reply_on_node)
-        self._forwarded: dict[Later, tuple[Link, Any, str | None]] = {}
+        # that node answers its client itself, see _reply_on_node; whether that node holds
+        # the exec's input, req's held)
+        self._forwarded: dict[Later, tuple[Link, Any, str | None, bool]] = {}
         self._node_answers: dict[str, Later] = {}  # action id: its forwarded exec
-        self._forwarding: tuple[Link, Any] | None = None  # the request handle_inline serves
+        # the request handle_inline serves: (link, request id, held)
+        self._forwarding: tuple[Link, Any, bool] | None = None
         self.port = listen[1]
 
     # ------------------------------------------------------------------ life cycle
@@ -253,39 +255,46 @@ class CoordinatorExecutor(Executor):
         self._log_placed(cmd)  # its node logs action_finished (with its cores)
 
     def _send_run_exec(self, cmd: ev.RunExec) -> None:
+        reply, held = self._reply_on_node(cmd)
+        spec = cmd.spec.to_wire()
+        if held:  # the node has them: they do not cross the link a second time
+            for name in EXEC_INPUT:
+                spec.pop(name, None)
         msg = make_message(
             "run_exec",
             action_id=cmd.action_id,
             env_id=cmd.env_id,
             cores=list(cmd.cores),
-            spec=cmd.spec.to_wire(),
+            spec=spec,
             max_output=cmd.max_output,
             run_as=list(cmd.run_as) if cmd.run_as else None,
-            reply=self._reply_on_node(cmd),
+            reply=reply,
+            held=True if held else None,
         )
         if not self._send(cmd.node, msg):
             detail = f"node {cmd.node} is not connected"
             self.feed(ev.ExecFinished(cmd.action_id, ExecResult("infra_error", detail=detail)))
 
-    def _reply_on_node(self, cmd: ev.RunExec) -> dict[str, Any] | None:
+    def _reply_on_node(self, cmd: ev.RunExec) -> tuple[dict[str, Any] | None, bool]:
         """When the exec came from a client of the node it runs on, that node answers the
         client itself as soon as it ends (``reply``: the request and its time queued, the
         one fact the core adds that the node lacks), then reports the outcome: one link
         round trip less per action. The core's reply to it then goes nowhere (see
-        :meth:`_on_exec_done`); the answer is the same ``ExecResult.placed``."""
+        :meth:`_on_exec_done`); the answer is the same ``ExecResult.placed``. True with
+        it when that node holds the exec's stdin and files (``req``'s ``held``)."""
         answer = self.core.read.exec_reply(cmd.action_id)
         if answer is None:
-            return None
+            return None, False
         token, queue_s = answer
         later = self._futures.get(token)
         if not isinstance(later, Later):
-            return None
+            return None, False
         target = self._forwarded.get(later)
         if target is None or target[0] is not self.registry.link_of(cmd.node):
-            return None
-        self._forwarded[later] = (target[0], target[1], cmd.action_id)
+            return None, False
+        self._forwarded[later] = (target[0], target[1], cmd.action_id, target[3])
         self._node_answers[cmd.action_id] = later
-        return {"id": target[1], "queue_s": queue_s}
+        return {"id": target[1], "queue_s": queue_s}, target[3]
 
     async def _run_transfer(self, cmd: ev.RunTransfer) -> None:
         self._transfers[key := f"t{next(self._transfer_ids)}"] = cmd
@@ -518,7 +527,7 @@ class CoordinatorExecutor(Executor):
         request_id = msg.get("id")
         try:
             conn = self._remote_conn(rec, int(msg["conn"]))
-            self._forwarding = (link, request_id)
+            self._forwarding = (link, request_id, msg.get("held") is True)
             try:
                 result = self.handlers.handle_inline(self, op, args, conn)
             finally:
@@ -542,7 +551,7 @@ class CoordinatorExecutor(Executor):
         token = next(self._tokens)
         later = Later()
         self._futures[token] = later
-        self._forwarded[later] = (origin[0], origin[1], None)
+        self._forwarded[later] = (origin[0], origin[1], None, origin[2])
         later.then(self._answer_forwarded)
         self.feed(make_event(token))
         return later
@@ -553,7 +562,7 @@ class CoordinatorExecutor(Executor):
         target = self._forwarded.pop(later, None)
         if target is None:
             return
-        link, request_id, action_id = target
+        link, request_id, action_id, _ = target
         if action_id is not None:
             self._node_answers.pop(action_id, None)
         if later.error is None:

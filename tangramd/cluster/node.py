@@ -40,7 +40,7 @@ import structlog
 
 from tangram.protocol.codec import FrameError
 from tangram.protocol.errors import InfraError, error_from_wire
-from tangram.protocol.link import make_message
+from tangram.protocol.link import EXEC_INPUT, make_message
 from tangram.protocol.results import ExecResult, ExecSpec
 from tangram.version import __version__
 from tangramd.backends.base import Backend, ExecRequest
@@ -113,6 +113,7 @@ class NodeAgent:
         self._last_rx = 0.0
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any] | Later] = {}  # requests forwarded
+        self._held: dict[int, dict[str, Any]] = {}  # forwarded execs' args: their input
         self._watched: set[int] = set()
         self._outbox: dict[str, dict[str, Any]] = {}  # outcomes not yet acknowledged
         self._envs: set[str] = set()
@@ -324,6 +325,7 @@ class NodeAgent:
             log.warning("coordinator_link_down", node=self.name, coordinator=self.addr)
         self.link = None
         self._watched.clear()
+        self._held.clear()
         pending, self._pending = self._pending, {}
         for owed in pending.values():
             if not owed.done():
@@ -487,7 +489,7 @@ class NodeAgent:
         done = functools.partial(self._exec_ended, action_id, env_id, cores, msg.get("reply"))
         try:
             req = ExecRequest.for_action(
-                ExecSpec.from_wire(msg["spec"]),
+                self._exec_spec(msg),
                 env_id=env_id,
                 cores=cores,
                 max_output=int(msg["max_output"]),
@@ -498,6 +500,17 @@ class NodeAgent:
             done(ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}"))
             return
         start_exec(self.backend, req, done, self._spawn)
+
+    def _exec_spec(self, msg: dict[str, Any]) -> ExecSpec:
+        """A placement's spec; its stdin and files from the request this node forwarded
+        when the coordinator left them out (``held``: they crossed the link once)."""
+        spec = msg["spec"]
+        if msg.get("held") is True:
+            args = self._held.pop(int(msg["reply"]["id"]), None)
+            if args is None:
+                raise LookupError("the exec's stdin and files are no longer held here")
+            spec = {**spec, **{k: args[k] for k in EXEC_INPUT if args.get(k) is not None}}
+        return ExecSpec.from_wire(spec)
 
     def _exec_ended(
         self, action_id: str, env_id: str, cores: tuple[int, ...], reply: Any, res: ExecResult
@@ -544,6 +557,7 @@ class NodeAgent:
         except (KeyError, TypeError, ValueError):
             return False
         owed = self._pending.pop(request_id, None)
+        self._held.pop(request_id, None)
         if owed is None or owed.done():
             return False
         final = res.placed(action_id=action_id, queue_s=queue_s, cores=cores, node=self.name)
@@ -582,10 +596,23 @@ class NodeAgent:
             conn.on_close(self._conn_closed)
         request_id = next(self._ids)
         self._pending[request_id] = owed
-        link.send(make_message("req", id=request_id, conn=conn.id, op=op, args=args))
+        # an exec's input is kept until its placement or answer: if it runs here, the
+        # coordinator need not send it back (run_exec's held)
+        holds = (
+            op == "exec"
+            and isinstance(args, dict)
+            and any(args.get(k) is not None for k in EXEC_INPUT)
+        )
+        if holds:
+            self._held[request_id] = args
+        msg = make_message(
+            "req", id=request_id, conn=conn.id, op=op, args=args, held=True if holds else None
+        )
+        link.send(msg)
         return request_id
 
     def _answer(self, msg: dict[str, Any]) -> None:
+        self._held.pop(int(msg["id"]), None)
         owed = self._pending.pop(int(msg["id"]), None)
         if owed is None or owed.done():
             return
