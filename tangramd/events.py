@@ -309,7 +309,7 @@ class CreateEnv(Command):
     env_id: str
     node: str
     image: str | None
-    mem: int
+    mem: int | None  # bytes (None: the backend's default; a node's message may omit it)
     owner: tuple[int, int] | None = None  # the user its files belong to (None: backend's)
 
 

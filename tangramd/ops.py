@@ -72,7 +72,7 @@ def _status(ex: Executor, args: Args, conn: ConnInfo) -> Any:
         **ex.core.read.status(now),
         "version": __version__,
         "uptime_s": now - ex.started,
-        "backend": ex.backend.name,
+        "backend": ex.effects.name,
         "socket": ex.socket_path,
         "nodes": len(ex.core.cpu.nodes),
         # connected clients (the in-process gateway's connection among them)

@@ -23,6 +23,7 @@ from tangramd import ops
 from tangramd.backends.base import Backend
 from tangramd.config import resolve_user
 from tangramd.executor import Executor
+from tangramd.run.local import LocalEffects
 from tangramd.services import Inventory, ServiceHost, SimulatedGpus, discover
 from tangramd.state import Core, CoreConfig
 
@@ -71,11 +72,10 @@ def build_runtime(config: Any) -> Executor:
     core = Core(cluster, api_pools(config), cfg, gpu=gpu)
     return Executor(
         core,
-        make_backend(config),
+        LocalEffects(make_backend(config), host),
         config.daemon.socket,
         state_dir=state_dir,
         handlers=ops,
-        services=host,
         **server_options(config),
     )
 

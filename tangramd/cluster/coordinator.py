@@ -35,7 +35,7 @@ from tangram.protocol.errors import (
     UnknownOp,
     error_to_wire,
 )
-from tangram.protocol.link import EXEC_INPUT, make_message
+from tangram.protocol.link import make_message
 from tangram.protocol.results import ExecResult
 from tangram.version import __version__
 from tangramd import events as ev
@@ -46,6 +46,7 @@ from tangramd.cluster.registry import NodeRecord, NodeRegistry, Refused
 from tangramd.cluster.store import Store, StoreEnvRecords
 from tangramd.executor import Executor, OpHandlers
 from tangramd.lifecycle import loop_name
+from tangramd.run.remote import RemoteEffects
 from tangramd.state import Core
 from tangramd.transport import NOT_SYNC, ConnInfo, Later
 
@@ -56,12 +57,6 @@ REMOTE_CONN_BASE = 1 << 40  # ids of clients on node sockets, apart from local c
 # cluster.join hands out secrets; node.lost could take any node down: neither is served
 # to clients on a node's socket, only on the coordinator's own.
 LOCAL_ONLY_OPS = frozenset({"cluster.join", "node.lost"})
-
-
-class _Nodes:
-    """Stands where the all-in-one executor has a backend: only its name is read."""
-
-    name = "cluster"
 
 
 class CoordinatorExecutor(Executor):
@@ -80,9 +75,13 @@ class CoordinatorExecutor(Executor):
         **server_options: Any,
     ) -> None:
         store = Store(state_dir)
+        # the core's commands go to the nodes (each to the node holding its environment)
+        self.remote = RemoteEffects(
+            lambda node, msg: self._send(node, msg), lambda cmd: self._reply_on_node(cmd)
+        )
         super().__init__(
             core,
-            _Nodes(),  # type: ignore[arg-type]  # commands go to nodes, see _create_env etc.
+            self.remote,
             socket_path,
             state_dir=state_dir,
             handlers=handlers,
@@ -99,8 +98,6 @@ class CoordinatorExecutor(Executor):
         self._link_server: asyncio.base_events.Server | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._remote_ids = itertools.count(REMOTE_CONN_BASE)
-        self._transfers: dict[str, ev.RunTransfer] = {}  # sent to a node, not answered yet
-        self._transfer_ids = itertools.count(1)
         # forwarded execs owed an answer: (link, the node's request id, the action when
         # that node answers its client itself, see _reply_on_node; whether that node holds
         # the exec's input, req's held)
@@ -228,53 +225,6 @@ class CoordinatorExecutor(Executor):
         return {"name": name, "already_lost": already}
 
     # ------------------------------------------------------------------ commands to nodes
-    async def _create_env(self, cmd: ev.CreateEnv) -> None:
-        msg = make_message(
-            "create_env",
-            env_id=cmd.env_id,
-            image=cmd.image,
-            mem=cmd.mem,
-            owner=list(cmd.owner) if cmd.owner else None,
-        )
-        if not self._send(cmd.node, msg):
-            self.feed(ev.EnvCreated(env_id=cmd.env_id, error=f"node {cmd.node} is not connected"))
-
-    async def _remove_env(self, cmd: ev.RemoveEnv) -> None:
-        if not self._send(cmd.node, make_message("remove_env", env_id=cmd.env_id)):
-            # nothing to remove there now; the node drops it when it reconciles
-            self.feed(ev.EnvRemoved(env_id=cmd.env_id))
-
-    def _execute(self, cmd: ev.Command) -> None:
-        """As the all-in-one executor, but a placement goes to its node at once: sending
-        never waits, so no task (and no turn of the loop) stands between the pass and the
-        node."""
-        if not isinstance(cmd, ev.RunExec):
-            super()._execute(cmd)
-            return
-        self._send_run_exec(cmd)
-        self._log_placed(cmd)  # its node logs action_finished (with its cores)
-
-    def _send_run_exec(self, cmd: ev.RunExec) -> None:
-        reply, held = self._reply_on_node(cmd)
-        spec = cmd.spec.to_wire()
-        if held:  # the node has them: they do not cross the link a second time
-            for name in EXEC_INPUT:
-                spec.pop(name, None)
-        msg = make_message(
-            "run_exec",
-            action_id=cmd.action_id,
-            env_id=cmd.env_id,
-            cores=list(cmd.cores),
-            spec=spec,
-            max_output=cmd.max_output,
-            run_as=list(cmd.run_as) if cmd.run_as else None,
-            reply=reply,
-            held=True if held else None,
-        )
-        if not self._send(cmd.node, msg):
-            detail = f"node {cmd.node} is not connected"
-            self.feed(ev.ExecFinished(cmd.action_id, ExecResult("infra_error", detail=detail)))
-
     def _reply_on_node(self, cmd: ev.RunExec) -> tuple[dict[str, Any] | None, bool]:
         """When the exec came from a client of the node it runs on, that node answers the
         client itself as soon as it ends (``reply``: the request and its time queued, the
@@ -295,41 +245,6 @@ class CoordinatorExecutor(Executor):
         self._forwarded[later] = (target[0], target[1], cmd.action_id, target[3])
         self._node_answers[cmd.action_id] = later
         return {"id": target[1], "queue_s": queue_s}, target[3]
-
-    async def _run_transfer(self, cmd: ev.RunTransfer) -> None:
-        self._transfers[key := f"t{next(self._transfer_ids)}"] = cmd
-        msg = make_message(
-            "transfer",
-            tid=key,
-            env_id=cmd.env_id,
-            direction=cmd.direction,
-            path=cmd.path,
-            data=cmd.data,
-            tar=cmd.tar,
-            max_bytes=cmd.max_bytes,
-        )
-        if not self._send(cmd.node, msg):
-            self._transfers.pop(key, None)
-            error = ("infra_error", f"node {cmd.node} is not connected")
-            self.feed(ev.TransferDone(token=cmd.token, env_id=cmd.env_id, error=error))
-
-    async def _start_shell(self, cmd: ev.StartShell) -> None:
-        msg = make_message(
-            "open_session",
-            session_id=cmd.session_id,
-            env_id=cmd.env_id,
-            run_as=list(cmd.run_as) if cmd.run_as else None,
-        )
-        if not self._send(cmd.node, msg):
-            error = f"node {cmd.node} is not connected"
-            self.feed(ev.SessionOpened(session_id=cmd.session_id, error=error))
-
-    async def _interrupt_shell(self, cmd: ev.InterruptShell) -> None:
-        self._send(cmd.node, make_message("interrupt_session", session_id=cmd.session_id))
-
-    async def _end_shell(self, cmd: ev.EndShell) -> None:
-        if not self._send(cmd.node, make_message("close_session", session_id=cmd.session_id)):
-            self.feed(ev.SessionClosed(session_id=cmd.session_id))
 
     def _send(self, node: str, msg: dict[str, Any]) -> bool:
         link = self.registry.link_of(node)
@@ -491,7 +406,7 @@ class CoordinatorExecutor(Executor):
         link.send(make_message("ack", key=str(msg["key"])))
 
     def _on_transfer_done(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
-        cmd = self._transfers.pop(str(msg["tid"]), None)
+        cmd = self.remote.transfer_done(str(msg["tid"]))
         if cmd is not None:
             error = msg.get("error")
             self.feed(

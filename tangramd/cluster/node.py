@@ -43,13 +43,13 @@ from tangram.protocol.errors import InfraError, error_from_wire
 from tangram.protocol.link import EXEC_INPUT, make_message
 from tangram.protocol.results import ExecResult, ExecSpec
 from tangram.version import __version__
-from tangramd.backends.base import Backend, ExecRequest
-from tangramd.backends.files import start_exec
+from tangramd import events as ev
+from tangramd.backends.base import Backend
 from tangramd.cluster.link import Link, LinkClosed
 from tangramd.cluster.pki import CertInvalid, PinMismatch, client_context, verify_server
-from tangramd.executor import run_transfer
 from tangramd.lifecycle import loop_name
 from tangramd.records import RecordJournal, write_json
+from tangramd.run.local import LocalEffects, owner_of
 from tangramd.services.inventory import Gpu
 from tangramd.transport import ConnInfo, Later, UnixServer
 
@@ -118,9 +118,16 @@ class NodeAgent:
         self._outbox: dict[str, dict[str, Any]] = {}  # outcomes not yet acknowledged
         self._envs: set[str] = set()
         self._owners: dict[str, tuple[int, int] | None] = {}  # of the environments held
-        self._running: set[str] = set()
+        self._creating: dict[str, tuple[int, int] | None] = {}  # env id: its owner
+        # execs handed to the effects, not ended: env, cores and the client to answer
+        self._running: dict[str, tuple[str, tuple[int, ...], Any]] = {}
+        self._transfers: dict[int, str] = {}  # transfers under way: token -> the link's tid
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
+        # what the coordinator asks is carried out as tangramd up does it (LocalEffects);
+        # each outcome becomes a link message (_outcome)
+        self.effects = LocalEffects(backend)
+        self.effects.bind(self._outcome, self._spawn)
 
     @property
     def addr(self) -> str:
@@ -156,9 +163,9 @@ class NodeAgent:
 
     async def stop(self) -> None:
         """End running execs, remove environments, say goodbye, stop serving."""
-        await self.backend.shutdown()
+        await self.effects.shutdown(keep=[])
         deadline = self.clock() + 5.0
-        while self._running and self.clock() < deadline:
+        while self.effects.in_flight() and self.clock() < deadline:
             await asyncio.sleep(0.01)
         for env_id in list(self._envs):
             await self._close_env_quietly(env_id)
@@ -288,7 +295,7 @@ class NodeAgent:
                 self._spawn(self._cancel(action_id))
         for env_id in sorted(self._envs - keep):
             log.info("env_not_owned_removed", node=self.name, env=env_id)
-            self._spawn(self._remove_env(env_id))
+            self._remove_env(env_id)
         log.info("node_joined", node=self.name, coordinator=self.addr, keep=len(keep))
 
     async def _serve(self, link: Link) -> None:
@@ -352,33 +359,63 @@ class NodeAgent:
     def _on_ack(self, msg: dict[str, Any]) -> None:
         self._outbox.pop(str(msg["key"]), None)
 
-    # A handler reads what it needs before it spawns its task: a malformed message is
-    # logged by _on_message, not lost in a task.
+    # A handler reads what it needs before it hands the command to the effects: a
+    # malformed message is logged by _on_message, not lost in a task.
 
     def _on_create_env(self, msg: dict[str, Any]) -> None:
-        self._spawn(self._create_env(str(msg["env_id"]), msg))
+        env_id, image, mem = str(msg["env_id"]), msg.get("image"), msg.get("mem")
+        owner = owner_of(msg.get("owner"))
+        self._creating[env_id] = owner
+        self.effects.create_env(
+            ev.CreateEnv(
+                env_id=env_id,
+                node=self.name,
+                image=image if isinstance(image, str) else None,
+                mem=mem if isinstance(mem, int) and not isinstance(mem, bool) else None,
+                owner=owner,
+            )
+        )
 
     def _on_remove_env(self, msg: dict[str, Any]) -> None:
-        self._spawn(self._remove_env(str(msg["env_id"])))
+        self._remove_env(str(msg["env_id"]))
+
+    def _remove_env(self, env_id: str) -> None:
+        self._forget_env(env_id)
+        self.effects.remove_env(ev.RemoveEnv(env_id=env_id, node=self.name))
 
     def _on_transfer(self, msg: dict[str, Any]) -> None:
-        tid, env_id, path = str(msg["tid"]), str(msg["env_id"]), str(msg["path"])
-        direction, max_bytes = str(msg["direction"]), int(msg["max_bytes"])
         data = msg.get("data") or b""
-        data = data if isinstance(data, bytes) else b""
-        transfer = run_transfer(
-            self.backend, env_id, direction, path, data, bool(msg.get("tar")), max_bytes
+        cmd = ev.RunTransfer(
+            token=next(self._ids),
+            env_id=str(msg["env_id"]),
+            node=self.name,
+            direction=str(msg["direction"]),
+            path=str(msg["path"]),
+            data=data if isinstance(data, bytes) else b"",
+            tar=bool(msg.get("tar")),
+            max_bytes=int(msg["max_bytes"]),
         )
-        self._spawn(self._transfer(tid, transfer))
+        assert cmd.token is not None
+        self._transfers[cmd.token] = str(msg["tid"])
+        self.effects.run_transfer(cmd)
 
     def _on_open_session(self, msg: dict[str, Any]) -> None:
-        self._spawn(self._open_session(str(msg["session_id"]), msg))
+        self.effects.start_shell(
+            ev.StartShell(
+                session_id=str(msg["session_id"]),
+                env_id=str(msg["env_id"]),
+                node=self.name,
+                run_as=owner_of(msg.get("run_as")),
+            )
+        )
 
     def _on_interrupt_session(self, msg: dict[str, Any]) -> None:
-        self._spawn(self._interrupt_session(str(msg["session_id"])))
+        self.effects.interrupt_shell(
+            ev.InterruptShell(session_id=str(msg["session_id"]), node=self.name)
+        )
 
     def _on_close_session(self, msg: dict[str, Any]) -> None:
-        self._spawn(self._close_session(str(msg["session_id"])))
+        self.effects.end_shell(ev.EndShell(session_id=str(msg["session_id"]), node=self.name))
 
     def _report(self, msg: dict[str, Any]) -> None:
         """Send an outcome now if the link is up; keep it (by its ``key``) until
@@ -387,26 +424,43 @@ class NodeAgent:
         if self.link is not None:
             self.link.send(msg)
 
-    # ------------------------------------------------------------------ work
-    async def _create_env(self, env_id: str, msg: dict[str, Any]) -> None:
-        error = None
-        try:
-            mem = msg.get("mem")
-            image = msg.get("image")
-            await self.backend.create_env(
-                env_id,
-                image if isinstance(image, str) else None,
-                mem if isinstance(mem, int) else None,
-                owner=_pair(msg.get("owner")),
+    # ------------------------------------------------------------------ outcomes
+    def _outcome(self, event: ev.Event) -> None:
+        """What the effects report becomes the coordinator's message (kept until acked)."""
+        if isinstance(event, ev.ExecFinished):
+            self._exec_ended(event)
+        elif isinstance(event, ev.EnvCreated):
+            owner = self._creating.pop(event.env_id, None)
+            if event.error is None:
+                self._envs.add(event.env_id)
+                self._owners[event.env_id] = owner
+                self._record_env(event.env_id, _row(event.env_id, owner))
+            key = f"c:{event.env_id}"
+            self._report(
+                make_message("env_created", key=key, env_id=event.env_id, error=event.error)
             )
-            self._envs.add(env_id)
-            self._owners[env_id] = _pair(msg.get("owner"))
-            self._record_env(env_id, _row(env_id, self._owners[env_id]))
-            log.info("env_created", node=self.name, env=env_id)
-        except Exception as exc:  # backend failure of any kind is an infra error
-            error = f"{type(exc).__name__}: {exc}"
-            log.warning("env_create_failed", node=self.name, env=env_id, error=error)
-        self._report(make_message("env_created", key=f"c:{env_id}", env_id=env_id, error=error))
+        elif isinstance(event, ev.EnvRemoved):
+            key = f"r:{event.env_id}"
+            self._report(make_message("env_removed", key=key, env_id=event.env_id))
+        elif isinstance(event, ev.TransferDone):
+            tid = self._transfers.pop(event.token or 0, None)
+            if tid is not None:
+                error = list(event.error) if event.error else None
+                result = event.result
+                msg = make_message(
+                    "transfer_done", key=f"t:{tid}", tid=tid, result=result, error=error
+                )
+                self._report(msg)
+        elif isinstance(event, ev.SessionOpened):
+            sid = event.session_id
+            self._report(
+                make_message("session_opened", key=f"so:{sid}", session_id=sid, error=event.error)
+            )
+        elif isinstance(event, ev.SessionClosed):
+            sid = event.session_id
+            self._report(make_message("session_closed", key=f"sc:{sid}", session_id=sid))
+        else:  # pragma: no cover - a node runs no GPU services
+            log.warning("node_outcome_unexpected", node=self.name, event=type(event).__name__)
 
     async def _cancel(self, action_id: str) -> None:
         """Kill an exec the coordinator has already ended (its outcome is ignored there)."""
@@ -417,89 +471,43 @@ class NodeAgent:
             return
         log.info("exec_cancelled", node=self.name, action_id=action_id, was_running=found)
 
-    async def _remove_env(self, env_id: str) -> None:
-        await self._close_env_quietly(env_id)
-        self._report(make_message("env_removed", key=f"r:{env_id}", env_id=env_id))
-
-    async def _close_env_quietly(self, env_id: str) -> None:
+    def _forget_env(self, env_id: str) -> None:
         self._envs.discard(env_id)
         if self._owners.pop(env_id, False) is not False:
             self._record_env(env_id, None)
+
+    async def _close_env_quietly(self, env_id: str) -> None:
+        """Remove an environment at stop, with no outcome to report."""
+        self._forget_env(env_id)
         try:
             await self.backend.close_env(env_id)
         except Exception as exc:
             log.warning("env_remove_failed", node=self.name, env=env_id, error=str(exc))
 
-    async def _transfer(
-        self,
-        tid: str,
-        transfer: Coroutine[Any, Any, tuple[dict[str, Any] | None, tuple[str, str] | None]],
-    ) -> None:
-        result, error = await transfer
-        self._report(
-            make_message(
-                "transfer_done",
-                key=f"t:{tid}",
-                tid=tid,
-                result=result,
-                error=error and list(error),
-            )
-        )
-
-    async def _open_session(self, session_id: str, msg: dict[str, Any]) -> None:
-        error = None
-        try:
-            await self.backend.open_session(
-                str(msg["env_id"]), session_id, run_as=_pair(msg.get("run_as"))
-            )
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        log.info("session_opened", node=self.name, session=session_id, error=error)
-        self._report(
-            make_message(
-                "session_opened", key=f"so:{session_id}", session_id=session_id, error=error
-            )
-        )
-
-    async def _interrupt_session(self, session_id: str) -> None:
-        try:
-            await self.backend.interrupt_session(session_id)
-        except Exception as exc:
-            log.warning(
-                "session_interrupt_failed", node=self.name, session=session_id, error=str(exc)
-            )
-
-    async def _close_session(self, session_id: str) -> None:
-        try:
-            await self.backend.close_session(session_id)
-        except Exception as exc:
-            log.warning("session_close_failed", node=self.name, session=session_id, error=str(exc))
-        self._report(make_message("session_closed", key=f"sc:{session_id}", session_id=session_id))
-
     def _start_exec(self, msg: dict[str, Any]) -> None:
-        """Hand a placement to the backend as the all-in-one executor does
-        (``files.start_exec``: inline where the backend can, else in a task)."""
+        """Hand a placement to the effects, as the all-in-one executor does."""
         action_id = str(msg["action_id"])
         env_id = str(msg.get("env_id"))
-        self._running.add(action_id)
         try:
             cores = tuple(int(c) for c in msg["cores"])
         except (KeyError, TypeError, ValueError):
             cores = ()
-        done = functools.partial(self._exec_ended, action_id, env_id, cores, msg.get("reply"))
+        self._running[action_id] = (env_id, cores, msg.get("reply"))
         try:
-            req = ExecRequest.for_action(
-                self._exec_spec(msg),
-                env_id=env_id,
-                cores=cores,
-                max_output=int(msg["max_output"]),
+            cmd = ev.RunExec(
                 action_id=action_id,
-                run_as=_pair(msg.get("run_as")),
+                env_id=env_id,
+                node=self.name,
+                cores=cores,
+                spec=self._exec_spec(msg),
+                max_output=int(msg["max_output"]),
+                run_as=owner_of(msg.get("run_as")),
             )
         except Exception as exc:  # a malformed placement ends as an infra error
-            done(ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}"))
+            res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
+            self._exec_ended(ev.ExecFinished(action_id=action_id, result=res))
             return
-        start_exec(self.backend, req, done, self._spawn)
+        self.effects.run_exec(cmd)
 
     def _exec_spec(self, msg: dict[str, Any]) -> ExecSpec:
         """A placement's spec; its stdin and files from the request this node forwarded
@@ -512,11 +520,9 @@ class NodeAgent:
             spec = {**spec, **{k: args[k] for k in EXEC_INPUT if args.get(k) is not None}}
         return ExecSpec.from_wire(spec)
 
-    def _exec_ended(
-        self, action_id: str, env_id: str, cores: tuple[int, ...], reply: Any, res: ExecResult
-    ) -> None:
-        self._running.discard(action_id)
-        lost = res.outcome == "infra_error" and not self.backend.env_exists(env_id)
+    def _exec_ended(self, done: ev.ExecFinished) -> None:
+        action_id, res = done.action_id, done.result
+        env_id, cores, reply = self._running.pop(action_id, ("", (), None))
         answered = self._answer_exec(reply, action_id, cores, res)
         # after the answer, before this turn ends: the coordinator has the outcome before
         # whatever that client sends next reaches it over the same link
@@ -526,7 +532,7 @@ class NodeAgent:
                 key=f"x:{action_id}",
                 action_id=action_id,
                 result=res.to_wire(),
-                env_lost=lost,
+                env_lost=done.env_lost,
                 answered=answered,
             )
         )
@@ -654,7 +660,7 @@ class NodeAgent:
         out: dict[str, tuple[int, int] | None] = {}
         for env_id, row in self._records.load().items():
             try:
-                out[env_id] = _pair(row.get("owner"))
+                out[env_id] = owner_of(row.get("owner"))
             except (TypeError, ValueError):
                 continue
         return out
@@ -698,10 +704,3 @@ def _positive(value: Any, default: float) -> float:
 
 def _row(env_id: str, owner: tuple[int, int] | None) -> dict[str, Any]:
     return {"id": env_id, "owner": list(owner) if owner else None}
-
-
-def _pair(value: Any) -> tuple[int, int] | None:
-    """A (uid, gid) pair from the wire, None when absent or malformed."""
-    if isinstance(value, list | tuple) and len(value) == 2:
-        return (int(value[0]), int(value[1]))
-    return None

@@ -1,0 +1,334 @@
+"""Commands carried out on this host: its execution backend (environments, execs, file
+transfers, shell sessions) and its GPU service host (loads, unloads, calls).
+
+``tangramd up`` and every cluster node use this one class: the all-in-one executor reports
+its events to its core, a node turns them into link messages for the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import tarfile
+from typing import Any
+
+import structlog
+
+from tangram.protocol.results import ExecResult
+from tangramd import events as ev
+from tangramd.backends.base import Backend, ExecRequest, PathEscape
+from tangramd.backends.files import NotAFile, TooLarge, start_exec
+from tangramd.run.effects import Report, Spawn
+from tangramd.services import ServiceHost, ServiceLoadError, ServiceNotFound
+
+log = structlog.get_logger("tangramd")
+
+# what a put or get refuses as the caller's mistake (a bad path, size, kind or tar stream)
+BAD_TRANSFER = (
+    PathEscape, TooLarge, NotAFile, IsADirectoryError, NotADirectoryError, tarfile.TarError
+)  # fmt: skip
+
+
+def _unbound(event: ev.Event) -> None:  # pragma: no cover - bind() comes first
+    raise RuntimeError("LocalEffects used before bind()")
+
+
+class LocalEffects:
+    """The :class:`~tangramd.run.effects.Effects` of one host (see the module doc)."""
+
+    def __init__(self, backend: Backend, services: ServiceHost | None = None) -> None:
+        self.backend = backend
+        self.services = services  # the host's GPU service host (None: no GPUs)
+        self.name = backend.name
+        self._report: Report = _unbound
+        self._spawn: Spawn = _unbound  # type: ignore[assignment]
+        self._running: set[str] = set()  # execs handed to the backend, not reported yet
+
+    def bind(self, report: Report, spawn: Spawn) -> None:
+        """Where outcomes go (``report``) and how background work is started (``spawn``)."""
+        self._report, self._spawn = report, spawn
+
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    def _log_soon(self, event: str, **fields: Any) -> None:
+        """Log on the next turn of the loop: formatting and writing a log line is a tenth of
+        a millisecond, which must not delay a spawn or an answer already on its way."""
+        asyncio.get_running_loop().call_soon(functools.partial(log.info, event, **fields))
+
+    # ------------------------------------------------------------------ life cycle
+    async def recover_envs(self, records: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+        keep = {str(r["id"]): owner_of(r.get("owner")) for r in records}
+        for what in await self.backend.reconcile(keep):
+            log.info("reconciled", detail=what)
+        return tuple(r for r in records if self.backend.env_exists(str(r["id"])))
+
+    async def shutdown(self, keep: list[str]) -> None:
+        if self.services is not None:  # running calls end infra_error; registrations stay
+            await self.services.close()
+        await self.backend.shutdown(keep=keep)
+
+    # ------------------------------------------------------------------ environments
+    def create_env(self, cmd: ev.CreateEnv) -> None:
+        self._spawn(self._create_env(cmd))
+
+    async def _create_env(self, cmd: ev.CreateEnv) -> None:
+        error = None
+        try:
+            await self.backend.create_env(cmd.env_id, cmd.image, cmd.mem, owner=cmd.owner)
+        except Exception as exc:  # backend failure of any kind is an infra error
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning(
+                "env_create_failed", node=cmd.node, env=cmd.env_id, error=error, cause=cmd.cause
+            )
+        self._report(ev.EnvCreated(env_id=cmd.env_id, error=error))
+        if error is None:  # after the exec that waited for it is on its way
+            self._log_soon(
+                "env_created", env=cmd.env_id, node=cmd.node, image=cmd.image, cause=cmd.cause
+            )
+
+    def remove_env(self, cmd: ev.RemoveEnv) -> None:
+        self._spawn(self._remove_env(cmd))
+
+    async def _remove_env(self, cmd: ev.RemoveEnv) -> None:
+        try:
+            await self.backend.close_env(cmd.env_id)
+        except Exception as exc:
+            log.warning(
+                "env_remove_failed", node=cmd.node, env=cmd.env_id, error=str(exc), cause=cmd.cause
+            )
+        self._report(ev.EnvRemoved(env_id=cmd.env_id))
+
+    # ------------------------------------------------------------------ execs
+    def run_exec(self, cmd: ev.RunExec) -> None:
+        """Hand an exec to the backend (``files.start_exec``: a backend with ``start_exec``
+        sends it off within this call and reports its end from the loop turn that sees it;
+        other backends, and execs with files to move, run in a task)."""
+        self._running.add(cmd.action_id)
+        done = functools.partial(self._exec_ended, cmd)
+        try:
+            req = ExecRequest.for_action(
+                cmd.spec,
+                env_id=cmd.env_id,
+                cores=cmd.cores,
+                max_output=cmd.max_output,
+                action_id=cmd.action_id,
+                run_as=cmd.run_as,
+            )
+        except Exception as exc:  # a malformed placement ends as an infra error
+            res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
+            asyncio.get_running_loop().call_soon(done, res)
+            return
+        start_exec(self.backend, req, done, self._spawn)
+
+    def _exec_ended(self, cmd: ev.RunExec, res: ExecResult) -> None:
+        self._running.discard(cmd.action_id)
+        lost = res.outcome == "infra_error" and not self.backend.env_exists(cmd.env_id)
+        self._report(ev.ExecFinished(action_id=cmd.action_id, result=res, env_lost=lost))
+
+    # ------------------------------------------------------------------ files
+    def run_transfer(self, cmd: ev.RunTransfer) -> None:
+        self._spawn(self._run_transfer(cmd))
+
+    async def _run_transfer(self, cmd: ev.RunTransfer) -> None:
+        result, error = await transfer(
+            self.backend, cmd.env_id, cmd.direction, cmd.path, cmd.data, cmd.tar, cmd.max_bytes
+        )
+        log.info(
+            "env_transfer",
+            node=cmd.node,
+            env=cmd.env_id,
+            direction=cmd.direction,
+            path=cmd.path,
+            error=error[1] if error else None,
+            cause=cmd.cause,
+        )
+        self._report(
+            ev.TransferDone(token=cmd.token, env_id=cmd.env_id, result=result, error=error)
+        )
+
+    # ------------------------------------------------------------------ shell sessions
+    def start_shell(self, cmd: ev.StartShell) -> None:
+        self._spawn(self._start_shell(cmd))
+
+    async def _start_shell(self, cmd: ev.StartShell) -> None:
+        error = None
+        try:
+            await self.backend.open_session(cmd.env_id, cmd.session_id, run_as=cmd.run_as)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        log.info(
+            "session_opened", node=cmd.node, session=cmd.session_id, env=cmd.env_id, error=error
+        )
+        self._report(ev.SessionOpened(session_id=cmd.session_id, error=error))
+
+    def interrupt_shell(self, cmd: ev.InterruptShell) -> None:
+        self._spawn(self._interrupt_shell(cmd))
+
+    async def _interrupt_shell(self, cmd: ev.InterruptShell) -> None:
+        try:
+            await self.backend.interrupt_session(cmd.session_id)
+        except Exception as exc:
+            log.warning(
+                "session_interrupt_failed", node=cmd.node, session=cmd.session_id, error=str(exc)
+            )
+
+    def end_shell(self, cmd: ev.EndShell) -> None:
+        self._spawn(self._end_shell(cmd))
+
+    async def _end_shell(self, cmd: ev.EndShell) -> None:
+        try:
+            await self.backend.close_session(cmd.session_id)
+        except Exception as exc:
+            log.warning(
+                "session_close_failed", node=cmd.node, session=cmd.session_id, error=str(exc)
+            )
+        self._report(ev.SessionClosed(session_id=cmd.session_id))
+
+    # ------------------------------------------------------------------ GPU services
+    async def recover_services(self) -> tuple[Any, ...]:
+        """Reload the registrations of an earlier run; one that fails to load stays
+        registered (state ``failed``) and is retried on its next call. Returns the specs."""
+        host = self.services
+        if host is None:
+            return ()
+        try:
+            errors = await host.start()
+        except Exception as exc:  # an unreadable registry, a worker that cannot start
+            log.error("services_not_reloaded", error=f"{type(exc).__name__}: {exc}")
+            errors = {}
+        for name, error in errors.items():
+            log.warning("service_load_failed", service=name, error=error)
+        specs = tuple(host.specs())
+        if specs:
+            log.info("services_reloaded", services=[s.name for s in specs])
+        return specs
+
+    def load_service(self, cmd: ev.LoadService) -> None:
+        self._spawn(self._load_service(cmd))
+
+    async def _load_service(self, cmd: ev.LoadService) -> None:
+        host = self.services
+        name = cmd.spec.name
+        if host is None:  # pragma: no cover - the core refuses services without GPUs
+            self._report(ev.ServiceLoaded(spec=cmd.spec, error="no GPU service host"))
+            return
+        try:
+            info = await host.register(cmd.spec)
+        except (ServiceLoadError, ValueError) as exc:
+            log.warning("service_register_failed", service=name, error=str(exc), cause=cmd.cause)
+            self._report(ev.ServiceLoaded(spec=cmd.spec, error=str(exc)))
+            return
+        except Exception as exc:
+            error = f"service {name!r}: {type(exc).__name__}: {exc}"
+            log.exception("service_register_failed", service=name, cause=cmd.cause)
+            self._report(ev.ServiceLoaded(spec=cmd.spec, error=error, code="infra_error"))
+            return
+        log.info("service_registered", service=name, module_bytes=info.get("module_bytes"))
+        self._report(ev.ServiceLoaded(spec=cmd.spec, info=info))
+
+    def unload_service(self, cmd: ev.UnloadService) -> None:
+        self._spawn(self._unload_service(cmd))
+
+    async def _unload_service(self, cmd: ev.UnloadService) -> None:
+        if self.services is not None:
+            try:
+                await self.services.remove(cmd.name)
+            except ServiceNotFound:
+                pass
+            except Exception:
+                log.exception("service_remove_failed", service=cmd.name, cause=cmd.cause)
+        log.info("service_removed", service=cmd.name, cause=cmd.cause)
+        self._report(ev.ServiceUnloaded(name=cmd.name))
+
+    def run_call(self, cmd: ev.RunCall) -> None:
+        log.info(
+            "action_placed",
+            action_id=cmd.action_id,
+            node=cmd.node,
+            service=cmd.service,
+            gpus=list(cmd.gpus),
+            evicts=[f"{v.service}@{v.gpu}" for v in cmd.evicted] or None,
+            cause=cmd.cause,
+        )
+        self._spawn(self._run_call(cmd))
+
+    async def _run_call(self, cmd: ev.RunCall) -> None:
+        """Evict, restore, call: ``ServiceHost.call`` never raises for run-time problems;
+        a service removed meanwhile is ``rejected``, anything else an ``infra_error``."""
+        host = self.services
+        restore_s, rate, answer = 0.0, None, None
+        try:
+            if host is None:  # pragma: no cover - the core places calls only with GPUs
+                raise RuntimeError("no GPU service host")
+            restored = await host.apply(cmd.service, cmd.gpus, cmd.evicted)
+            restore_s = restored.seconds
+            real = not all(host.inventory.gpu(g).simulated for g in cmd.gpus)
+            if restored.needed and real and restored.nbytes and restored.copy_s > 0:
+                rate = restored.nbytes / restored.copy_s
+            res = await host.call(cmd.service, cmd.gpus, dict(cmd.payload), cmd.timeout_s)
+            outcome, answer, error = res.outcome, res.result, res.error
+            exec_s, restore_s = res.exec_s, restore_s + res.restore_s
+        except ServiceNotFound:
+            outcome, error, exec_s = "rejected", f"service {cmd.service!r} was removed", 0.0
+        except Exception as exc:
+            log.exception("call_failed", action_id=cmd.action_id, service=cmd.service)
+            outcome, error, exec_s = "infra_error", f"{type(exc).__name__}: {exc}", 0.0
+        log.info(
+            "action_finished",
+            action_id=cmd.action_id,
+            node=cmd.node,
+            service=cmd.service,
+            gpus=list(cmd.gpus),
+            outcome=outcome,
+            restore_s=round(restore_s, 6),
+            exec_s=round(exec_s, 6),
+            error=error,
+            cause=cmd.cause,
+        )
+        self._report(
+            ev.CallFinished(
+                action_id=cmd.action_id,
+                outcome=outcome,
+                result=answer,
+                error=error,
+                exec_s=exec_s,
+                restore_s=restore_s,
+                h2d_bytes_per_s=rate,
+            )
+        )
+
+
+async def transfer(
+    backend: Backend,
+    env_id: str,
+    direction: str,
+    path: str,
+    data: bytes,
+    tar: bool,
+    max_bytes: int,
+) -> tuple[dict[str, Any] | None, tuple[str, str] | None]:
+    """Put or get a file on ``backend``: the op's result map, or a wire error (a bad path or
+    size is ``bad_request``, a missing file ``not_found``, anything else ``infra_error``)."""
+    try:
+        if direction == "put":
+            size = await backend.put(env_id, path, data, tar=tar)
+            return {"path": path, "bytes": size}, None
+        got, is_tar = await backend.get(env_id, path, max_bytes=max_bytes)
+        return {"path": path, "data": got, "tar": is_tar}, None
+    except BAD_TRANSFER as e:
+        return None, ("bad_request", f"{path}: {e}")
+    except FileNotFoundError as e:
+        return None, ("not_found", f"{path}: {e.strerror or e}")
+    except Exception as exc:  # any other backend failure is an infrastructure error
+        return None, ("infra_error", f"{type(exc).__name__}: {exc}")
+
+
+def owner_of(value: Any) -> tuple[int, int] | None:
+    """A record's or a message's ``[uid, gid]`` as a pair (None: none or malformed)."""
+    if isinstance(value, list | tuple) and len(value) == 2:
+        try:
+            return (int(value[0]), int(value[1]))
+        except (TypeError, ValueError):
+            return None
+    return None

@@ -1,0 +1,159 @@
+"""Commands sent to the node that holds the environment: the coordinator's effects.
+
+Each command becomes one link message (``tangram.protocol.link``) to its node; the node
+carries it out with its :class:`~tangramd.run.local.LocalEffects` and sends the outcome
+back, which the coordinator's link handlers feed to the core. What is reported here is
+only what never reached a node: a node that is not connected fails the command at once
+(on the next turn of the loop, never inside the ``feed`` that issued it).
+
+A coordinator has no GPUs of its own: its core refuses services, so the service commands
+never come; should one come, it fails as an ``infra_error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from tangram.protocol.link import EXEC_INPUT, make_message
+from tangram.protocol.results import ExecResult
+from tangramd import events as ev
+from tangramd.run.effects import Report, Spawn
+
+if TYPE_CHECKING:
+    from tangramd.services import ServiceHost
+
+Send = Callable[[str, dict[str, Any]], bool]  # (node, message) -> sent
+# A placement's answer on its node: the client request the node answers itself (or None)
+# and whether that node still holds the exec's stdin and files.
+ReplyOnNode = Callable[[ev.RunExec], tuple[dict[str, Any] | None, bool]]
+
+NO_GPUS = "this coordinator places no GPU services (cluster GPU scheduling is not built yet)"
+
+
+def _unbound(event: ev.Event) -> None:  # pragma: no cover - bind() comes first
+    raise RuntimeError("RemoteEffects used before bind()")
+
+
+class RemoteEffects:
+    """The :class:`~tangramd.run.effects.Effects` of a coordinator (see the module doc)."""
+
+    name = "cluster"
+    services: ServiceHost | None = None  # no GPUs of its own (see the module doc)
+
+    def __init__(self, send: Send, reply_on_node: ReplyOnNode) -> None:
+        self._send = send
+        self._reply_on_node = reply_on_node
+        self._report: Report = _unbound
+        self._transfers: dict[str, ev.RunTransfer] = {}  # sent to a node, not answered yet
+        self._transfer_ids = itertools.count(1)
+
+    def bind(self, report: Report, spawn: Spawn) -> None:
+        self._report = report
+
+    def in_flight(self) -> int:
+        return 0  # the nodes hold the work; a coordinator's stop leaves it to them
+
+    def _fail(self, event: ev.Event) -> None:
+        asyncio.get_running_loop().call_soon(self._report, event)
+
+    def _unreachable(self, node: str) -> str:
+        return f"node {node} is not connected"
+
+    # ------------------------------------------------------------------ life cycle
+    async def recover_envs(self, records: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+        return tuple(records)  # the nodes reconcile theirs when they rejoin
+
+    async def recover_services(self) -> tuple[Any, ...]:
+        return ()
+
+    async def shutdown(self, keep: list[str]) -> None:
+        """Nothing to end here: environments and running work stay on their nodes."""
+
+    # ------------------------------------------------------------------ commands
+    def create_env(self, cmd: ev.CreateEnv) -> None:
+        msg = make_message(
+            "create_env",
+            env_id=cmd.env_id,
+            image=cmd.image,
+            mem=cmd.mem,
+            owner=list(cmd.owner) if cmd.owner else None,
+        )
+        if not self._send(cmd.node, msg):
+            self._fail(ev.EnvCreated(env_id=cmd.env_id, error=self._unreachable(cmd.node)))
+
+    def remove_env(self, cmd: ev.RemoveEnv) -> None:
+        if not self._send(cmd.node, make_message("remove_env", env_id=cmd.env_id)):
+            # nothing to remove there now; the node drops it when it reconciles
+            self._fail(ev.EnvRemoved(env_id=cmd.env_id))
+
+    def run_exec(self, cmd: ev.RunExec) -> None:
+        reply, held = self._reply_on_node(cmd)
+        spec = cmd.spec.to_wire()
+        if held:  # the node has them: they do not cross the link a second time
+            for name in EXEC_INPUT:
+                spec.pop(name, None)
+        msg = make_message(
+            "run_exec",
+            action_id=cmd.action_id,
+            env_id=cmd.env_id,
+            cores=list(cmd.cores),
+            spec=spec,
+            max_output=cmd.max_output,
+            run_as=list(cmd.run_as) if cmd.run_as else None,
+            reply=reply,
+            held=True if held else None,
+        )
+        if not self._send(cmd.node, msg):
+            res = ExecResult("infra_error", detail=self._unreachable(cmd.node))
+            self._fail(ev.ExecFinished(cmd.action_id, res))
+
+    def run_transfer(self, cmd: ev.RunTransfer) -> None:
+        self._transfers[key := f"t{next(self._transfer_ids)}"] = cmd
+        msg = make_message(
+            "transfer",
+            tid=key,
+            env_id=cmd.env_id,
+            direction=cmd.direction,
+            path=cmd.path,
+            data=cmd.data,
+            tar=cmd.tar,
+            max_bytes=cmd.max_bytes,
+        )
+        if not self._send(cmd.node, msg):
+            self._transfers.pop(key, None)
+            error = ("infra_error", self._unreachable(cmd.node))
+            self._fail(ev.TransferDone(token=cmd.token, env_id=cmd.env_id, error=error))
+
+    def transfer_done(self, tid: str) -> ev.RunTransfer | None:
+        """The transfer a node's ``transfer_done`` answers (None: unknown or answered)."""
+        return self._transfers.pop(tid, None)
+
+    def start_shell(self, cmd: ev.StartShell) -> None:
+        msg = make_message(
+            "open_session",
+            session_id=cmd.session_id,
+            env_id=cmd.env_id,
+            run_as=list(cmd.run_as) if cmd.run_as else None,
+        )
+        if not self._send(cmd.node, msg):
+            error = self._unreachable(cmd.node)
+            self._fail(ev.SessionOpened(session_id=cmd.session_id, error=error))
+
+    def interrupt_shell(self, cmd: ev.InterruptShell) -> None:
+        self._send(cmd.node, make_message("interrupt_session", session_id=cmd.session_id))
+
+    def end_shell(self, cmd: ev.EndShell) -> None:
+        if not self._send(cmd.node, make_message("close_session", session_id=cmd.session_id)):
+            self._fail(ev.SessionClosed(session_id=cmd.session_id))
+
+    def load_service(self, cmd: ev.LoadService) -> None:
+        self._fail(ev.ServiceLoaded(spec=cmd.spec, error=NO_GPUS, code="infra_error"))
+
+    def unload_service(self, cmd: ev.UnloadService) -> None:
+        self._fail(ev.ServiceUnloaded(name=cmd.name))
+
+    def run_call(self, cmd: ev.RunCall) -> None:
+        self._fail(ev.CallFinished(action_id=cmd.action_id, outcome="infra_error", error=NO_GPUS))
