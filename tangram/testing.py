@@ -37,11 +37,13 @@ def wait_for(
     *,
     every_s: float = 0.01,
     ignore: tuple[type[BaseException], ...] = (),
+    fatal: tuple[type[BaseException], ...] = (),
 ) -> T:
     """Poll ``check`` until it returns a truthy value, and return that value.
 
     Exceptions of the types in ``ignore`` count as "not yet" (the last one is named in the
-    timeout's message); any other propagates. Raises TimeoutError naming ``what``.
+    timeout's message), unless they are also of a type in ``fatal``; any other propagates.
+    Raises TimeoutError naming ``what``.
     """
     deadline = time.monotonic() + timeout_s
     last_error: BaseException | None = None
@@ -50,6 +52,8 @@ def wait_for(
             value = check()
             if value:
                 return value
+        except fatal:
+            raise
         except ignore as exc:
             last_error = exc
         if time.monotonic() > deadline:

@@ -47,3 +47,21 @@ def test_wait_for_async_awaits_a_coroutine_check_while_the_loop_runs() -> None:
     assert asyncio.run(main()) == "set"
     with pytest.raises(TimeoutError, match="never: not within"):
         asyncio.run(wait_for_async(lambda: False, 0.02, "never"))
+
+
+def test_wait_for_stops_at_once_on_a_fatal_error_it_would_otherwise_ignore() -> None:
+    """An error of a ``fatal`` type propagates at the first poll even when ``ignore``
+    covers it (the cluster harness: a daemon that exited cannot become ready)."""
+
+    class Exited(RuntimeError):
+        pass
+
+    calls = itertools.count()
+
+    def check() -> bool:
+        next(calls)
+        raise Exited("gone")
+
+    with pytest.raises(Exited):
+        wait_for(check, 5.0, "never", ignore=(Exception,), fatal=(Exited,))
+    assert next(calls) == 1

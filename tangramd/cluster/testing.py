@@ -30,6 +30,7 @@ from typing import Any, ClassVar, TypeVar
 import psutil
 import structlog
 
+from tangram import testing
 from tangram.client import Client
 from tangramd.cluster import config as cluster_config
 from tangramd.cluster.link import split_host_port
@@ -46,21 +47,13 @@ class DaemonExited(RuntimeError):
 def wait_for(
     check: Callable[[], T | None], timeout_s: float, what: str, *, every_s: float = 0.05
 ) -> T:
-    """Poll ``check`` until it returns a truthy value; raise TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    last_error: BaseException | None = None
-    while True:
-        try:
-            value = check()
-            if value:
-                return value
-        except DaemonExited:
-            raise
-        except Exception as exc:  # not ready yet: remember why for the timeout message
-            last_error = exc
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout_s} s (last error: {last_error!r})")
-        time.sleep(every_s)
+    """Poll ``check`` until it returns a truthy value; raise TimeoutError naming ``what``.
+    Any error of ``check`` means "not yet" (a daemon still starting), except
+    :class:`DaemonExited`: waiting longer cannot help then."""
+    value = testing.wait_for(
+        check, timeout_s, what, every_s=every_s, ignore=(Exception,), fatal=(DaemonExited,)
+    )
+    return value  # type: ignore[return-value]  # truthy, so not None
 
 
 @dataclass
