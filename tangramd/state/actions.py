@@ -13,7 +13,7 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from tangram.model import Action, ActionId, EnvId
 from tangram.protocol.results import CallSpec, ExecSpec
@@ -22,7 +22,9 @@ from tangramd.state.story import STORY_LIMIT, Stories, StoryLog, transition
 if TYPE_CHECKING:
     pass
 
-ACTION_EDGES: dict[tuple[str, str], str] = {
+ActionState = Literal["new", "queued", "waiting_env", "running", "done"]
+
+ACTION_EDGES: dict[tuple[ActionState, ActionState], str] = {
     ("new", "queued"): "submitted with a ready environment",
     ("new", "waiting_env"): "submitted while its environment is being created",
     ("waiting_env", "queued"): "the backend reported the environment created",
@@ -50,7 +52,7 @@ class ActionRec:
     spec: ExecSpec | None = None  # exec actions: the request as submitted
     run_as: tuple[int, int] | None = None  # exec actions: the user the command runs as
     call: CallSpec | None = None  # service actions: the call as submitted
-    state: str = "new"
+    state: ActionState = "new"
     pool_id: str = ""
     units: tuple[int, ...] = ()
     started_at: float | None = None
@@ -116,7 +118,7 @@ class ActionBook:
         self.live[action.id] = rec
         return rec
 
-    def move(self, rec: ActionRec, new: str, now: float, why: str, cause: int) -> None:
+    def move(self, rec: ActionRec, new: ActionState, now: float, why: str, cause: int) -> None:
         transition(rec, new, ACTION_EDGES, now, why, cause)
 
     def enqueue(self, rec: ActionRec, now: float, cause: int) -> None:

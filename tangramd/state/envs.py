@@ -15,7 +15,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from tangram.model import ActionId, EnvId, TrajectoryId, Unschedulable
 from tangram.pools.cpu import CpuCluster, NeverFits, NoRoomYet, Placed
@@ -25,7 +25,9 @@ from tangramd.state.story import Stories, StoryLog, transition
 if TYPE_CHECKING:
     pass
 
-ENV_EDGES: dict[tuple[str, str], str] = {
+EnvState = Literal["new", "waiting_mem", "creating", "ready", "lost", "closing", "closed"]
+
+ENV_EDGES: dict[tuple[EnvState, EnvState], str] = {
     ("new", "creating"): "env.open or a throwaway exec asked for it, and a node has the memory",
     ("new", "waiting_mem"): "env.open or a throwaway exec found no node with the memory free",
     ("new", "ready"): "re-adopted from the state dir after a daemon restart",
@@ -62,7 +64,7 @@ class EnvRec:
     close_token: int | None = None
     conn: int | None = None
     owner: tuple[int, int] | None = None  # (uid, gid) of the client that opened it
-    state: str = "new"
+    state: EnvState = "new"
     lost_node: str = ""  # set when the environment was lost with its node (cluster mode)
     awaiting_node: bool = False  # restored by a restarted coordinator, node not back yet
     active: int = 0  # actions submitted and not done

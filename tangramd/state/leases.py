@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from tangram.model import ActionId
 from tangramd.state.story import StoryLog, transition
@@ -14,7 +14,9 @@ from tangramd.state.story import StoryLog, transition
 if TYPE_CHECKING:
     pass
 
-LEASE_EDGES: dict[tuple[str, str], str] = {
+LeaseState = Literal["new", "waiting", "granted", "released", "expired", "failed"]
+
+LEASE_EDGES: dict[tuple[LeaseState, LeaseState], str] = {
     ("new", "waiting"): "lease.acquire queued the lease action",
     ("waiting", "granted"): "the scheduler placed the lease action on the API pool",
     ("waiting", "failed"): "deadline passed or client disconnected before a grant",
@@ -31,7 +33,7 @@ class LeaseRec:
     policy: str
     deadline_at: float | None
     history: StoryLog  # the lease action's story
-    state: str = "new"
+    state: LeaseState = "new"
     expires_at: float = math.inf
     conn: int | None = None
 
@@ -52,7 +54,7 @@ class LeaseBook:
         transition(lease, "waiting", LEASE_EDGES, now, "queued for its API", cause)
         self._leases[lease.action_id] = lease
 
-    def move(self, lease: LeaseRec, new: str, now: float, why: str, cause: int) -> None:
+    def move(self, lease: LeaseRec, new: LeaseState, now: float, why: str, cause: int) -> None:
         transition(lease, new, LEASE_EDGES, now, why, cause)
 
     def granted(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from tangram.model import ActionId, EnvId
 from tangram.protocol.errors import BadRequest, NotFound
@@ -13,7 +13,9 @@ from tangramd.state.story import Stories, StoryLog, transition
 if TYPE_CHECKING:
     from tangramd.state.envs import EnvBook
 
-SESSION_EDGES: dict[tuple[str, str], str] = {
+SessionState = Literal["new", "opening", "open", "closing", "closed"]
+
+SESSION_EDGES: dict[tuple[SessionState, SessionState], str] = {
     ("new", "opening"): "session.open on a ready environment",
     ("opening", "open"): "the backend started the session's shell",
     ("opening", "closed"): "the shell could not be started, or its environment went away",
@@ -32,7 +34,7 @@ class SessionRec:
     env: EnvId
     node: str
     history: StoryLog
-    state: str = "new"
+    state: SessionState = "new"
     open_token: int | None = None
     close_token: int | None = None
     busy: ActionId | None = None
@@ -102,7 +104,9 @@ class SessionBook:
         self._sessions[session_id] = session
         return session
 
-    def move(self, session: SessionRec, new: str, now: float, why: str, cause: int) -> None:
+    def move(
+        self, session: SessionRec, new: SessionState, now: float, why: str, cause: int
+    ) -> None:
         transition(session, new, SESSION_EDGES, now, why, cause)
 
     def drop(self, session_id: str) -> SessionRec | None:

@@ -12,9 +12,11 @@ action's story.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol, TypeVar
 
-Edges = dict[tuple[str, str], str]
+S = TypeVar("S", bound=str)  # one record kind's states (a Literal of its table's states)
+Edges = Mapping[tuple[S, S], str]  # (from, to) -> the real event that causes the edge
 StoryLog = list[tuple[float, str, str, Any, int]]  # (t, old, new, why, cause) per entry
 STORY_ENTRIES = 64  # per record; an action has about eight entries, an environment a few
 STORY_LIMIT = 10_000  # records whose story is kept after they end
@@ -24,7 +26,16 @@ class IllegalTransition(RuntimeError):
     """A record was asked to move along an edge its table does not have (a bug)."""
 
 
-def transition(entity: Any, new: str, edges: Edges, now: float, why: str, cause: int) -> None:
+class Record(Protocol[S]):
+    """What :func:`transition` needs of a record: its state and its story."""
+
+    state: S
+    history: StoryLog
+
+
+def transition(
+    entity: Record[S], new: S, edges: Edges[S], now: float, why: str, cause: int
+) -> None:
     """Move ``entity`` along one edge of ``edges`` and write it to the entity's story.
 
     ``cause`` (the stimulus id of the event being handled) is required: every entry says
@@ -32,7 +43,7 @@ def transition(entity: Any, new: str, edges: Edges, now: float, why: str, cause:
     the entity's recent story.
     """
     old = entity.state
-    log: StoryLog = entity.history
+    log = entity.history
     if (old, new) not in edges:
         raise IllegalTransition(
             f"{type(entity).__name__} {old} -> {new} ({why}); history: {log[-16:]}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from tangram.model import ActionId, InvalidDemand, make_action
 from tangram.protocol.errors import NotFound, QuotaExceeded, ShuttingDown
@@ -72,7 +72,13 @@ def grant_lease(core: Core, rec: ActionRec, now: float, out: list[ev.Command]) -
         rec.token = None
 
 
-def end_lease(core: Core, lease: LeaseRec, now: float, out: list[ev.Command], state: str) -> None:
+def end_lease(
+    core: Core,
+    lease: LeaseRec,
+    now: float,
+    out: list[ev.Command],
+    state: Literal["released", "expired"],
+) -> None:
     rec = core.actions[lease.action_id]
     core.leases.move(lease, state, now, state, core.stimulus)
     if rec.started_at is not None:
