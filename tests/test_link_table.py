@@ -366,9 +366,10 @@ def test_real_link_traffic_matches_the_table(
 def test_an_exec_input_crosses_the_link_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An exec's stdin and files from a node's own client, run on that node, go to the
-    coordinator and not back (the node holds them: run_exec's held); run on another node,
-    they are in that node's run_exec; the command gets them either way."""
+    """An exec's stdin and files from a node's own client into an environment on that node
+    never cross the link (the node withholds them from its req and puts them back for
+    run_exec's held); from another node's client, they are in the run_exec of the node
+    that runs it; the command gets them either way."""
     seen: list[dict[str, Any]] = []
     send = Link.send
 
@@ -395,7 +396,12 @@ def test_an_exec_input_crosses_the_link_once(
     shipped = run[remote["action_id"]]
     assert shipped["held"] is None
     assert shipped["spec"]["stdin"] == b"in" and shipped["spec"]["files"] == {"f.txt": b"file"}
-    assert [m["held"] for m in seen if m["t"] == "req" and m["op"] == "exec"] == [True, True]
+    reqs = [m for m in seen if m["t"] == "req" and m["op"] == "exec"]
+    assert [m["held"] for m in reqs] == [True, True]
+    # from a's own client into a's environment: the input never left a (withheld)
+    assert reqs[0]["withheld"] is True and not {"stdin", "files"} & set(reqs[0]["args"])
+    # from b's client: b has no copy to keep for a, so the input goes with the request
+    assert reqs[1]["withheld"] is None and reqs[1]["args"]["stdin"] == b"in"
 
 
 def _env_on(c: Client, node_name: str, tries: int = 8) -> str:

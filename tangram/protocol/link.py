@@ -211,6 +211,12 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
                     doc="an `exec` whose stdin and files the node keeps until its placement"
                     " or its answer (the coordinator may leave them out of a `run_exec` to it)",
                 ),
+                Field(
+                    "withheld",
+                    Bool(),
+                    doc="`held`, and `args` lack the stdin and files: the exec's environment"
+                    " is on this node, so it runs here (`run_exec`'s `held`) or not at all",
+                ),
             ),
         ),
         LinkMessage(

@@ -23,7 +23,7 @@ import socket
 import ssl
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import structlog
 
@@ -46,7 +46,7 @@ from tangramd.cluster.registry import NodeRecord, NodeRegistry, Refused
 from tangramd.cluster.store import Store, StoreEnvRecords
 from tangramd.executor import Executor, OpHandlers
 from tangramd.lifecycle import loop_name
-from tangramd.run.remote import RemoteEffects
+from tangramd.run.remote import OnNode, RemoteEffects
 from tangramd.state import Core
 from tangramd.transport import NOT_SYNC, ConnInfo, Later
 
@@ -57,6 +57,16 @@ REMOTE_CONN_BASE = 1 << 40  # ids of clients on node sockets, apart from local c
 # cluster.join hands out secrets; node.lost could take any node down: neither is served
 # to clients on a node's socket, only on the coordinator's own.
 LOCAL_ONLY_OPS = frozenset({"cluster.join", "node.lost"})
+
+
+class _Forwarded(NamedTuple):
+    """An exec a node forwarded, owed an answer."""
+
+    link: Link  # the node's link it came over
+    request_id: Any  # the node's id for the request
+    action_id: str | None = None  # set when that node answers its client itself
+    held: bool = False  # that node holds the exec's stdin and files (req's held)
+    withheld: bool = False  # ... and only that node has them (req's withheld)
 
 
 class CoordinatorExecutor(Executor):
@@ -98,13 +108,10 @@ class CoordinatorExecutor(Executor):
         self._link_server: asyncio.base_events.Server | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._remote_ids = itertools.count(REMOTE_CONN_BASE)
-        # forwarded execs owed an answer: (link, the node's request id, the action when
-        # that node answers its client itself, see _reply_on_node; whether that node holds
-        # the exec's input, req's held)
-        self._forwarded: dict[Later, tuple[Link, Any, str | None, bool]] = {}
+        # forwarded execs owed an answer (see _Forwarded)
+        self._forwarded: dict[Later, _Forwarded] = {}
         self._node_answers: dict[str, Later] = {}  # action id: its forwarded exec
-        # the request handle_inline serves: (link, request id, held)
-        self._forwarding: tuple[Link, Any, bool] | None = None
+        self._forwarding: _Forwarded | None = None  # the request handle_inline serves
         self.port = listen[1]
 
     # ------------------------------------------------------------------ life cycle
@@ -225,26 +232,32 @@ class CoordinatorExecutor(Executor):
         return {"name": name, "already_lost": already}
 
     # ------------------------------------------------------------------ commands to nodes
-    def _reply_on_node(self, cmd: ev.RunExec) -> tuple[dict[str, Any] | None, bool]:
+    def _reply_on_node(self, cmd: ev.RunExec) -> OnNode:
         """When the exec came from a client of the node it runs on, that node answers the
         client itself as soon as it ends (``reply``: the request and its time queued, the
         one fact the core adds that the node lacks), then reports the outcome: one link
         round trip less per action. The core's reply to it then goes nowhere (see
-        :meth:`_on_exec_done`); the answer is the same ``ExecResult.placed``. True with
-        it when that node holds the exec's stdin and files (``req``'s ``held``)."""
+        :meth:`_on_exec_done`); the answer is the same ``ExecResult.placed``. ``held``
+        when that node holds the exec's stdin and files (``req``'s ``held``); ``missing``
+        says why the exec cannot run at all: its input stayed on a node it is not placed
+        on (``req``'s ``withheld``, after that node's link was replaced)."""
         answer = self.core.read.exec_reply(cmd.action_id)
         if answer is None:
-            return None, False
+            return OnNode()
         token, queue_s = answer
         later = self._futures.get(token)
         if not isinstance(later, Later):
-            return None, False
+            return OnNode()
         target = self._forwarded.get(later)
-        if target is None or target[0] is not self.registry.link_of(cmd.node):
-            return None, False
-        self._forwarded[later] = (target[0], target[1], cmd.action_id, target[3])
+        if target is None:
+            return OnNode()
+        if target.link is not self.registry.link_of(cmd.node):
+            if target.withheld:
+                return OnNode(missing="its stdin and files stayed on the node it came from")
+            return OnNode()
+        self._forwarded[later] = target._replace(action_id=cmd.action_id)
         self._node_answers[cmd.action_id] = later
-        return {"id": target[1], "queue_s": queue_s}, target[3]
+        return OnNode({"id": target.request_id, "queue_s": queue_s}, held=target.held)
 
     def _send(self, node: str, msg: dict[str, Any]) -> bool:
         link = self.registry.link_of(node)
@@ -442,7 +455,12 @@ class CoordinatorExecutor(Executor):
         request_id = msg.get("id")
         try:
             conn = self._remote_conn(rec, int(msg["conn"]))
-            self._forwarding = (link, request_id, msg.get("held") is True)
+            self._forwarding = _Forwarded(
+                link,
+                request_id,
+                held=msg.get("held") is True,
+                withheld=msg.get("withheld") is True,
+            )
             try:
                 result = self.handlers.handle_inline(self, op, args, conn)
             finally:
@@ -466,7 +484,7 @@ class CoordinatorExecutor(Executor):
         token = next(self._tokens)
         later = Later()
         self._futures[token] = later
-        self._forwarded[later] = (origin[0], origin[1], None, origin[2])
+        self._forwarded[later] = origin
         later.then(self._answer_forwarded)
         self.feed(make_event(token))
         return later
@@ -477,7 +495,7 @@ class CoordinatorExecutor(Executor):
         target = self._forwarded.pop(later, None)
         if target is None:
             return
-        link, request_id, action_id, _ = target
+        link, request_id, action_id = target.link, target.request_id, target.action_id
         if action_id is not None:
             self._node_answers.pop(action_id, None)
         if later.error is None:

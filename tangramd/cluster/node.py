@@ -603,16 +603,26 @@ class NodeAgent:
         request_id = next(self._ids)
         self._pending[request_id] = owed
         # an exec's input is kept until its placement or answer: if it runs here, the
-        # coordinator need not send it back (run_exec's held)
+        # coordinator need not send it back (run_exec's held); if its environment is here,
+        # it can run nowhere else, and the input does not cross the link at all (withheld)
         holds = (
             op == "exec"
             and isinstance(args, dict)
             and any(args.get(k) is not None for k in EXEC_INPUT)
         )
+        withheld = holds and args.get("env") in self._envs
         if holds:
             self._held[request_id] = args
+        if withheld:
+            args = {k: v for k, v in args.items() if k not in EXEC_INPUT}
         msg = make_message(
-            "req", id=request_id, conn=conn.id, op=op, args=args, held=True if holds else None
+            "req",
+            id=request_id,
+            conn=conn.id,
+            op=op,
+            args=args,
+            held=True if holds else None,
+            withheld=True if withheld else None,
         )
         link.send(msg)
         return request_id

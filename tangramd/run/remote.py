@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tangram.protocol.link import EXEC_INPUT, make_message
 from tangram.protocol.results import ExecResult
@@ -26,9 +26,17 @@ if TYPE_CHECKING:
     from tangramd.services import ServiceHost
 
 Send = Callable[[str, dict[str, Any]], bool]  # (node, message) -> sent
-# A placement's answer on its node: the client request the node answers itself (or None)
-# and whether that node still holds the exec's stdin and files.
-ReplyOnNode = Callable[[ev.RunExec], tuple[dict[str, Any] | None, bool]]
+
+
+class OnNode(NamedTuple):
+    """What a placement's node does besides running it (the coordinator decides)."""
+
+    reply: dict[str, Any] | None = None  # the client request it answers itself
+    held: bool = False  # it holds the exec's stdin and files: the spec leaves them out
+    missing: str | None = None  # why the exec cannot run: its input is on another node
+
+
+ReplyOnNode = Callable[[ev.RunExec], OnNode]
 
 NO_GPUS = "this coordinator places no GPU services (cluster GPU scheduling is not built yet)"
 
@@ -90,7 +98,10 @@ class RemoteEffects:
             self._fail(ev.EnvRemoved(env_id=cmd.env_id))
 
     def run_exec(self, cmd: ev.RunExec) -> None:
-        reply, held = self._reply_on_node(cmd)
+        reply, held, missing = self._reply_on_node(cmd)
+        if missing is not None:  # never run without its input
+            self._fail(ev.ExecFinished(cmd.action_id, ExecResult("infra_error", detail=missing)))
+            return
         spec = cmd.spec.to_wire()
         if held:  # the node has them: they do not cross the link a second time
             for name in EXEC_INPUT:

@@ -1,0 +1,73 @@
+"""The effects back ends on their own: what RemoteEffects sends and reports when a node
+cannot be reached or an exec's input is not where it runs (LocalEffects is exercised by
+every daemon test: tangramd up and the nodes run on it)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tangram.protocol.results import ExecSpec
+from tangramd import events as ev
+from tangramd.run.remote import OnNode, RemoteEffects
+
+
+def _remote(sent: list[tuple[str, dict[str, Any]]], on_node: OnNode, up: bool = True):
+    reported: list[ev.Event] = []
+
+    def send(node: str, msg: dict[str, Any]) -> bool:
+        sent.append((node, msg))
+        return up
+
+    effects = RemoteEffects(send, lambda cmd: on_node)
+    effects.bind(reported.append, lambda coro: None)
+    return effects, reported
+
+
+def _run(effects: RemoteEffects, cmd: ev.Command) -> None:
+    async def go() -> None:
+        getattr(effects, {ev.RunExec: "run_exec", ev.CreateEnv: "create_env"}[type(cmd)])(cmd)
+        await asyncio.sleep(0)  # failures are reported on the next turn, never inside feed
+
+    asyncio.run(go())
+
+
+RUN = ev.RunExec(
+    action_id="a1",
+    env_id="e1",
+    node="a",
+    cores=(0,),
+    spec=ExecSpec(cmd="cat", env="e1", stdin=b"in"),
+    max_output=1024,
+)
+
+
+def test_an_exec_whose_input_stayed_on_another_node_never_runs() -> None:
+    """A placement whose stdin and files the coordinator never had (req's withheld) and
+    that is not on their node ends infra_error, and nothing is sent to a node."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+    effects, reported = _remote(sent, OnNode(missing="its input stayed on node b"))
+    _run(effects, RUN)
+    assert sent == []
+    (done,) = reported
+    assert isinstance(done, ev.ExecFinished) and done.result.outcome == "infra_error"
+    assert "stayed on node b" in done.result.detail
+
+
+def test_a_held_input_is_left_out_of_the_run_exec() -> None:
+    """A placement on the node that holds the exec's input sends the spec without it."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+    effects, reported = _remote(sent, OnNode({"id": 7, "queue_s": 0.0}, held=True))
+    _run(effects, RUN)
+    ((node, msg),) = sent
+    assert node == "a" and msg["held"] is True and "stdin" not in msg["spec"]
+    assert msg["reply"] == {"id": 7, "queue_s": 0.0} and reported == []
+
+
+def test_an_unreachable_node_fails_the_command_on_the_next_turn() -> None:
+    """A node that is not connected: the command fails as its outcome event would."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+    effects, reported = _remote(sent, OnNode(), up=False)
+    _run(effects, ev.CreateEnv(env_id="e2", node="b", image=None, mem=1 << 20))
+    (created,) = reported
+    assert isinstance(created, ev.EnvCreated) and created.error == "node b is not connected"
