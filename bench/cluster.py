@@ -47,15 +47,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 from tangram import AsyncClient, Client  # noqa: E402
 from tangram.pools.cpu import CpuCluster  # noqa: E402
 from tangram.protocol.results import ExecSpec  # noqa: E402
-from tangram.testing import spawn_daemon  # noqa: E402
-from tangramd import events as ev  # noqa: E402
-from tangramd.cluster.testing import (  # noqa: E402
+from tangram.testing import (  # noqa: E402
     node_row,
     spawn_coordinator,
+    spawn_daemon,
     spawn_node,
-    wait_for,
     wait_node_state,
 )
+from tangram.testing import wait_for_daemon as wait_for  # noqa: E402
+from tangramd import events as ev  # noqa: E402
 from tangramd.state import Core, CoreConfig  # noqa: E402
 
 GIB = 1 << 30

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from tangram import AsyncClient, EnvLost, InfraError
-from tangramd.cluster.testing import spawn_coordinator, spawn_node, wait_node_state
+from tangram.testing import spawn_coordinator, spawn_node, wait_node_state
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--trajectories", type=int, default=12)

@@ -20,11 +20,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-
-from tangram import AsyncClient, Client, EnvLost
-from tangram.protocol import OPS, BadRequest, InfraError, NotFound, UnknownOp
-from tangramctl.main import cli
-from tangramd.cluster.testing import (
+from cluster_harness import (
     InProcessCluster,
     InProcessDaemon,
     check_clean,
@@ -33,6 +29,10 @@ from tangramd.cluster.testing import (
     wait_for,
     wait_node_state,
 )
+
+from tangram import AsyncClient, Client, EnvLost
+from tangram.protocol import OPS, BadRequest, InfraError, NotFound, UnknownOp
+from tangramctl.main import cli
 from tangramd.main import cli as tangramd_cli
 
 HEARTBEAT_TIMEOUT_S = 1.0

@@ -16,10 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tangram import Client, EnvLost
-from tangramd.cluster.link import split_host_port
-from tangramd.cluster.testing import (
+from cluster_harness import (
     FaultProxy,
     InProcessCluster,
     check_clean,
@@ -28,6 +25,9 @@ from tangramd.cluster.testing import (
     wait_for,
     wait_node_state,
 )
+
+from tangram import Client, EnvLost
+from tangramd.cluster.link import split_host_port
 
 TIMEOUT_S = 1.0
 CONFIG = f"""

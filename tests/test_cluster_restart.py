@@ -22,9 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tangram import Client, EnvLost, InfraError
-from tangramd.cluster.testing import (
+from cluster_harness import (
     AnyDaemon,
     InProcessCluster,
     check_clean,
@@ -35,6 +33,8 @@ from tangramd.cluster.testing import (
     wait_for,
     wait_node_state,
 )
+
+from tangram import Client, EnvLost, InfraError
 from tangramd.records import RecordJournal
 
 CONFIG = """

@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from cluster_harness import check_clean, spawn_coordinator, spawn_node, stop_all
 
 from tangram.testing import spawn_daemon
-from tangramd.cluster.testing import check_clean, spawn_coordinator, spawn_node, stop_all
 
 
 def _ready_loop(log: str, event: str) -> str:

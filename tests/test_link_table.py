@@ -17,6 +17,7 @@ from typing import Any, cast
 from unittest.mock import MagicMock
 
 import pytest
+from cluster_harness import InProcessCluster
 from structlog.testing import capture_logs
 
 from tangram import Client
@@ -32,7 +33,6 @@ from tangram.protocol.link import (
 from tangramd.backends.base import Backend
 from tangramd.cluster import coordinator, node
 from tangramd.cluster.link import Link
-from tangramd.cluster.testing import InProcessCluster
 
 ROOT = Path(__file__).resolve().parent.parent
 LINK_CONFIG = """

@@ -32,6 +32,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import ray  # the [ray] extra: scripts/test.sh installs it; nothing here skips
 from click.testing import CliRunner
+from cluster_harness import spawn_coordinator, spawn_node, wait_for, wait_node_state
 from harness import running_daemon
 from ray._private import ray_constants
 from ray.cluster_utils import Cluster
@@ -42,7 +43,6 @@ from tangram.protocol.paths import default_socket_path
 from tangramctl import ray as tray
 from tangramctl.main import cli
 from tangramctl.ray_actors import NAMESPACE, RESTART_AFTER_S, node_name
-from tangramd.cluster.testing import spawn_coordinator, spawn_node, wait_for, wait_node_state
 
 ROOT = Path(__file__).resolve().parent.parent
 LABELS = ("n0", "n1", "n2")  # n0 is the head: the coordinator lives there

@@ -3,7 +3,7 @@
 The click commands in :mod:`tangramd.main` parse the options and call :func:`coordinator`
 or :func:`node`; everything they build is composed here (:func:`build_coordinator`,
 :func:`build_node`, :func:`serve_node`), and the in-process test cluster
-(:mod:`tangramd.cluster.testing`) composes its daemons through the same functions.
+(``tests/cluster_harness.py``) composes its daemons through the same functions.
 """
 
 from __future__ import annotations
