@@ -411,3 +411,44 @@ def _env_on(c: Client, node_name: str, tries: int = 8) -> str:
         if env["node"] == node_name:
             return str(env["id"])
     raise AssertionError(f"no environment landed on {node_name} in {tries} tries")
+
+
+def test_a_put_into_an_environment_on_the_clients_node_keeps_its_data_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """env.put from a node's own client into an environment on that node: the req carries
+    an empty data (withheld) and the transfer takes the node's copy (held), so the file's
+    bytes never cross the link; from another node's client they go with the request; the
+    file is written either way."""
+    seen: list[dict[str, Any]] = []
+    send = Link.send
+
+    def record_send(self: Link, msg: Mapping[str, Any]) -> bool:
+        seen.append(dict(msg))
+        return send(self, msg)
+
+    monkeypatch.setattr(Link, "send", record_send)
+    cores = sorted(os.sched_getaffinity(0))
+    with InProcessCluster(tmp_path) as here:
+        coord = here.coordinator(LINK_CONFIG)
+        a = here.node(coord, "a", cpus=str(cores[0]))
+        b = here.node(coord, "b", cpus=str(cores[-1]))
+        with a.client() as on_a, b.client() as on_b:
+            env = _env_on(on_a, "a")
+            on_a.request("env.put", {"id": env, "path": "mine.txt", "data": b"local bytes"})
+            on_b.request("env.put", {"id": env, "path": "theirs.txt", "data": b"remote bytes"})
+            got = {
+                name: on_a.request("env.get", {"id": env, "path": name})["data"]
+                for name in ("mine.txt", "theirs.txt")
+            }
+        here.stop_all()
+    assert got == {"mine.txt": b"local bytes", "theirs.txt": b"remote bytes"}
+    puts = [m for m in seen if m["t"] == "req" and m["op"] == "env.put"]
+    assert puts[0]["withheld"] is True and puts[0]["args"]["data"] == b""
+    assert puts[1]["withheld"] is None and puts[1]["args"]["data"] == b"remote bytes"
+    sent = [m for m in seen if m["t"] == "transfer" and m["direction"] == "put"]
+    assert sent[0]["held"] == puts[0]["id"] and not sent[0]["data"]
+    assert sent[1]["held"] is None and sent[1]["data"] == b"remote bytes"
+    assert b"local bytes" not in b"".join(
+        m.get("data") or b"" for m in seen if isinstance(m.get("data"), bytes)
+    )

@@ -214,8 +214,9 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
                 Field(
                     "withheld",
                     Bool(),
-                    doc="`held`, and `args` lack the stdin and files: the exec's environment"
-                    " is on this node, so it runs here (`run_exec`'s `held`) or not at all",
+                    doc="`held`, and `args` lack the stdin and files of an `exec` (or carry an"
+                    " empty `data` for an `env.put`): the environment is on this node, so the"
+                    " work runs here (`run_exec`'s or `transfer`'s `held`) or not at all",
                 ),
             ),
         ),
@@ -290,6 +291,12 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
                 Field("data", Bytes(), doc="what to put (a tar stream when `tar`)"),
                 Field("tar", Bool(), True, "a directory as a tar stream"),
                 Field("max_bytes", BYTES, True, "the most a get may return"),
+                Field(
+                    "held",
+                    Int(),
+                    doc="a put whose `data` is the node's own: that of its request `held`"
+                    " (`req`'s `withheld`), which it kept",
+                ),
             ),
         ),
         LinkMessage(

@@ -87,7 +87,9 @@ class CoordinatorExecutor(Executor):
         store = Store(state_dir)
         # the core's commands go to the nodes (each to the node holding its environment)
         self.remote = RemoteEffects(
-            lambda node, msg: self._send(node, msg), lambda cmd: self._reply_on_node(cmd)
+            lambda node, msg: self._send(node, msg),
+            lambda cmd: self._reply_on_node(cmd),
+            lambda cmd: self._put_on_node(cmd),
         )
         super().__init__(
             core,
@@ -112,6 +114,8 @@ class CoordinatorExecutor(Executor):
         self._forwarded: dict[Later, _Forwarded] = {}
         self._node_answers: dict[str, Later] = {}  # action id: its forwarded exec
         self._forwarding: _Forwarded | None = None  # the request handle_inline serves
+        self._serving: _Forwarded | None = None  # the withheld request a task serves
+        self._held_puts: dict[int, _Forwarded] = {}  # request token: its withheld data
         self.port = listen[1]
 
     # ------------------------------------------------------------------ life cycle
@@ -475,6 +479,36 @@ class CoordinatorExecutor(Executor):
         link.send(reply)
         return True
 
+    async def request(self, make_event: Callable[[int], ev.Event]) -> Any:
+        """As the executor's; for a node's ``env.put`` whose data that node kept
+        (``req``'s ``withheld``), the request's token is remembered so that its transfer
+        takes the data there (:meth:`_put_on_node`)."""
+        origin, self._serving = self._serving, None
+        if origin is None:
+            return await super().request(make_event)
+        tokens: list[int] = []
+
+        def remembered(token: int) -> ev.Event:
+            tokens.append(token)
+            self._held_puts[token] = origin
+            return make_event(token)
+
+        try:
+            return await super().request(remembered)
+        finally:
+            for token in tokens:
+                self._held_puts.pop(token, None)
+
+    def _put_on_node(self, cmd: ev.RunTransfer) -> tuple[int | None, str | None]:
+        """``(held, missing)`` for a transfer: the node's request whose data a put takes
+        there, and why a put cannot run (its data stayed on a node it is not sent to)."""
+        origin = self._held_puts.pop(cmd.token, None) if cmd.token is not None else None
+        if origin is None:
+            return None, None
+        if origin.link is not self.registry.link_of(cmd.node):
+            return None, "the put's data stayed on the node it came from"
+        return int(origin.request_id), None
+
     def request_later(self, make_event: Callable[[int], ev.Event]) -> Later:
         """As the executor's, and an exec forwarded by a node is known as such before the
         core sees it: the pass that event runs may place it at once (_reply_on_node)."""
@@ -514,7 +548,12 @@ class CoordinatorExecutor(Executor):
             if op in LOCAL_ONLY_OPS:
                 raise UnknownOp(f"{op} is served on the coordinator's own socket only")
             conn = self._remote_conn(rec, int(msg["conn"]))
-            result = await self.handlers.handle(self, op, args, conn)
+            if msg.get("withheld") is True:  # read by request() before this task yields
+                self._serving = _Forwarded(link, request_id, held=True, withheld=True)
+            try:
+                result = await self.handlers.handle(self, op, args, conn)
+            finally:
+                self._serving = None
             reply = make_message("resp", id=request_id, ok=True, result=result)
         except Exception as exc:  # every failure is an answer, never a dead link
             reply = make_message("resp", id=request_id, ok=False, error=error_to_wire(exc))

@@ -385,6 +385,15 @@ class NodeAgent:
 
     def _on_transfer(self, msg: dict[str, Any]) -> None:
         data = msg.get("data") or b""
+        held = msg.get("held")
+        if isinstance(held, int) and not isinstance(held, bool):
+            args = self._held.pop(held, None)
+            if args is None:  # never put an empty file in its place
+                tid = str(msg["tid"])
+                error = ["infra_error", "the put's data is no longer held on this node"]
+                self._report(make_message("transfer_done", key=f"t:{tid}", tid=tid, error=error))
+                return
+            data = args["data"]
         cmd = ev.RunTransfer(
             token=next(self._ids),
             env_id=str(msg["env_id"]),
@@ -615,6 +624,16 @@ class NodeAgent:
             self._held[request_id] = args
         if withheld:
             args = {k: v for k, v in args.items() if k not in EXEC_INPUT}
+        elif (  # a put into an environment here: its data stays here (transfer's held)
+            op == "env.put"
+            and isinstance(args, dict)
+            and args.get("id") in self._envs
+            and isinstance(args.get("data"), bytes)
+            and args["data"]
+        ):
+            self._held[request_id] = args
+            args = {**args, "data": b""}
+            holds = withheld = True
         msg = make_message(
             "req",
             id=request_id,

@@ -37,6 +37,14 @@ class OnNode(NamedTuple):
 
 
 ReplyOnNode = Callable[[ev.RunExec], OnNode]
+# A transfer's data on its node: the node's request holding it (or None), and why the
+# transfer cannot run (its data is on another node).
+PutOnNode = Callable[[ev.RunTransfer], tuple[int | None, str | None]]
+
+
+def _nothing_held(cmd: ev.RunTransfer) -> tuple[int | None, str | None]:
+    return None, None
+
 
 NO_GPUS = "this coordinator places no GPU services (cluster GPU scheduling is not built yet)"
 
@@ -51,9 +59,12 @@ class RemoteEffects:
     name = "cluster"
     services: ServiceHost | None = None  # no GPUs of its own (see the module doc)
 
-    def __init__(self, send: Send, reply_on_node: ReplyOnNode) -> None:
+    def __init__(
+        self, send: Send, reply_on_node: ReplyOnNode, put_on_node: PutOnNode = _nothing_held
+    ) -> None:
         self._send = send
         self._reply_on_node = reply_on_node
+        self._put_on_node = put_on_node
         self._report: Report = _unbound
         self._transfers: dict[str, ev.RunTransfer] = {}  # sent to a node, not answered yet
         self._transfer_ids = itertools.count(1)
@@ -122,6 +133,11 @@ class RemoteEffects:
             self._fail(ev.ExecFinished(cmd.action_id, res))
 
     def run_transfer(self, cmd: ev.RunTransfer) -> None:
+        held, missing = self._put_on_node(cmd)
+        if missing is not None:  # never put an empty file in place of the data
+            error = ("infra_error", missing)
+            self._fail(ev.TransferDone(token=cmd.token, env_id=cmd.env_id, error=error))
+            return
         self._transfers[key := f"t{next(self._transfer_ids)}"] = cmd
         msg = make_message(
             "transfer",
@@ -132,6 +148,7 @@ class RemoteEffects:
             data=cmd.data,
             tar=cmd.tar,
             max_bytes=cmd.max_bytes,
+            held=held,
         )
         if not self._send(cmd.node, msg):
             self._transfers.pop(key, None)
