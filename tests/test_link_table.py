@@ -452,3 +452,30 @@ def test_a_put_into_an_environment_on_the_clients_node_keeps_its_data_there(
     assert b"local bytes" not in b"".join(
         m.get("data") or b"" for m in seen if isinstance(m.get("data"), bytes)
     )
+
+
+def test_a_session_commands_input_stays_on_its_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command in a session opened on the client's node (named by its session alone)
+    keeps its stdin on that node too, and reads it."""
+    seen: list[dict[str, Any]] = []
+    send = Link.send
+
+    def record_send(self: Link, msg: Mapping[str, Any]) -> bool:
+        seen.append(dict(msg))
+        return send(self, msg)
+
+    monkeypatch.setattr(Link, "send", record_send)
+    with InProcessCluster(tmp_path) as here:
+        coord = here.coordinator(LINK_CONFIG)
+        a = here.node(coord, "a")
+        with a.client() as c:
+            env = _env_on(c, "a")
+            session = c.request("session.open", {"env": env})["id"]
+            ran = c.request("exec", {"cmd": "cat", "session": session, "stdin": b"typed"})
+            c.request("session.close", {"id": session})
+        here.stop_all()
+    assert ran["stdout"].strip() == "typed"
+    (req,) = [m for m in seen if m["t"] == "req" and m["op"] == "exec"]
+    assert req["withheld"] is True and "stdin" not in req["args"]

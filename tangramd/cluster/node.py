@@ -122,6 +122,7 @@ class NodeAgent:
         # execs handed to the effects, not ended: env, cores and the client to answer
         self._running: dict[str, tuple[str, tuple[int, ...], Any]] = {}
         self._transfers: dict[int, str] = {}  # transfers under way: token -> the link's tid
+        self._sessions: set[str] = set()  # shell sessions open here (in environments here)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         # what the coordinator asks is carried out as tangramd up does it (LocalEffects);
@@ -462,11 +463,14 @@ class NodeAgent:
                 self._report(msg)
         elif isinstance(event, ev.SessionOpened):
             sid = event.session_id
+            if event.error is None:
+                self._sessions.add(sid)
             self._report(
                 make_message("session_opened", key=f"so:{sid}", session_id=sid, error=event.error)
             )
         elif isinstance(event, ev.SessionClosed):
             sid = event.session_id
+            self._sessions.discard(sid)
             self._report(make_message("session_closed", key=f"sc:{sid}", session_id=sid))
         else:  # pragma: no cover - a node runs no GPU services
             log.warning("node_outcome_unexpected", node=self.name, event=type(event).__name__)
@@ -619,7 +623,9 @@ class NodeAgent:
             and isinstance(args, dict)
             and any(args.get(k) is not None for k in EXEC_INPUT)
         )
-        withheld = holds and args.get("env") in self._envs
+        withheld = holds and (
+            args.get("env") in self._envs or args.get("session") in self._sessions
+        )
         if holds:
             self._held[request_id] = args
         if withheld:
