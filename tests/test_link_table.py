@@ -363,13 +363,9 @@ def test_real_link_traffic_matches_the_table(
     assert unseen == {"refused", "reject"}  # a join turned down: test_cluster*.py
 
 
-def test_an_exec_input_crosses_the_link_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An exec's stdin and files from a node's own client into an environment on that node
-    never cross the link (the node withholds them from its req and puts them back for
-    run_exec's held); from another node's client, they are in the run_exec of the node
-    that runs it; the command gets them either way."""
+@pytest.fixture
+def sent_on_links(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Every message any link sends during the test (``Link.send``), in order."""
     seen: list[dict[str, Any]] = []
     send = Link.send
 
@@ -378,6 +374,17 @@ def test_an_exec_input_crosses_the_link_once(
         return send(self, msg)
 
     monkeypatch.setattr(Link, "send", record_send)
+    return seen
+
+
+def test_an_exec_input_crosses_the_link_once(
+    tmp_path: Path, sent_on_links: list[dict[str, Any]]
+) -> None:
+    """An exec's stdin and files from a node's own client into an environment on that node
+    never cross the link (the node withholds them from its req and puts them back for
+    run_exec's held); from another node's client, they are in the run_exec of the node
+    that runs it; the command gets them either way."""
+    seen = sent_on_links
     cores = sorted(os.sched_getaffinity(0))
     with InProcessCluster(tmp_path) as here:
         coord = here.coordinator(LINK_CONFIG)
@@ -414,20 +421,13 @@ def _env_on(c: Client, node_name: str, tries: int = 8) -> str:
 
 
 def test_a_put_into_an_environment_on_the_clients_node_keeps_its_data_there(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, sent_on_links: list[dict[str, Any]]
 ) -> None:
     """env.put from a node's own client into an environment on that node: the req carries
     an empty data (withheld) and the transfer takes the node's copy (held), so the file's
     bytes never cross the link; from another node's client they go with the request; the
     file is written either way."""
-    seen: list[dict[str, Any]] = []
-    send = Link.send
-
-    def record_send(self: Link, msg: Mapping[str, Any]) -> bool:
-        seen.append(dict(msg))
-        return send(self, msg)
-
-    monkeypatch.setattr(Link, "send", record_send)
+    seen = sent_on_links
     cores = sorted(os.sched_getaffinity(0))
     with InProcessCluster(tmp_path) as here:
         coord = here.coordinator(LINK_CONFIG)
@@ -455,18 +455,11 @@ def test_a_put_into_an_environment_on_the_clients_node_keeps_its_data_there(
 
 
 def test_a_session_commands_input_stays_on_its_node(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, sent_on_links: list[dict[str, Any]]
 ) -> None:
     """A command in a session opened on the client's node (named by its session alone)
     keeps its stdin on that node too, and reads it."""
-    seen: list[dict[str, Any]] = []
-    send = Link.send
-
-    def record_send(self: Link, msg: Mapping[str, Any]) -> bool:
-        seen.append(dict(msg))
-        return send(self, msg)
-
-    monkeypatch.setattr(Link, "send", record_send)
+    seen = sent_on_links
     with InProcessCluster(tmp_path) as here:
         coord = here.coordinator(LINK_CONFIG)
         a = here.node(coord, "a")
