@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 
 import httpx
@@ -25,6 +26,8 @@ from swerex.runtime.abstract import (
     WriteFileRequest,
 )
 from swerex.runtime.remote import RemoteRuntime
+
+from tangram.testing import free_port, wait_for_async
 
 KEY = "swe-key"
 AUTH = {"X-API-Key": KEY}
@@ -74,14 +77,14 @@ def test_session_state_persists_and_survives_timeout_and_interrupt(runtime):
             BashAction(command="pwd; echo x=$X; echo err >&2", session="main")
         )
         assert obs.exit_code == 0
-        assert obs.output.endswith("/w\nx=7\nerr"), obs.output
+        assert obs.output.endswith("/w\nx=7\nerr\n"), obs.output
         with pytest.raises(CommandTimeoutError):
             await runtime.run_in_session(
                 BashAction(command="sleep 30", session="main", timeout=0.5)
             )
         await runtime.run_in_session(BashInterruptAction(session="main"))
         obs = await runtime.run_in_session(BashAction(command="echo still $X", session="main"))
-        assert obs.output == "still 7"
+        assert obs.output == "still 7\n"
         with pytest.raises(NonZeroExitCodeError):
             await runtime.run_in_session(BashAction(command="false", session="main"))
         obs = await runtime.run_in_session(
@@ -167,3 +170,70 @@ def test_bad_requests_are_4xx_and_the_runtime_stays_up(runtime, stack):
     r = httpx.post(f"{stack.url}/swerex/e999/execute", json={"command": "true"}, headers=AUTH)
     assert r.status_code == 511 and "swerexception" in r.json()
     assert asyncio.run(runtime.execute(Command(command="true", shell=True))).exit_code == 0
+
+
+# --------------------------------------------------------------------- side by side
+
+FIDELITY_COMMANDS = [
+    "echo 42",
+    "printf '  a\\n\\nb\\n\\n'",  # leading spaces, blank lines, trailing newlines
+    "",
+    "# only a comment",
+    "echo err >&2; echo out",
+    "false",
+]
+
+
+def _terminal_free(output: str) -> str:
+    """SWE-ReX's server reads its shell through a pseudo-terminal: its observation starts
+    with the line the command was typed on and ends with the prompt's line breaks, both as
+    "\r\n"; the command's own output is what lies between them."""
+    if output.startswith("\r\n"):
+        output = output[2:]
+    while output.endswith("\r\n"):
+        output = output[:-2]
+    return output.replace("\r\n", "\n")
+
+
+async def _observations(rt: RemoteRuntime) -> list[tuple[str, int | None]]:
+    await rt.create_session(CreateBashSessionRequest(session="side"))
+    seen = []
+    for command in FIDELITY_COMMANDS:
+        obs = await rt.run_in_session(BashAction(command=command, session="side", check="silent"))
+        seen.append((_terminal_free(obs.output), obs.exit_code))
+    empty = await rt.execute(Command(command="", shell=True))
+    seen.append((empty.stdout + empty.stderr, empty.exit_code))
+    await rt.close_session(CloseBashSessionRequest(session="side"))
+    return seen
+
+
+def test_sessions_answer_as_swerex_remote_does(runtime, tmp_path) -> None:
+    """The same commands through the gateway and through SWE-ReX's own server
+    (``swerex-remote`` on a loopback port) give the same observations: output unstripped,
+    empty and comment-only commands run, an empty ``execute`` runs."""
+    port = free_port()
+    proc = subprocess.Popen(
+        ["swerex-remote", "--host", "127.0.0.1", "--port", str(port), "--auth-token", "ref"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+    try:
+        reference = RemoteRuntime(host="http://127.0.0.1", port=port, auth_token="ref", timeout=30)
+
+        async def alive() -> bool:
+            try:
+                return bool((await reference.is_alive()).is_alive)
+            except Exception:
+                return False
+
+        async def both() -> tuple[list[tuple[str, int | None]], list[tuple[str, int | None]]]:
+            await wait_for_async(alive, 60, "swerex-remote answers")
+            return await _observations(reference), await _observations(runtime)
+
+        theirs, ours = asyncio.run(both())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert ours == theirs
+    assert ours[0] == ("42\n", 0) and ours[2] == ("", 0) and ours[5] == ("", 1)

@@ -175,9 +175,11 @@ class Runtimes:
         if action.is_interactive_command or action.is_interactive_quit or action.expect:
             raise RemoteError("builtins.NotImplementedError", "interactive commands not served")
         await _check_syntax(action.command)
-        # A group keeps the shell's state (cd, variables) and merges stderr as a terminal would.
+        # A group keeps the shell's state (cd, variables) and merges stderr as a terminal would;
+        # its leading ':' lets an empty or comment-only command run (a bare "{ }" is a bash
+        # syntax error) and leaves $? as SWE-ReX's shell has it then: 0.
         result = await self.exec(
-            "run_in_session", "{\n" + action.command + "\n} 2>&1", session=sid,
+            "run_in_session", "{ :\n" + action.command + "\n} 2>&1", session=sid,
             timeout_s=action.timeout,
         )  # fmt: skip
         if result.outcome == "timeout":
@@ -187,7 +189,9 @@ class Runtimes:
             )
         if result.outcome not in ("ok", "failed"):
             raise RemoteError(EXC + "SwerexException", result.detail or result.outcome)
-        output = (result.stdout + result.stderr).strip()
+        # the output as the shell wrote it, as SWE-ReX gives it: leading spaces, blank lines
+        # and the trailing newline are part of an agent's observation
+        output = result.stdout + result.stderr
         if action.check == "ignore":
             return _observation(output, None)
         if action.check == "raise" and result.exit_code != 0:
@@ -210,6 +214,8 @@ class Runtimes:
 
     async def execute(self, env: str, command: Command) -> dict[str, Any]:
         cmd: Any = command.command
+        if cmd == "" or cmd == []:  # SWE-ReX runs it: nothing, exit 0 (an exec needs a command)
+            cmd = ":"
         if command.merge_output_streams:
             cmd = (
                 "exec 2>&1; " + cmd
