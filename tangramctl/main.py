@@ -130,6 +130,7 @@ def emit(as_json: bool, data: Any, human: Callable[[], str]) -> None:
 
 
 @click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="arl-tangram")
 @click.option(
     "--socket",
     "socket_path",

@@ -532,3 +532,11 @@ def test_render_helpers() -> None:
     assert fmt([]) == "-" and fmt(None) == "-"
     assert table([]) == "(none)"
     assert table([{"a": 1, "b": "x"}], preferred=["b"]).splitlines()[0].split() == ["B", "A"]
+
+
+def test_version_is_printed() -> None:
+    """``tangramctl --version`` names the program and the installed version."""
+    from importlib.metadata import version
+
+    result = CliRunner().invoke(cli, ["--version"])
+    assert result.exit_code == 0 and version("arl-tangram") in result.output

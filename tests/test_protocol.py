@@ -404,7 +404,7 @@ def _doc_section(section: str) -> str:
 def test_docs_match_op_table() -> None:
     """docs/protocol.md's Ops section holds the op table exactly as ops.py renders it."""
     assert render_markdown().strip() in _doc_section("\n## Ops\n"), (
-        "docs/protocol.md's op table is stale: paste in `python -m tangram.protocol.ops`"
+        "docs/protocol.md's op table is stale: paste in `python -m tangram.protocol ops`"
     )
 
 
@@ -412,5 +412,25 @@ def test_docs_match_link_table() -> None:
     """docs/protocol.md's Link messages section holds the link table exactly as link.py
     renders it."""
     assert link_table.render_markdown().strip() in _doc_section("\n## Link messages\n"), (
-        "docs/protocol.md's link table is stale: paste in `python -m tangram.protocol.link`"
+        "docs/protocol.md's link table is stale: paste in `python -m tangram.protocol link`"
     )
+
+
+def test_protocol_tables_print_without_a_warning() -> None:
+    """``python -m tangram.protocol ops|link`` prints each generated section, as the docs
+    hold it, with nothing on stderr; anything else is a usage error (exit 2)."""
+    import subprocess
+    import sys
+
+    for name, render in (("ops", render_markdown), ("link", link_table.render_markdown)):
+        done = subprocess.run(
+            [sys.executable, "-W", "error", "-m", "tangram.protocol", name],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert done.stderr == "" and done.stdout.strip() == render().strip()
+    bad = subprocess.run(
+        [sys.executable, "-m", "tangram.protocol", "nope"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "usage" in bad.stderr

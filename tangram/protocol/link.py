@@ -465,7 +465,3 @@ def render_markdown() -> str:
                 lines.append("Fields: none.")
             lines.append("")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(render_markdown())

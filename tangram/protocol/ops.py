@@ -704,7 +704,3 @@ def render_markdown() -> str:
         errors = ", ".join(f"`{code}`" for code in op.errors) or "none beyond the common ones"
         lines += [f"Errors: {errors}.", ""]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(render_markdown())
