@@ -19,6 +19,8 @@ def test_shipped_examples_are_valid(name: str) -> None:
     config, cluster = cluster_config.load(REPO / "config" / name, {})
     assert (cluster.heartbeat_s, cluster.heartbeat_timeout_s) == (1.0, 10.0)
     assert config.cpu.backend == "process"
+    defaults, _ = cluster_config.load(None, {})
+    assert config.sched == defaults.sched  # "every key is shown with its default"
 
 
 def test_defaults_without_a_file() -> None:
