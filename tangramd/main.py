@@ -264,7 +264,22 @@ def http(listen: str, socket_path: str | None, api_key_file: str | None, cpus: i
     from tangram.protocol import default_socket_path
 
     host, port, key = _http_settings("tangramd http", listen, api_key_file)
-    app = build_app(socket_path or default_socket_path(), api_key=key, cpus=cpus)
+    daemon_socket = socket_path or default_socket_path()
+    app = build_app(daemon_socket, api_key=key, cpus=cpus)
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(
+        f"tangramd http: serving http://{shown}:{port} (/run_code, /run_jupyter, "
+        f"/swerex/ENV, /envs, /metrics, /health) for the daemon at {daemon_socket}"
+        + ("" if key is None else "; every request must send X-API-Key"),
+        err=True,
+    )
+    problem = _daemon_problem(daemon_socket)
+    if problem is not None:
+        click.echo(
+            f"tangramd http: warning: {problem}; every call fails until a daemon answers there "
+            "(start `tangramd up`, or pass --socket)",
+            err=True,
+        )
     uvicorn.run(
         app,
         host=host,
@@ -304,6 +319,18 @@ def coordinator(**options: Any) -> None:
     from tangramd.cluster import daemon
 
     daemon.coordinator(**options)
+
+
+def _daemon_problem(socket_path: str) -> str | None:
+    """Why the daemon at ``socket_path`` does not answer a ping now (None: it does)."""
+    from tangram import Client
+
+    try:
+        with Client(socket_path, connect_timeout_s=2.0, timeout_s=5.0) as c:
+            c.ping()
+    except Exception as exc:  # any failure is the warning's text, never a crash
+        return f"no tangramd answers at {socket_path} ({type(exc).__name__}: {exc})"
+    return None
 
 
 def main() -> None:

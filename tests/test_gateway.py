@@ -223,3 +223,19 @@ def test_daemon_unreachable_is_a_sandbox_error_not_a_crash(tmp_path):
         assert httpx.get(f"{gw.url}/health").status_code == 503
         assert gw.proc.poll() is None
     assert "Traceback" not in gw.log(), gw.log()
+
+
+def test_the_gateway_says_where_it_serves_and_warns_of_a_missing_daemon(stack, tmp_path):
+    """``tangramd http`` prints its address and routes at start-up, and warns, naming the
+    socket, when no daemon answers there (it still serves, so a daemon started later is
+    used); with a daemon there it gives no warning."""
+    missing = str(tmp_path / "nobody.sock")
+    with spawn_gateway(missing, tmp_path) as lonely:
+        text = lonely.log_path.read_text()
+        health = httpx.get(f"{lonely.url}/health", timeout=10)
+    assert "tangramd http: serving http://127.0.0.1:" in text and "/run_code" in text
+    assert f"warning: no tangramd answers at {missing}" in text
+    assert health.status_code in (200, 503)
+    with spawn_gateway(stack.daemon.socket, tmp_path) as served:
+        text = served.log_path.read_text()
+    assert "serving http://" in text and "warning" not in text
