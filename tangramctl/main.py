@@ -465,6 +465,12 @@ def exec_(
         if exc.code in REQUEST_ERRORS:
             fail(request_error_line(exc), EXIT_USAGE)
         fail(f"{exc.code}: {humanize_sizes(exc.message)}", EXIT_INFRA)
+    finish_exec(result, as_json)
+
+
+def finish_exec(result: ExecResult, as_json: bool) -> NoReturn:
+    """Print an exec's result (its output, or its JSON) with one line saying why it did not
+    complete, if it did not; exit with the exec contract's status."""
     if as_json:
         click.echo(to_json(result.to_wire()))
     else:
@@ -592,18 +598,23 @@ def session_open(ctl: Ctl, env_id: str, as_json: bool) -> None:
 @click.argument("session_id", metavar="ID")
 @click.option("--cpus", default="1", metavar="N|MIN-MAX", help="Cores for this command.")
 @click.option("--timeout", "timeout_s", type=float, metavar="SECONDS", help="Wall-clock limit.")
+@json_option
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @pass_ctl
 def session_run(
-    ctl: Ctl, session_id: str, cpus: str, timeout_s: float | None, cmd: tuple[str, ...]
+    ctl: Ctl,
+    session_id: str,
+    cpus: str,
+    timeout_s: float | None,
+    as_json: bool,
+    cmd: tuple[str, ...],
 ) -> None:
-    """Run CMD… (joined by spaces) in the session's shell; exit with its status."""
+    """Run CMD… (joined by spaces) in the session's shell; exit with its status, as `exec`
+    does (a timeout is 124, a shell that is gone an infra_error, each with a line saying so)."""
     result = ctl.client.exec(
         " ".join(cmd), session=session_id, cpus=parse_cpus(cpus), timeout_s=timeout_s
     )
-    click.echo(result.stdout, nl=False)
-    click.echo(result.stderr, nl=False, err=True)
-    sys.exit(exit_code_for(result))
+    finish_exec(result, as_json)
 
 
 @session.command("interrupt")

@@ -177,3 +177,16 @@ def test_top_quits_on_q_in_a_terminal(sock):
     os.write(main, b"q")
     assert proc.wait(10) == 0
     os.close(main)
+
+
+def test_session_run_takes_json_and_says_why_it_did_not_complete(sock):
+    """``session run --json ID -- CMD`` gives the exec's JSON (``--json`` is an option, not
+    the session id); a timeout exits 124 with a line saying so, as ``exec`` does."""
+    env = ctl(sock, "env", "open").output.strip()
+    sid = ctl(sock, "session", "open", env).output.strip()
+    r = ctl(sock, "session", "run", "--json", sid, "--", "echo", "hi")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["stdout"] == "hi\n"
+    r = ctl(sock, "session", "run", "--timeout", "0.5", sid, "--", "sleep", "5")
+    assert r.exit_code == 124 and "timed out after" in r.stderr, (r.exit_code, r.stderr)
+    ctl(sock, "env", "close", env)
