@@ -12,7 +12,6 @@ outcomes come back as events. Requests from clients arrive through the op handle
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import os
 import time
@@ -25,6 +24,7 @@ import structlog
 from tangram.protocol.errors import InfraError, UnknownOp, error_from_wire
 from tangramd import events as ev
 from tangramd.lifecycle import loop_name
+from tangramd.logs import log_soon
 from tangramd.records import RecordJournal, read_json, write_json
 from tangramd.run.effects import Effects
 from tangramd.services import ServiceHost
@@ -294,12 +294,6 @@ class Executor:
         self._timer_at = None
         self.feed(ev.Tick())
 
-    def _log_soon(self, event: str, **fields: Any) -> None:
-        """Log an exec's placement or end on the next turn of the loop: formatting and
-        writing a log line is a tenth of a millisecond, which must not delay the spawn
-        or the answer a client waits for (both are already on their way then)."""
-        asyncio.get_running_loop().call_soon(functools.partial(log.info, event, **fields))
-
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -355,7 +349,8 @@ class Executor:
             if placed is not None:
                 cmd, trajectory = placed
                 res = event.result
-                self._log_soon(
+                log_soon(
+                    log,
                     "action_finished",
                     action_id=cmd.action_id,
                     node=cmd.node,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import functools
 import itertools
 import json
 import random
@@ -48,6 +47,7 @@ from tangramd.backends.base import Backend
 from tangramd.cluster.link import Link, LinkClosed
 from tangramd.cluster.pki import CertInvalid, PinMismatch, client_context, verify_server
 from tangramd.lifecycle import loop_name
+from tangramd.logs import log_soon
 from tangramd.records import RecordJournal, write_json
 from tangramd.run.local import LocalEffects, owner_of
 from tangramd.services.inventory import Gpu
@@ -549,19 +549,16 @@ class NodeAgent:
                 answered=answered,
             )
         )
-        # formatting a log line is a tenth of a millisecond: after the outcome is on its way
-        asyncio.get_running_loop().call_soon(
-            functools.partial(
-                log.info,
-                "action_finished",
-                node=self.name,
-                action_id=action_id,
-                env=env_id,
-                outcome=res.outcome,
-                exec_s=round(res.exec_s, 6),
-                cores=list(cores),
-                answered=answered,  # this node answered its client (else the coordinator)
-            )
+        log_soon(  # after the outcome, which is on its way
+            log,
+            "action_finished",
+            node=self.name,
+            action_id=action_id,
+            env=env_id,
+            outcome=res.outcome,
+            exec_s=round(res.exec_s, 6),
+            cores=list(cores),
+            answered=answered,  # this node answered its client (else the coordinator)
         )
 
     def _answer_exec(

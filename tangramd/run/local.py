@@ -18,6 +18,7 @@ from tangram.protocol.results import ExecResult
 from tangramd import events as ev
 from tangramd.backends.base import Backend, ExecRequest, PathEscape
 from tangramd.backends.files import NotAFile, TooLarge, start_exec
+from tangramd.logs import log_soon
 from tangramd.run.effects import Report, Spawn
 from tangramd.services import ServiceHost, ServiceLoadError, ServiceNotFound
 
@@ -51,11 +52,6 @@ class LocalEffects:
     def in_flight(self) -> int:
         return len(self._running)
 
-    def _log_soon(self, event: str, **fields: Any) -> None:
-        """Log on the next turn of the loop: formatting and writing a log line is a tenth of
-        a millisecond, which must not delay a spawn or an answer already on its way."""
-        asyncio.get_running_loop().call_soon(functools.partial(log.info, event, **fields))
-
     # ------------------------------------------------------------------ life cycle
     async def recover_envs(self, records: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
         keep = {str(r["id"]): owner_of(r.get("owner")) for r in records}
@@ -83,8 +79,8 @@ class LocalEffects:
             )
         self._report(ev.EnvCreated(env_id=cmd.env_id, error=error))
         if error is None:  # after the exec that waited for it is on its way
-            self._log_soon(
-                "env_created", env=cmd.env_id, node=cmd.node, image=cmd.image, cause=cmd.cause
+            log_soon(
+                log, "env_created", env=cmd.env_id, node=cmd.node, image=cmd.image, cause=cmd.cause
             )
 
     def remove_env(self, cmd: ev.RemoveEnv) -> None:
