@@ -2,8 +2,9 @@
 
 The link carries the client protocol's frames (a 4-byte length, then one msgpack map);
 each message is a map whose ``"t"`` key names it. :data:`LINK_MESSAGES` says, for each
-name, who sends it, what it is for and its fields, in the small type language of the op
-table (:mod:`tangram.protocol.ops`). From it:
+name, who sends it, what it is for and its fields, each declared as an op's argument is
+(an ``ops.Arg``: name, type, required, doc) and checked by the same ``ops.check_values``.
+From it:
 
 - :func:`make_message` builds a message to send, refusing an undeclared name or field (a
   typo fails where it is made, not on the peer);
@@ -26,7 +27,7 @@ from typing import Any, Final, Literal
 from tangram.protocol.errors import BadRequest
 from tangram.protocol.ops import (
     AnyType,
-    ArgType,
+    Arg,
     Bool,
     Bytes,
     Enum,
@@ -35,6 +36,7 @@ from tangram.protocol.ops import (
     MapOf,
     Number,
     Str,
+    check_values,
 )
 
 Sender = Literal["coordinator", "node", "both"]
@@ -47,16 +49,6 @@ EXEC_INPUT: Final = ("stdin", "files")
 
 
 @dataclass(frozen=True, slots=True)
-class Field:
-    """One field of a link message (besides ``"t"``)."""
-
-    name: str
-    type: ArgType
-    required: bool = False  # present in every such message
-    doc: str = ""
-
-
-@dataclass(frozen=True, slots=True)
 class LinkMessage:
     """One message kind: who sends it, whether it belongs to the join handshake (read in
     order, before anything else) or to the joined link (dispatched by name), its fields."""
@@ -64,7 +56,7 @@ class LinkMessage:
     name: str
     sender: Sender
     doc: str
-    fields: tuple[Field, ...] = ()
+    fields: tuple[Arg, ...] = ()
     join: bool = False
     field_names: frozenset[str] = field(init=False, repr=False, compare=False)
     required: frozenset[str] = field(init=False, repr=False, compare=False)
@@ -91,8 +83,8 @@ MAP = MapOf(AnyType())
 ERROR_TEXT = Str(allow_empty=True)
 
 
-def _key(prefix: str, what: str) -> Field:
-    return Field(
+def _key(prefix: str, what: str) -> Arg:
+    return Arg(
         "key",
         ID,
         True,
@@ -101,10 +93,10 @@ def _key(prefix: str, what: str) -> Field:
     )
 
 
-_RUN_AS = Field("run_as", UID_GID, doc="[uid, gid] to run as (default: the environment's owner)")
-_ENV_ID = Field("env_id", ID, True, "the environment")
-_SESSION_ID = Field("session_id", ID, True, "the session")
-_ACTION_ID = Field("action_id", ID, True, "the exec action")
+_RUN_AS = Arg("run_as", UID_GID, doc="[uid, gid] to run as (default: the environment's owner)")
+_ENV_ID = Arg("env_id", ID, True, "the environment")
+_SESSION_ID = Arg("session_id", ID, True, "the session")
+_ACTION_ID = Arg("action_id", ID, True, "the exec action")
 
 # --------------------------------------------------------------------------- the table
 
@@ -118,8 +110,8 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "the first message on a link: the CA the node checks against its pinned hash"
             " before any secret leaves it",
             (
-                Field("pem", TEXT, True, "the coordinator's CA certificate (empty: --insecure)"),
-                Field("version", Str(), doc="the coordinator's tangram version"),
+                Arg("pem", TEXT, True, "the coordinator's CA certificate (empty: --insecure)"),
+                Arg("version", Str(), doc="the coordinator's tangram version"),
             ),
             join=True,
         ),
@@ -128,7 +120,7 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "node",
             "the coordinator failed the node's check (pin, certificate): why, then the node"
             " closes and gives up",
-            (Field("reason", TEXT, True, "what failed"),),
+            (Arg("reason", TEXT, True, "what failed"),),
             join=True,
         ),
         LinkMessage(
@@ -136,22 +128,22 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "node",
             "who the node is, what it offers, what it holds and what it still owes",
             (
-                Field("name", ID, True, "the node's name (1-64 printable characters)"),
-                Field("version", Str(), True, "the node's tangram version"),
-                Field("cores_by_numa", ListOf(ListOf(Int(min=0))), True, "core ids per NUMA node"),
-                Field("mem_bytes", BYTES, True, "memory it offers"),
-                Field(
+                Arg("name", ID, True, "the node's name (1-64 printable characters)"),
+                Arg("version", Str(), True, "the node's tangram version"),
+                Arg("cores_by_numa", ListOf(ListOf(Int(min=0))), True, "core ids per NUMA node"),
+                Arg("mem_bytes", BYTES, True, "memory it offers"),
+                Arg(
                     "gpus",
                     ListOf(MAP),
                     True,
                     "its GPUs: {name, mem_bytes, h2d_bytes_per_s, simulated}",
                 ),
-                Field("backend", Str(), True, "its backend (process, docker)"),
-                Field("envs", IDS, True, "the environments it holds"),
-                Field("running", IDS, True, "the exec actions it still runs"),
-                Field("outbox", IDS, True, "keys of the outcomes it holds, not yet acknowledged"),
-                Field("credential", Str(), doc="the credential a welcome gave it earlier"),
-                Field("token", Str(), doc="the join token (its first join)"),
+                Arg("backend", Str(), True, "its backend (process, docker)"),
+                Arg("envs", IDS, True, "the environments it holds"),
+                Arg("running", IDS, True, "the exec actions it still runs"),
+                Arg("outbox", IDS, True, "keys of the outcomes it holds, not yet acknowledged"),
+                Arg("credential", Str(), doc="the credential a welcome gave it earlier"),
+                Arg("token", Str(), doc="the join token (its first join)"),
             ),
             join=True,
         ),
@@ -160,8 +152,8 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "coordinator",
             "the join is refused: why, and whether to retry; then the coordinator closes",
             (
-                Field("reason", TEXT, True, "why"),
-                Field("retry", Bool(), True, "true: retry later (e.g. the name is in use)"),
+                Arg("reason", TEXT, True, "why"),
+                Arg("retry", Bool(), True, "true: retry later (e.g. the name is in use)"),
             ),
             join=True,
         ),
@@ -170,22 +162,22 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "coordinator",
             "the node has joined: its timings, and what it keeps of what it said it holds",
             (
-                Field("name", ID, True, "the node's name"),
-                Field("credential", Str(), doc="the credential to join with from now on"),
-                Field(
+                Arg("name", ID, True, "the node's name"),
+                Arg("credential", Str(), doc="the credential to join with from now on"),
+                Arg(
                     "heartbeat_s",
                     Number(min=0, exclusive=True, unit="seconds"),
                     True,
                     "how often the node sends `hb`",
                 ),
-                Field(
+                Arg(
                     "heartbeat_timeout_s",
                     Number(min=0, exclusive=True, unit="seconds"),
                     True,
                     "silence after which either end counts the other as gone",
                 ),
-                Field("keep", IDS, True, "environments the node still owns; it removes the rest"),
-                Field("cancel", IDS, True, "actions the coordinator has ended; it kills them"),
+                Arg("keep", IDS, True, "environments the node still owns; it removes the rest"),
+                Arg("cancel", IDS, True, "actions the coordinator has ended; it kills them"),
             ),
             join=True,
         ),
@@ -201,17 +193,17 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "node",
             "a request from a client of the node's socket, served by the coordinator's op handlers",
             (
-                Field("id", Int(), True, "the node's id for it, echoed in the `resp`"),
-                Field("conn", Int(), True, "the client connection it came on"),
-                Field("op", Str(), True, "the op (docs: Ops)"),
-                Field("args", MAP, True, "its args"),
-                Field(
+                Arg("id", Int(), True, "the node's id for it, echoed in the `resp`"),
+                Arg("conn", Int(), True, "the client connection it came on"),
+                Arg("op", Str(), True, "the op (docs: Ops)"),
+                Arg("args", MAP, True, "its args"),
+                Arg(
                     "held",
                     Bool(),
                     doc="an `exec` whose stdin and files the node keeps until its placement"
                     " or its answer (the coordinator may leave them out of a `run_exec` to it)",
                 ),
-                Field(
+                Arg(
                     "withheld",
                     Bool(),
                     doc="`held`, and `args` lack the stdin and files of an `exec` (or carry an"
@@ -225,17 +217,17 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "coordinator",
             "the answer to a `req`",
             (
-                Field("id", Int(), True, "the `req`'s id"),
-                Field("ok", Bool(), True, "true: `result`; false: `error`"),
-                Field("result", AnyType(), doc="the op's result"),
-                Field("error", MAP, doc="{code, message}, as in a client response"),
+                Arg("id", Int(), True, "the `req`'s id"),
+                Arg("ok", Bool(), True, "true: `result`; false: `error`"),
+                Arg("result", AnyType(), doc="the op's result"),
+                Arg("error", MAP, doc="{code, message}, as in a client response"),
             ),
         ),
         LinkMessage(
             "conn_closed",
             "node",
             "a client connection of the node's socket closed",
-            (Field("conn", Int(), True, "as in its `req`s"),),
+            (Arg("conn", Int(), True, "as in its `req`s"),),
         ),
         LinkMessage(
             "create_env",
@@ -243,9 +235,9 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "create an environment (the node answers `env_created`)",
             (
                 _ENV_ID,
-                Field("image", Str(), doc="its image (default: the backend's)"),
-                Field("mem", BYTES, doc="its memory limit"),
-                Field("owner", UID_GID, doc="[uid, gid] owning it"),
+                Arg("image", Str(), doc="its image (default: the backend's)"),
+                Arg("mem", BYTES, doc="its memory limit"),
+                Arg("owner", UID_GID, doc="[uid, gid] owning it"),
             ),
         ),
         LinkMessage(
@@ -260,18 +252,18 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "run a placed exec action (the node answers `exec_done`)",
             (
                 _ACTION_ID,
-                Field("env_id", ID, True, "the environment it runs in"),
-                Field("cores", ListOf(Int(min=0)), True, "the cores it is pinned to"),
-                Field("spec", MAP, True, "the exec's args (`ExecSpec.to_wire`)"),
-                Field("max_output", BYTES, True, "limit of stdout and of stderr"),
+                Arg("env_id", ID, True, "the environment it runs in"),
+                Arg("cores", ListOf(Int(min=0)), True, "the cores it is pinned to"),
+                Arg("spec", MAP, True, "the exec's args (`ExecSpec.to_wire`)"),
+                Arg("max_output", BYTES, True, "limit of stdout and of stderr"),
                 _RUN_AS,
-                Field(
+                Arg(
                     "reply",
                     MAP,
                     doc="{id, queue_s}: the exec came from this node's own client, request"
                     " `id`; the node answers it itself when the exec ends (see `exec_done`)",
                 ),
-                Field(
+                Arg(
                     "held",
                     Bool(),
                     doc="`spec` lacks its stdin and files: the node takes them from request"
@@ -284,14 +276,14 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "coordinator",
             "put or get a file in an environment (the node answers `transfer_done`)",
             (
-                Field("tid", ID, True, "the transfer's id"),
+                Arg("tid", ID, True, "the transfer's id"),
                 _ENV_ID,
-                Field("direction", Enum(("put", "get")), True, "into or out of the environment"),
-                Field("path", Str(), True, "inside the environment"),
-                Field("data", Bytes(), doc="what to put (a tar stream when `tar`)"),
-                Field("tar", Bool(), True, "a directory as a tar stream"),
-                Field("max_bytes", BYTES, True, "the most a get may return"),
-                Field(
+                Arg("direction", Enum(("put", "get")), True, "into or out of the environment"),
+                Arg("path", Str(), True, "inside the environment"),
+                Arg("data", Bytes(), doc="what to put (a tar stream when `tar`)"),
+                Arg("tar", Bool(), True, "a directory as a tar stream"),
+                Arg("max_bytes", BYTES, True, "the most a get may return"),
+                Arg(
                     "held",
                     Int(),
                     doc="a put whose `data` is the node's own: that of its request `held`"
@@ -324,7 +316,7 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             (
                 _key("c", "env_id"),
                 _ENV_ID,
-                Field("error", ERROR_TEXT, doc="why it failed (absent or null: created)"),
+                Arg("error", ERROR_TEXT, doc="why it failed (absent or null: created)"),
             ),
         ),
         LinkMessage(
@@ -341,9 +333,9 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             (
                 _key("x", "action_id"),
                 _ACTION_ID,
-                Field("result", MAP, True, "the `ExecResult` map"),
-                Field("env_lost", Bool(), True, "its environment is gone (infra_error)"),
-                Field("answered", Bool(), True, "the node answered the client (`reply`) itself"),
+                Arg("result", MAP, True, "the `ExecResult` map"),
+                Arg("env_lost", Bool(), True, "its environment is gone (infra_error)"),
+                Arg("answered", Bool(), True, "the node answered the client (`reply`) itself"),
             ),
         ),
         LinkMessage(
@@ -352,9 +344,9 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "outcome of a `transfer`",
             (
                 _key("t", "tid"),
-                Field("tid", ID, True, "the `transfer`'s tid"),
-                Field("result", MAP, doc="the op's result map"),
-                Field("error", ListOf(Str(allow_empty=True)), doc="[code, message]"),
+                Arg("tid", ID, True, "the `transfer`'s tid"),
+                Arg("result", MAP, doc="the op's result map"),
+                Arg("error", ListOf(Str(allow_empty=True)), doc="[code, message]"),
             ),
         ),
         LinkMessage(
@@ -364,7 +356,7 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             (
                 _key("so", "session_id"),
                 _SESSION_ID,
-                Field("error", ERROR_TEXT, doc="why it failed (absent or null: open)"),
+                Arg("error", ERROR_TEXT, doc="why it failed (absent or null: open)"),
             ),
         ),
         LinkMessage(
@@ -377,7 +369,7 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "ack",
             "coordinator",
             "the coordinator has an outcome: the node forgets it",
-            (Field("key", ID, True, "the outcome's key"),),
+            (Arg("key", ID, True, "the outcome's key"),),
         ),
     )
 }
@@ -421,13 +413,7 @@ def check_message(msg: Mapping[str, Any]) -> LinkMessage:
     spec = LINK_MESSAGES.get(name) if isinstance(name, str) else None
     if spec is None:
         raise BadRequest(f"unknown link message {str(name)[:40]!r}")
-    for f in spec.fields:
-        value = msg.get(f.name)
-        if value is None:
-            if f.required:
-                raise BadRequest(f"{spec.name}: missing field {f.name!r} ({f.type.doc})")
-            continue
-        f.type.check(f"{spec.name}: {f.name}", value)
+    check_values(spec.name, "field", spec.fields, msg)
     unknown = sorted(k for k in msg if k != "t" and k not in spec.field_names)
     if unknown:
         raise BadRequest(f"{spec.name}: unknown field(s) {unknown}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -631,6 +631,19 @@ OPS: Final[dict[str, Op]] = {
 }
 
 
+def check_values(where: str, noun: str, declared: Iterable[Arg], values: Mapping[str, Any]) -> None:
+    """Each declared value present when required and of its type, else BadRequest naming
+    ``where`` and the value (``noun``: what a missing one is called). ``None`` means "not
+    given". Shared by the op table's args and the link table's message fields."""
+    for arg in declared:
+        value = values.get(arg.name)
+        if value is None:
+            if arg.required:
+                raise BadRequest(f"{where}: missing {noun} {arg.name!r} ({arg.type.doc})")
+            continue
+        arg.type.check(f"{where}: {arg.name}", value)
+
+
 def validate_args(op: str, args: Mapping[str, Any]) -> None:
     """Check ``args`` against the op table; raise UnknownOp or BadRequest naming the field.
 
@@ -639,13 +652,7 @@ def validate_args(op: str, args: Mapping[str, Any]) -> None:
     spec = OPS.get(op)
     if spec is None:
         raise UnknownOp(f"unknown op {op!r}")
-    for arg in spec.args:
-        value = args.get(arg.name)
-        if value is None:
-            if arg.required:
-                raise BadRequest(f"{op}: missing required arg {arg.name!r} ({arg.type.doc})")
-            continue
-        arg.type.check(f"{op}: {arg.name}", value)
+    check_values(op, "required arg", spec.args, args)
     unknown = [name for name in args if name not in spec.by_name]
     if unknown:
         allowed = ", ".join(spec.by_name) or "none"
