@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import os
 import time
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -385,17 +386,11 @@ def test_an_exec_input_crosses_the_link_once(
     run_exec's held); from another node's client, they are in the run_exec of the node
     that runs it; the command gets them either way."""
     seen = sent_on_links
-    cores = sorted(os.sched_getaffinity(0))
-    with InProcessCluster(tmp_path) as here:
-        coord = here.coordinator(LINK_CONFIG)
-        a = here.node(coord, "a", cpus=str(cores[0]))
-        b = here.node(coord, "b", cpus=str(cores[-1]))
-        with a.client() as on_a, b.client() as on_b:
-            env = _env_on(on_a, "a")
-            args = {"env": env, "stdin": b"in", "files": {"f.txt": b"file"}}
-            local = on_a.request("exec", {"cmd": ["sh", "-c", "cat; cat f.txt"], **args})
-            remote = on_b.request("exec", {"cmd": ["sh", "-c", "cat; cat f.txt"], **args})
-        here.stop_all()
+    with _clients_of_a_and_b(tmp_path) as (on_a, on_b):
+        env = _env_on(on_a, "a")
+        args = {"env": env, "stdin": b"in", "files": {"f.txt": b"file"}}
+        local = on_a.request("exec", {"cmd": ["sh", "-c", "cat; cat f.txt"], **args})
+        remote = on_b.request("exec", {"cmd": ["sh", "-c", "cat; cat f.txt"], **args})
     assert local["stdout"] == remote["stdout"] == "infile"
     run = {m["action_id"]: m for m in seen if m["t"] == "run_exec"}
     held = run[local["action_id"]]
@@ -409,6 +404,20 @@ def test_an_exec_input_crosses_the_link_once(
     assert reqs[0]["withheld"] is True and not {"stdin", "files"} & set(reqs[0]["args"])
     # from b's client: b has no copy to keep for a, so the input goes with the request
     assert reqs[1]["withheld"] is None and reqs[1]["args"]["stdin"] == b"in"
+
+
+@contextlib.contextmanager
+def _clients_of_a_and_b(tmp_path: Path) -> Iterator[tuple[Client, Client]]:
+    """Clients of two nodes, a and b, of one in-process cluster, each node on a core of
+    its own; the cluster is stopped after the block."""
+    cores = sorted(os.sched_getaffinity(0))
+    with InProcessCluster(tmp_path) as here:
+        coord = here.coordinator(LINK_CONFIG)
+        a = here.node(coord, "a", cpus=str(cores[0]))
+        b = here.node(coord, "b", cpus=str(cores[-1]))
+        with a.client() as on_a, b.client() as on_b:
+            yield on_a, on_b
+        here.stop_all()
 
 
 def _env_on(c: Client, node_name: str, tries: int = 8) -> str:
@@ -428,20 +437,14 @@ def test_a_put_into_an_environment_on_the_clients_node_keeps_its_data_there(
     bytes never cross the link; from another node's client they go with the request; the
     file is written either way."""
     seen = sent_on_links
-    cores = sorted(os.sched_getaffinity(0))
-    with InProcessCluster(tmp_path) as here:
-        coord = here.coordinator(LINK_CONFIG)
-        a = here.node(coord, "a", cpus=str(cores[0]))
-        b = here.node(coord, "b", cpus=str(cores[-1]))
-        with a.client() as on_a, b.client() as on_b:
-            env = _env_on(on_a, "a")
-            on_a.request("env.put", {"id": env, "path": "mine.txt", "data": b"local bytes"})
-            on_b.request("env.put", {"id": env, "path": "theirs.txt", "data": b"remote bytes"})
-            got = {
-                name: on_a.request("env.get", {"id": env, "path": name})["data"]
-                for name in ("mine.txt", "theirs.txt")
-            }
-        here.stop_all()
+    with _clients_of_a_and_b(tmp_path) as (on_a, on_b):
+        env = _env_on(on_a, "a")
+        on_a.request("env.put", {"id": env, "path": "mine.txt", "data": b"local bytes"})
+        on_b.request("env.put", {"id": env, "path": "theirs.txt", "data": b"remote bytes"})
+        got = {
+            name: on_a.request("env.get", {"id": env, "path": name})["data"]
+            for name in ("mine.txt", "theirs.txt")
+        }
     assert got == {"mine.txt": b"local bytes", "theirs.txt": b"remote bytes"}
     puts = [m for m in seen if m["t"] == "req" and m["op"] == "env.put"]
     assert puts[0]["withheld"] is True and puts[0]["args"]["data"] == b""
