@@ -99,7 +99,7 @@ class Executor:
         self._timer_at: float | None = None
         self._soon: asyncio.Handle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        # execs handed to the effects, not ended: the placement and its trajectory (logged
+        # execs the effects run here, not ended: the placement and its trajectory (logged
         # with the end)
         self._placed: dict[str, tuple[ev.RunExec, str | None]] = {}
         # the persistent environments' records (default: envs.json + envs.journal)
@@ -337,7 +337,8 @@ class Executor:
             trajectory=trajectory,
             cause=cmd.cause,
         )
-        self._placed[cmd.action_id] = (cmd, trajectory)
+        if self.effects.runs_execs_here:  # (else no end is reported here to pop it)
+            self._placed[cmd.action_id] = (cmd, trajectory)
         self.effects.run_exec(cmd)
 
     def _reported(self, event: ev.Event) -> None:

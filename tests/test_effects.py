@@ -71,3 +71,25 @@ def test_an_unreachable_node_fails_the_command_on_the_next_turn() -> None:
     _run(effects, ev.CreateEnv(env_id="e2", node="b", image=None, mem=1 << 20))
     (created,) = reported
     assert isinstance(created, ev.EnvCreated) and created.error == "node b is not connected"
+
+
+def test_the_executor_keeps_no_placement_for_execs_another_host_runs(tmp_path) -> None:
+    """A coordinator's executor (remote effects) hands each placement on and keeps nothing
+    of it: the node reports and logs the end, so a record kept here would never be freed."""
+    from tangram.pools.cpu import CpuCluster
+    from tangramd import ops
+    from tangramd.executor import Executor
+    from tangramd.state import Core
+
+    sent: list[tuple[str, dict[str, Any]]] = []
+    effects, _ = _remote(sent, OnNode())
+    ex = Executor(
+        Core(CpuCluster([]), {}),
+        effects,
+        str(tmp_path / "s.sock"),
+        state_dir=str(tmp_path),
+        handlers=ops,  # type: ignore[arg-type]
+    )
+    ex._commands[ev.RunExec](RUN)
+    assert [msg["t"] for _, msg in sent] == ["run_exec"]
+    assert ex._placed == {}

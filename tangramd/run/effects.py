@@ -26,6 +26,9 @@ class Effects(Protocol):
 
     name: str  # what ``status`` shows as the backend
     services: ServiceHost | None  # the GPU service host the effects run calls on, if any
+    # True: execs run here and each one's end is reported by these effects (the executor
+    # logs it); False: they run on another host, which logs them (a coordinator's nodes)
+    runs_execs_here: bool
 
     def bind(self, report: Report, spawn: Spawn) -> None:
         """Where outcomes go (``report``) and how background work is started (``spawn``);

@@ -41,6 +41,7 @@ class LocalEffects:
         self.backend = backend
         self.services = services  # the host's GPU service host (None: no GPUs)
         self.name = backend.name
+        self.runs_execs_here = True
         self._report: Report = _unbound
         self._spawn: Spawn = _unbound  # type: ignore[assignment]
         self._running: set[str] = set()  # execs handed to the backend, not reported yet

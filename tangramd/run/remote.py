@@ -58,6 +58,7 @@ class RemoteEffects:
 
     name = "cluster"
     services: ServiceHost | None = None  # no GPUs of its own (see the module doc)
+    runs_execs_here = False  # the nodes run them and log their ends
 
     def __init__(
         self, send: Send, reply_on_node: ReplyOnNode, put_on_node: PutOnNode = _nothing_held
