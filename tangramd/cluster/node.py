@@ -122,7 +122,8 @@ class NodeAgent:
         # execs handed to the effects, not ended: env, cores and the client to answer
         self._running: dict[str, tuple[str, tuple[int, ...], Any]] = {}
         self._transfers: dict[int, str] = {}  # transfers under way: token -> the link's tid
-        self._sessions: set[str] = set()  # shell sessions open here (in environments here)
+        # shell sessions here (opening or open): session id -> its environment
+        self._sessions: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         # what the coordinator asks is carried out as tangramd up does it (LocalEffects);
@@ -410,14 +411,14 @@ class NodeAgent:
         self.effects.run_transfer(cmd)
 
     def _on_open_session(self, msg: dict[str, Any]) -> None:
-        self.effects.start_shell(
-            ev.StartShell(
-                session_id=str(msg["session_id"]),
-                env_id=str(msg["env_id"]),
-                node=self.name,
-                run_as=owner_of(msg.get("run_as")),
-            )
+        cmd = ev.StartShell(
+            session_id=str(msg["session_id"]),
+            env_id=str(msg["env_id"]),
+            node=self.name,
+            run_as=owner_of(msg.get("run_as")),
         )
+        self._sessions[cmd.session_id] = cmd.env_id
+        self.effects.start_shell(cmd)
 
     def _on_interrupt_session(self, msg: dict[str, Any]) -> None:
         self.effects.interrupt_shell(
@@ -463,14 +464,14 @@ class NodeAgent:
                 self._report(msg)
         elif isinstance(event, ev.SessionOpened):
             sid = event.session_id
-            if event.error is None:
-                self._sessions.add(sid)
+            if event.error is not None:
+                self._sessions.pop(sid, None)
             self._report(
                 make_message("session_opened", key=f"so:{sid}", session_id=sid, error=event.error)
             )
         elif isinstance(event, ev.SessionClosed):
             sid = event.session_id
-            self._sessions.discard(sid)
+            self._sessions.pop(sid, None)
             self._report(make_message("session_closed", key=f"sc:{sid}", session_id=sid))
         else:  # pragma: no cover - a node runs no GPU services
             log.warning("node_outcome_unexpected", node=self.name, event=type(event).__name__)
@@ -486,6 +487,8 @@ class NodeAgent:
 
     def _forget_env(self, env_id: str) -> None:
         self._envs.discard(env_id)
+        for sid in [s for s, env in self._sessions.items() if env == env_id]:
+            del self._sessions[sid]  # its shells go with it
         if self._owners.pop(env_id, False) is not False:
             self._record_env(env_id, None)
 
