@@ -471,8 +471,8 @@ class FaultProxy:
 
     ``partition()`` holds every byte in both directions (on existing and new connections)
     until ``heal()``: what a black-holed network looks like to TCP, which retransmits and
-    delivers late. ``cut()`` resets every connection now. It runs its own event loop in a
-    thread, listening on a free loopback port.
+    delivers late. It runs its own event loop in a thread, listening on a free loopback
+    port.
     """
 
     def __init__(self, target: tuple[str, int]) -> None:
@@ -531,13 +531,6 @@ class FaultProxy:
     def heal(self) -> None:
         assert self._open is not None
         self._call(self._open.set)
-
-    def cut(self) -> None:
-        def reset() -> None:
-            for writer in list(self._writers):
-                writer.transport.abort()
-
-        self._call(reset)
 
     def close(self) -> None:
         """Stop listening, reset every connection, and end the loop once its pumps are."""
