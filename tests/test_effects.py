@@ -19,7 +19,7 @@ def _remote(sent: list[tuple[str, dict[str, Any]]], on_node: OnNode, up: bool = 
         sent.append((node, msg))
         return up
 
-    effects = RemoteEffects(send, lambda cmd: on_node)
+    effects = RemoteEffects(send, lambda cmd: on_node, lambda cmd: (None, None))
     effects.bind(reported.append, lambda coro: None)
     return effects, reported
 

@@ -42,10 +42,6 @@ ReplyOnNode = Callable[[ev.RunExec], OnNode]
 PutOnNode = Callable[[ev.RunTransfer], tuple[int | None, str | None]]
 
 
-def _nothing_held(cmd: ev.RunTransfer) -> tuple[int | None, str | None]:
-    return None, None
-
-
 NO_GPUS = "this coordinator places no GPU services (cluster GPU scheduling is not built yet)"
 
 
@@ -60,9 +56,7 @@ class RemoteEffects:
     services: ServiceHost | None = None  # no GPUs of its own (see the module doc)
     runs_execs_here = False  # the nodes run them and log their ends
 
-    def __init__(
-        self, send: Send, reply_on_node: ReplyOnNode, put_on_node: PutOnNode = _nothing_held
-    ) -> None:
+    def __init__(self, send: Send, reply_on_node: ReplyOnNode, put_on_node: PutOnNode) -> None:
         self._send = send
         self._reply_on_node = reply_on_node
         self._put_on_node = put_on_node
