@@ -42,8 +42,15 @@ def cli() -> None:
     default=None,
     help="TOML config file (see config/tangram.toml).",
 )
-@click.option("--socket", "socket_path", default=None, help="Unix socket path for clients.")
-@click.option("--state-dir", default=None, help="Directory for environments and the registry.")
+@click.option(
+    "--socket", "socket_path", default=None, metavar="PATH", help="Unix socket path for clients."
+)
+@click.option(
+    "--state-dir",
+    default=None,
+    metavar="DIR",
+    help="Directory for environments and the registry.",
+)
 @click.option(
     "--cpu-backend",
     type=click.Choice(["process", "docker"]),
@@ -73,6 +80,7 @@ def cli() -> None:
     "--http-cpus",
     type=click.IntRange(min=1),
     default=None,
+    metavar="N",
     help="With --http: cores per /run_code (default 1).",
 )
 def up(
@@ -242,7 +250,13 @@ def _http_settings(prog: str, listen: str, api_key_file: str | None) -> tuple[st
     metavar="HOST:PORT",
     help="Address to serve HTTP on (loopback unless you say otherwise).",
 )
-@click.option("--socket", "socket_path", default=None, help="Socket of the running tangramd up.")
+@click.option(
+    "--socket",
+    "socket_path",
+    default=None,
+    metavar="PATH",
+    help="Socket of the running tangramd up.",
+)
 @click.option(
     "--api-key-file",
     type=click.Path(dir_okay=False, exists=True),
@@ -250,7 +264,12 @@ def _http_settings(prog: str, listen: str, api_key_file: str | None) -> tuple[st
     help="File holding the key every request must send as X-API-Key.",
 )
 @click.option(
-    "--cpus", type=click.IntRange(min=1), default=1, show_default=True, help="Cores per /run_code."
+    "--cpus",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Cores per /run_code.",
 )
 def http(listen: str, socket_path: str | None, api_key_file: str | None, cpus: int) -> None:
     """Serve SandboxFusion /run_code, SWE-ReX /swerex/ENV and /metrics over HTTP."""
@@ -280,6 +299,14 @@ def http(listen: str, socket_path: str | None, api_key_file: str | None, cpus: i
             "(start `tangramd up`, or pass --socket)",
             err=True,
         )
+    if os.geteuid() == 0:
+        click.echo(
+            "tangramd http: warning: this gateway runs as root: with the daemon's "
+            'cpu.exec_user = "peer" (the default) its callers\' commands run as root; run it '
+            "as an unprivileged user in daemon.allowed_uids (e.g. `runuser -u tangram -- "
+            "tangramd http`), or use `tangramd up --http ... --http-user USER`",
+            err=True,
+        )
     uvicorn.run(
         app,
         host=host,
@@ -291,15 +318,43 @@ def http(listen: str, socket_path: str | None, api_key_file: str | None, cpus: i
 
 
 @cli.command()
-@click.option("--coordinator", "coordinator_addr", required=True, metavar="HOST:PORT")
-@click.option("--token", default=None, help="Join token (`tangramctl cluster join`).")
-@click.option("--ca-sha256", default=None, help="Pinned hash of the coordinator's CA.")
-@click.option("--socket", "socket_path", default=None, help="Unix socket path for clients.")
-@click.option("--state-dir", default=None, help="Directory for environments and the credential.")
-@click.option("--name", default=None, help="Node name (default: the host name).")
+@click.option(
+    "--coordinator",
+    "coordinator_addr",
+    required=True,
+    metavar="HOST:PORT",
+    help="The coordinator's node address (its --listen).",
+)
+@click.option(
+    "--token", default=None, metavar="TOKEN", help="Join token (`tangramctl cluster join`)."
+)
+@click.option(
+    "--ca-sha256", default=None, metavar="HEX", help="Pinned hash of the coordinator's CA."
+)
+@click.option(
+    "--socket", "socket_path", default=None, metavar="PATH", help="Unix socket path for clients."
+)
+@click.option(
+    "--state-dir",
+    default=None,
+    metavar="DIR",
+    help="Directory for environments and the credential.",
+)
+@click.option("--name", default=None, metavar="NAME", help="Node name (default: the host name).")
 @click.option("--cpus", default=None, metavar="LIST", help="Cores offered, e.g. 0-3 ('' : none).")
-@click.option("--cpu-backend", type=click.Choice(["process", "docker"]), default=None)
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None)
+@click.option(
+    "--cpu-backend",
+    type=click.Choice(["process", "docker"]),
+    default=None,
+    help="Where exec actions run (default from config: process).",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="TOML config file (see config/node.toml).",
+)
 @click.option("--insecure", is_flag=True, help="Plain TCP (loopback only; tests and demos).")
 def node(**options: Any) -> None:
     """Per-host node: joins a coordinator, runs its environments, serves the local socket."""
@@ -310,9 +365,19 @@ def node(**options: Any) -> None:
 
 @cli.command()
 @click.option("--listen", required=True, metavar="HOST:PORT", help="Where nodes connect.")
-@click.option("--socket", "socket_path", default=None, help="Unix socket path for operators.")
-@click.option("--state-dir", default=None, help="Directory for the CA, registry, profiles.")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None)
+@click.option(
+    "--socket", "socket_path", default=None, metavar="PATH", help="Unix socket path for operators."
+)
+@click.option(
+    "--state-dir", default=None, metavar="DIR", help="Directory for the CA, registry, profiles."
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="TOML config file (see config/coordinator.toml).",
+)
 @click.option("--insecure", is_flag=True, help="Plain TCP (loopback only; tests and demos).")
 def coordinator(**options: Any) -> None:
     """Cluster coordinator: the global scheduler over every node's pools."""

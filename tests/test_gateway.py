@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import re
 import threading
 import time
@@ -212,6 +213,24 @@ def test_api_key_is_required_when_configured(stack, tmp_path):
         assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "1\n"
 
 
+def test_the_key_in_the_path_serves_sandbox_fusions_own_client(stack, tmp_path):
+    """SandboxFusion's client sends no header: with the key as the URL's ``/k/KEY`` prefix
+    it is served (fast path and FastAPI routes alike); a wrong key there is 401, and the
+    prefix never stands in for the header's absence on a keyless gateway."""
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret-key\n")
+    with spawn_gateway(stack.daemon.socket, tmp_path, "--api-key-file", str(key_file)) as gw:
+        request = sfc.RunCodeRequest(code="print(6 * 7)", language="python")
+        with pytest.raises(Exception, match="401"):
+            sfc.run_code(request, endpoint=gw.url, max_attempts=1)
+        resp = sfc.run_code(request, endpoint=f"{gw.url}/k/s3cret-key", max_attempts=1)
+        assert resp.status == sfc.RunStatus.Success and resp.run_result.stdout == "42\n"
+        assert httpx.get(f"{gw.url}/k/s3cret-key/health").status_code == 200
+        assert httpx.get(f"{gw.url}/k/wrong/health").status_code == 401
+        assert httpx.get(f"{gw.url}/k/s3cret-key").status_code == 404
+    assert httpx.get(f"{stack.url}/k/anything/health").status_code == 404
+
+
 def test_daemon_unreachable_is_a_sandbox_error_not_a_crash(tmp_path):
     """Without a daemon behind it the gateway answers SandboxError, /metrics says down."""
     with spawn_gateway(str(tmp_path / "no-daemon.sock"), tmp_path) as gw:
@@ -238,4 +257,6 @@ def test_the_gateway_says_where_it_serves_and_warns_of_a_missing_daemon(stack, t
     assert health.status_code in (200, 503)
     with spawn_gateway(stack.daemon.socket, tmp_path) as served:
         text = served.log_path.read_text()
-    assert "serving http://" in text and "warning" not in text
+    assert "serving http://" in text and "no tangramd answers" not in text
+    # a gateway run as root hands its callers' commands to the daemon as root's
+    assert ("warning: this gateway runs as root" in text) == (os.geteuid() == 0)

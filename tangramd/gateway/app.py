@@ -12,8 +12,12 @@ handing requests to the daemon's server directly (:mod:`tangramd.gateway.local`)
 - ``GET /metrics``: Prometheus text format (``metrics.py``);
 - ``GET /health``: liveness of the gateway and the daemon behind it.
 
-With an API key every request must carry it in ``X-API-Key`` (compared in constant time),
-else it is answered 401 before anything else happens. Errors never take the process down:
+With an API key every request must carry it, compared in constant time, else it is answered
+401 before anything else happens: in the ``X-API-Key`` header, or, for a client that cannot
+send a header (SandboxFusion's own ``sandbox_fusion`` client), as the first path segment
+after ``/k/``: ``set_endpoint("http://HOST:PORT/k/KEY")`` makes it post to
+``/k/KEY/run_code``, which is served as ``/run_code``. (Such a URL holds the key: keep it
+out of logs you share; the gateway logs no request lines.) Errors never take the process down:
 a malformed body is a 422 with FastAPI's JSON detail, an unexpected exception on a SWE-ReX
 route is SWE-ReX's 511 transfer, a refusal of the daemon elsewhere a 4xx/502 with a JSON
 body (anything else is a bug: a 500, logged with its traceback).
@@ -45,6 +49,7 @@ log = structlog.get_logger("tangramd.gateway")
 
 API_KEY_HEADER = "X-API-Key"
 API_KEY_LOWER = API_KEY_HEADER.lower().encode()  # ASGI header names are lower-case bytes
+KEY_PREFIX = "/k/"  # /k/KEY/run_code: the key in the path, for clients that send no header
 SCRAPE_TIMEOUT_S = 2.0
 
 
@@ -83,10 +88,16 @@ class Gate:
             return
         metrics = self.metrics
         if self.key is not None:
-            given = next((v for k, v in scope["headers"] if k == API_KEY_LOWER), b"")
-            if not hmac.compare_digest(given, self.key):
+            given = next((v for k, v in scope["headers"] if k == API_KEY_LOWER), None)
+            path: str = scope["path"]
+            if given is None and path.startswith(KEY_PREFIX):
+                given, scope = _key_from_path(scope, path)
+            if not hmac.compare_digest(given or b"", self.key):
                 metrics.request_done("unauthorized", 401)
-                denied = JSONResponse({"detail": "missing or wrong X-API-Key"}, status_code=401)
+                denied = JSONResponse(
+                    {"detail": f"missing or wrong {API_KEY_HEADER} (or /k/KEY/ path prefix)"},
+                    status_code=401,
+                )
                 await denied(scope, receive, send)
                 return
         status = 500  # an exception before the response started (Starlette answers 500)
@@ -117,6 +128,13 @@ class Gate:
                 route = scope.get("route")  # the router records the matched route in the scope
                 route_path = getattr(route, "path", "unmatched")
             metrics.request_done(route_path, status)
+
+
+def _key_from_path(scope: Scope, path: str) -> tuple[bytes, Scope]:
+    """The key of a ``/k/KEY/rest`` request, and its scope as a request for ``/rest``."""
+    key, _, rest = path[len(KEY_PREFIX) :].partition("/")
+    rest = "/" + rest
+    return key.encode(), {**scope, "path": rest, "raw_path": rest.encode()}
 
 
 def _json_body(scope: Scope) -> bool:
