@@ -7,11 +7,14 @@
 #
 #   scripts/cluster-demo.sh [--trajectories 12] [--steps 4]
 #
-# Everything runs on loopback under a temporary directory, removed at the end.
+# Everything runs on loopback under a temporary directory, removed at the end, with the
+# project venv .venv (made with $PYTHON, else the system python3; scripts/_venv.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. scripts/_venv.sh
+venv_up
+install_tangram ""
+step "the cluster demo"
 exec "$PY" - "$@" <<'EOF'
 import argparse
 import asyncio

@@ -5,33 +5,35 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY="${PYTHON:-python3}"
+. scripts/_venv.sh
 # the install compiles the scheduling core and the lodger loop: it needs a C compiler
 # (tests/test_native.py fails, not skips, when the core fell back to the sources)
 if ! command -v cc >/dev/null 2>&1; then
-  echo "== installing a C compiler"
+  step "installing a C compiler (apt-get)"
   apt-get update -q
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
 fi
-echo "== installing arl-tangram with dev extras"
-"$PY" -m pip install -q --disable-pip-version-check -e '.[dev,plot,gpu,http,ray]' \
-  httpx sandbox-fusion==0.3.7 swe-rex==1.4.0 skyrl-gym==0.4.0
+venv_up
+# one install, every extra: the compiled core is built once (after scripts/demo.sh made the
+# venv, only the missing requirements are installed)
+install_tangram dev,plot,gpu,http,ray httpx sandbox-fusion==0.3.7 swe-rex==1.4.0 \
+  skyrl-gym==0.4.0 omegaconf
 # verl's own reward functions and tool registry are tested against the gateway; without
 # verl/__init__ (torch, tensordict) they need only ray (the ray extra, pinned) and omegaconf
-"$PY" -m pip install -q --disable-pip-version-check --no-deps verl==0.9.1
-"$PY" -m pip install -q --disable-pip-version-check omegaconf
+pip_once "verl 0.9.1 (without its dependencies)" --no-deps verl==0.9.1
 
-echo "== preparing the Docker engine and the test image"
+step "preparing the Docker engine and the test image"
 bash .ci/docker-setup.sh
 
-echo "== ruff"
+step "ruff"
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
-echo "== mypy (strict: the library and the daemons)"
+step "mypy (strict: the library and the daemons)"
 "$PY" -m mypy tangram tangramd
 
-echo "== pytest"
+step "pytest -m \"not slow\" $*"
 # the install compiled the scheduling core (tangram/_native.py): tests/test_native.py fails
 # if it fell back to the sources, and compares the compiled pass with them
 export TANGRAM_EXPECT_COMPILED=1
 "$PY" -m pytest -m "not slow" -q -p no:cacheprovider "$@"
+step "done"
