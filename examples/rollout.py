@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tangram import AsyncClient, Client  # noqa: E402
+from tangram import AsyncClient, Client, ExecResult  # noqa: E402
 from tangram.testing import spawn_daemon  # noqa: E402
 
 SUITE = ROOT / "tests" / "data" / "cpu_suite"
@@ -130,6 +130,26 @@ def profile_suite(sock: str, scale: str, repeat: int) -> dict[str, Any]:
     return {"dop": dop, "speedup": speedup, "elastic": elastic}
 
 
+def exec_row(
+    phase: str, kind: str, submitted: float, r: ExecResult, cores: bool = False
+) -> dict[str, Any]:
+    """One exec's row of the summary: ``submitted`` is the client's monotonic time before the
+    request (the same clock the daemon's ``queue_s`` and ``exec_s`` follow, on this host)."""
+    row = {
+        "phase": phase,
+        "kind": kind,
+        "id": r.action_id,
+        "outcome": r.outcome,
+        "submitted": submitted,
+        "queue_s": r.queue_s,
+        "exec_s": r.exec_s,
+        "units": len(r.cores),
+    }
+    if cores:
+        row["cores"] = len(r.cores)
+    return row
+
+
 async def trajectory(
     c: AsyncClient,
     k: int,
@@ -146,43 +166,31 @@ async def trajectory(
             await asyncio.sleep(rng.uniform(0.05, 0.4))  # LLM generation ("think time")
             if rng.random() < 0.3:
                 t0 = time.monotonic()
-                async with c.lease("search"):
+                async with c.lease("search") as lease_id:
                     granted = time.monotonic()
                     await asyncio.sleep(rng.uniform(0.02, 0.08))  # the API call itself
                 rows.append(
                     {
                         "phase": phase,
                         "kind": "api",
+                        "id": lease_id,
                         "outcome": "ok",
+                        "submitted": t0,
                         "queue_s": granted - t0,
                         "exec_s": time.monotonic() - granted,
+                        "units": 1,
                     }
                 )
             else:
+                t0 = time.monotonic()
                 r = await c.exec(rng.choice(TOOL_COMMANDS), env=env, cpus=1)
-                rows.append(
-                    {
-                        "phase": phase,
-                        "kind": "tool",
-                        "outcome": r.outcome,
-                        "queue_s": r.queue_s,
-                        "exec_s": r.exec_s,
-                    }
-                )
+                rows.append(exec_row(phase, "tool", t0, r))
         await asyncio.sleep(rng.uniform(0.05, 0.4))
+        t0 = time.monotonic()
         r = await c.exec(
             reward_cmd(), env=env, profile="reward-suite", env_vars={"CPU_SUITE_SCALE": scale}
         )
-        rows.append(
-            {
-                "phase": phase,
-                "kind": "reward",
-                "outcome": r.outcome,
-                "queue_s": r.queue_s,
-                "exec_s": r.exec_s,
-                "cores": len(r.cores),
-            }
-        )
+        rows.append(exec_row(phase, "reward", t0, r, cores=True))
         if r.outcome != "ok":
             print(
                 f"\nreward run of traj-{k} ended {r.outcome}:\n{r.stdout[-800:]}{r.stderr[-800:]}",
@@ -246,6 +254,136 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             row["cores_used"] = dict(sorted(_count(r.get("cores", 0) for r in rs).items()))
         out[kind] = row
     return out
+
+
+WAIT_NOTE_S = 1.0  # a kind whose queue p99 reaches this gets its waits explained
+_STATE_WORDS = {
+    "waiting_env": "for its environment (being created, or waiting for memory)",
+    "waiting_mem": "for memory",
+}
+
+
+def _resource(pool: str) -> str:
+    family = pool.split(":", 1)[0]
+    return {"cpu": "cores", "api": "API lease", "gpu": "GPU"}.get(family, pool)
+
+
+def wait_states(story: dict[str, Any]) -> tuple[dict[str, float], str | None]:
+    """Seconds one action spent in each state before it ran, from its ``story`` (the
+    daemon's record of its transitions), and the pool it was placed on (None: never)."""
+    spent: dict[str, float] = defaultdict(float)
+    pool = None
+    state, since = None, 0.0
+    for e in story["events"]:
+        name = e["event"]
+        if name == "placed":
+            for word in str(e["detail"]).split():
+                if word.startswith("pool="):
+                    pool = word[len("pool=") :]
+            continue
+        if name == "submitted":
+            continue
+        if state is not None:
+            spent[state] += e["t"] - since
+        if name in ("running", "finished", "done"):
+            break
+        state, since = name, e["t"]
+    return dict(spent), pool
+
+
+def explain_waits(
+    c: Client,
+    rows: list[dict[str, Any]],
+    capacity: dict[str, int],
+    min_wait_s: float = WAIT_NOTE_S,
+    examine: int = 5,
+) -> dict[str, Any]:
+    """Why each phase/kind with a queue p99 of ``min_wait_s`` or more waited, from real data:
+    the daemon's story of its ``examine`` longest waits (which state they waited in and for
+    which pool) and the rows (what held that resource meanwhile: the average units each
+    phase/kind held over those waits, and how many of each were placed while they waited).
+    ``capacity``: the units of each pool (the daemon's ``status``)."""
+    out: dict[str, Any] = {}
+    by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_kind[f"{r['phase']}/{r['kind']}"].append(r)
+    for kind, rs in sorted(by_kind.items()):
+        if pct([r["queue_s"] for r in rs], 0.99) < min_wait_s:
+            continue
+        worst = sorted(rs, key=lambda r: r["queue_s"], reverse=True)[:examine]
+        waited_in: dict[str, float] = defaultdict(float)
+        pools: dict[str, int] = defaultdict(int)
+        for w in worst:
+            try:
+                spent, pool = wait_states(c.story(w["id"]))
+            except Exception as exc:  # forgotten (too old): say so, explain the others
+                waited_in[f"unknown ({type(exc).__name__})"] += w["queue_s"]
+                continue
+            for state, secs in spent.items():
+                label = (
+                    f"queued for {_resource(pool)} ({pool})"
+                    if state == "queued" and pool
+                    else _STATE_WORDS.get(state, state)
+                )
+                waited_in[label] += secs
+            if pool:
+                pools[pool] += 1
+        family = worst[0]["kind"] == "api"  # leases share the API; execs share the cores
+        held: dict[str, float] = defaultdict(float)
+        placed: dict[str, int] = defaultdict(int)
+        window = sum(w["queue_s"] for w in worst)
+        for w in worst:
+            lo, hi = w["submitted"], w["submitted"] + w["queue_s"]
+            for r in rows:
+                if r is w or (r["kind"] == "api") != family:
+                    continue
+                start = r["submitted"] + r["queue_s"]
+                end = start + r["exec_s"]
+                overlap = min(hi, end) - max(lo, start)
+                other = f"{r['phase']}/{r['kind']}"
+                if overlap > 0:
+                    held[other] += overlap * r.get("units", 1)
+                if lo < start < hi:
+                    placed[other] += 1
+        pool = max(pools, key=lambda p: pools[p]) if pools else None
+        out[kind] = {
+            "examined": len(worst),
+            "longest_s": worst[0]["queue_s"],
+            "waited_in_s": dict(sorted(waited_in.items(), key=lambda kv: -kv[1])),
+            "pool": pool,
+            "capacity": capacity.get(pool) if pool else None,
+            "held_meanwhile": {
+                k: v / window for k, v in sorted(held.items(), key=lambda kv: -kv[1])
+            },
+            "placed_meanwhile": dict(sorted(placed.items(), key=lambda kv: -kv[1])),
+        }
+    return out
+
+
+def wait_lines(waits: dict[str, Any]) -> list[str]:
+    """The summary's sentences for ``explain_waits``' findings, one per phase/kind."""
+    lines = []
+    for kind, w in waits.items():
+        total = sum(w["waited_in_s"].values()) or 1.0
+        where = ", ".join(
+            f"{100 * secs / total:.0f}% {label}" for label, secs in w["waited_in_s"].items()
+        )
+        unit = _resource(w["pool"]) if w["pool"] else "units"
+        of = f" of {w['capacity']}" if w["capacity"] is not None else ""
+        held = " and ".join(f"{k} {v:.2f}" for k, v in w["held_meanwhile"].items() if v >= 0.005)
+        placed = ", ".join(f"{n} {k}" for k, n in w["placed_meanwhile"].items())
+        which = (
+            f"its wait ({w['longest_s']:.1f} s) was"
+            if w["examined"] == 1
+            else f"its {w['examined']} longest waits (up to {w['longest_s']:.1f} s) were"
+        )
+        line = f"{kind}: {which} {where or 'not in the daemon story'}"
+        if held:
+            line += f"; meanwhile {held}{of} {unit} were held on average"
+        if placed:
+            line += f"; placed while they waited: {placed}"
+        lines.append(line)
+    return lines
 
 
 def _count(values: Any) -> dict[int, int]:
@@ -320,12 +458,23 @@ def main() -> None:
         )
         wall = time.monotonic() - t0
         with Client(sock) as c:
-            passes = c.status()["passes"]
+            st = c.status()
+            passes = st["passes"]
+            pool_units = {
+                name: pool["capacity"]
+                for name, pool in st["pools"].items()
+                if isinstance(pool, dict) and "capacity" in pool
+            }
+            waits = explain_waits(c, rows, pool_units)
     finally:
         if daemon is not None:
             code = daemon.stop()
-            print(f"tangramd stopped (exit {code}); its log: {daemon.log_path}", file=sys.stderr)
-            print(f"remove the demo's files with: rm -rf {daemon.log_path.parent}", file=sys.stderr)
+            where = (
+                f"tangramd stopped (exit {code}); its log: {daemon.log_path}\n"
+                f"remove the demo's files with: rm -rf {daemon.log_path.parent}"
+            )
+            if sys.exc_info()[0] is not None:  # failed: say it now; else after the summary
+                print(where, file=sys.stderr)
     summary = {
         "wall_s": wall,
         "actions": len(rows),
@@ -333,13 +482,27 @@ def main() -> None:
         "profile": prof,
         "parallel_capacity": capacity,
         "kinds": summarise(rows),
+        "waits": waits,
         "log": str(daemon.log_path) if daemon is not None else None,
     }
     if args.json:
-        print(json.dumps(summary, indent=1))
-        return
+        print(json.dumps(summary, indent=1), flush=True)
+    else:
+        print_summary(summary, args)
+    if daemon is not None:
+        print(where, file=sys.stderr)
+
+
+def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
+    """The table, why the kinds that queued long waited, and the reward runs' cores."""
+    rows, wall, passes, prof = (
+        summary["actions"],
+        summary["wall_s"],
+        summary["scheduler_passes"],
+        summary["profile"],
+    )
     print(
-        f"\n{len(rows)} actions from {args.trajectories + args.tail} trajectories "
+        f"\n{rows} actions from {args.trajectories + args.tail} trajectories "
         f"({args.trajectories} crowded, {args.tail} tail) in {wall:.1f} s "
         f"({passes} scheduling passes)\n"
     )
@@ -357,11 +520,19 @@ def main() -> None:
             f"{r['exec_p50_s']:>9.3f}s{r['act_avg_s']:>8.3f}s{r['act_p99_s']:>8.3f}s  "
             f"{outcomes}{extra}"
         )
+    if summary["waits"]:
+        print(
+            f"\nwhy queue p99 reached {WAIT_NOTE_S:.0f} s or more (the daemon's story of the "
+            "longest waits; what held the resource meanwhile, from the results):"
+        )
+        for line in wait_lines(summary["waits"]):
+            print(f"  {line}")
     crowded = summary["kinds"].get("crowded/reward", {}).get("cores_used", {})
     tail = summary["kinds"].get("tail/reward", {}).get("cores_used", {})
     print(
         f"\nreward runs' cores: crowded phase {crowded}, tail phase {tail} "
-        f"(profile speedup at 2 cores: {prof['speedup']['2']:.2f})"
+        f"(profile speedup at 2 cores: {prof['speedup']['2']:.2f})",
+        flush=True,
     )
 
 
