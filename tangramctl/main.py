@@ -32,7 +32,7 @@ import click
 from tangram.client import CallResult, Client, ExecResult, default_socket_path
 from tangram.model import TangramError
 from tangram.protocol import ConnectionFailed, parse_size
-from tangramctl.render import humanize_sizes, kv, table, to_json
+from tangramctl.render import NODE_COLUMNS, humanize_sizes, kv, node_rows, table, to_json
 
 EXIT_UNREACHABLE = 2
 EXIT_REFUSED = 1
@@ -161,12 +161,14 @@ def status(ctl: Ctl, as_json: bool) -> None:
     type=click.FloatRange(min=0.05),
     default=1.0,
     show_default=True,
-    help="Seconds between frames.",
+    metavar="SECONDS",
+    help="Seconds between frames (>= 0.05).",
 )
 @click.option(
     "--iterations",
     type=click.IntRange(min=1),
     default=None,
+    metavar="N",
     help="Stop after N frames (default: until q or Ctrl-C).",
 )
 @json_option
@@ -185,21 +187,7 @@ def top(ctl: Ctl, interval: float, iterations: int | None, as_json: bool) -> Non
 def nodes(ctl: Ctl, as_json: bool) -> None:
     """Nodes with capacity, free resources and heartbeat age."""
     rows = ctl.client.nodes()
-    preferred = (
-        "name",
-        "state",
-        "id",
-        "cores",
-        "free_cores",
-        "busy_cores",
-        "mem_bytes",
-        "mem_reserved",
-        "gpus",
-        "envs",
-        "running",
-        "heartbeat_age_s",
-    )
-    emit(as_json, {"nodes": rows}, lambda: table(rows, preferred=preferred))
+    emit(as_json, {"nodes": rows}, lambda: table(node_rows(rows), preferred=NODE_COLUMNS))
 
 
 @cli.group()
@@ -303,6 +291,20 @@ def parse_cpus(text: str) -> int | tuple[int, int]:
     return (low, high) if sep else low
 
 
+def parse_mem(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """``--mem``: bytes from ``512MiB``, ``2G``, ``1.5GiB`` or a plain number of bytes;
+    click.BadParameter (naming the option and the allowed forms) otherwise."""
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except TangramError:
+        raise click.BadParameter(f"{value!r}: {SIZE_FORMS}") from None
+
+
+SIZE_FORMS = "want bytes or a size such as 512MiB, 2G or 1.5GiB (K, M, G, T, P; binary)"
+
+
 def parse_assignments(values: Sequence[str], what: str) -> dict[str, str]:
     """``["A=1", "B=x"]`` → ``{"A": "1", "B": "x"}``; raise click.BadParameter."""
     out: dict[str, str] = {}
@@ -376,7 +378,7 @@ def _refused_result(exc: TangramError) -> dict[str, Any]:
     callback=lambda ctx, param, value: None if value is None else parse_cpus(value),
     help="Cores: fixed or a range (default: 1, or the DoP range of an elastic --profile).",
 )
-@click.option("--mem", metavar="SIZE", help="Memory limit, e.g. 512MiB.")
+@click.option("--mem", metavar="SIZE", callback=parse_mem, help="Memory limit, e.g. 512MiB.")
 @click.option(
     "--timeout",
     "timeout_s",
@@ -407,7 +409,11 @@ def _refused_result(exc: TangramError) -> dict[str, Any]:
     metavar="FILE",
     help="Feed FILE to the command's stdin ('-': this process's stdin).",
 )
-@click.option("--session", metavar="ID", help="Run in this open shell session.")
+@click.option(
+    "--session",
+    metavar="ID",
+    help="Run in this open shell session (one CMD word with spaces is a shell line).",
+)
 @click.option("--shell", is_flag=True, help="Run CMD… joined by spaces through /bin/sh.")
 @json_option
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
@@ -417,7 +423,7 @@ def exec_(
     env_id: str | None,
     image: str | None,
     cpus: int | tuple[int, int] | None,
-    mem: str | None,
+    mem: int | None,
     timeout_s: float | None,
     profile: str | None,
     elastic: bool | None,
@@ -432,15 +438,18 @@ def exec_(
 ) -> None:
     """Run one command as an exec action: tangramctl exec [OPTIONS] -- CMD [ARG…].
 
-    Without --env it runs in a throwaway environment. Prints the command's stdout and
-    stderr and exits with its exit code (124 on timeout, 125 on an infrastructure error).
+    Without --env it runs in a throwaway environment. With --session, a single CMD word
+    that holds spaces ('echo $HOME') is a line for the session's shell, as with `session
+    run`. Prints the command's stdout and stderr and exits with its exit code; 2 on a usage
+    or request error (a bad option, an unknown --profile or --env, more --cpus or --mem
+    than any node has), 124 on timeout, 125 on an infrastructure error.
     """
     if env_id is not None and image is not None:
         raise click.UsageError("--env and --image exclude each other (an env has its image)")
     env_vars = parse_assignments(setenv, "--setenv") or None
     try:
         result = ctl.client.exec(
-            " ".join(cmd) if shell else list(cmd),
+            command_of(cmd, shell, session),
             env=env_id,
             image=image,
             cpus=cpus,
@@ -466,6 +475,14 @@ def exec_(
             fail(request_error_line(exc), EXIT_USAGE)
         fail(f"{exc.code}: {humanize_sizes(exc.message)}", EXIT_INFRA)
     finish_exec(result, as_json)
+
+
+def command_of(cmd: Sequence[str], shell: bool, session: str | None) -> str | list[str]:
+    """What ``exec`` sends: a shell line for ``--shell``, or for ``--session`` with one word
+    that holds whitespace (``'echo $Z'``, the form ``session --help`` shows); else argv."""
+    if shell or (session is not None and len(cmd) == 1 and any(c.isspace() for c in cmd[0])):
+        return " ".join(cmd)
+    return list(cmd)
 
 
 def finish_exec(result: ExecResult, as_json: bool) -> NoReturn:
@@ -496,12 +513,14 @@ def env() -> None:
 
 @env.command("open")
 @click.option("--image", metavar="IMG", help="Container image (docker backend).")
-@click.option("--mem", metavar="SIZE", help="Memory reserved for the environment's life.")
+@click.option(
+    "--mem", metavar="SIZE", callback=parse_mem, help="Memory reserved for the environment's life."
+)
 @json_option
 @pass_ctl
-def env_open(ctl: Ctl, image: str | None, mem: str | None, as_json: bool) -> None:
+def env_open(ctl: Ctl, image: str | None, mem: int | None, as_json: bool) -> None:
     """Open an environment and print its id (``--json``: its id and node)."""
-    args = {"image": image, "mem": None if mem is None else parse_size(mem)}
+    args = {"image": image, "mem": mem}
     opened = ctl.client.request("env.open", {k: v for k, v in args.items() if v is not None})
     click.echo(
         to_json({"id": opened["id"], "node": opened.get("node")}) if as_json else opened["id"]
@@ -559,10 +578,18 @@ def env_put(ctl: Ctl, env_id: str, src: str, dest: str, as_json: bool) -> None:
     metavar="DEST",
     help="Write the file to DEST (a directory is extracted into DEST); default: stdout.",
 )
+@json_option
 @pass_ctl
-def env_get(ctl: Ctl, env_id: str, path: str, output: str | None) -> None:
-    """Copy PATH out of environment ID (a directory comes as a tar stream on stdout)."""
+def env_get(ctl: Ctl, env_id: str, path: str, output: str | None, as_json: bool) -> None:
+    """Copy PATH out of environment ID (a directory comes as a tar stream on stdout).
+
+    With --json (which needs -o: stdout carries the JSON), print what was written where."""
+    if as_json and output is None:
+        raise click.UsageError("--json needs -o DEST (without it the file's bytes go to stdout)")
     data, is_tar = ctl.client.get(env_id, path)
+    if as_json:
+        done = {"id": env_id, "path": path, "output": output, "bytes": len(data), "tar": is_tar}
+        click.echo(to_json(done))
     if output is None:
         sys.stdout.flush()
         sys.stdout.buffer.write(data)
@@ -581,7 +608,8 @@ def env_get(ctl: Ctl, env_id: str, path: str, output: str | None) -> None:
 
 @cli.group()
 def session() -> None:
-    """Persistent shell sessions: `session open ENV`, then `exec --session ID -- CMD`."""
+    """Persistent shell sessions: `session open ENV`, then `session run ID -- CMD…` (or
+    `exec --session ID -- 'CMD LINE'`: one quoted word is a line for the shell)."""
 
 
 @session.command("open")
@@ -596,41 +624,57 @@ def session_open(ctl: Ctl, env_id: str, as_json: bool) -> None:
 
 @session.command("run", context_settings={"ignore_unknown_options": True})
 @click.argument("session_id", metavar="ID")
-@click.option("--cpus", default="1", metavar="N|MIN-MAX", help="Cores for this command.")
-@click.option("--timeout", "timeout_s", type=float, metavar="SECONDS", help="Wall-clock limit.")
+@click.option(
+    "--cpus",
+    default="1",
+    metavar="N|MIN-MAX",
+    callback=lambda ctx, param, value: parse_cpus(value),
+    help="Cores for this command.",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="Wall-clock limit (> 0).",
+)
 @json_option
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @pass_ctl
 def session_run(
     ctl: Ctl,
     session_id: str,
-    cpus: str,
+    cpus: int | tuple[int, int],
     timeout_s: float | None,
     as_json: bool,
     cmd: tuple[str, ...],
 ) -> None:
     """Run CMD… (joined by spaces) in the session's shell; exit with its status, as `exec`
     does (a timeout is 124, a shell that is gone an infra_error, each with a line saying so)."""
-    result = ctl.client.exec(
-        " ".join(cmd), session=session_id, cpus=parse_cpus(cpus), timeout_s=timeout_s
-    )
+    result = ctl.client.exec(" ".join(cmd), session=session_id, cpus=cpus, timeout_s=timeout_s)
     finish_exec(result, as_json)
 
 
 @session.command("interrupt")
 @click.argument("session_id", metavar="ID")
+@json_option
 @pass_ctl
-def session_interrupt(ctl: Ctl, session_id: str) -> None:
-    """Interrupt the command running in the session."""
-    ctl.client.session_interrupt(session_id)
+def session_interrupt(ctl: Ctl, session_id: str, as_json: bool) -> None:
+    """Interrupt the command running in the session (says whether one was running)."""
+    hit = ctl.client.session_interrupt(session_id)
+    said = f"interrupted the command in {session_id}" if hit else f"{session_id}: nothing running"
+    emit(as_json, {"id": session_id, "interrupted": hit}, lambda: said)
 
 
 @session.command("close")
 @click.argument("session_id", metavar="ID")
+@json_option
 @pass_ctl
-def session_close(ctl: Ctl, session_id: str) -> None:
+def session_close(ctl: Ctl, session_id: str, as_json: bool) -> None:
     """End the session's shell."""
     ctl.client.session_close(session_id)
+    if as_json:
+        click.echo(to_json({"id": session_id, "closed": True}))
 
 
 # --------------------------------------------------------------------------- apis
@@ -698,12 +742,19 @@ def service() -> None:
 
 @service.command("register")
 @click.argument("name")
-@click.option("--runtime", type=click.Choice(["torch", "http"]), default="torch", show_default=True)
+@click.option(
+    "--runtime",
+    type=click.Choice(["torch", "http"]),
+    default="torch",
+    show_default=True,
+    help="torch: a module in a GPU worker; http: a server process (vLLM, SGLang, …).",
+)
 @click.option("--entry", metavar="MODULE:FACTORY", help="torch: FACTORY() returns the module.")
 @click.option(
     "--path",
     "path_dir",
     type=click.Path(file_okay=False),
+    metavar="DIR",
     help="torch: directory added to the worker's import path.",
 )
 @click.option(
@@ -711,7 +762,8 @@ def service() -> None:
     "mem_gb",
     type=click.FloatRange(min=0, min_open=True),
     required=True,
-    help="State of one instance (GB).",
+    metavar="GB",
+    help="State of one instance (GB, > 0).",
 )
 @click.option(
     "--gpus",
@@ -871,6 +923,48 @@ def _attach_optional(module: str, name: str, attr: str | None = None) -> None:
 _attach_optional("tangramctl.profile", "profile")
 _attach_optional("tangramctl.simulate", "simulate")
 _attach_optional("tangramctl.ray", "ray", "ray_group")  # Ray itself loads only when used
+
+
+def leaf_commands(
+    group: click.Group, path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], click.Command]]:
+    """Every command of ``group``'s tree that is not itself a group, with its path."""
+    out: list[tuple[tuple[str, ...], click.Command]] = []
+    for name, command in sorted(group.commands.items()):
+        if isinstance(command, click.Group):
+            out += leaf_commands(command, (*path, name))
+        else:
+            out.append(((*path, name), command))
+    return out
+
+
+# Commands that never ask the daemon: the simulator (local), Ray's (they find it in Ray).
+NO_SOCKET = ("simulate", "ray")
+
+
+def _socket_here(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        ctx.find_object(Ctl).socket = value  # type: ignore[union-attr]  # the root made it
+
+
+def _accept_socket_after_the_command() -> None:
+    """``tangramctl status --socket PATH`` works as ``tangramctl --socket PATH status``."""
+    for path, command in leaf_commands(cli):
+        opts = {o for p in command.params if isinstance(p, click.Option) for o in p.opts}
+        if path[0] in NO_SOCKET or "--socket" in opts:
+            continue
+        command.params.append(
+            click.Option(
+                ["--socket"],
+                metavar="PATH",
+                expose_value=False,
+                callback=_socket_here,
+                help="tangramd's socket, as `tangramctl --socket PATH` (either place works).",
+            )
+        )
+
+
+_accept_socket_after_the_command()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

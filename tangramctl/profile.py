@@ -10,6 +10,8 @@ readings are noise to a scheduler that assumes ``0 < E <= 1``).
 A profile is only worth scheduling by if the command does the same work at every K: when
 its outcome (exit code; for pytest the passed/failed/error counts of its summary line)
 under K differs from K = 1, the profile says ``outcomes_differ`` and ``elastic: false``.
+It is elastic only when more cores pay: some K > 1 must run faster than K = 1 (speed-up
+above ``PAYS``), else it says ``elastic: false`` and ``why`` gives the best speed-up.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ MIN_SECONDS = 1e-6  # a run too fast to time still gets a positive duration (t1_
 _PYTEST_SUMMARY = re.compile(r"\b(?:\d+ \w+|no tests ran)\b.* in [0-9.]+s\b")
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
 _PYTEST_ARGV0 = ("pytest", "py.test")
+# A DoP K > 1 pays when it runs faster than K = 1. The scheduler's rule (``priced``) picks
+# the K of least t(K) * max(1, (1 + K * N/C) / 2): on an idle node the factor is 1 for every
+# K up to the node's cores, so it takes K > 1 only where t(K) < t(1), i.e. speed-up > 1.
+PAYS = 1.0
 
 
 class InfraFailure(click.ClickException):
@@ -125,17 +131,34 @@ class Profile:
         speedup = {k: t1 / t for k, t in dop.items()}
         eff = {k: min(1.0, s / k) for k, s in speedup.items()}
         differ = bool(self.differing())
+        elastic, why = verdict(speedup, differ)
         return {
             "dop": {str(k): round(v, 6) for k, v in dop.items()},
             "t1_s": round(t1, 6),
             "eff": {str(k): round(v, 4) for k, v in eff.items()},
             "speedup": {str(k): round(v, 4) for k, v in speedup.items()},
-            "elastic": not differ,
+            "elastic": elastic,
+            "why": why,
             "outcomes_differ": differ,
             "runs": {str(k): [round(x, 6) for x in v] for k, v in sorted(self.runs.items())},
             "skipped_dops": self.skipped,
             "failed_runs": self.failures,
         }
+
+
+def verdict(speedup: Mapping[int, float], outcomes_differ: bool) -> tuple[bool, str]:
+    """Whether a profile is elastic, and why: the same outcome at every DoP, and a speed-up
+    above ``PAYS`` at some DoP > 1 (the scheduler gives a command more cores only then)."""
+    if outcomes_differ:
+        return False, "outcomes differ across DoPs"
+    above = {k: s for k, s in speedup.items() if k > 1}
+    if not above:
+        return False, "only DoP 1 measured"
+    best = max(above, key=lambda k: above[k])
+    if above[best] <= PAYS:
+        sign = "<" if round(above[best], 2) < PAYS else "<="
+        return False, f"speed-up {above[best]:.2f} {sign} 1 at DoP {best}: more cores do not pay"
+    return True, f"speed-up {above[best]:.2f} at DoP {best}"
 
 
 def max_node_cores(nodes: Sequence[Mapping[str, Any]]) -> int | None:
@@ -247,9 +270,10 @@ def render(report: Mapping[str, Any]) -> str:
         }
         for k in report["dop"]
     ]
-    verdict = "elastic" if report["elastic"] else "NOT elastic (outcomes differ across DoPs)"
+    why = report.get("why") or ""
+    said = f"elastic ({why})" if report["elastic"] else f"not elastic ({why})"
     headers = {"dop": "DOP", "median_s": "MEDIAN S", "speedup": "SPEEDUP", "efficiency": "EFF"}
-    return table(rows, headers=headers) + f"\n\nT1 = {report['t1_s']:.3f} s; {verdict}"
+    return table(rows, headers=headers) + f"\n\nT1 = {report['t1_s']:.3f} s; {said}"
 
 
 @click.command(
@@ -258,10 +282,30 @@ def render(report: Mapping[str, Any]) -> str:
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
 )
 @click.option("--image", metavar="IMG", help="Run in a container of this image (docker).")
-@click.option("--dop", "dop_text", default="1,2,4,8", show_default=True, help="DoPs to measure.")
-@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--dop",
+    "dop_text",
+    default="1,2,4,8",
+    show_default=True,
+    metavar="K,K,…",
+    help="Core counts (DoPs) to measure; 1 is always measured.",
+)
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    metavar="N",
+    help="Runs per DoP (the median is kept).",
+)
 @click.option("--save", metavar="NAME", help="Store the profile in the registry under NAME.")
-@click.option("--timeout", "timeout_s", type=float, metavar="S", help="Limit per run (s).")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="Wall-clock limit of each run (> 0).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for programs.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
@@ -316,7 +360,8 @@ def profile(
             elastic=report["elastic"],
         )
         report["saved"] = save
-        click.echo(f"tangramctl: saved profile {save!r}", err=True)
+        how = "" if report["elastic"] else " (not elastic: its execs get one core)"
+        click.echo(f"tangramctl: saved profile {save!r}{how}", err=True)
     click.echo(to_json(report) if as_json else render(report))
 
 

@@ -291,7 +291,15 @@ def ray_group() -> None:
     default=None,
     help="State and logs on each host [default: $TMPDIR/tangram-ray-$UID].",
 )
-@click.option("--timeout", "timeout_s", type=float, default=UP_TIMEOUT_S, show_default=True)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=UP_TIMEOUT_S,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long to wait for the coordinator and every node to be ready.",
+)
 @JSON
 def up_command(
     address: str | None,

@@ -149,6 +149,41 @@ def kv(mapping: Mapping[str, Any], *, indent: int = 0) -> str:
     return "\n".join(lines)
 
 
+NODE_COLUMNS = (
+    "name",
+    "state",
+    "cores",
+    "free_cores",
+    "busy_cores",
+    "mem",
+    "mem_reserved",
+    "gpus",
+    "envs",
+    "running",
+    "heartbeat_age_s",
+)
+
+
+def node_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``nodes`` rows for people: memory once, in binary units (``mem``, not ``mem_bytes``
+    and ``mem_gb`` both); the busy cores by id, ``none`` when every core is free (a bare
+    ``-`` read as "unknown"); ``id`` only where it differs from the name."""
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        shown = {k: v for k, v in row.items() if k not in ("mem_bytes", "mem_gb", "id")}
+        if row.get("id") not in (None, row.get("name")):
+            shown["id"] = row["id"]
+        if "mem_bytes" in row:
+            shown["mem"] = row["mem_bytes"]
+        elif isinstance(row.get("mem_gb"), int | float):
+            shown["mem"] = int(row["mem_gb"] * (1 << 30))
+        busy = row.get("busy_cores")
+        if isinstance(busy, list):
+            shown["busy_cores"] = _int_ranges(sorted(busy)) if busy else "none"
+        out.append(shown)
+    return out
+
+
 def to_json(obj: Any) -> str:
     """The ``--json`` form: one JSON document, indented, non-JSON values as strings."""
     return json.dumps(obj, indent=2, default=_jsonable)
@@ -162,4 +197,14 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-__all__ = ["columns_of", "fmt", "humanize_sizes", "kv", "size", "table", "to_json"]
+__all__ = [
+    "NODE_COLUMNS",
+    "columns_of",
+    "fmt",
+    "humanize_sizes",
+    "kv",
+    "node_rows",
+    "size",
+    "table",
+    "to_json",
+]

@@ -190,3 +190,19 @@ def test_session_run_takes_json_and_says_why_it_did_not_complete(sock):
     r = ctl(sock, "session", "run", "--timeout", "0.5", sid, "--", "sleep", "5")
     assert r.exit_code == 124 and "timed out after" in r.stderr, (r.exit_code, r.stderr)
     ctl(sock, "env", "close", env)
+
+
+def test_session_shell_lines_and_a_shell_that_ended(sock):
+    """``exec --session ID -- 'CMD LINE'`` (the form ``session --help`` shows) runs the line in
+    the session's shell, whose state it shares with ``session run``; once the shell has
+    exited, ``session run`` exits 125 with a line saying the session ended."""
+    env = ctl(sock, "env", "open").output.strip()
+    sid = ctl(sock, "session", "open", env).output.strip()
+    assert ctl(sock, "session", "run", sid, "--", "Z=zed; cd /tmp").exit_code == 0
+    r = ctl(sock, "exec", "--session", sid, "--", "echo $Z $PWD")
+    assert (r.exit_code, r.stdout) == (0, "zed /tmp\n"), r.output
+    assert ctl(sock, "session", "run", sid, "--", "exit 3").exit_code == 3
+    r = ctl(sock, "session", "run", sid, "--", "echo", "hi")
+    assert r.exit_code == 125, r.output
+    assert f"tangramctl: infra_error: session {sid} has ended" in r.stderr
+    ctl(sock, "env", "close", env)

@@ -91,3 +91,44 @@ def test_profile_with_an_absolute_path_is_saved(sock):
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     assert "good" in ctl(sock, "profiles", "list").output
+
+
+def test_a_missing_cwd_says_it_does_not_exist(sock):
+    """``--cwd missing`` says there is no such directory; a file there is 'not a directory'."""
+    env = ctl(sock, "env", "open").output.strip()
+    r = ctl(sock, "exec", "--env", env, "--cwd", "missing", "--", "true")
+    assert r.exit_code == 1 and "cwd missing: no such directory" in r.stderr, r.output
+    assert ctl(sock, "exec", "--env", env, "--", "touch", "afile").exit_code == 0
+    r = ctl(sock, "exec", "--env", env, "--cwd", "afile", "--", "true")
+    assert r.exit_code == 1 and "cwd afile: not a directory" in r.stderr, r.output
+    ctl(sock, "env", "close", env)
+
+
+def test_nodes_shows_memory_once_and_the_busy_cores(sock):
+    """``nodes`` prints memory in one unit and the cores an exec holds (by id) while it runs;
+    'none' once every core is free again."""
+    import threading
+
+    from tangram import Client
+    from tangram.testing import wait_for
+
+    header = ctl(sock, "nodes").output.splitlines()[0].split()
+    assert "MEM" in header and not {"MEM_BYTES", "MEM_GB"} & set(header), header
+    busy = header.index("BUSY_CORES")
+    with Client(sock) as c:
+        env = c.env_open()
+
+        def hold_both_cores() -> None:
+            with Client(sock) as other:
+                other.exec(["sleep", "3"], env=env, cpus=2)
+
+        t = threading.Thread(target=hold_both_cores)
+        t.start()
+        try:
+            wait_for(lambda: c.queue()["running"], 10, "the exec running")
+            row = ctl(sock, "nodes").output.splitlines()[1].split()
+            assert row[busy] == "0,1", row
+        finally:
+            t.join(10)
+        assert ctl(sock, "nodes").output.splitlines()[1].split()[busy] == "none"
+        c.env_close(env)

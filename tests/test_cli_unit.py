@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner, Result
 
 from tangram.model import Unschedulable
 from tangram.protocol import InfraError, NotFound, UnknownOp
-from tangramctl.main import cli
-from tangramctl.profile import is_pytest, parse_dops, pytest_counts
+from tangramctl.main import cli, leaf_commands
+from tangramctl.profile import is_pytest, parse_dops, pytest_counts, verdict
 from tangramctl.render import fmt, table
 from tangramd.transport import UnixServer
 
@@ -362,21 +364,28 @@ def test_refused_request_is_one_line_exit_1(fake_daemon: FakeDaemon) -> None:
 
 
 def test_nodes_table_is_aligned(fake_daemon: FakeDaemon) -> None:
-    """Human output is a table: a header row and one aligned row per node."""
+    """Human output is a table: a header row and one aligned row per node; memory once, in
+    binary units; the busy cores by id ('none' when all are free, never a bare '-')."""
     fake_daemon.handlers["nodes"] = lambda args: {
         "nodes": [
-            {"id": "local", "cores": 2, "free_cores": 2, "mem_bytes": 2 << 30, "busy_cores": []},
-            {"id": "n2", "cores": 64, "free_cores": 10, "mem_bytes": 1 << 40, "busy_cores": [0]},
+            {"name": "local", "id": "local", "cores": 2, "free_cores": 2, "busy_cores": [],
+             "mem_bytes": 2 << 30, "mem_gb": 2.0},
+            {"name": "n2", "id": "n2", "cores": 64, "free_cores": 10,
+             "busy_cores": [0, *range(10, 63)], "mem_bytes": 1 << 40, "mem_gb": 1024.0},
         ]
-    }
+    }  # fmt: skip
     result = invoke_ctl(fake_daemon.path, "nodes")
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["ID", "CORES", "FREE_CORES", "BUSY_CORES", "MEM_BYTES"]
-    assert lines[1].split() == ["local", "2", "2", "-", "2.0GiB"]
-    assert lines[2].split() == ["n2", "64", "10", "0", "1.0TiB"]
+    assert lines[0].split() == ["NAME", "CORES", "FREE_CORES", "BUSY_CORES", "MEM"]
+    assert lines[1].split() == ["local", "2", "2", "none", "2.0GiB"]
+    assert lines[2].split() == ["n2", "64", "10", "0,10-62", "1.0TiB"]
     # numbers right-aligned under their header
     assert lines[1].index("2") + 1 == lines[0].index("CORES") + len("CORES")
+    # --json keeps the daemon's rows as they are
+    assert json.loads(invoke_ctl(fake_daemon.path, "nodes", "--json").stdout)["nodes"][1][
+        "busy_cores"
+    ] == [0, *range(10, 63)]
 
 
 def test_story_renders_events(fake_daemon: FakeDaemon) -> None:
@@ -540,3 +549,180 @@ def test_version_is_printed() -> None:
 
     result = CliRunner().invoke(cli, ["--version"])
     assert result.exit_code == 0 and version("arl-tangram") in result.output
+
+
+# --------------------------------------------------------------------------- consistency
+
+# Leaf commands without --json, each with the reason (none today: keep it that way).
+NO_JSON: dict[tuple[str, ...], str] = {}
+# Metavars that say only the type: each option names what it wants (SECONDS, N, PATH, ...).
+TYPE_ONLY_METAVARS = {"TEXT", "INTEGER", "FLOAT", "INTEGER RANGE", "FLOAT RANGE"}
+WIDE: dict[str, Any] = {"terminal_width": 1000, "max_content_width": 1000}  # help unwrapped
+
+
+def _options(command: click.Command) -> list[click.Option]:
+    return [p for p in command.params if isinstance(p, click.Option)]
+
+
+def _all_commands() -> list[tuple[str, click.Command]]:
+    """Every leaf command of tangramctl and of tangramd, as 'prog sub…'."""
+    from tangramd.main import cli as tangramd_cli
+
+    commands = [("tangramctl " + " ".join(path), cmd) for path, cmd in leaf_commands(cli)]
+    commands += [("tangramd " + " ".join(p), c) for p, c in leaf_commands(tangramd_cli)]
+    return commands
+
+
+def test_every_tangramctl_command_takes_json() -> None:
+    """docs/design.md §6: every command takes --json (or is listed in NO_JSON, with why)."""
+    missing = [
+        path
+        for path, command in leaf_commands(cli)
+        if path not in NO_JSON and not any("--json" in o.opts for o in _options(command))
+    ]
+    assert missing == []
+    assert len(leaf_commands(cli)) >= 25  # the walk found the tree (groups included)
+
+
+def test_every_option_has_help_and_a_telling_metavar() -> None:
+    """Every option of every tangramctl and tangramd command says what it is for, and what
+    it takes: no bare TEXT/INTEGER/FLOAT metavar; durations are SECONDS."""
+    ctx = click.Context(cli)
+    no_help, vague, durations = [], [], []
+    for where, command in _all_commands():
+        for option in _options(command):
+            name = f"{where} {option.opts[0]}"
+            if not option.help:
+                no_help.append(name)
+            if option.is_flag:
+                continue
+            metavar = option.make_metavar(ctx)
+            if metavar in TYPE_ONLY_METAVARS:
+                vague.append(f"{name} {metavar}")
+            is_duration = any(w in (option.name or "") for w in ("timeout", "interval"))
+            if is_duration and metavar != "SECONDS":
+                durations.append(f"{name} {metavar}")
+    assert (no_help, vague, durations) == ([], [], [])
+
+
+def test_exec_help_lists_every_exit_code() -> None:
+    """exec --help names its exit codes: the command's, 2, 124 and 125."""
+    text = " ".join(CliRunner().invoke(cli, ["exec", "--help"], **WIDE).stdout.split())
+    assert "2 on a usage or request error" in text
+    assert "124 on timeout" in text and "125 on an infrastructure error" in text
+
+
+@pytest.mark.parametrize(
+    "argv", [["exec", "--mem", "lots", "--", "true"], ["env", "open", "--mem", "lots"]]
+)
+def test_a_bad_size_names_the_option_and_the_forms(
+    fake_daemon: FakeDaemon, argv: list[str]
+) -> None:
+    """`--mem lots` is a usage error naming --mem and the sizes it takes; nothing is sent."""
+    result = invoke_ctl(fake_daemon.path, *argv)
+    assert result.exit_code == 2
+    assert "'--mem': 'lots': want bytes or a size such as 512MiB" in result.stderr
+    assert fake_daemon.requests == []
+
+
+def test_socket_may_follow_the_command(fake_daemon: FakeDaemon, sock_dir: str) -> None:
+    """`tangramctl status --socket PATH` works as `tangramctl --socket PATH status`; the
+    later one wins when both are given."""
+    fake_daemon.handlers["status"] = lambda args: {"version": "x"}
+    fake_daemon.handlers["node.drain"] = lambda args: {"name": args["name"]}
+    result = CliRunner().invoke(cli, ["status", "--json", "--socket", fake_daemon.path])
+    assert result.exit_code == 0 and json.loads(result.stdout) == {"version": "x"}
+    result = CliRunner().invoke(
+        cli,
+        ["--socket", f"{sock_dir}/none.sock", "node", "drain", "n1", "--socket", fake_daemon.path],
+    )
+    assert (result.exit_code, result.stdout) == (0, "node n1 draining\n")
+    assert "--socket PATH" in CliRunner().invoke(cli, ["queue", "--help"]).stdout
+
+
+def test_session_exec_with_one_spaced_word_is_a_shell_line(fake_daemon: FakeDaemon) -> None:
+    """`exec --session S -- 'echo $Z'` (the form `session --help` shows) sends a shell line;
+    several words, or one without spaces, stay argv; without --session argv is untouched."""
+    fake_daemon.handlers["exec"] = lambda args: exec_result()
+    invoke_ctl(fake_daemon.path, "exec", "--session", "s1", "--", "echo $Z")
+    invoke_ctl(fake_daemon.path, "exec", "--session", "s1", "--", "echo", "$Z")
+    invoke_ctl(fake_daemon.path, "exec", "--", "echo $Z")
+    assert [a["cmd"] for a in fake_daemon.ops("exec")] == ["echo $Z", ["echo", "$Z"], ["echo $Z"]]
+    assert "exec --session ID -- 'CMD LINE'" in " ".join(
+        CliRunner().invoke(cli, ["session", "--help"], **WIDE).stdout.split()
+    )
+
+
+def test_session_interrupt_close_and_env_get_print_json(
+    fake_daemon: FakeDaemon, tmp_path: Any
+) -> None:
+    """The commands that printed nothing (or raw bytes) have --json too."""
+    fake_daemon.handlers["session.interrupt"] = lambda args: {"interrupted": True}
+    fake_daemon.handlers["session.close"] = lambda args: {}
+    fake_daemon.handlers["env.get"] = lambda args: {"data": b"abc", "tar": False}
+    r = invoke_ctl(fake_daemon.path, "session", "interrupt", "s1", "--json")
+    assert json.loads(r.stdout) == {"id": "s1", "interrupted": True}
+    r = invoke_ctl(fake_daemon.path, "session", "interrupt", "s1")
+    assert r.stdout == "interrupted the command in s1\n"
+    r = invoke_ctl(fake_daemon.path, "session", "close", "s1", "--json")
+    assert json.loads(r.stdout) == {"id": "s1", "closed": True}
+    dest = tmp_path / "f"
+    r = invoke_ctl(fake_daemon.path, "env", "get", "e1", "f", "-o", str(dest), "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout) == {
+        "id": "e1",
+        "path": "f",
+        "output": str(dest),
+        "bytes": 3,
+        "tar": False,
+    }
+    assert dest.read_bytes() == b"abc"
+    r = invoke_ctl(fake_daemon.path, "env", "get", "e1", "f", "--json")
+    assert r.exit_code == 2 and "--json needs -o DEST" in r.stderr
+
+
+def test_simulator_policies_are_one_list() -> None:
+    """The simulator's --help and its unknown-policy error show the same list, every name
+    of which parses."""
+    from tangram.sim.policy import POLICIES, PolicyError, parse_policy
+
+    for name in POLICIES:
+        parse_policy(name.replace(":K", ":2"))
+    help_text = CliRunner().invoke(cli, ["simulate", "--help"], **WIDE).stdout
+    assert ", ".join(POLICIES) in help_text
+    with pytest.raises(PolicyError, match=re.escape(", ".join(POLICIES))):
+        parse_policy("nope")
+
+
+def test_profile_without_speedup_is_not_elastic(fake_daemon: FakeDaemon) -> None:
+    """A profile whose speed-up stays below 1 (0.915 at 2 cores) is not elastic: more cores
+    do not pay, so the scheduler would never give them (tangramctl.profile.PAYS)."""
+    fake_profiled_daemon(fake_daemon, cores=2)
+    fake_daemon.handlers["exec"] = lambda args: exec_result(
+        exec_s=8.0 if args["cpus"] == 1 else 8.0 / 0.915, cores=list(range(args["cpus"]))
+    )
+    argv = ["profile", "--dop", "1,2", "--repeat", "1", "--save", "slow", "--", "make"]
+    result = invoke_ctl(fake_daemon.path, *argv)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == (
+        "T1 = 8.000 s; not elastic (speed-up 0.92 < 1 at DoP 2: more cores do not pay)"
+    )
+    assert fake_daemon.ops("profile.save")[0]["elastic"] is False
+    assert "not elastic: its execs get one core" in result.stderr
+    body = json.loads(invoke_ctl(fake_daemon.path, *argv[:-2], "--json", "--", "make").stdout)
+    assert (body["elastic"], body["outcomes_differ"]) == (False, False)
+
+
+@pytest.mark.parametrize(
+    ("speedup", "elastic", "why"),
+    [
+        ({1: 1.0, 2: 1.8, 4: 2.5}, True, "speed-up 2.50 at DoP 4"),
+        ({1: 1.0, 2: 1.0}, False, "speed-up 1.00 <= 1 at DoP 2: more cores do not pay"),
+        ({1: 1.0, 2: 0.998}, False, "speed-up 1.00 <= 1 at DoP 2: more cores do not pay"),
+        ({1: 1.0}, False, "only DoP 1 measured"),
+    ],
+)
+def test_profile_verdict(speedup: dict[int, float], elastic: bool, why: str) -> None:
+    """Elastic iff some DoP > 1 beats DoP 1; the reason names the best one."""
+    assert verdict(speedup, outcomes_differ=False) == (elastic, why)
+    assert verdict(speedup, outcomes_differ=True) == (False, "outcomes differ across DoPs")

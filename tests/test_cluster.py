@@ -175,7 +175,7 @@ def test_execs_through_a_node_each_get_their_own_answer(
             assert result.outcome == "ok" and result.node == node, result
             assert result.files == {"out.txt": f"from {node}\nmore\n".encode()}
             no_dir = c.exec(["true"], env=env, cwd="no-such-dir")  # the backend refuses
-            assert no_dir.outcome == "failed" and "not a directory" in no_dir.stderr, no_dir
+            assert no_dir.outcome == "failed" and "no such directory" in no_dir.stderr, no_dir
         with pytest.raises(NotFound):
             c.exec(["true"], env="no-such-env")
         assert {row["name"]: row["running"] for row in c.nodes()} == {"a": 0, "b": 0}

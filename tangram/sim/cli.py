@@ -51,17 +51,24 @@ class _Progress:
     help="Trace file (JSON lines, docs/trace-format.md).",
 )
 @click.option("--workload", type=click.Choice(WORKLOADS), help="Named generator.")
-@click.option("--batch", type=int, help="Trajectories per RL step (with --workload).")
+@click.option("--batch", type=int, metavar="N", help="Trajectories per RL step (with --workload).")
 @click.option(
     "--steps",
     type=int,
     default=1,
+    metavar="N",
     show_default=True,
     help="RL steps to generate (with --workload).",
 )
-@click.option("--policy", "policies", multiple=True, required=True, help=POLICY_HELP)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--depth", type=int, default=2, show_default=True, help="Scheduler replay depth.")
+@click.option(
+    "--policy", "policies", multiple=True, required=True, metavar="NAME", help=POLICY_HELP
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, metavar="N", help="Workload generator seed."
+)
+@click.option(
+    "--depth", type=int, default=2, show_default=True, metavar="N", help="Scheduler replay depth."
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option(
     "--plot",

@@ -11,10 +11,22 @@ CpuPolicy = Literal["tangram", "k8s"]
 GpuPolicy = Literal["tangram", "static"]
 ApiPolicy = Literal["tangram", "retry"]
 
+# The policies by name: the one list the --help, the unknown-policy error and the README show.
+POLICIES = (
+    "tangram",
+    "tangram-eft",
+    "tangram-wait",
+    "tangram-paper",
+    "tangram-backfill",
+    "baseline",
+    "k8s",
+    "static-services",
+    "api-retry",
+    "fixed-dop:K",
+)
 POLICY_HELP = (
-    "tangram, tangram-eft, tangram-wait, tangram-paper, tangram-backfill, baseline, k8s, "
-    "static-services, api-retry, fixed-dop:K (suffixes +backfill and one of +eft, +wait, "
-    "+paper combine with any of them)"
+    ", ".join(POLICIES) + " (suffixes +backfill and one of +eft, +wait, +paper combine with "
+    "any of them)"
 )
 Rule = Literal["paper", "wait", "wait-eft", "priced"]
 _RULE_OF = {"paper": "paper", "wait": "wait", "eft": "wait-eft"}

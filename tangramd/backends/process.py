@@ -612,7 +612,8 @@ class ProcessBackend:
             loop.call_soon(done, ExecResult("rejected", detail=f"cwd {e}"))
             return
         if req.cwd and not cwd.is_dir():
-            msg = f"tangram: cwd {req.cwd}: not a directory\n"
+            why = "not a directory" if cwd.exists() else "no such directory"
+            msg = f"tangram: cwd {req.cwd}: {why}\n"
             loop.call_soon(done, ExecResult("failed", 1, stderr=msg))
             return
         cgroup: Path | None = None
