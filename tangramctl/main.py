@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import tarfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
@@ -31,7 +32,7 @@ import click
 
 from tangram.client import CallResult, Client, ExecResult, default_socket_path
 from tangram.model import TangramError
-from tangram.protocol import ConnectionFailed, parse_size
+from tangram.protocol import ConnectionFailed, InfraError, parse_size
 from tangramctl.render import NODE_COLUMNS, humanize_sizes, kv, node_rows, table, to_json
 
 EXIT_UNREACHABLE = 2
@@ -66,6 +67,7 @@ class Ctl:
     """Per-invocation state: the socket path and a lazily connected client."""
 
     socket: str | None = None
+    wait_s: float = 0.0  # --wait: how long the first call waits for the daemon to answer
     _client: Client | None = field(default=None, repr=False)
 
     @property
@@ -77,7 +79,10 @@ class Ctl:
     def client(self) -> Client:
         """The client; connects on its first call."""
         if self._client is None:
-            self._client = Client(self.path)
+            client = Client(self.path)
+            if self.wait_s > 0:
+                wait_until_ready(client, self.wait_s)
+            self._client = client
         return self._client
 
     def close(self) -> None:
@@ -86,6 +91,22 @@ class Ctl:
 
 
 pass_ctl = click.make_pass_decorator(Ctl)
+
+
+def wait_until_ready(client: Client, wait_s: float, *, every_s: float = 0.1) -> None:
+    """``--wait``: ask ``status`` until the daemon answers (a daemon just started in the
+    background; a cluster node: once it has joined its coordinator). Raise
+    ConnectionFailed naming the wait and the last reason when it has not within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            client.status()
+            return
+        except InfraError as exc:  # no socket yet, or a node not joined yet
+            if time.monotonic() >= deadline:
+                last = getattr(exc.__cause__, "strerror", None) or exc.message
+                raise ConnectionFailed(f"no answer within --wait {wait_s:g} s ({last})") from None
+        time.sleep(every_s)
 
 
 def unreachable_message(path: str, exc: BaseException) -> str:
@@ -138,10 +159,18 @@ def emit(as_json: bool, data: Any, human: Callable[[], str]) -> None:
     default=None,
     help="tangramd's Unix socket [default: $TANGRAM_SOCKET, else the standard path].",
 )
+@click.option(
+    "--wait",
+    "wait_s",
+    type=click.FloatRange(min=0),
+    default=0,
+    metavar="SECONDS",
+    help="Wait up to SECONDS for the daemon to answer (one just started; a node: joined).",
+)
 @click.pass_context
-def cli(ctx: click.Context, socket_path: str | None) -> None:
+def cli(ctx: click.Context, socket_path: str | None, wait_s: float) -> None:
     """Operate an ARL-Tangram daemon: inspect queues, run and profile actions."""
-    ctl = Ctl(socket_path)
+    ctl = Ctl(socket_path, wait_s)
     ctx.obj = ctl
     ctx.call_on_close(ctl.close)
 
