@@ -267,9 +267,21 @@ def cluster_join(ctl: Ctl, rotate: bool, as_json: bool) -> None:
 @json_option
 @pass_ctl
 def queue(ctl: Ctl, as_json: bool) -> None:
-    """Waiting and running actions."""
+    """Waiting and running actions, and environments waiting for memory (with what each
+    waits for: cores, memory and how much, its environment)."""
     result = ctl.client.queue()
-    preferred = ("action_id", "kind", "state", "trajectory", "pool", "node", "waiting_s")
+    preferred = (
+        "action_id",
+        "env_id",
+        "kind",
+        "state",
+        "waiting_for",
+        "trajectory",
+        "pool",
+        "node",
+        "waiting_s",
+        "deadline_s",
+    )
 
     def human() -> str:
         lists = {k: v for k, v in result.items() if isinstance(v, list)}
@@ -413,7 +425,14 @@ def _refused_result(exc: TangramError) -> dict[str, Any]:
     "timeout_s",
     type=click.FloatRange(min=0, min_open=True),
     metavar="SECONDS",
-    help="Wall-clock limit (> 0).",
+    help="Wall-clock limit of the whole action, waiting (cores, memory) plus running (> 0).",
+)
+@click.option(
+    "--queue-timeout",
+    "queue_timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="Limit of the wait alone (> 0); --timeout then bounds the run alone.",
 )
 @click.option("--profile", metavar="NAME", help="Stored elasticity profile to schedule by.")
 @click.option(
@@ -454,6 +473,7 @@ def exec_(
     cpus: int | tuple[int, int] | None,
     mem: int | None,
     timeout_s: float | None,
+    queue_timeout_s: float | None,
     profile: str | None,
     elastic: bool | None,
     task: str | None,
@@ -472,6 +492,11 @@ def exec_(
     run`. Prints the command's stdout and stderr and exits with its exit code; 2 on a usage
     or request error (a bad option, an unknown --profile or --env, more --cpus or --mem
     than any node has), 124 on timeout, 125 on an infrastructure error.
+
+    --timeout bounds waiting plus running; a wait past it (or past --queue-timeout) ends
+    with 124 and a line naming what it waited for ("waited 2.0 s for memory: needs 1
+    GiB, 0.3 GiB free"). Interrupting tangramctl withdraws a command still waiting (it
+    never runs); one already running runs to its end.
     """
     if env_id is not None and image is not None:
         raise click.UsageError("--env and --image exclude each other (an env has its image)")
@@ -484,6 +509,7 @@ def exec_(
             cpus=cpus,
             mem=mem,
             timeout_s=timeout_s,
+            queue_timeout_s=queue_timeout_s,
             profile=profile,
             elastic=elastic,
             task=task,
@@ -524,7 +550,9 @@ def finish_exec(result: ExecResult, as_json: bool) -> NoReturn:
         click.echo(result.stderr, nl=False, err=True)
         if result.truncated:
             click.echo("tangramctl: output truncated by the daemon", err=True)
-        if result.outcome == "timeout":
+        if result.outcome == "timeout" and result.detail.startswith("waited "):
+            click.echo(f"tangramctl: timed out before it ran: {result.detail}", err=True)
+        elif result.outcome == "timeout":
             click.echo(f"tangramctl: timed out after {result.exec_s:.3g} s", err=True)
         elif result.outcome in ("infra_error", "rejected"):
             why = result.detail or "the command did not complete"

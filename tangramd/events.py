@@ -41,6 +41,7 @@ class OpenEnv(Event):
     trajectory: str | None = None
     conn: int | None = None
     peer: tuple[int, int] | None = None
+    timeout_s: float | None = None  # the most it may wait for memory (then error timeout)
 
 
 @dataclass(frozen=True, slots=True)

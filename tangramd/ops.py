@@ -153,8 +153,11 @@ async def _env_open(ex: Executor, args: Args, conn: ConnInfo) -> Any:
             image=args.get("image"),
             mem=args.get("mem"),
             trajectory=args.get("trajectory"),
-            conn=None,  # a persistent environment outlives the connection that opened it
+            # a persistent environment outlives the connection that opened it, once
+            # opened: one still waiting (for memory) when it closes is withdrawn
+            conn=conn.id,
             peer=conn.peer,
+            timeout_s=args.get("timeout_s"),
         )
     )
 

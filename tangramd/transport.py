@@ -34,6 +34,7 @@ import errno
 import functools
 import itertools
 import os
+import select
 import socket
 import stat
 import struct
@@ -111,6 +112,20 @@ class ConnInfo:
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             _run_callback(callback, self)
+
+
+def _peer_gone(transport: asyncio.BaseTransport | None) -> bool:
+    """Whether the peer of a Unix socket that sent EOF closed both ways (POLLHUP), not
+    only its write side (``shutdown(SHUT_WR)``, still reading its answers)."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return False
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLHUP)
+        return any(mask & select.POLLHUP for _, mask in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 def _run_callback(callback: Callable[[ConnInfo], object], conn: ConnInfo) -> None:
@@ -275,8 +290,10 @@ class _Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         # The client finished sending; keep the write side open so pending answers still
-        # reach a half-closed peer, then close once nothing is in flight.
-        if not self._tasks and not self._laters:
+        # reach a half-closed peer, then close once nothing is in flight. A peer that closed
+        # both ways (gave up waiting) is gone now: close, so ``on_close`` fires at once
+        # and the daemon withdraws what it queued (not when its answer fails to write).
+        if (not self._tasks and not self._laters) or _peer_gone(self._transport):
             return False
         self._closing = True
         return True

@@ -47,8 +47,9 @@ def runtime(stack):
     opened = httpx.post(f"{stack.url}/envs", json={}, headers=AUTH).json()
     assert opened["swerex_url"] == f"{stack.url}/swerex/{opened['id']}"
     yield RemoteRuntime(host=opened["swerex_url"], timeout=30, auth_token=KEY)
-    closed = httpx.delete(f"{stack.url}/envs/{opened['id']}", headers=AUTH).json()
-    assert closed["closed"] is True
+    closed = httpx.delete(f"{stack.url}/envs/{opened['id']}", headers=AUTH)
+    # (404: the test closed the runtime, and with it the environment the gateway opened)
+    assert closed.status_code == 404 or closed.json()["closed"] is True, closed.text
 
 
 def test_is_alive_answers_within_the_clients_budget(runtime, stack):
@@ -237,3 +238,29 @@ def test_sessions_answer_as_swerex_remote_does(runtime, tmp_path) -> None:
         proc.wait(10)
     assert ours == theirs
     assert ours[0] == ("42\n", 0) and ours[2] == ("", 0) and ours[5] == ("", 1)
+
+
+def test_close_closes_the_environment_the_gateway_opened(stack):
+    """RemoteRuntime.close ends an environment opened with POST /envs: its memory is free
+    at once (not after the idle TTL); twice is fine. One opened by a client stays open
+    (its opener closes it), only its sessions end."""
+    with stack.daemon.client() as c:
+        opened = httpx.post(f"{stack.url}/envs", json={}, headers=AUTH).json()
+        rt = RemoteRuntime(host=opened["swerex_url"], timeout=30, auth_token=KEY)
+        mine = c.env_open()
+        theirs = RemoteRuntime(host=f"{stack.url}/swerex/{mine}", timeout=30, auth_token=KEY)
+
+        async def scenario() -> None:
+            await rt.create_session(CreateBashSessionRequest(session="main"))
+            assert (await rt.is_alive()).is_alive
+            await rt.close()
+            await rt.close()
+            await theirs.create_session(CreateBashSessionRequest(session="main"))
+            await theirs.close()
+
+        asyncio.run(scenario())
+        ids = {row["id"] for row in c.env_list()}
+        assert opened["id"] not in ids and mine in ids, ids
+        story = c.story(opened["id"])
+        assert story["state"] == "closed", story
+        c.env_close(mine)

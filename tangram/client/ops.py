@@ -124,10 +124,21 @@ class Ops:
         return self._op("story", {"action_id": action_id}, _as_dict)
 
     def env_open(
-        self, image: str | None = None, mem: Size | None = None, trajectory: str | None = None
+        self,
+        image: str | None = None,
+        mem: Size | None = None,
+        trajectory: str | None = None,
+        *,
+        timeout_s: float | None = None,
     ) -> str:
-        """Open an environment; return its id."""
-        args = _drop_none({"image": image, "mem": _size(mem), "trajectory": trajectory})
+        """Open an environment; return its id.
+
+        ``timeout_s`` bounds the wait for memory: past it the open fails with
+        :class:`~tangram.protocol.errors.Timeout` naming the memory it needed (None: wait
+        until memory is free; a client that disconnects withdraws the open)."""
+        args = _drop_none(
+            {"image": image, "mem": _size(mem), "trajectory": trajectory, "timeout_s": timeout_s}
+        )
         return self._op("env.open", args, _field("id", str))
 
     def env_close(self, id: str) -> None:
@@ -159,6 +170,7 @@ class Ops:
         session: str | None = None,
         files: Mapping[str, bytes | str] | None = None,
         fetch: Sequence[str] | None = None,
+        queue_timeout_s: float | None = None,
     ) -> ExecResult:
         """Run one command as an exec action; failures of the command are in the result.
 
@@ -169,6 +181,14 @@ class Ops:
         ``result.files``: with a throwaway environment, a whole sandbox run (create, put,
         run, get, remove) is this one action and one round trip.
         ``cpus`` unset: one core, or the DoP range of ``profile`` when it is elastic.
+
+        ``timeout_s`` bounds the whole action, waiting (for cores, memory, its
+        environment) plus running: the command gets what the wait left. With
+        ``queue_timeout_s`` the wait has its own bound and the command all of
+        ``timeout_s``. A wait past its bound ends with outcome ``timeout``, ``exec_s`` 0
+        and a detail naming what it waited for (``waited 2.0 s for memory: needs 1 GiB,
+        0.3 GiB free``). A client that disconnects withdraws its waiting actions (they
+        never run); one already running runs to its end.
         """
         spec = ExecSpec(
             cmd=cmd if isinstance(cmd, str) else list(cmd), env=env, image=image,
@@ -180,7 +200,7 @@ class Ops:
                 path: data.encode() if isinstance(data, str) else data
                 for path, data in files.items()
             },
-            fetch=None if fetch is None else list(fetch),
+            fetch=None if fetch is None else list(fetch), queue_timeout_s=queue_timeout_s,
         )  # fmt: skip
         return self._op("exec", spec.to_wire(), ExecResult.from_wire)
 

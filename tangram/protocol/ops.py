@@ -350,10 +350,19 @@ _EXEC_ARGS: Final = (
         doc="paths read back after the command ends: result.files holds those that are "
         "regular files (8 MiB in all)",
     ),
+    Arg(
+        "queue_timeout_s",
+        POSITIVE_S,
+        doc="most it may wait to start (cores, memory, its environment), then outcome "
+        "timeout; unset: timeout_s bounds the wait and the run together",
+    ),
 )
 
 _STATUS_FIELDS: Final = (
     "queued: int",
+    "waiting_env: int",  # actions waiting for their environment (created, or memory)
+    "waiting_mem: int",  # environments waiting for memory
+    "mem_wait: str|null",  # what the first of them needs ("memory: needs 1 GiB, 0.3 GiB free")
     "running: int",
     "environments: int",
     "leases: int",
@@ -452,7 +461,12 @@ OPS: Final[dict[str, Op]] = {
             result=("coordinator: str", "token: str", "ca_sha256: str"),
             errors=("unknown_op",),
         ),
-        Op("queue", "waiting and running actions", result=("waiting: [map]", "running: [map]")),
+        Op(
+            "queue",
+            "waiting and running actions (a waiting one says what it waits for), and the "
+            "environments waiting for memory",
+            result=("waiting: [map]", "running: [map]", "envs: [map]"),
+        ),
         Op(
             "story",
             "what happened to one action, environment, session or lease: every transition "
@@ -470,6 +484,7 @@ OPS: Final[dict[str, Op]] = {
                 "id: str",
                 "kind: str",
                 "state: str",
+                "waiting_for: str|null",
                 "outcome: str|null",
                 "events: [map]",
             ),
@@ -482,9 +497,14 @@ OPS: Final[dict[str, Op]] = {
                 Arg("image", NAME, doc="container image (default from config)"),
                 Arg("mem", BYTES, doc="memory limit"),
                 Arg("trajectory", ID, doc="trajectory owning the environment"),
+                Arg(
+                    "timeout_s",
+                    POSITIVE_S,
+                    doc="most it may wait for memory, then error timeout (unset: no limit)",
+                ),
             ),
             result=("id: str", "node: str"),
-            errors=("infra_error", "unschedulable"),
+            errors=("infra_error", "unschedulable", "timeout"),
         ),
         Op(
             "env.close",

@@ -56,6 +56,9 @@ class ExecSpec:
     # read back after it ends (paths relative to the environment's root, no '..')
     files: Mapping[str, bytes] | None = None
     fetch: list[str] | None = None
+    # the most it may wait to start (queue, memory, environment); None: ``timeout_s``
+    # bounds the wait and the run together (the command gets what the wait left)
+    queue_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.cwd is not None:

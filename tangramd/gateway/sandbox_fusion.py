@@ -117,12 +117,13 @@ def command_result(result: ExecResult) -> CommandRunResult:
             stdout=result.stdout,
             stderr=result.stderr,
         )
-    if result.outcome == "timeout":
+    if result.outcome == "timeout":  # the limit bounds the wait for a core and memory too
+        waited = result.detail if result.detail.startswith("waited ") else ""
         return CommandRunResult(
             status=CommandRunStatus.TimeLimitExceeded,
             execution_time=result.exec_s,
             stdout=result.stdout,
-            stderr=result.stderr,
+            stderr=f"{result.stderr}{waited}" if waited else result.stderr,
         )
     why = result.detail or result.outcome
     return CommandRunResult(
@@ -255,7 +256,9 @@ async def _compile_and_run(
     cpus: int,
 ) -> tuple[RunCodeResponse, list[ExecResult]]:
     assert recipe.compile_argv is not None
-    env_id: str = await ops.env_open(mem=mem_bytes(request.memory_limit_MB))
+    # the open waits for memory at most as long as both steps may take in all
+    limit = positive(request.compile_timeout) + positive(request.run_timeout)
+    env_id: str = await ops.env_open(mem=mem_bytes(request.memory_limit_MB), timeout_s=limit)
     task = f"run_code/{request.language}"
     try:
         compile_res: ExecResult = await ops.exec(

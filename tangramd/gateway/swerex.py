@@ -15,6 +15,14 @@ sessions map to session ids per environment). Differences from SWE-ReX's own ser
 command always runs through ``/bin/sh -c``, and interactive commands (``expect``) are not
 served. Paths are the environment's: relative to its working directory; the process
 backend refuses paths outside the environment.
+
+Life cycle: ``POST /envs`` opens an environment (its memory reserved; the open waits at
+most its ``timeout``, 60 s by default, for memory, then fails naming what it needed);
+SWE-ReX's ``close`` (``RemoteRuntime.close``) ends the runtime's sessions and closes an
+environment this gateway opened, freeing its memory at once; ``DELETE /envs/{id}``
+closes any environment. An environment nobody closes goes after the daemon's idle TTL
+(``[cpu] env_idle_ttl_s``). A command's ``timeout`` bounds its wait for a core and
+memory as well as its run.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from tangram.client import AsyncClient, ExecResult
 from tangram.model import TangramError
@@ -96,10 +104,15 @@ class WriteFileRequest(BaseModel):
     path: str
 
 
+OPEN_TIMEOUT_S = 60.0  # POST /envs: the longest an open waits for memory by default
+
+
 class OpenEnvRequest(BaseModel):
     image: str | None = None
     mem: int | None = None
     trajectory: str | None = None
+    # the most the open waits for memory, then 502 "timeout: waited … for memory: needs …"
+    timeout: float | None = Field(default=OPEN_TIMEOUT_S, gt=0)
 
 
 # --------------------------------------------------------------------------- errors
@@ -138,12 +151,15 @@ def _from_tangram(exc: TangramError, path: str = "") -> RemoteError:
 
 
 class Runtimes:
-    """Named bash sessions per environment: ``(env, name) -> tangram session id``."""
+    """Named bash sessions per environment: ``(env, name) -> tangram session id``, and
+    the environments this gateway opened (``POST /envs``): SWE-ReX's ``close`` closes
+    those (see :meth:`close`)."""
 
     def __init__(self, client: AsyncClient, observe: Any) -> None:
         self.client: Any = client  # the shared op methods return coroutines here
         self.observe = observe  # (kind, ExecResult) -> None: the gateway's metrics
         self.sessions: dict[tuple[str, str], str] = {}
+        self.opened: set[str] = set()
 
     async def exec(self, kind: str, cmd: Any, **kw: Any) -> ExecResult:
         result: ExecResult = await self.client.exec(cmd, task=f"swerex/{kind}", **kw)
@@ -185,7 +201,8 @@ class Runtimes:
         if result.outcome == "timeout":
             raise RemoteError(
                 EXC + "CommandTimeoutError",
-                f"timeout after {action.timeout} seconds while running command {action.command!r}",
+                f"timeout after {action.timeout} seconds while running command {action.command!r}"
+                + _waited(result),
             )
         if result.outcome not in ("ok", "failed"):
             raise RemoteError(EXC + "SwerexException", result.detail or result.outcome)
@@ -229,7 +246,7 @@ class Runtimes:
         if result.outcome == "timeout":
             raise RemoteError(
                 EXC + "CommandTimeoutError",
-                f"Timeout ({command.timeout}s) exceeded while running command",
+                f"Timeout ({command.timeout}s) exceeded while running command" + _waited(result),
             )
         if result.outcome == "rejected":
             raise RemoteError("builtins.ValueError", result.detail)
@@ -277,12 +294,30 @@ class Runtimes:
         return {}
 
     async def close(self, env: str) -> dict[str, Any]:
+        """SWE-ReX's ``close`` (``RemoteRuntime.close``): the runtime ends. Its sessions
+        end, and so does the environment when this gateway opened it (``POST /envs``):
+        its memory is free at once, not after the idle TTL. An environment opened
+        elsewhere (a client, ``tangramctl env open``) belongs to its opener and stays
+        open (``DELETE /envs/{id}`` or ``env.close`` closes it). Closing twice is fine."""
+        await self.close_sessions(env)
+        if env in self.opened:
+            self.opened.discard(env)
+            with contextlib.suppress(NotFound):
+                await self.client.env_close(env)
+        return {}
+
+    async def close_sessions(self, env: str) -> None:
         for (owner, name), sid in list(self.sessions.items()):
             if owner == env:
                 del self.sessions[(owner, name)]
                 with contextlib.suppress(NotFound):
                     await self.client.session_close(sid)
-        return {}
+
+
+def _waited(result: ExecResult) -> str:
+    """Why a timeout came before the command ran, if it did (a command's timeout bounds its
+    wait for a core and memory too): `` (waited 2.0 s for memory: needs 1 GiB, …)``."""
+    return f" ({result.detail})" if result.detail.startswith("waited ") else ""
 
 
 def _observation(output: str, exit_code: int | None) -> dict[str, Any]:
@@ -365,14 +400,16 @@ def router(runtimes: Runtimes) -> APIRouter:
     async def open_env(request: Request, body: OpenEnvRequest | None = None) -> Any:
         body = body or OpenEnvRequest()
         env_id = await runtimes.client.env_open(
-            image=body.image, mem=body.mem, trajectory=body.trajectory
+            image=body.image, mem=body.mem, trajectory=body.trajectory, timeout_s=body.timeout
         )
+        runtimes.opened.add(env_id)
         base = str(request.base_url).rstrip("/")
         return {"id": env_id, "swerex_url": f"{base}/swerex/{env_id}"}
 
     @api.delete("/envs/{env}")
     async def close_env(env: str) -> Any:
-        await runtimes.close(env)
+        await runtimes.close_sessions(env)
+        runtimes.opened.discard(env)
         await runtimes.client.env_close(env)
         return {"id": env, "closed": True}
 

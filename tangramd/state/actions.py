@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal
 
 from tangram.model import Action, ActionId, EnvId
 from tangram.protocol.results import CallSpec, ExecSpec
+from tangramd.state.deadlines import Deadlines
 from tangramd.state.story import STORY_LIMIT, Stories, StoryLog, transition
 
 if TYPE_CHECKING:
@@ -28,10 +29,10 @@ ACTION_EDGES: dict[tuple[ActionState, ActionState], str] = {
     ("new", "queued"): "submitted with a ready environment",
     ("new", "waiting_env"): "submitted while its environment is being created",
     ("waiting_env", "queued"): "the backend reported the environment created",
-    ("waiting_env", "done"): "environment creation failed, env closed, client gone, shutdown",
+    ("waiting_env", "done"): "env creation failed or closed, wait timed out, client gone, shutdown",
     ("queued", "waiting_env"): "its node was lost; its throwaway env is recreated elsewhere",
     ("queued", "running"): "the scheduler placed it and the pool allocated its units",
-    ("queued", "done"): "infeasible, lease deadline passed, client gone, or shutdown",
+    ("queued", "done"): "infeasible, lease deadline or wait timeout passed, client gone, shutdown",
     ("running", "done"): "the backend finished the exec / the lease was released or expired",
 }
 
@@ -58,6 +59,9 @@ class ActionRec:
     started_at: float | None = None
     expected_s: float = 0.0
     outcome: str | None = None
+    # exec actions: the command's timeout bounds its wait too (no queue_timeout_s given),
+    # so it runs for what is left of it (see ``handlers.actions.run_exec``)
+    bounds_run: bool = False
 
 
 class ActionBook:
@@ -72,6 +76,8 @@ class ActionBook:
         # actions queued since the last pass (insertion order): the short pass reads them
         self.fresh: dict[ActionId, None] = {}
         self.queued_api = 0  # queued lease actions (next_wakeup asks their pools)
+        # waiting actions that give up at a deadline (their timeout or queue timeout)
+        self.deadlines = Deadlines()
         self._seq = itertools.count(1)
 
     # ------------------------------------------------------------------ reads
@@ -120,6 +126,8 @@ class ActionBook:
 
     def move(self, rec: ActionRec, new: ActionState, now: float, why: str, cause: int) -> None:
         transition(rec, new, ACTION_EDGES, now, why, cause)
+        if new in ("running", "done"):  # it waits no more
+            self.deadlines.drop(rec.action.id)
 
     def enqueue(self, rec: ActionRec, now: float, cause: int) -> None:
         self.move(rec, "queued", now, "ready to schedule", cause)
@@ -137,6 +145,7 @@ class ActionBook:
     def forget(self, rec: ActionRec, outcome: str) -> None:
         """The action ended: drop the record (its story keeps what happened)."""
         self.live.pop(rec.action.id, None)
+        self.deadlines.drop(rec.action.id)
         self.recent[rec.action.id] = outcome
         if len(self.recent) > STORY_LIMIT:
             self.recent.popitem(last=False)

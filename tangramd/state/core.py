@@ -141,7 +141,11 @@ class Core:
 
     def next_wakeup(self, now: float) -> float | None:
         """Earliest time the executor must feed a ``Tick``."""
-        times = [t for t in (self.passer.due,) if t is not None]
+        times = [
+            t
+            for t in (self.passer.due, self.actions.deadlines.first(), self.envs.deadlines.first())
+            if t is not None
+        ]
         times += self.leases.wakeups()
         idle = self.idle_due
         if idle is None or idle <= now:

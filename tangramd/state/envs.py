@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from tangram.model import ActionId, EnvId, TrajectoryId, Unschedulable
 from tangram.pools.cpu import CpuCluster, NeverFits, NoRoomYet, Placed
 from tangramd import events as ev
+from tangramd.state.deadlines import Deadlines
 from tangramd.state.story import Stories, StoryLog, transition
 
 if TYPE_CHECKING:
@@ -112,6 +113,7 @@ class EnvBook:
         self.stories = stories
         self._envs: dict[EnvId, EnvRec] = {}
         self._waitq: deque[EnvId] = deque()  # waiting for memory, FIFO
+        self.deadlines = Deadlines()  # env.open waits that give up (its timeout_s)
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ reads
@@ -142,6 +144,21 @@ class EnvBook:
         for env in self._envs.values():
             if env.state == "ready" and not env.active:
                 yield env.last_used + self.defaults.idle_ttl_s
+
+    def waiting_mem(self) -> list[EnvRec]:
+        """Environments waiting for memory, first come first."""
+        envs = (self._envs.get(env_id) for env_id in self._waitq)
+        return [env for env in envs if env is not None and env.state == "waiting_mem"]
+
+    def mem_free(self) -> int:
+        """The most memory free on one node that takes new environments (bytes)."""
+        cpu = self.cpu
+        return max((n.mem_free for n in cpu.nodes if not cpu.is_draining(n.node_id)), default=0)
+
+    def mem_wait(self, env: EnvRec) -> str:
+        """What ``env`` waits for, as ``status``, ``queue`` and ``story`` say it:
+        ``memory: needs 1 GiB, 0.3 GiB free``."""
+        return f"memory: needs {gib(env.mem)}, {gib(self.mem_free())} free"
 
     def affinity(self) -> dict[TrajectoryId, str]:
         """Pool of each trajectory whose environment is placed."""
@@ -248,8 +265,10 @@ class EnvBook:
         token: int | None,
         conn: int | None,
         owner: tuple[int, int] | None = None,
+        deadline: float | None = None,
     ) -> EnvRec:
-        """A new environment: created at once where memory is free, else waiting for it.
+        """A new environment: created at once where memory is free, else waiting for it
+        (until ``deadline`` if one is given: see :meth:`give_up_waiting`).
 
         Raises ``Unschedulable`` when no node could ever hold it.
         """
@@ -275,8 +294,11 @@ class EnvBook:
         )
         self._envs[env_id] = env
         if isinstance(placed, NoRoomYet):
-            transition(env, "waiting_mem", ENV_EDGES, now, "no node has the memory free", cause)
+            why = f"no node has the memory free: {self.mem_wait(env)}"
+            transition(env, "waiting_mem", ENV_EDGES, now, why, cause)
             self._waitq.append(env_id)
+            if deadline is not None:
+                self.deadlines.set(env_id, deadline)
         else:
             transition(env, "creating", ENV_EDGES, now, f"placed on {env.node}", cause)
             out.append(self._create(env, cause))
@@ -394,6 +416,7 @@ class EnvBook:
         """Start removing ``env``; returns the actions that were waiting for it."""
         if env.state in ("closing", "closed"):
             return ()
+        self.deadlines.drop(env.id)
         transition(env, "closing", ENV_EDGES, now, why, cause)
         pending = tuple(env.pending)
         env.pending.clear()
@@ -410,6 +433,11 @@ class EnvBook:
         self.cpu.forget_trajectory(env.trajectory)
         self._place_waiting(now, out, cause)
         return Gone(env)
+
+    def give_up_waiting(self, now: float) -> list[EnvRec]:
+        """Environments whose ``env.open`` deadline passed while they wait for memory."""
+        envs = (self._envs.get(EnvId(env_id)) for env_id in self.deadlines.due(now))
+        return [env for env in envs if env is not None and env.state == "waiting_mem"]
 
     def idle_expired(self, now: float) -> list[EnvRec]:
         """Ready environments idle for longer than the idle TTL."""
@@ -438,6 +466,13 @@ class EnvBook:
             if not isinstance(placed, Placed):
                 return
             self._waitq.popleft()
+            self.deadlines.drop(env.id)
             env.node = placed.node
             transition(env, "creating", ENV_EDGES, now, "memory became free", cause)
             out.append(self._create(env, cause))
+
+
+def gib(nbytes: int) -> str:
+    """Bytes as GiB for people: ``1 GiB``, ``0.3 GiB``, ``0.00098 GiB``."""
+    value = nbytes / (1 << 30)
+    return f"{value:.2g} GiB" if value < 1 else f"{value:.3g} GiB"

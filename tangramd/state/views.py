@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from tangram.model import ActionId
 from tangram.protocol.errors import NotFound
 from tangramd.state.actions import ActionRec
+from tangramd.state.handlers.actions import waiting_for
 
 if TYPE_CHECKING:
     from tangramd.state.context import Core
@@ -25,9 +26,20 @@ class ReadModel:
         return rec.action.trajectory if rec else None
 
     def status(self, now: float) -> dict[str, Any]:
-        running = sum(1 for r in self.core.actions.live.values() if r.state == "running")
+        """The daemon's summary. Besides the actions ``queued`` for units, it counts
+        those ``waiting_env`` (for their environment to be created, or for the memory it
+        needs), and the environments ``waiting_mem``; ``mem_wait`` says what the first of
+        them needs (``memory: needs 1 GiB, 0.3 GiB free``; None when none waits)."""
+        running = waiting_env = 0
+        for r in self.core.actions.live.values():
+            running += r.state == "running"
+            waiting_env += r.state == "waiting_env"
+        mem_waiters = self.core.envs.waiting_mem()
         return {
             "queued": len(self.core.actions.queue),
+            "waiting_env": waiting_env,
+            "waiting_mem": len(mem_waiters),
+            "mem_wait": self.core.envs.mem_wait(mem_waiters[0]) if mem_waiters else None,
             "running": running,
             "environments": self.core.envs.live_count(),
             "leases": sum(1 for lease in self.core.leases if lease.state == "granted"),
@@ -40,8 +52,14 @@ class ReadModel:
         }
 
     def queue_view(self, now: float) -> dict[str, list[dict[str, Any]]]:
+        """Waiting and running actions, and the environments waiting for memory
+        (``envs``). A waiting row's ``waiting_for`` names what it waits for (cores,
+        memory and how much, its environment being created)."""
+        core = self.core
+
         def row(rec: ActionRec) -> dict[str, Any]:
             a = rec.action
+            waiting = rec.state in ("queued", "waiting_env")
             return {
                 "action_id": a.id,
                 "kind": a.kind,
@@ -53,12 +71,27 @@ class ReadModel:
                 "max": a.key_amounts.max,
                 "units": list(rec.units),
                 "elastic": a.is_elastic(),
+                "waiting_for": waiting_for(core, rec) if waiting else None,
+                "deadline_s": _left(core.actions.deadlines.get(a.id), now),
             }
 
-        waiting = [row(r) for r in self.core.actions.queue.values()]
-        waiting += [row(r) for r in self.core.actions.live.values() if r.state == "waiting_env"]
-        running = [row(r) for r in self.core.actions.live.values() if r.state == "running"]
-        return {"waiting": waiting, "running": running}
+        waiting = [row(r) for r in core.actions.queue.values()]
+        waiting += [row(r) for r in core.actions.live.values() if r.state == "waiting_env"]
+        running = [row(r) for r in core.actions.live.values() if r.state == "running"]
+        envs = [
+            {
+                "env_id": env.id,
+                "state": env.state,
+                "trajectory": env.trajectory,
+                "mem": env.mem,
+                "throwaway": env.throwaway,
+                "waiting_s": now - env.created_at,
+                "waiting_for": core.envs.mem_wait(env),
+                "deadline_s": _left(core.envs.deadlines.get(env.id), now),
+            }
+            for env in core.envs.waiting_mem()
+        ]
+        return {"waiting": waiting, "running": running, "envs": envs}
 
     def story(self, record_id: str, origin: float) -> dict[str, Any]:
         """Every transition of one record (an action, environment, session or lease), with
@@ -86,11 +119,17 @@ class ReadModel:
             state = "done" if outcome else "forgotten"
         else:
             state = "closed"
+        waits = None
+        if is_action and live is not None and live.state in ("queued", "waiting_env"):
+            waits = waiting_for(core, live)
+        elif kind == "environment" and live is not None and live.state == "waiting_mem":
+            waits = core.envs.mem_wait(live)
         return {
             "action_id": record_id,
             "id": record_id,
             "kind": kind,
             "state": state,
+            "waiting_for": waits,
             "outcome": getattr(live, "outcome", None) if live is not None else outcome,
             "events": [
                 {
@@ -232,6 +271,11 @@ class ReadModel:
             if not (throwaway_only and not env.throwaway)
             and not (persistent_only and env.throwaway)
         ]
+
+
+def _left(deadline: float | None, now: float) -> float | None:
+    """Seconds until a wait's deadline (None: it has none)."""
+    return None if deadline is None else max(0.0, deadline - now)
 
 
 def recent_summary(finished: deque[tuple[str, float, float]]) -> dict[str, dict[str, float]]:

@@ -167,6 +167,10 @@ def submit_exec(core: Core, e: ev.SubmitExec, now: float, out: list[ev.Command])
     )
     if session is not None:
         session.busy = aid  # one command at a time per shell
+    wait_s = spec.queue_timeout_s if spec.queue_timeout_s is not None else spec.timeout_s
+    if wait_s is not None:  # it gives up waiting then (``expire_waits``)
+        core.actions.deadlines.set(aid, now + wait_s)
+        rec.bounds_run = spec.queue_timeout_s is None and spec.timeout_s is not None
     note(rec, now, "submitted", f"cpus={cpus} env={env.id} cmd={short(spec.cmd)}", core.stimulus)
     env.active += 1
     env.last_used = now
@@ -180,9 +184,10 @@ def submit_exec(core: Core, e: ev.SubmitExec, now: float, out: list[ev.Command])
         )
     else:
         env.pending.append(aid)
-        core.actions.move(
-            rec, "waiting_env", now, f"environment {env.id} being created", core.stimulus
-        )
+        why = f"environment {env.id} being created"
+        if env.state == "waiting_mem":
+            why = f"environment {env.id} waiting for {core.envs.mem_wait(env)}"
+        core.actions.move(rec, "waiting_env", now, why, core.stimulus)
 
 
 @handles(ev.ExecFinished)
@@ -210,19 +215,63 @@ def exec_done(core: Core, e: ev.ExecFinished, now: float, out: list[ev.Command])
 def run_exec(core: Core, rec: ActionRec, out: list[ev.Command]) -> None:
     """The placed exec goes to the backend of its environment's node."""
     env = core.envs.get(rec.env) if rec.env else None
-    assert env is not None and rec.spec is not None, "exec actions have an env and a spec"
+    spec = rec.spec
+    assert env is not None and spec is not None, "exec actions have an env and a spec"
+    waited = (rec.started_at or rec.submitted_at) - rec.submitted_at
+    if rec.bounds_run and spec.timeout_s is not None and waited > 0:
+        # its timeout bounds queueing plus execution: the command gets what is left
+        # (more than nothing: the wait's deadline had not passed when it was placed)
+        spec = replace(spec, timeout_s=max(spec.timeout_s - waited, 1e-3))
     out.append(
         ev.RunExec(
             action_id=rec.action.id,
             env_id=env.id,
             node=env.node,
             cores=tuple(rec.units),
-            spec=rec.spec,
+            spec=spec,
             max_output=core.cfg.max_output,
             run_as=rec.run_as,
             cause=core.stimulus,
         )
     )
+
+
+def expire_waits(core: Core, now: float, out: list[ev.Command]) -> None:
+    """End the actions whose wait passed its deadline ``timeout``, and fail the
+    ``env.open`` requests whose wait for memory did, naming what they waited for."""
+    for aid in core.actions.deadlines.due(now):
+        rec = core.actions.get(aid)
+        if rec is None or rec.state not in ("queued", "waiting_env"):
+            continue
+        waited = now - rec.submitted_at
+        why = f"waited {waited:.1f} s for {waiting_for(core, rec)}"
+        finish_action(core, rec, now, out, outcome="timeout", detail=why)
+    for env in core.envs.give_up_waiting(now):
+        token, env.open_token = env.open_token, None
+        why = f"waited {now - env.created_at:.1f} s for {core.envs.mem_wait(env)}"
+        if token is not None:
+            out.append(core.reply(token, error=("timeout", why)))
+        close_env(core, env, now, out, f"env.open timed out: {why}")
+
+
+def waiting_for(core: Core, rec: ActionRec) -> str:
+    """What a waiting action waits for: ``memory: needs 1 GiB, 0.3 GiB free`` (its
+    environment's), ``environment e3 to be created``, ``cpu: needs 2, free 0 ...``."""
+    env = core.envs.get(rec.env) if rec.env else None
+    if rec.state == "waiting_env" and env is not None:
+        if env.state == "waiting_mem":
+            return core.envs.mem_wait(env)
+        return f"environment {env.id} to be {'recreated' if env.state == 'lost' else 'created'}"
+    action = rec.action
+    if action.kind == "exec" and env is not None and env.node:
+        pool = core.pools.get(f"cpu:{env.node}")
+        if pool is not None:
+            return f"cores: needs {action.min_units}, {pool.free_units()} free on {env.node}"
+    if action.kind == "api":
+        return f"a unit of API {action.api!r}"
+    if action.kind == "service":
+        return "GPUs"
+    return "its units"
 
 
 # ---------------------------------------------------------------------- helpers

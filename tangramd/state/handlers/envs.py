@@ -30,6 +30,7 @@ def open_env(core: Core, e: ev.OpenEnv, now: float, out: list[ev.Command]) -> No
         token=e.token,
         conn=e.conn,
         owner=e.peer,
+        deadline=None if e.timeout_s is None else now + e.timeout_s,
     )
 
 

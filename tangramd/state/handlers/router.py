@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from tangramd import events as ev
 from tangramd.state.dispatch import handles
-from tangramd.state.handlers.actions import close_env, finish_action
+from tangramd.state.handlers.actions import close_env, expire_waits, finish_action
 from tangramd.state.handlers.envs import persist_envs
 from tangramd.state.handlers.leases import end_lease, expire_leases
 from tangramd.state.handlers.scheduling import run_pass
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 @handles(ev.Tick)
 def _tick(core: Core, e: ev.Tick, now: float, out: list[ev.Command]) -> None:
     expire_leases(core, now, out)
+    expire_waits(core, now, out)
     if core.idle_due is None or core.idle_due <= now:  # (else none is due yet)
         for env in core.envs.idle_expired(now):
             close_env(core, env, now, out, "idle TTL expired")
@@ -28,7 +29,13 @@ def _tick(core: Core, e: ev.Tick, now: float, out: list[ev.Command]) -> None:
 
 @handles(ev.ConnClosed)
 def _conn_closed(core: Core, e: ev.ConnClosed, now: float, out: list[ev.Command]) -> None:
-    """Waiting work of a dead client is dropped; its leases return at once (never leaked)."""
+    """Waiting work of a dead client is dropped; its leases return at once (never leaked).
+
+    Its queued actions and those waiting for an environment (for memory, too) end
+    ``rejected`` ("client gone") and never run; its running execs run to their end (the
+    result is dropped). An ``env.open`` still waiting for memory, or being created, is
+    closed: nobody would learn its id.
+    """
     for rec in core.actions:
         if rec.conn != e.conn or rec.state == "done":
             continue
@@ -44,8 +51,13 @@ def _conn_closed(core: Core, e: ev.ConnClosed, now: float, out: list[ev.Command]
         elif rec.state in ("queued", "waiting_env"):
             finish_action(core, rec, now, out, outcome="rejected", detail="client gone")
     for env in core.envs:
-        if env.throwaway and env.conn == e.conn and env.active == 0:
+        if env.conn != e.conn:
+            continue
+        if env.throwaway and env.active == 0:
             close_env(core, env, now, out, "client gone")
+        elif not env.throwaway and env.open_token is not None:
+            env.open_token = None  # (waiting for memory, or being created)
+            close_env(core, env, now, out, "client gone before the environment was ready")
 
 
 @handles(ev.Shutdown)

@@ -18,7 +18,7 @@ from tangram.model import Action, ActionId, TrajectoryId
 from tangram.pools.cpu import CpuNodePool
 from tangram.sched import Decision, Infeasible, Snapshot, schedule
 from tangramd import events as ev
-from tangramd.state.handlers.actions import finish_action, run_exec
+from tangramd.state.handlers.actions import expire_waits, finish_action, run_exec
 from tangramd.state.handlers.leases import grant_lease
 from tangramd.state.handlers.services import start_call
 from tangramd.state.story import PlacementNote, note
@@ -38,6 +38,8 @@ def read_affinity(core: Core) -> dict[TrajectoryId, str]:
 def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
     core.passer.due = None
     core.passer.dirty = False
+    if core.actions.deadlines:
+        expire_waits(core, now, out)  # none placed past its deadline
     if not core.actions.queue:
         core.actions.fresh.clear()
         return  # nothing scheduled: the next arrival still finds the daemon quiet
