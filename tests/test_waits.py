@@ -21,7 +21,13 @@ from harness import frame, running_daemon
 
 from tangram.client import Client
 from tangram.protocol.errors import Timeout
-from tangram.testing import SpawnedDaemon, spawn_gateway, wait_for
+from tangram.testing import (
+    SpawnedDaemon,
+    spawn_coordinator,
+    spawn_gateway,
+    spawn_node,
+    wait_for,
+)
 
 SMALL = '[cpu]\nmem = "2GiB"\ndefault_env_mem = "1GiB"\n'
 NO_MEM = "memory: needs 1 GiB, 0 GiB free"
@@ -72,6 +78,7 @@ def test_a_wait_for_memory_shows_in_status_queue_and_story(daemon, full):
     assert any(NO_MEM in e["detail"] for e in story["events"]), story
     env_story = c.story(env_row["env_id"])
     assert env_story["state"] == "waiting_mem" and env_story["waiting_for"] == NO_MEM
+    assert NO_MEM in _ctl(daemon, "story", row["action_id"])
     # the CLI shows it
     shown = _ctl(daemon, "status")
     assert "waiting_mem" in shown and NO_MEM in shown, shown
@@ -217,3 +224,29 @@ def _ctl(daemon: SpawnedDaemon, *args: str) -> str:
     assert done.returncode == 0, done
     json.loads(_ctl_run(daemon, *args, "--json").stdout)  # --json too
     return done.stdout
+
+
+def test_cluster_waits_are_bounded_and_withdrawn(tmp_path):
+    """The coordinator runs the same core: an exec's timeout bounds its wait for a node's
+    memory, and one whose client gave up never runs there."""
+    coordinator = spawn_coordinator(tmp_path, '[cpu]\ndefault_env_mem = "1GiB"\n')
+    try:
+        node = spawn_node(tmp_path, coordinator, "n1", config=SMALL)
+        try:
+            with Client(coordinator.socket) as c:
+                envs = [c.env_open(), c.env_open()]
+                marker = tmp_path / "ran"
+                result = c.exec(["touch", str(marker)], timeout_s=1.0)
+                assert result.outcome == "timeout" and NO_MEM in result.detail, result
+                impatient = Client(coordinator.socket, timeout_s=0.5)
+                with impatient, pytest.raises(Timeout):
+                    impatient.exec(["touch", str(marker)])
+                wait_for(lambda: _quiet(c), 10, "the exec withdrawn")
+                c.env_close(envs[0])
+                assert c.exec(["true"]).outcome == "ok"
+                assert not marker.exists()
+                c.env_close(envs[1])
+        finally:
+            node.stop()
+    finally:
+        coordinator.stop()
