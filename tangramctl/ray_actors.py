@@ -59,6 +59,24 @@ def node_name(ray_node_id: str) -> str:
     return f"ray-{ray_node_id[:12]}"
 
 
+def host_cores() -> list[int]:
+    """The cores a process may use on the host this runs on (a Ray task on each node runs
+    it before ``ray up`` starts anything, to check ``--cpus-per-node`` there)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def gist(text: str) -> str:
+    """One line for a failure's text: its first line, and its last one when the rest is a
+    log tail or a traceback (which ends with what went wrong)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else ""
+    return f"{lines[0].rstrip(':')}: {lines[-1]}"
+
+
 def default_state_root() -> str:
     """Where the daemons keep their state on each host unless told otherwise."""
     return os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tangram-ray-{os.getuid()}")
@@ -222,6 +240,10 @@ class Node:
             "pid": self.daemon.proc.pid,
             "alive": self.daemon.alive,
             "failed": self.failed[-1] if self.failed else None,
+            # the row names the node: the reason need not
+            "reason": gist(self.failed[-1]).removeprefix(f"tangramd node {self.name} ")
+            if self.failed
+            else None,
         }
 
     def stop(self) -> dict[str, Any]:
@@ -259,6 +281,7 @@ class Coordinator:
         self._nodes: dict[str, Any] = {}  # Ray node id -> Node actor handle
         self._info: dict[str, dict[str, Any]] = {}  # Ray node id -> its last info()
         self._lost: dict[str, str] = {}  # tangram node name -> why we declared it lost
+        self._dead: dict[str, str] = {}  # Ray node id -> why its node actor died for good
         self._errors: list[str] = []
         self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         self._supervisor.start()
@@ -345,9 +368,15 @@ class Coordinator:
         if asked:  # fresh answers (a restarted actor has a new daemon); the last ones else
             ray.wait(list(asked.values()), num_returns=len(asked), timeout=INFO_WAIT_S)
         for node_id, ref in asked.items():
-            if ray.wait([ref], timeout=0)[0]:
-                with contextlib.suppress(Exception):  # it died just now: Ray restarts it
-                    self._info[node_id] = ray.get(ref)
+            if not ray.wait([ref], timeout=0)[0]:
+                continue  # starting, or busy: its last answer
+            try:
+                self._info[node_id] = ray.get(ref)
+                self._dead.pop(node_id, None)
+            except ray.exceptions.ActorDiedError as exc:  # for good: its constructor failed,
+                self._dead[node_id] = gist(str(exc))  # or killed; Ray will not restart it
+            except Exception:  # it died just now and Ray restarts it: its last answer
+                pass
         try:
             with Client(self.socket, connect_timeout_s=2.0) as c:
                 rows = {row["name"]: row for row in c.nodes()}
@@ -359,13 +388,21 @@ class Coordinator:
             answer = self._info.get(node_id) or {}
             name = node_name(node_id)
             row = rows.get(name) or {}
+            # A daemon that exited at start-up never joins: "failed", not "starting"; an
+            # actor that died for good has no daemon: "dead". Each says why.
+            state, reason = row.get("state", "starting"), None
+            if node_id in self._dead:
+                state, reason = "dead", f"its actor died: {self._dead[node_id]}"
+            elif answer.get("failed"):
+                state, reason = "failed", answer.get("reason") or gist(answer["failed"])
             out.append(
                 {
                     "name": name,
                     "ray_node_id": node_id,
                     "host": answer.get("host"),
                     "socket": answer.get("socket"),
-                    "state": row.get("state", "starting"),
+                    "state": state,
+                    "reason": reason,
                     "cores": row.get("cores"),
                     "running": row.get("running"),
                     "pid": answer.get("pid"),
@@ -378,7 +415,9 @@ class Coordinator:
         for name, row in sorted(rows.items()):
             if name not in listed:
                 why = self._lost.get(name)
-                out.append({"name": name, "state": row["state"], "lost_because": why})
+                out.append(
+                    {"name": name, "state": row["state"], "reason": why, "lost_because": why}
+                )
         return {
             "coordinator": {
                 "address": self.join["coordinator"],
@@ -388,6 +427,7 @@ class Coordinator:
                 "socket": self.socket,
                 "alive": self.daemon.alive,
                 "failed": self.failed[-1] if self.failed else None,
+                "reason": gist(self.failed[-1]) if self.failed else None,
             },
             "nodes": out,
             "errors": list(self._errors),

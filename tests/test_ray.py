@@ -4,16 +4,19 @@ One ``ray.cluster_utils.Cluster`` for the module: three Ray nodes on this host, 
 its own resource label and its own ``TANGRAM_SOCKET`` in its raylet's environment (so the
 node daemon and the Ray workers of one Ray node agree on a socket, as hosts do on the
 standard path). Ray stays on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``). The tests
-run in file order on one cluster: up, exec, idempotent up, a node joins, a node dies, down.
+run in file order on one cluster: a refused and a failed up, the corrected up, exec,
+idempotent up, a node joins, one whose daemon fails, a node dies, down.
 The heartbeat timeout is 60 s, so a node lost within seconds was lost because Ray said so.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,7 +45,7 @@ from tangram.protocol import OPS, NotFound, UnknownOp
 from tangram.protocol.paths import default_socket_path
 from tangramctl import ray as tray
 from tangramctl.main import cli
-from tangramctl.ray_actors import NAMESPACE, RESTART_AFTER_S, node_name
+from tangramctl.ray_actors import NAMESPACE, RESTART_AFTER_S, host_cores, node_name
 
 ROOT = Path(__file__).resolve().parent.parent
 LABELS = ("n0", "n1", "n2")  # n0 is the head: the coordinator lives there
@@ -222,6 +225,99 @@ def test_core_and_daemon_never_import_ray() -> None:
     assert done.stdout.strip() == "False", done.stderr
 
 
+# ------------------------------------------------------------------ refused and failed ups
+
+
+def _ours() -> list[str]:
+    """The named actors of `tangramctl ray` alive now."""
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE
+    )
+
+
+@contextlib.contextmanager
+def squatting(path: str) -> Iterator[None]:
+    """Something listening on ``path``: a tangramd that should serve it fails at start-up."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    sock.listen()
+    try:
+        yield
+    finally:
+        sock.close()
+        os.unlink(path)
+
+
+def test_ray_up_without_a_ray_cluster_says_to_start_one(tmp_path: Path) -> None:
+    """Before this module's cluster exists: with no Ray cluster to find, `ray up` fails at
+    once (exit 2) and says to run `ray start --head`; an address with nothing listening
+    fails at once too, instead of Ray's minutes of retries."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = str(tmp_path)  # no address file of an earlier `ray start` here
+    done = subprocess.run(
+        [sys.executable, "-m", "tangramctl.main", "ray", "up", "--cpus-per-node", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 2, (done.stderr, "is another Ray cluster running on this host?")
+    assert "no Ray cluster is running" in done.stderr and "ray start --head" in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr  # one line, no traceback
+    with socket.socket() as free:  # a port nothing listens on once closed
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    with pytest.raises(tray.RayError) as unreachable:
+        tray.check_reachable(f"127.0.0.1:{port}")
+    assert unreachable.value.exit_code == 2
+    assert f"cannot reach a Ray cluster at 127.0.0.1:{port} (Connection refused)" in str(
+        unreachable.value
+    )
+    assert "ray start --head" in str(unreachable.value)
+
+
+def test_ray_up_refuses_cores_a_host_lacks(host: RayHost) -> None:
+    """`--cpus-per-node` asking for a core a Ray node's host lacks is refused before
+    anything starts, naming the option and the cores the host has; a bad list is refused
+    before Ray is even reached."""
+    have = host_cores()
+    asked = f"0-{max(have) + 1}"
+    with pytest.raises(tray.RayError) as refused:
+        tray.up(config_text=CONFIG, cpus=asked, state_root=str(host.state_root))
+    message = refused.value.format_message()
+    assert refused.value.exit_code == 2
+    assert message.startswith(f"--cpus-per-node {asked}: "), message
+    assert f"lacks core(s) {max(have) + 1}" in message and f"({len(have)})" in message, message
+    assert _ours() == [] and not host.state_root.exists()
+    bad = CliRunner().invoke(cli, ["ray", "up", "--cpus-per-node", "3-1"])
+    assert bad.exit_code == 2 and "--cpus-per-node '3-1': reversed range" in bad.output
+
+
+def test_a_failed_up_leaves_nothing_and_a_rerun_takes_its_options(
+    host: RayHost, request: pytest.FixtureRequest
+) -> None:
+    """A `ray up` whose node daemon cannot start (its socket is taken) fails naming it and
+    leaves nothing behind: no actor, no coordinator or node process, no state. The rerun
+    (the module's `ray up`, with other options) starts afresh and runs with its own."""
+    victim = node_name(host.nodes["n1"].node_id)
+    with squatting(host.socket("n1")), pytest.raises(tray.RayError) as failed:
+        tray.up(config_text=CONFIG, cpus="0-1", state_root=str(host.state_root))
+    message = failed.value.format_message()
+    print(f"failed up: {message}")
+    assert f"tangramd node {victim} exited" in message, message
+    assert "another daemon is listening" in message, message
+    assert "nothing is left running" in message, message
+    assert _ours() == []
+    assert not _daemons_under(host.state_root)
+    assert not host.state_root.exists() or not list(host.state_root.iterdir())
+    report = request.getfixturevalue("report")  # the corrected rerun, `--cpus-per-node 0`
+    assert not report["already_running"] and "replaced" not in report
+    assert report["spec"]["cpus"] == "0"
+    assert [row["cores"] for row in report["nodes"]] == [1] * len(LABELS), report["nodes"]
+
+
 # ------------------------------------------------------------------ up, exec
 
 
@@ -264,17 +360,20 @@ def test_exec_from_a_ray_task_lands_and_returns(host: RayHost, report: dict[str,
 
 
 def test_ray_up_twice_is_idempotent(host: RayHost, report: dict[str, Any]) -> None:
-    """A second `ray up` finds the running coordinator and nodes and starts nothing new."""
+    """A second `ray up` finds the running coordinator and nodes and starts nothing new;
+    one with other options is refused (exit 1) and changes nothing."""
     actors = sorted(str(a) for a in ray.util.list_named_actors(all_namespaces=True))
     again = tray.up(config_text=CONFIG, cpus="0", state_root=str(host.state_root))
-    assert again["already_running"]
-    assert "note" not in again, again.get("note")
+    assert again["already_running"] and "replaced" not in again
     assert again["coordinator"]["address"] == report["coordinator"]["address"]
     pids = {row["name"]: row["pid"] for row in report["nodes"]}
     assert {row["name"]: row["pid"] for row in again["nodes"]} == pids
     assert sorted(str(a) for a in ray.util.list_named_actors(all_namespaces=True)) == actors
-    different = tray.up(config_text=CONFIG, cpus="0-1", state_root=str(host.state_root))
-    assert "ray down" in different["note"]
+    with pytest.raises(tray.RayError) as other:
+        tray.up(config_text=CONFIG, cpus="0-1", state_root=str(host.state_root))
+    assert "--cpus-per-node '0', now '0-1'" in other.value.format_message()
+    assert "`tangramctl ray down` first" in other.value.format_message()
+    assert {row["name"]: row["pid"] for row in tray.status()["nodes"]} == pids
 
 
 def test_node_lost_op_is_the_coordinators_own(host: RayHost, report: dict[str, Any]) -> None:
@@ -342,6 +441,36 @@ def test_a_ray_node_that_joins_gets_a_tangram_node(host: RayHost, report: dict[s
     assert row["socket"] == host.socket("n3")
     result = ray.get(rollout_step.options(**on("n3")).remote(["echo", "new"]), timeout=120)
     assert result["outcome"] == "ok", result
+
+
+def test_status_shows_a_node_whose_daemon_failed(host: RayHost, report: dict[str, Any]) -> None:
+    """A Ray node whose tangram node cannot start (its socket is taken) shows in `ray
+    status` as failed, with why, not as "starting"; once Ray drops that node, it is gone."""
+    with squatting(host.socket("n4")):
+        node = host.add("n4")
+        name = node_name(node.node_id)
+
+        def failed() -> dict[str, Any] | None:
+            row = row_of(tray.status(), node.node_id)
+            return row if row and row["state"] != "starting" else None
+
+        row = wait_for(failed, 60, "the joining node's daemon to fail", every_s=0.2)
+        assert row["state"] == "failed", row
+        assert row["reason"].startswith("exited (1) at start-up: tangramd: cannot serve"), row
+        assert row["reason"].endswith("another daemon is listening on it"), row
+        shown = CliRunner().invoke(cli, ["ray", "status"])
+        assert shown.exit_code == 0, shown.output
+        assert f"\n{name} failed: {row['reason']}\n" in shown.output, shown.output
+        host.cluster.remove_node(node)
+        del host.nodes["n4"]
+        host.removed.append(name)  # its state stays, as on a dead host's disk
+        wait_for(
+            lambda: row_of(tray.status(), node.node_id) is None,
+            30,
+            "the removed Ray node to leave the status",
+            every_s=0.2,
+        )
+    assert all(r["state"] not in ("failed", "dead") for r in tray.status()["nodes"])
 
 
 def test_a_ray_node_that_dies_is_lost_at_once(host: RayHost, report: dict[str, Any]) -> None:
