@@ -310,8 +310,9 @@ def story(ctl: Ctl, action_id: str, as_json: bool) -> None:
     def human() -> str:
         events = result.get("events") or []
         head = kv({k: v for k, v in result.items() if k != "events"})
-        preferred = ("t", "event", "from", "detail", "cause")
-        return head + "\n\n" + table(events, preferred=preferred, empty="(no events)")
+        preferred = ("t", "event", "from", "cause", "detail")  # the long one last, whole
+        body = table(events, preferred=preferred, empty="(no events)", uncut=("detail",))
+        return head + "\n\n" + body
 
     emit(as_json, result, human)
 

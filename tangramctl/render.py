@@ -14,9 +14,10 @@ from typing import Any
 MAX_CELL = 60  # characters; longer cells are cut with an ellipsis
 
 
-def fmt(value: Any, key: str = "") -> str:
+def fmt(value: Any, key: str = "", limit: int | None = MAX_CELL) -> str:
     """One cell: numbers rounded for reading, byte counts (keys naming ``mem``/``bytes``) as
-    binary sizes, lists joined (core lists as ranges), maps compact, None as '-'."""
+    binary sizes, lists joined (core lists as ranges), maps compact, None as '-'; text cut
+    at ``limit`` characters (None: never)."""
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -37,7 +38,7 @@ def fmt(value: Any, key: str = "") -> str:
     if isinstance(value, Mapping):
         return " ".join(f"{k}={fmt(v)}" for k, v in value.items())
     text = str(value).replace("\n", "⏎")
-    return text if len(text) <= MAX_CELL else text[: MAX_CELL - 1] + "…"
+    return text if limit is None or len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _is_size_key(key: str) -> bool:
@@ -103,13 +104,16 @@ def table(
     preferred: Sequence[str] = (),
     headers: Mapping[str, str] | None = None,
     empty: str = "(none)",
+    uncut: Sequence[str] = (),
 ) -> str:
-    """An aligned text table; numeric columns right-aligned. ``empty`` if there are no rows."""
+    """An aligned text table; numeric columns right-aligned. ``empty`` if there are no rows.
+    Cells are cut at ``MAX_CELL`` characters, except in the ``uncut`` columns."""
     if not rows:
         return empty
     cols = list(columns) if columns is not None else columns_of(rows, preferred)
     titles = [(headers or {}).get(c, c.upper()) for c in cols]
-    cells = [[fmt(row.get(c), c) for c in cols] for row in rows]
+    limits = [None if c in uncut else MAX_CELL for c in cols]
+    cells = [[fmt(row.get(c), c, n) for c, n in zip(cols, limits, strict=True)] for row in rows]
     numeric = [
         all(_is_number(row.get(c)) or row.get(c) is None for row in rows)
         and any(_is_number(row.get(c)) for row in rows)

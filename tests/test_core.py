@@ -198,7 +198,9 @@ def test_story_records_every_transition_and_the_placement():
         (0.5, "finished"),
     ]
     placed = story["events"][3]["detail"]
-    assert placed == "pool=cpu:local units=[0, 1] node=local expected_s=1"  # text when read
+    assert placed == (  # text when read
+        "pool=cpu:local units=[0, 1] node=local expected_s=1; dop 2: fixed (one core count allowed)"
+    )
     assert (story["state"], story["outcome"]) == ("done", "ok")
 
 

@@ -93,17 +93,24 @@ class PlacementNote:
     """A placement's story detail, as text only when a story is read: a pass places
     hundreds of actions, and formatting each one's detail would cost a share of the pass."""
 
-    __slots__ = ("expected_s", "node", "pool_id", "units")
+    __slots__ = ("expected_s", "node", "pool_id", "units", "why")
 
     def __init__(
-        self, pool_id: str, units: tuple[int, ...], node: str | None, expected_s: float
+        self,
+        pool_id: str,
+        units: tuple[int, ...],
+        node: str | None,
+        expected_s: float,
+        why: object = None,  # an exec's DopWhy (tangram.sched.explain): why this many cores
     ) -> None:
         self.pool_id, self.units, self.node, self.expected_s = pool_id, units, node, expected_s
+        self.why = why
 
     def __str__(self) -> str:
         node = f" node={self.node}" if self.node is not None else ""
         units = list(self.units)
-        return f"pool={self.pool_id} units={units}{node} expected_s={self.expected_s:.3g}"
+        why = "" if self.why is None else f"; {self.why}"
+        return f"pool={self.pool_id} units={units}{node} expected_s={self.expected_s:.3g}{why}"
 
     def __repr__(self) -> str:  # as the text would be (in an illegal transition's message)
         return repr(str(self))

@@ -12,11 +12,14 @@ the passes remember between them, including what the short pass relies on
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tangram.model import Action, ActionId, TrajectoryId
 from tangram.pools.cpu import CpuNodePool
-from tangram.sched import Decision, Infeasible, Snapshot, schedule
+from tangram.sched import Decision, Infeasible, Placement, PoolLoad, SchedPool, Snapshot, schedule
+from tangram.sched.explain import DopWhy, dop_why
+from tangram.sched.replay import Durations
 from tangramd import events as ev
 from tangramd.state.handlers.actions import expire_waits, finish_action, run_exec
 from tangramd.state.handlers.leases import grant_lease
@@ -24,6 +27,7 @@ from tangramd.state.handlers.services import start_call
 from tangramd.state.story import PlacementNote, note
 
 if TYPE_CHECKING:
+    from tangramd.state.actions import ActionRec
     from tangramd.state.context import Core
 
 
@@ -74,6 +78,7 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
             short = None  # the prefix may shift past an infeasible action: read it all
         else:
             core.passer.short += 1
+            waiting: Sequence[Action] = short
     if short is None:
         if cached:  # never a cached one here (one read in this pass is fresh)
             affinity = read_affinity(core)
@@ -94,6 +99,7 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
             load=load,
         )
         decision = schedule(snap, now, core.cfg.sched)
+        waiting = snap.waiting
         core.passer.seen_plain = all(
             rec.action.kind == "exec" and rec.action.trajectory in affinity
             for rec in core.actions.queue.values()
@@ -113,11 +119,15 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
             detail=f"infeasible: {inf.shortfall.describe()}",
             error=("unschedulable", inf.shortfall.describe()),
         )
+    queued: dict[str, int] = {}  # elastic actions queued per pool in the pass (dop_why)
     for p in decision.placements:
         placed = core.actions.unqueue(p.action_id)
         assert placed is not None, "the scheduler places queued actions only"
         rec = placed
         pool = core.pools[p.pool_id]
+        why = None
+        if rec.action.kind == "exec":
+            why = placement_why(core, rec, p, pool, load, waiting, decision, queued)
         pool.allocate(p.action_id, p.units)
         rec.pool_id = p.pool_id
         rec.units = p.units
@@ -132,7 +142,11 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
             )
         node = env.node if env else None
         note(
-            rec, now, "placed", PlacementNote(p.pool_id, p.units, node, p.expected_s), core.stimulus
+            rec,
+            now,
+            "placed",
+            PlacementNote(p.pool_id, p.units, node, p.expected_s, why),
+            core.stimulus,
         )
         if rec.action.kind == "exec":
             core.actions.move(rec, "running", now, "exec sent to the backend", core.stimulus)
@@ -142,6 +156,43 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
         else:
             core.actions.move(rec, "running", now, "lease granted", core.stimulus)
             grant_lease(core, rec, now, out)
+
+
+def placement_why(
+    core: Core,
+    rec: ActionRec,
+    p: Placement,
+    pool: SchedPool,
+    load: dict[str, PoolLoad],
+    waiting: Sequence[Action],
+    decision: Decision,
+    queued: dict[str, int],
+) -> DopWhy:
+    """Why an exec got ``p.amount`` cores, from this pass's inputs (its story's placement
+    note: ``tangram.sched.explain``); ``queued`` memoises the elastic queue per pool."""
+    action = rec.action
+    count = queued.get(p.pool_id)
+    if count is None and action.elastic:
+        new = {q.action_id for q in decision.placements if q.new_node and q.pool_id == p.pool_id}
+        affinity = core.passer.affinity or {}
+        count = queued[p.pool_id] = sum(
+            1
+            for a in waiting
+            if a.elastic and (affinity.get(a.trajectory) == p.pool_id or a.id in new)
+        )
+    named = rec.spec.profile if rec.spec is not None else None
+    flat = named is not None and not core.profiles.get(named, {}).get("elastic", True)
+    return dop_why(
+        action,
+        p.amount,
+        pool.free_units(),
+        rule=core.cfg.sched.rule,
+        load=load.get(p.pool_id),
+        queued=count or 0,
+        capacity=pool.capacity,
+        dur=lambda a, ks: Durations(pool, core.history.estimate).many(a, ks),  # elastic only
+        profile_not_elastic=named if flat else None,
+    )
 
 
 def nothing_fits(
