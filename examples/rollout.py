@@ -265,7 +265,7 @@ _STATE_WORDS = {
 
 def _resource(pool: str) -> str:
     family = pool.split(":", 1)[0]
-    return {"cpu": "cores", "api": "API lease", "gpu": "GPU"}.get(family, pool)
+    return {"cpu": "cores", "api": "API leases", "gpu": "GPUs"}.get(family, pool)
 
 
 def wait_states(story: dict[str, Any]) -> tuple[dict[str, float], str | None]:
@@ -369,8 +369,10 @@ def wait_lines(waits: dict[str, Any]) -> list[str]:
             f"{100 * secs / total:.0f}% {label}" for label, secs in w["waited_in_s"].items()
         )
         unit = _resource(w["pool"]) if w["pool"] else "units"
-        of = f" of {w['capacity']}" if w["capacity"] is not None else ""
-        held = " and ".join(f"{k} {v:.2f}" for k, v in w["held_meanwhile"].items() if v >= 0.005)
+        the = f"the {w['capacity']} {unit}" if w["capacity"] is not None else f"the {unit}"
+        held = " and ".join(
+            f"{k} ({v:.2f} on average)" for k, v in w["held_meanwhile"].items() if v >= 0.005
+        )
         placed = ", ".join(f"{n} {k}" for k, n in w["placed_meanwhile"].items())
         which = (
             f"its wait ({w['longest_s']:.1f} s) was"
@@ -379,7 +381,7 @@ def wait_lines(waits: dict[str, Any]) -> list[str]:
         )
         line = f"{kind}: {which} {where or 'not in the daemon story'}"
         if held:
-            line += f"; meanwhile {held}{of} {unit} were held on average"
+            line += f"; meanwhile {the} were held by {held}"
         if placed:
             line += f"; placed while they waited: {placed}"
         lines.append(line)
