@@ -2,6 +2,7 @@
 
 Usage: python bench/sched.py [--json] [--repeat N] [--order fcfs|backfill]
        [--rule priced|wait-eft|wait|paper] [--gc daemon|plain|frozen] [--cpu-time]
+       [--scale [--scale-repeat N]] [--curve] [--plot PATH]
 
 Each case builds a realistic mix over CPU node pools holding ``units`` free cores in total
 (nodes of up to 256 cores, two NUMA nodes each), a 2-node GPU pool and one API endpoint:
@@ -16,6 +17,16 @@ process); ``frozen`` (``--gc-freeze``) also freezes the built queue (no daemon d
 it shows the collector's whole share of the tail).
 ``--cpu-time`` times each pass with the thread's CPU clock instead of the wall clock: on a
 shared machine it leaves out the time other processes hold the CPU (not cache effects).
+
+``--scale`` adds the 10x cases (16,384 queued on 4,096 cores; 65,536 queued on 16,384 cores
+on 128 nodes) to the same ``cases`` rows, timed over ``--scale-repeat`` passes (default 5).
+Every row has ``goal_p99_ms`` where the case has a goal, and ``assign_p50_ms``: the part of
+the pass spent choosing a node for trajectories without one (``_assign_nodes``, timed on
+its own: the one phase that grows with queue x nodes).
+``--curve`` adds ``curves``: the pass's p50 as the queue grows (1k to 64k queued on 16,384
+cores, 128 nodes) and as the cluster grows (1k to 16k cores on nodes of 128 cores, 16,384
+queued), each with the slope of log(time) over log(size) (1: linear, 2: quadratic).
+``--plot PATH`` draws the curves (implies ``--curve``; needs matplotlib).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import random
 import statistics
 import sys
@@ -31,19 +43,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tangram import _native
 from tangram.model import TrajectoryId, make_action
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuNodePool
 from tangram.pools.gpu import GpuCluster, GpuNodePool, ServiceSpec
 from tangram.sched import SchedConfig, Snapshot, schedule
+from tangram.sched.schedule import _assign_nodes  # timed on its own (the node-choice phase)
 
 CASES = [(64, 64), (256, 256), (1024, 256), (4096, 1024)]
+# (queued, units, CPU nodes or None: nodes of up to 256 cores) -> p99 goal, ms
+GOALS = {(64, 64, None): 1.0, (256, 256, None): 5.0, (4096, 1024, None): 25.0}
+SCALE_CASES = [(16384, 4096, None), (65536, 16384, 128)]
+GOALS.update({SCALE_CASES[0]: 50.0, SCALE_CASES[1]: 200.0})
+# the curves: queued at fixed cores, then cores at a fixed queue (nodes of 128 cores)
+CURVE_UNITS, CURVE_NODE_CORES, CURVE_QUEUED = 16384, 128, 16384
+CURVE_QUEUE = [1024 << k for k in range(7)]  # 1k .. 64k
+CURVE_CORES = [1024 << k for k in range(5)]  # 1k .. 16k
 GIB = 1 << 30
 
 
-def build(queued: int, units: int, seed: int = 0):
+def build(queued: int, units: int, seed: int = 0, nodes: int | None = None):
     rng = random.Random(seed)
-    n_nodes = max(1, units // 256)
+    n_nodes = nodes if nodes is not None else max(1, units // 256)
     per_node = units // n_nodes
     pools = {}
     for i in range(n_nodes):
@@ -107,8 +129,145 @@ def build(queued: int, units: int, seed: int = 0):
 GC_MODES = ("daemon", "plain", "frozen")
 
 
+def _unplaced(snap: Snapshot) -> list:
+    """The actions schedule() hands to _assign_nodes: exec actions of trajectories without
+    a node, in queue order."""
+    return [a for a in snap.waiting if a.kind == "exec" and a.trajectory not in snap.affinity]
+
+
+def measure(
+    queued: int,
+    units: int,
+    nodes: int | None,
+    passes: int,
+    cfg: SchedConfig,
+    clock,
+    gc_freeze: bool = False,
+) -> dict:
+    """One case: p50/p99 of ``passes`` passes after a warm-up, and the node-choice phase's p50."""
+    snap = build(queued, units, nodes=nodes)
+    schedule(snap, 0.0, cfg)  # warm-up
+    if gc_freeze:  # long-lived state out of the cyclic GC's sight (its pauses are the tail)
+        gc.collect()
+        gc.freeze()
+    times = []
+    placed = 0
+    for _ in range(passes):
+        t0 = clock()
+        d = schedule(snap, 0.0, cfg)
+        times.append((clock() - t0) * 1e3)
+        placed = len(d.placements)
+    unplaced = _unplaced(snap)
+    assign = []
+    for _ in range(passes):
+        t0 = clock()
+        _assign_nodes(unplaced, snap, 0.0, cfg)
+        assign.append((clock() - t0) * 1e3)
+    times.sort()
+    row = {
+        "queued": queued,
+        "units": units,
+        "nodes": sum(1 for p in snap.pools if p.startswith("cpu:")),
+        "p50_ms": round(statistics.median(times), 3),
+        "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))], 3),
+        "placed": placed,
+        "passes": passes,
+        "assign_p50_ms": round(statistics.median(assign), 3),
+    }
+    goal = GOALS.get((queued, units, nodes))
+    if goal is not None:
+        row["goal_p99_ms"] = goal
+        row["meets_goal"] = row["p99_ms"] <= goal
+    return row
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log(y) over log(x): the exponent k of y ~ x**k."""
+    lx = [math.log(x) for x in xs]
+    ly = [math.log(max(y, 1e-9)) for y in ys]
+    mx, my = statistics.fmean(lx), statistics.fmean(ly)
+    den = sum((a - mx) ** 2 for a in lx)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / den if den else 0.0
+
+
+def curve(points: list[tuple[int, int, int]], x: str, passes: int, cfg: SchedConfig, clock):
+    """p50 of a pass at each (queued, units, nodes); the slopes over all points and over the
+    upper half (where fixed per-pass costs no longer dominate)."""
+    rows = [measure(q, u, n, passes, cfg, clock) for q, u, n in points]
+    xs = [float(r[x]) for r in rows]
+    out: dict = {"x": x, "points": rows}
+    for key in ("p50_ms", "assign_p50_ms"):
+        ys = [r[key] for r in rows]
+        rest = [r["p50_ms"] - r["assign_p50_ms"] for r in rows]
+        h = len(rows) // 2
+        out[f"slope_{key}"] = round(slope(xs, ys), 2)
+        out[f"slope_{key}_upper"] = round(slope(xs[h:], ys[h:]), 2)
+    out["slope_rest_p50_ms"] = round(slope(xs, rest), 2)
+    return out
+
+
+def curves(
+    passes: int,
+    cfg: SchedConfig,
+    clock,
+    queue: list[int] = CURVE_QUEUE,
+    cores: list[int] = CURVE_CORES,
+    units: int = CURVE_UNITS,
+    node_cores: int = CURVE_NODE_CORES,
+    queued: int = CURVE_QUEUED,
+) -> dict:
+    """The pass's cost by queue length (``units`` cores on nodes of ``node_cores``) and by
+    cluster size (``queued`` actions, nodes of ``node_cores``)."""
+    nodes = max(1, units // node_cores)
+    by_queue = curve([(q, units, nodes) for q in queue], "queued", passes, cfg, clock)
+    by_queue["fixed"] = {"units": units, "nodes": nodes}
+    by_cores = curve(
+        [(queued, u, max(1, u // node_cores)) for u in cores], "units", passes, cfg, clock
+    )
+    by_cores["fixed"] = {"queued": queued, "node_cores": node_cores}
+    return {"queued": by_queue, "units": by_cores}
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key in zip(axes, ("queued", "units"), strict=True):
+        c = result["curves"][key]
+        xs = [r[key] for r in c["points"]]
+        ax.loglog(xs, [r["p50_ms"] for r in c["points"]], "o-", label="whole pass")
+        ax.loglog(xs, [r["assign_p50_ms"] for r in c["points"]], "s--", label="node choice")
+        rest = [max(r["p50_ms"] - r["assign_p50_ms"], 1e-3) for r in c["points"]]
+        ax.loglog(xs, rest, "^:", label="the rest (per-pool passes)")
+        fixed = ", ".join(f"{v:,} {k}" for k, v in c["fixed"].items())
+        ax.set_title(f"by {key} (fixed: {fixed})", fontsize=9)
+        ax.set_xlabel("queued actions" if key == "queued" else "free cores")
+        ax.set_ylabel("p50 ms per pass")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    clock = "thread CPU" if result["clock"] == "thread_cpu" else "wall"
+    core = "compiled" if result.get("compiled") else "interpreted"
+    fig.suptitle(f"bench/sched.py --curve: one scheduling pass ({core} core, {clock} clock)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(
-    repeat: int, order: str, rule: str = "priced", gc_mode: str = "daemon", cpu_time: bool = False
+    repeat: int,
+    order: str,
+    rule: str = "priced",
+    gc_mode: str = "daemon",
+    cpu_time: bool = False,
+    scale: bool = False,
+    scale_repeat: int = 5,
+    with_curves: bool = False,
+    cases: list | None = None,
+    scale_cases: list | None = None,
+    curve_spec: dict | None = None,
 ) -> dict:
     cfg = SchedConfig(order=order, rule=rule)  # type: ignore[arg-type]
     clock = time.thread_time if cpu_time else time.perf_counter
@@ -117,42 +276,26 @@ def run(
         gc.collect()
         gc.freeze()
     out = []
-    for queued, units in CASES:
-        snap = build(queued, units)
-        schedule(snap, 0.0, cfg)  # warm-up
-        if gc_freeze:  # long-lived state out of the cyclic GC's sight (its pauses are the tail)
-            gc.collect()
-            gc.freeze()
-        times = []
+    for queued, units in CASES if cases is None else cases:
         n = repeat if queued <= 1024 else max(10, repeat // 4)
-        placed = 0
-        for _ in range(n):
-            t0 = clock()
-            d = schedule(snap, 0.0, cfg)
-            times.append((clock() - t0) * 1e3)
-            placed = len(d.placements)
-        times.sort()
-        out.append(
-            {
-                "queued": queued,
-                "units": units,
-                "p50_ms": round(statistics.median(times), 3),
-                "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))], 3),
-                "placed": placed,
-                "passes": n,
-            }
-        )
-    if gc_mode != "plain":
-        gc.unfreeze()
-    clock_name = "thread_cpu" if cpu_time else "wall"
-    return {
+        out.append(measure(queued, units, None, n, cfg, clock, gc_freeze))
+    if scale:
+        for queued, units, nodes in SCALE_CASES if scale_cases is None else scale_cases:
+            out.append(measure(queued, units, nodes, scale_repeat, cfg, clock, gc_freeze))
+    result = {
         "order": order,
         "rule": rule,
         "gc": gc_mode,
         "gc_freeze": gc_freeze,
-        "clock": clock_name,
+        "clock": "thread_cpu" if cpu_time else "wall",
+        "compiled": _native.ACTIVE,
         "cases": out,
     }
+    if with_curves:
+        result["curves"] = curves(scale_repeat, cfg, clock, **(curve_spec or {}))
+    if gc_mode != "plain":
+        gc.unfreeze()
+    return result
 
 
 def main() -> None:
@@ -174,16 +317,58 @@ def main() -> None:
         action="store_true",
         help="time passes with the thread's CPU clock (leaves out other processes' turns)",
     )
+    ap.add_argument(
+        "--scale",
+        action="store_true",
+        help="add the 10x cases (16,384 queued on 4,096 cores; 65,536 on 16,384 cores, 128 nodes)",
+    )
+    ap.add_argument(
+        "--scale-repeat",
+        type=int,
+        default=5,
+        help="passes per big case and per curve point (default 5; each 64k pass is ~0.3 s)",
+    )
+    ap.add_argument(
+        "--curve",
+        action="store_true",
+        help="add the cost curves: queued 1k-64k on 16,384 cores (128 nodes), and cores "
+        "1k-16k (nodes of 128 cores) at 16,384 queued",
+    )
+    ap.add_argument("--plot", metavar="PATH", help="draw the curves to PATH (implies --curve)")
     args = ap.parse_args()
+    for name in ("repeat", "scale_repeat"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     gc_mode = "frozen" if args.gc_freeze else args.gc
-    result = run(args.repeat, args.order, args.rule, gc_mode, args.cpu_time)
+    result = run(
+        args.repeat,
+        args.order,
+        args.rule,
+        gc_mode,
+        args.cpu_time,
+        scale=args.scale,
+        scale_repeat=args.scale_repeat,
+        with_curves=args.curve or bool(args.plot),
+    )
+    if args.plot:
+        plot(result, args.plot)
     if args.json:
         print(json.dumps(result))
-    else:
-        print(f"{'queued':>7} {'units':>6} {'p50 ms':>8} {'p99 ms':>8} {'placed':>7}")
-        for c in result["cases"]:
-            row = (c["queued"], c["units"], c["p50_ms"], c["p99_ms"], c["placed"])
-            print("{:>7} {:>6} {:>8} {:>8} {:>7}".format(*row))
+        return
+    head = f"{'queued':>7} {'units':>6} {'nodes':>5} {'p50 ms':>8} {'p99 ms':>8} {'goal':>6} "
+    print(head + f"{'assign':>7} {'placed':>7}")
+    for c in result["cases"]:
+        goal = c.get("goal_p99_ms", "-")
+        row = (c["queued"], c["units"], c["nodes"], c["p50_ms"], c["p99_ms"], goal)
+        print("{:>7} {:>6} {:>5} {:>8} {:>8} {:>6} ".format(*row), end="")
+        print(f"{c['assign_p50_ms']:>7} {c['placed']:>7}")
+    for key, c in result.get("curves", {}).items():
+        print(
+            f"curve by {key} (fixed {c['fixed']}): slope {c['slope_p50_ms']} "
+            f"(upper half {c['slope_p50_ms_upper']}), node choice {c['slope_assign_p50_ms']}"
+        )
+        for r in c["points"]:
+            print(f"  {r[key]:>7} {r['p50_ms']:>9} ms  (node choice {r['assign_p50_ms']} ms)")
 
 
 if __name__ == "__main__":
