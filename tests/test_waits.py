@@ -186,6 +186,8 @@ def test_env_open_timeout_names_the_memory(daemon, full):
         c.env_open(timeout_s=0.5)
     assert time.monotonic() - started < 2.5
     assert c.status()["waiting_mem"] == 0
+    with pytest.raises(Timeout, match=NO_MEM), c.env(timeout_s=0.3):
+        pass
     with daemon.client(timeout_s=0.5) as impatient, pytest.raises(Timeout):
         impatient.env_open()
     wait_for(lambda: c.status()["waiting_mem"] == 0, 10, "the open withdrawn")

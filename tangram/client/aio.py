@@ -172,11 +172,20 @@ class AsyncClient(Ops):
 
     @contextlib.asynccontextmanager
     async def env(
-        self, image: str | None = None, mem: Size | None = None, trajectory: str | None = None
+        self,
+        image: str | None = None,
+        mem: Size | None = None,
+        trajectory: str | None = None,
+        *,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[Env]:
-        """An environment open for the ``async with`` block, closed after it."""
+        """An environment open for the ``async with`` block, closed after it (``timeout_s``
+        bounds the open's wait for memory, as for ``env_open``)."""
         ops: Any = self  # the shared op methods return coroutines here (see _op)
-        handle = Env(self, await ops.env_open(image=image, mem=mem, trajectory=trajectory))
+        opened = await ops.env_open(
+            image=image, mem=mem, trajectory=trajectory, timeout_s=timeout_s
+        )
+        handle = Env(self, opened)
         try:
             yield handle
         finally:

@@ -173,10 +173,17 @@ class Client(Ops):
 
     @contextlib.contextmanager
     def env(
-        self, image: str | None = None, mem: Size | None = None, trajectory: str | None = None
+        self,
+        image: str | None = None,
+        mem: Size | None = None,
+        trajectory: str | None = None,
+        *,
+        timeout_s: float | None = None,
     ) -> Iterator[Env]:
-        """An environment open for the ``with`` block, closed after it."""
-        handle = Env(self, self.env_open(image=image, mem=mem, trajectory=trajectory))
+        """An environment open for the ``with`` block, closed after it (``timeout_s``
+        bounds the open's wait for memory, as for ``env_open``)."""
+        opened = self.env_open(image=image, mem=mem, trajectory=trajectory, timeout_s=timeout_s)
+        handle = Env(self, opened)
         try:
             yield handle
         finally:
