@@ -1,6 +1,7 @@
 """Cluster mode benchmarks: real daemons on loopback, plus the core's pass in-process.
 
 Usage: python bench/cluster.py [--json] [--acts N] [--rounds N] [--clients N]
+                                [--nodes N [--window S]]
                                 [--skip a,b,c,d] [--against TREE]
 
 (a) ACT overhead of ``true``: the client-measured round trip of one exec in an open
@@ -20,6 +21,26 @@ On a small host all daemons share its cores: absolute numbers are upper bounds.
 rounds, and reports each side's CPU per exec; (c) runs each pass alternately here and in a
 worker process on that tree (same seeds) and reports the paired CPU ratio. On a loaded host
 these paired figures are the ones to compare.
+
+``--nodes N`` (e.g. 128) runs only (e), the coordinator at scale, and prints its JSON:
+one real ``tangramd coordinator`` process (TLS, 1 s heartbeats) and N nodes.
+(e1) join storm: N lightweight nodes start together; each one's time from the start until
+     the coordinator's welcome (p50/p99), and until the coordinator lists all N ``ready``;
+(e2) heartbeat cost: the coordinator's CPU seconds per second (user + system from
+     /proc/<pid>/stat) over ``--window`` seconds with the N nodes heartbeating every second,
+     beside the same coordinator's idle rate before the storm;
+(e3) exec through one real node (``tangramd node``, every core of the host) while N - 1
+     lightweight nodes heartbeat (one of the N leaves first): the client-measured ``true``
+     exec through the cluster against ``tangramd up`` in alternating rounds, the hop
+     overhead as the difference of their p50/p99, sequential and concurrent execs/s, and
+     the coordinator's CPU per exec.
+The lightweight nodes are the real node code (``tangramd.cluster.daemon.build_node`` and
+``serve_node``: TLS, join token and CA pin, heartbeats, a Unix socket each), offering no
+cores as ``--cpus ''`` does, all on one event loop in a thread of this process. Not 128
+``tangramd node`` processes: each costs ~1 s of CPU to start and ~50 MB, so on a 2-core
+host the storm would time Python's start-up and the window would share the cores with
+128 idle interpreters, not the coordinator's costs, which are the same either way: what
+reaches the coordinator is the same TLS connections and the same link messages.
 """
 
 from __future__ import annotations
@@ -389,6 +410,245 @@ def bench_failures(work: Path, repeat: int) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- (e) at scale
+
+SCALE_CONFIG = """
+[cluster]
+heartbeat_s = 1.0
+heartbeat_timeout_s = 10.0
+
+[cpu]
+default_env_mem = "64MiB"
+"""
+SCALE_GOALS = {"coordinator_cores": 1.0, "hop_p99_ms": 2.0}
+
+
+class LightNodes:
+    """``n`` nodes of the real node code (``build_node``, ``serve_node``) offering no cores,
+    on one event loop in a background thread of this process (see the module doc)."""
+
+    def __init__(self, work: Path, coord: Any, n: int) -> None:
+        import logging
+
+        import structlog
+
+        from tangramd.cluster import config as cluster_config
+        from tangramd.cluster.daemon import build_node, node_capacity
+        from tangramd.cluster.link import split_host_port
+
+        # their log lines (JSON, as a node writes them) go to a file, warnings and up
+        self._log = open(work / "light-nodes.log", "w")  # noqa: SIM115
+        structlog.configure(
+            processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
+            wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+            logger_factory=structlog.PrintLoggerFactory(self._log),
+            cache_logger_on_first_use=False,
+        )
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        join = coord.join
+        self.agents: list[Any] = []
+        self.stops: list[asyncio.Event] = []
+        self.tasks: list[Any] = []
+        for i in range(n):
+            name = f"light{i:03d}"
+            sock, state = work / name / "node.sock", work / name / "state"
+            (work / name).mkdir(parents=True, exist_ok=True)
+            config, _ = cluster_config.load(
+                None, {"daemon.socket": str(sock), "daemon.state_dir": str(state)}
+            )
+            self.agents.append(
+                build_node(
+                    config,
+                    name=name,
+                    coordinator=split_host_port(join["coordinator"]),
+                    token=join["token"] or None,
+                    ca_sha256=join["ca_sha256"] or None,
+                    insecure=False,
+                    capacity=node_capacity(config, ""),  # --cpus ''
+                )
+            )
+
+    def call(self, coro: Any, timeout_s: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def storm(self, timeout_s: float = 120.0) -> list[float]:
+        """Start every node at once; each one's seconds from the start until its welcome
+        (its link is up: the coordinator has attached it and fed ``NodeJoined``)."""
+        from tangramd.cluster.daemon import serve_node
+
+        async def run() -> list[float]:
+            self.stops = [asyncio.Event() for _ in self.agents]
+            t0 = time.perf_counter()
+            self.tasks = [
+                asyncio.create_task(serve_node(agent, stop))
+                for agent, stop in zip(self.agents, self.stops, strict=True)
+            ]
+            joined: dict[int, float] = {}
+            while len(joined) < len(self.agents):
+                now = time.perf_counter()
+                for i, agent in enumerate(self.agents):
+                    if i not in joined and agent.link is not None:
+                        joined[i] = now - t0
+                if now - t0 > timeout_s:
+                    raise TimeoutError(f"{len(joined)}/{len(self.agents)} nodes joined")
+                await asyncio.sleep(0.002)
+            return [joined[i] for i in range(len(self.agents))]
+
+        return list(self.call(run(), timeout_s + 10))
+
+    def stop(self, index: int | None = None) -> None:
+        """Stop one node (``index``) or all, gracefully (their goodbye)."""
+
+        async def run() -> None:
+            chosen = range(len(self.tasks)) if index is None else [index]
+            for i in chosen:
+                self.stops[i].set()
+            await asyncio.gather(*(self.tasks[i] for i in chosen), return_exceptions=True)
+
+        self.call(run())
+
+    def close(self) -> None:
+        try:
+            if self.tasks:
+                self.stop()
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self.loop.close()
+            self._log.close()
+
+
+def _ready_count(coord: Any) -> int:
+    with Client(coord.socket) as c:
+        return sum(row.get("state") == "ready" for row in c.nodes())
+
+
+def _cpu_rate(pid: int, window_s: float) -> float:
+    """CPU seconds per second of ``pid`` over the next ``window_s`` seconds."""
+    c0, t0 = _cpu_s([pid]), time.perf_counter()
+    time.sleep(window_s)  # a measurement window, not a synchronisation
+    return (_cpu_s([pid]) - c0) / (time.perf_counter() - t0)
+
+
+def _concurrent(sock: str, clients: int, per_client: int, env: str | None) -> tuple[int, float]:
+    async def one(out: list[str]) -> None:
+        async with AsyncClient(sock) as c:
+            for _ in range(per_client):
+                out.append((await c.exec(["true"], env=env)).outcome)
+
+    async def run() -> list[str]:
+        out: list[str] = []
+        await asyncio.gather(*(one(out) for _ in range(clients)))
+        return out
+
+    t0 = time.perf_counter()
+    outcomes = asyncio.run(run())
+    wall = time.perf_counter() - t0
+    assert outcomes.count("ok") == len(outcomes), outcomes
+    return len(outcomes), wall
+
+
+def bench_scale(
+    work: Path,
+    nodes: int,
+    window_s: float,
+    acts: int,
+    rounds: int = 6,
+    clients: int = 8,
+    per_client: int = 25,
+) -> dict[str, Any]:
+    work = work / "scale"
+    coord = spawn_coordinator(work, SCALE_CONFIG)
+    daemons: list[Any] = [coord]
+    light = None
+    try:
+        idle = _cpu_rate(coord.proc.pid, min(window_s, 5.0))
+        light = LightNodes(work, coord, nodes)
+        c0 = _cpu_s([coord.proc.pid])
+        t0 = time.perf_counter()
+        joined = light.storm()
+        wait_for(lambda: _ready_count(coord) == nodes, 60, f"{nodes} nodes ready")
+        all_ready = time.perf_counter() - t0
+        storm_cpu = _cpu_s([coord.proc.pid]) - c0
+        beating = _cpu_rate(coord.proc.pid, window_s)
+
+        # (e3) one real node with every core; one light node leaves: N nodes in all
+        up = spawn_daemon(work / "up", UP_CONFIG)
+        daemons.append(up)
+        node = spawn_node(work, coord, "exec", cpus=",".join(map(str, CORES)))
+        daemons.append(node)
+        light.stop(0)
+        wait_for(lambda: _ready_count(coord) == nodes, 30, f"{nodes} nodes ready with exec")
+        sides = {"up": Client(up.socket), "node": Client(node.socket)}
+        envs = {side: c.env_open() for side, c in sides.items()}
+        times: dict[str, list[float]] = {"up": [], "node": []}
+        for side, c in sides.items():
+            _act_loop(c, envs[side], 20)  # warm-up
+        names = list(sides)
+        node_cpu = 0.0
+        for r in range(rounds):
+            for side in names[r % 2 :] + names[: r % 2]:
+                c1 = _cpu_s([coord.proc.pid])
+                times[side] += _act_loop(sides[side], envs[side], max(1, acts // rounds))
+                if side == "node":
+                    node_cpu += _cpu_s([coord.proc.pid]) - c1
+        seq = {side: len(t) / sum(t) for side, t in times.items()}
+        conc = {}
+        for side, daemon in (("up", up), ("node", node)):
+            count, wall = _concurrent(daemon.socket, clients, per_client, envs[side])
+            conc[side] = round(count / wall, 1)
+        for side, c in sides.items():
+            c.env_close(envs[side])
+            c.close()
+        ready_end = _ready_count(coord)
+    finally:
+        if light is not None:
+            light.close()
+        for daemon in reversed(daemons):
+            daemon.stop()
+    stats = {side: _stats_ms(t) for side, t in times.items()}
+    hop_p50 = round(stats["node"]["p50_ms"] - stats["up"]["p50_ms"], 3)
+    hop_p99 = round(stats["node"]["p99_ms"] - stats["up"]["p99_ms"], 3)
+    return {
+        "nodes": nodes,
+        "heartbeat_s": 1.0,
+        "join_storm": {
+            "nodes": nodes,
+            "to_welcome": _stats_ms(joined),
+            "max_to_welcome_ms": round(max(joined) * 1e3, 3),
+            "all_ready_s": round(all_ready, 3),
+            "coordinator_cpu_s": round(storm_cpu, 3),
+        },
+        "heartbeats": {
+            "window_s": window_s,
+            "coordinator_cores": round(beating, 4),
+            "coordinator_cores_idle_before": round(idle, 4),
+            "cpu_ms_per_heartbeat": round((beating - idle) / nodes * 1e3, 4),
+            "goal_cores": SCALE_GOALS["coordinator_cores"],
+            "meets_goal": beating <= SCALE_GOALS["coordinator_cores"],
+        },
+        "exec": {
+            "heartbeating_nodes": nodes - 1,
+            "actions_per_side": len(times["node"]),
+            "rounds": rounds,
+            "tangramd_up": stats["up"],
+            "through_node": stats["node"],
+            "hop_p50_ms": hop_p50,
+            "hop_p99_ms": hop_p99,
+            "goal_hop_p99_ms": SCALE_GOALS["hop_p99_ms"],
+            "meets_goal": hop_p99 <= SCALE_GOALS["hop_p99_ms"],
+            "sequential_execs_per_s": {k: round(v, 1) for k, v in seq.items()},
+            "concurrent_execs_per_s": {"clients": clients, **conc},
+            "coordinator_cpu_ms_per_exec": round(node_cpu / len(times["node"]) * 1e3, 3),
+            "nodes_ready_at_end": ready_end,
+        },
+        "host_cores": len(CORES),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
@@ -399,7 +659,18 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="(c), (d) repetitions")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c,d")
     ap.add_argument("--against", help="another checkout to pair (a) and (c) with (e.g. main)")
+    ap.add_argument("--nodes", type=int, help="(e) only: the coordinator with this many nodes")
+    ap.add_argument("--window", type=float, default=30.0, help="(e) heartbeat window, seconds")
     args = ap.parse_args()
+    if args.nodes is not None:
+        if args.nodes < 2:
+            ap.error(f"--nodes: at least 2 (one real node and one lightweight), got {args.nodes}")
+        if args.window <= 0:
+            ap.error(f"--window: a positive number of seconds, got {args.window}")
+        work = Path(tempfile.mkdtemp(prefix="tangram-bench-cluster-"))
+        scale = bench_scale(work, args.nodes, args.window, args.acts, args.rounds)
+        print(json.dumps({"e_scale": scale}, indent=None if args.json else 1))
+        return
     skip = set(filter(None, args.skip.split(",")))
     work = Path(tempfile.mkdtemp(prefix="tangram-bench-cluster-"))
     result: dict[str, Any] = {"host_cores": len(CORES)}
