@@ -54,8 +54,6 @@ ACTIVATE = ". .venv/bin/activate"
 NOT_RUN = {
     "bash scripts/demo.sh": "installs everything (pip, apt, Docker) for minutes: CI runs "
     "scripts/test.sh itself, and tests/test_demo.py runs the demo",
-    "tangramctl service register reward": "GPU services: a model module of the reader's "
-    "(mymodels) and vLLM; tests/test_daemon_services.py covers the commands",
     "bash .ci/docker-setup.sh": "installs docker.io, starts dockerd and builds the test image "
     "as root (scripts/test.sh runs it); the docker-marked tests run the Docker backend",
     "tangramctl ray up": "needs a Ray cluster (tests/test_ray.py starts one)",
@@ -75,6 +73,7 @@ SHELLS = {
         ("from tangram import Client", 60),
         ("tangramctl profiles show unit-tests", 60),
     ],
+    "gpu-services": [("cat > /tmp/tangram-gpu.toml", 180)],
     "cluster": [("tangramd coordinator", 120)],
     "simulator": [("tangramctl simulate", 60)],
 }
@@ -187,13 +186,16 @@ class Shell:
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,  # apart: the daemons' logs do not cut into the output
             text=True,
             start_new_session=True,  # its own process group: the daemons it starts too
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
-        self.output: list[str] = []
+        self.errors: list[str] = []  # stderr: the blocks' and the daemons' (their logs)
+        self.errors_seen = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
+        self.error_reader = threading.Thread(target=self._read_errors, daemon=True)
+        self.error_reader.start()
         self._send("set -e -o pipefail")
 
     def _read(self) -> None:
@@ -202,6 +204,13 @@ class Shell:
             self.lines.put(line)
         self.lines.put(None)
 
+    def _read_errors(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with self.errors_seen:
+                self.errors.append(line)
+                self.errors_seen.notify_all()
+
     def _send(self, text: str) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(text + "\n")
@@ -209,32 +218,46 @@ class Shell:
 
     def run(self, block: Block, n: int, script: str, timeout_s: float) -> str:
         """Source ``script`` (stdin: /dev/null, as nothing is typed after a paste); return
-        its output, or fail naming the block, its output and why."""
+        its standard output, or fail naming the block, its output and why."""
         path = Path(self.tmp) / f"block-{n}.sh"
         path.write_text(script)
         marker = f"@@README-BLOCK-{n}-DONE"
-        self._send(f"source {shlex.quote(str(path))} </dev/null; echo {marker}")
-        mine: list[str] = []
-        deadline = time.monotonic() + timeout_s
+        first_error = len(self.errors)
+        self._send(f"source {shlex.quote(str(path))} </dev/null; echo {marker}; echo {marker} >&2")
+        out: list[str] = []
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+
+        def errors() -> list[str]:
+            return self.errors[first_error:]
+
         while True:
             try:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                self.fail(block, mine, f"not done within {timeout_s} s")
+                self.fail(block, out, errors(), f"not done within {timeout_s} s")
             if line is None:
-                self.fail(block, mine, f"the shell exited ({self.proc.wait()}): a command failed")
+                why = f"the shell exited ({self.proc.wait()}): a command failed"
+                self.error_reader.join(5)  # its last words (daemons it started may hold on)
+                self.fail(block, out, errors(), why)
             if line.strip() == marker:
                 break
-            mine.append(line)
-            self.output.append(line)
-        text = "".join(mine)
-        print(f"{block}: {timeout_s - (deadline - time.monotonic()):.1f} s")
-        assert "command not found" not in text, f"{block}:\n{text}"
-        return text
+            out.append(line)
+        with self.errors_seen:  # the block's stderr, to its end
+            self.errors_seen.wait_for(
+                lambda: marker + "\n" in errors(), max(0.0, deadline - time.monotonic())
+            )
+        print(f"{block}: {time.monotonic() - t0:.1f} s")
+        if any("command not found" in line for line in errors()):
+            self.fail(block, out, errors(), "command not found")
+        return "".join(out)
 
-    def fail(self, block: Block, lines: list[str], why: str) -> NoReturn:
-        shown = "".join(ln for ln in lines if not ln.startswith('{"timestamp"'))  # logs
-        pytest.fail(f"{block}: {why}; its output (daemon logs left out):\n{shown}")
+    def fail(self, block: Block, out: list[str], errors: list[str], why: str) -> NoReturn:
+        shown = "".join(ln for ln in errors if not ln.startswith('{"timestamp"'))  # logs
+        pytest.fail(
+            f"{block}: {why}\n--- its stdout:\n{''.join(out)}"
+            f"--- its stderr (daemon logs left out):\n{shown}"
+        )
 
     def close(self) -> None:
         """End the shell and everything it started (SIGTERM, then SIGKILL after 15 s)."""
@@ -283,10 +306,18 @@ def test_using_it_profile_and_rollout_worker(shell: Shell) -> None:
     started, profiled, worker, elastic = run_shell(shell, "using-it")
     assert "Cpus_allowed_list" in started
     assert '"outcome": "ok"' in started and "search" in started
-    assert "unit-tests" in profiled
+    assert "T1 = " in profiled
     # print(r.outcome, r.exit_code, r.queue_s, r.exec_s, r.cores)
     assert re.search(r"^ok 0 \S+ \S+ \([\d, ]+\)$", worker, re.M), worker
-    assert "16 passed" in elastic
+    assert "name:    unit-tests" in elastic and "16 passed" in elastic
+
+
+def test_gpu_services(shell: Shell) -> None:
+    """The GPU services block: a daemon with simulated GPUs, the example reward model
+    registered, listed and called."""
+    (out,) = run_shell(shell, "gpu-services")
+    assert re.search(r"^reward\s+torch\s", out, re.M), out
+    assert '"outcome": "ok"' in out and '"model": "reward_small"' in out
 
 
 def test_cluster_on_one_host(shell: Shell) -> None:
