@@ -9,12 +9,13 @@ The blocks run as a reader pastes them into one terminal: each shell below is on
 process that sources the blocks in README order (so ``export TANGRAM_SOCKET=…`` and ``$ENV``
 carry over), a ```python block through ``python - <<EOF``, each with its own timeout, under
 ``set -e -o pipefail`` (a failing command fails the block). What differs from a terminal,
-each for the stated reason (``EDITS``):
+each for the stated reason (see ``edited``):
 
 - every ``/tmp/`` path moves under a fresh temporary directory (parallel runs, other
   daemons on the host), and the cluster's port 7317 becomes a free loopback port;
 - the line ``. .venv/bin/activate`` is skipped: the test runs with its own interpreter,
-  whose bin directory comes first on PATH (the venv's, under scripts/test.sh);
+  whose bin directory comes first on PATH (the venv's, under scripts/test.sh), with this
+  tree first on PYTHONPATH (whatever the interpreter's install of arl-tangram points at).
 
 Daemons a block starts in the background are stopped (SIGTERM, then SIGKILL) when the
 shell's test ends.
