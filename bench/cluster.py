@@ -33,7 +33,8 @@ one real ``tangramd coordinator`` process (TLS, 1 s heartbeats) and N nodes.
      lightweight nodes heartbeat (one of the N leaves first): the client-measured ``true``
      exec through the cluster against ``tangramd up`` in alternating rounds, the hop
      overhead as the difference of their p50/p99, sequential and concurrent execs/s, and
-     the coordinator's CPU per exec.
+     the coordinator's CPU per exec; then the same again once the lightweight nodes have
+     left (``alone``: the control, same daemons, same run).
 The lightweight nodes are the real node code (``tangramd.cluster.daemon.build_node`` and
 ``serve_node``: TLS, join token and CA pin, heartbeats, a Unix socket each), offering no
 cores as ``--cpus ''`` does, all on one event loop in a thread of this process. Not 128
@@ -438,6 +439,7 @@ class LightNodes:
 
         # their log lines (JSON, as a node writes them) go to a file, warnings and up
         self._log = open(work / "light-nodes.log", "w")  # noqa: SIM115
+        self._structlog = dict(structlog.get_config())
         structlog.configure(
             processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
             wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
@@ -510,6 +512,8 @@ class LightNodes:
         self.call(run())
 
     def close(self) -> None:
+        import structlog
+
         try:
             if self.tasks:
                 self.stop()
@@ -517,6 +521,7 @@ class LightNodes:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
             self.loop.close()
+            structlog.configure(**self._structlog)
             self._log.close()
 
 
@@ -548,6 +553,39 @@ def _concurrent(sock: str, clients: int, per_client: int, env: str | None) -> tu
     wall = time.perf_counter() - t0
     assert outcomes.count("ok") == len(outcomes), outcomes
     return len(outcomes), wall
+
+
+def _exec_rounds(
+    sides: dict[str, Client], envs: dict[str, str], acts: int, rounds: int, coord_pid: int
+) -> dict[str, Any]:
+    """``acts`` execs of ``true`` per side in ``rounds`` alternating rounds; the
+    coordinator's CPU over the node's rounds."""
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for side, c in sides.items():
+        _act_loop(c, envs[side], 20)  # warm-up
+    names, cpu = list(sides), 0.0
+    for r in range(rounds):
+        for side in names[r % 2 :] + names[: r % 2]:
+            c0 = _cpu_s([coord_pid])
+            times[side] += _act_loop(sides[side], envs[side], max(1, acts // rounds))
+            if side == "node":
+                cpu += _cpu_s([coord_pid]) - c0
+    return {"times": times, "coordinator_cpu_s": cpu}
+
+
+def _hop(run: dict[str, Any]) -> dict[str, Any]:
+    """Through the node against ``tangramd up``: each side's ACT, their difference at p50
+    and p99 (the hop), the coordinator's CPU per exec."""
+    up, node = (_stats_ms(run["times"][side]) for side in ("up", "node"))
+    return {
+        "tangramd_up": up,
+        "through_node": node,
+        "hop_p50_ms": round(node["p50_ms"] - up["p50_ms"], 3),
+        "hop_p99_ms": round(node["p99_ms"] - up["p99_ms"], 3),
+        "coordinator_cpu_ms_per_exec": round(
+            run["coordinator_cpu_s"] / len(run["times"]["node"]) * 1e3, 3
+        ),
+    }
 
 
 def bench_scale(
@@ -583,34 +621,27 @@ def bench_scale(
         wait_for(lambda: _ready_count(coord) == nodes, 30, f"{nodes} nodes ready with exec")
         sides = {"up": Client(up.socket), "node": Client(node.socket)}
         envs = {side: c.env_open() for side, c in sides.items()}
-        times: dict[str, list[float]] = {"up": [], "node": []}
-        for side, c in sides.items():
-            _act_loop(c, envs[side], 20)  # warm-up
-        names = list(sides)
-        node_cpu = 0.0
-        for r in range(rounds):
-            for side in names[r % 2 :] + names[: r % 2]:
-                c1 = _cpu_s([coord.proc.pid])
-                times[side] += _act_loop(sides[side], envs[side], max(1, acts // rounds))
-                if side == "node":
-                    node_cpu += _cpu_s([coord.proc.pid]) - c1
-        seq = {side: len(t) / sum(t) for side, t in times.items()}
+        crowded = _exec_rounds(sides, envs, acts, rounds, coord.proc.pid)
+        seq = {side: len(t) / sum(t) for side, t in crowded["times"].items()}
         conc = {}
         for side, daemon in (("up", up), ("node", node)):
             count, wall = _concurrent(daemon.socket, clients, per_client, envs[side])
             conc[side] = round(count / wall, 1)
+        ready_end = _ready_count(coord)
+        # the control: the same daemons once the lightweight nodes have left
+        light.close()
+        light = None
+        wait_for(lambda: _ready_count(coord) == 1, 30, "the light nodes gone")
+        alone = _exec_rounds(sides, envs, acts, rounds, coord.proc.pid)
         for side, c in sides.items():
             c.env_close(envs[side])
             c.close()
-        ready_end = _ready_count(coord)
     finally:
         if light is not None:
             light.close()
         for daemon in reversed(daemons):
             daemon.stop()
-    stats = {side: _stats_ms(t) for side, t in times.items()}
-    hop_p50 = round(stats["node"]["p50_ms"] - stats["up"]["p50_ms"], 3)
-    hop_p99 = round(stats["node"]["p99_ms"] - stats["up"]["p99_ms"], 3)
+    hop = _hop(crowded)
     return {
         "nodes": nodes,
         "heartbeat_s": 1.0,
@@ -631,18 +662,16 @@ def bench_scale(
         },
         "exec": {
             "heartbeating_nodes": nodes - 1,
-            "actions_per_side": len(times["node"]),
+            "actions_per_side": len(crowded["times"]["node"]),
             "rounds": rounds,
-            "tangramd_up": stats["up"],
-            "through_node": stats["node"],
-            "hop_p50_ms": hop_p50,
-            "hop_p99_ms": hop_p99,
+            **hop,
             "goal_hop_p99_ms": SCALE_GOALS["hop_p99_ms"],
-            "meets_goal": hop_p99 <= SCALE_GOALS["hop_p99_ms"],
+            "meets_goal": hop["hop_p99_ms"] <= SCALE_GOALS["hop_p99_ms"],
             "sequential_execs_per_s": {k: round(v, 1) for k, v in seq.items()},
             "concurrent_execs_per_s": {"clients": clients, **conc},
-            "coordinator_cpu_ms_per_exec": round(node_cpu / len(times["node"]) * 1e3, 3),
             "nodes_ready_at_end": ready_end,
+            # the same daemons, the same run, once the heartbeating nodes have left
+            "alone": _hop(alone),
         },
         "host_cores": len(CORES),
         "loadavg": [round(x, 2) for x in os.getloadavg()],

@@ -46,6 +46,17 @@ def test_scale_mode_reports_storm_heartbeats_and_execs() -> None:
     assert ex["concurrent_execs_per_s"]["clients"] == 8
     assert ex["concurrent_execs_per_s"]["node"] > 0
     assert ex["coordinator_cpu_ms_per_exec"] >= 0  # (10 ms clock ticks)
+    alone = ex["alone"]  # the control: the same daemons once the others have left
+    assert set(alone) == {
+        "tangramd_up",
+        "through_node",
+        "hop_p50_ms",
+        "hop_p99_ms",
+        "coordinator_cpu_ms_per_exec",
+    }
+    assert alone["hop_p50_ms"] == round(
+        alone["through_node"]["p50_ms"] - alone["tangramd_up"]["p50_ms"], 3
+    )
 
 
 def test_scale_mode_refuses_bad_sizes() -> None:
