@@ -228,7 +228,8 @@ def curves(
     return {"queued": by_queue, "units": by_cores}
 
 
-def plot(result: dict, path: str) -> None:
+def plot(result: dict, path: str, before: dict | None = None, label: str = "before") -> None:
+    """The curves of ``result`` (and, dimmed, those of ``before``: another run's) to PATH."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,16 +239,28 @@ def plot(result: dict, path: str) -> None:
     for ax, key in zip(axes, ("queued", "units"), strict=True):
         c = result["curves"][key]
         xs = [r[key] for r in c["points"]]
+        if before is not None:
+            b = before["curves"][key]["points"]
+            bx = [r[key] for r in b]
+            ax.loglog(bx, [r["p50_ms"] for r in b], "o-", color="0.7", label=f"whole ({label})")
+            ax.loglog(
+                bx, [r["assign_p50_ms"] for r in b], "s--", color="0.7",
+                label=f"node choice ({label})",
+            )  # fmt: skip
         ax.loglog(xs, [r["p50_ms"] for r in c["points"]], "o-", label="whole pass")
         ax.loglog(xs, [r["assign_p50_ms"] for r in c["points"]], "s--", label="node choice")
         rest = [max(r["p50_ms"] - r["assign_p50_ms"], 1e-3) for r in c["points"]]
-        ax.loglog(xs, rest, "^:", label="the rest (per-pool passes)")
-        fixed = ", ".join(f"{v:,} {k}" for k, v in c["fixed"].items())
-        ax.set_title(f"by {key} (fixed: {fixed})", fontsize=9)
+        ax.loglog(xs, rest, "^:", label="the rest (routing, per-pool passes)")
+        f = c["fixed"]
+        if key == "queued":
+            title = f"by queue: {f['units']:,} cores on {f['nodes']} nodes"
+        else:
+            title = f"by cores: {f['queued']:,} queued, nodes of {f['node_cores']} cores"
+        ax.set_title(f"{title} (slope {c['slope_p50_ms']})", fontsize=9)
         ax.set_xlabel("queued actions" if key == "queued" else "free cores")
         ax.set_ylabel("p50 ms per pass")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     clock = "thread CPU" if result["clock"] == "thread_cpu" else "wall"
     core = "compiled" if result.get("compiled") else "interpreted"
     fig.suptitle(f"bench/sched.py --curve: one scheduling pass ({core} core, {clock} clock)")

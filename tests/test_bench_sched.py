@@ -86,6 +86,9 @@ def test_curves_and_their_plot(tmp_path: Path) -> None:
     out = tmp_path / "curve.png"
     bench.plot(result, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    both = tmp_path / "both.png"  # another run's curves beside (docs/img/sched-scale.png)
+    bench.plot(result, str(both), before=result, label="again")
+    assert both.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bad_repeat_is_refused_by_name() -> None:
