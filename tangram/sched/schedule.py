@@ -47,6 +47,7 @@ loop evaluates the objective until it stops improving (usually 1–3 times).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -245,6 +246,11 @@ def _no_pool(action: Action, pid: str) -> Shortfall:
 
 # ----------------------------------------------------------------------------- node choice
 
+# From this many CPU nodes on, _assign_nodes keeps the nodes ranked by memory load instead
+# of scanning them all for each action (the same choice; compiled, the scan is cheaper up to
+# ~16 nodes, the ranking 3x cheaper at 128). Not Final: tests set it to check both ways.
+_RANK_NODES = 16
+
 
 def _assign_nodes(
     actions: Sequence[Action], snap: Snapshot, now: float, cfg: SchedConfig
@@ -260,7 +266,18 @@ def _assign_nodes(
     assigned: list[tuple[Action, str]] = []
     never: list[Infeasible] = []
     memo: dict[tuple[str, int], list[int]] = {}  # (node_key, env memory) -> nodes it fits
+    fit_sets: dict[tuple[str, int], set[int]] = {}  # the same, as sets (when not all)
     most_free = max(cores_free, default=0)
+    at_most = cores_free.count(most_free)  # how many nodes have most_free cores free
+    # From _RANK_NODES nodes on, the nodes with a free core are kept in (memory load, index)
+    # order, the order the choice below prefers; a node leaves when its last free core is
+    # taken (no key amount is 0). Fewer: each choice scans them (cheaper there).
+    rank = len(nodes) >= _RANK_NODES
+    ranked: list[tuple[float, int]] = sorted(
+        (mem_used[i] / total if total else 1.0, i)
+        for i, total in enumerate(mem_total)
+        if rank and cores_free[i] > 0
+    )
     starvation_s, env_mem = cfg.starvation_s, snap.env_mem
     for action in actions:
         starving = now - action.submitted_at >= starvation_s
@@ -286,6 +303,7 @@ def _assign_nodes(
             )
             never.append(Infeasible(action.id, Shortfall("cpu", action.min_units, 0, cap, reason)))
             continue
+        at = -1  # k's place in ranked, when found there
         if len(fits_ever) == 1:  # one node it can ever fit: no choice to make
             k = fits_ever[0]
             if not starving and (mem_free[k] < need_mem or cores_free[k] < need):
@@ -295,12 +313,28 @@ def _assign_nodes(
             # (nodes are in pool id order: the first of equal loads); none with room: it
             # waits, or when starving, the least loaded node it can ever fit
             k, best = -1, 0.0
-            for i in fits_ever:
-                if mem_free[i] >= need_mem and cores_free[i] >= need:
-                    total = mem_total[i]
-                    load = mem_used[i] / total if total else 1.0
-                    if k < 0 or load < best:
-                        k, best = i, load
+            if rank and need >= 1:
+                # the first node with room in (load, index) order is that node: most
+                # often the first one looked at (the scan over every node was the
+                # pass's one cost growing with queue x nodes, bench/sched.py --curve)
+                among: set[int] | None = None  # None: it fits every node
+                if len(fits_ever) != len(nodes):
+                    among = fit_sets.get(sig)
+                    if among is None:
+                        among = fit_sets[sig] = set(fits_ever)
+                for j in range(len(ranked)):
+                    i = ranked[j][1]
+                    room = mem_free[i] >= need_mem and cores_free[i] >= need
+                    if room and (among is None or i in among):
+                        k, at = i, j
+                        break
+            else:  # every node it fits, in order
+                for i in fits_ever:
+                    if mem_free[i] >= need_mem and cores_free[i] >= need:
+                        total = mem_total[i]
+                        load = mem_used[i] / total if total else 1.0
+                        if k < 0 or load < best:
+                            k, best = i, load
             if k < 0:
                 if not starving:
                     continue  # waits; no node has room now
@@ -310,13 +344,32 @@ def _assign_nodes(
                     if k < 0 or load < best:
                         k, best = i, load
         if mem_free[k] >= need_mem:
+            total = mem_total[k]
+            if rank and cores_free[k] > 0 and at < 0:  # in the ranking, chosen without it
+                at = bisect.bisect_left(ranked, (mem_used[k] / total if total else 1.0, k))
             mem_free[k] -= need_mem
             mem_used[k] += need_mem
             cores = cores_free[k]
             left = cores - need
             cores_free[k] = left if left > 0 else 0
+            if rank and cores > 0:  # its place moves up the ranking (load grew), or it leaves
+                if left > 0:
+                    moved = (mem_used[k] / total if total else 1.0, k)
+                    if at + 1 == len(ranked) or moved < ranked[at + 1]:
+                        ranked[at] = moved  # still before the next one: same place
+                    else:
+                        del ranked[at]
+                        bisect.insort(ranked, moved, at)
+                else:
+                    del ranked[at]
             if cores == most_free:  # only the node with the most free cores moves the max
-                most_free = max(cores_free) if len(cores_free) > 1 else cores_free[k]
+                if not rank:
+                    most_free = max(cores_free) if len(cores_free) > 1 else cores_free[k]
+                elif left != cores:  # one node fewer holds the max
+                    at_most -= 1
+                    if at_most == 0:  # it was the last: the max moves (O(nodes), seldom)
+                        most_free = max(cores_free)
+                        at_most = cores_free.count(most_free)
             assigned.append((action, pids[k]))
         elif starving:
             # pinned but memory not free yet: queue it there so it blocks later work (FCFS)
