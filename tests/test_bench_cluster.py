@@ -26,6 +26,7 @@ def test_scale_mode_reports_storm_heartbeats_and_execs() -> None:
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)["e_scale"]
     assert out["nodes"] == 4 and out["heartbeat_s"] == 1.0
+    assert isinstance(out["core_compiled"], bool)
     storm = out["join_storm"]
     assert storm["nodes"] == 4
     assert 0 < storm["to_welcome"]["p50_ms"] <= storm["to_welcome"]["p99_ms"]
