@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -208,36 +209,104 @@ async def _observations(rt: RemoteRuntime) -> list[tuple[str, int | None]]:
     return seen
 
 
-def test_sessions_answer_as_swerex_remote_does(runtime, tmp_path) -> None:
-    """The same commands through the gateway and through SWE-ReX's own server
-    (``swerex-remote`` on a loopback port) give the same observations: output unstripped,
-    empty and comment-only commands run, an empty ``execute`` runs."""
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    """SWE-ReX's own server, ``swerex-remote``, on a loopback port: the reference."""
     port = free_port()
     proc = subprocess.Popen(
         ["swerex-remote", "--host", "127.0.0.1", "--port", str(port), "--auth-token", "ref"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        cwd=tmp_path,
+        cwd=tmp_path_factory.mktemp("swerex-remote"),
     )
     try:
-        reference = RemoteRuntime(host="http://127.0.0.1", port=port, auth_token="ref", timeout=30)
+        ref = RemoteRuntime(host="http://127.0.0.1", port=port, auth_token="ref", timeout=30)
 
         async def alive() -> bool:
             try:
-                return bool((await reference.is_alive()).is_alive)
+                return bool((await ref.is_alive()).is_alive)
             except Exception:
                 return False
 
-        async def both() -> tuple[list[tuple[str, int | None]], list[tuple[str, int | None]]]:
-            await wait_for_async(alive, 60, "swerex-remote answers")
-            return await _observations(reference), await _observations(runtime)
-
-        theirs, ours = asyncio.run(both())
+        asyncio.run(wait_for_async(alive, 60, "swerex-remote answers"))
+        yield ref
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_sessions_answer_as_swerex_remote_does(runtime, reference) -> None:
+    """The same commands through the gateway and through SWE-ReX's own server
+    (``swerex-remote`` on a loopback port) give the same observations: output unstripped,
+    empty and comment-only commands run, an empty ``execute`` runs."""
+
+    async def both() -> tuple[list[tuple[str, int | None]], list[tuple[str, int | None]]]:
+        return await _observations(reference), await _observations(runtime)
+
+    theirs, ours = asyncio.run(both())
     assert ours == theirs
     assert ours[0] == ("42\n", 0) and ours[2] == ("", 0) and ours[5] == ("", 1)
+
+
+INTERACTIVE = [
+    # a REPL: its banner up to the prompt, each line's answer, a block, then quit
+    BashAction(command="python3", is_interactive_command=True, expect=[">>> "], timeout=20),
+    BashAction(command="print(6 * 7)", is_interactive_command=True, expect=[">>> "]),
+    BashAction(command="for i in range(2):", is_interactive_command=True, expect=[r"\.\.\. "]),
+    BashAction(command="  print(i)", is_interactive_command=True, expect=[r"\.\.\. "]),
+    BashAction(command="", is_interactive_command=True, expect=[">>> "]),
+    BashAction(command="exit()", is_interactive_quit=True, timeout=20),
+    BashAction(command="echo after", check="silent"),
+    # a prompt, answered by the quitting line
+    BashAction(
+        command="read -p 'name? ' x && echo hi $x",
+        is_interactive_command=True,
+        expect=[r"name\? "],
+        timeout=20,
+    ),
+    BashAction(command="bob", is_interactive_quit=True, timeout=20),
+    # a program that never prints what is expected: the timeout, then ^C, the shell lives
+    BashAction(command="cat", is_interactive_command=True, expect=["never"], timeout=1),
+    BashInterruptAction(),
+    BashAction(command="echo alive", check="silent"),
+]
+
+
+async def _interactive(rt: RemoteRuntime) -> list[tuple[str, int | None, str] | str]:
+    await rt.create_session(CreateBashSessionRequest(session="i"))
+    seen: list[tuple[str, int | None, str] | str] = []
+    for action in INTERACTIVE:
+        action = action.model_copy(update={"session": "i"})
+        try:
+            obs = await rt.run_in_session(action)
+        except CommandTimeoutError as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+            continue
+        output = obs.output
+        if isinstance(action, BashAction) and not (
+            action.is_interactive_command or action.is_interactive_quit
+        ):
+            output = _terminal_free(output)
+        seen.append((output, obs.exit_code, obs.expect_string))
+    await rt.close_session(CloseBashSessionRequest(session="i"))
+    return seen
+
+
+def test_interactive_commands_answer_as_swerex_remote_does(runtime, reference) -> None:
+    """Interactive actions (``is_interactive_command``/``is_interactive_quit`` with
+    ``expect`` patterns) through the gateway and through ``swerex-remote``: the same
+    outputs, exit codes, matched patterns and timeout errors, and a ^C that leaves the
+    session usable."""
+
+    async def both() -> tuple[list[Any], list[Any]]:
+        return await _interactive(reference), await _interactive(runtime)
+
+    theirs, ours = asyncio.run(both())
+    assert ours == theirs
+    assert ours[1] == ("42", 0, ">>> ") and ours[4] == ("0\n1", 0, ">>> ")
+    assert ours[8] == ("hi bob\n", 0, "SHELLPS1PREFIX"), ours
+    assert ours[9].startswith("CommandTimeoutError: timeout after 1.0 seconds")
+    assert ours[11] == ("alive\n", 0, "SHELLPS1PREFIX")
 
 
 def test_close_closes_the_environment_the_gateway_opened(stack):

@@ -12,9 +12,11 @@ Each command is one exec action (it waits for its core, runs pinned to it, relea
 ``execute`` in the environment, ``run_in_session`` in a tangram shell session (named
 sessions map to session ids per environment). Differences from SWE-ReX's own server:
 ``execute``'s ``env`` adds variables rather than replacing the environment, a string
-command always runs through ``/bin/sh -c``, and interactive commands (``expect``) are not
-served. Paths are the environment's: relative to its working directory; the process
-backend refuses paths outside the environment.
+command always runs through ``/bin/sh -c``, and an interactive program
+(``is_interactive_command``) runs on a terminal of its own (``bash -c`` in the session's
+directory and exported variables), not in the session's shell (see
+``run_interactive``). Paths are the environment's: relative to its working directory;
+the process backend refuses paths outside the environment.
 
 Life cycle: ``POST /envs`` opens an environment (its memory reserved; the open waits at
 most its ``timeout``, 60 s by default, for memory, then fails naming what it needed);
@@ -30,10 +32,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
+import re
 import tarfile
 import traceback
 import zipfile
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
@@ -45,6 +50,14 @@ from tangram.model import TangramError
 from tangram.protocol.errors import BadRequest, NotFound
 
 EXC = "swerex.exceptions."
+PS1 = "SHELLPS1PREFIX"  # SWE-ReX's prompt: the expect_string of a command that ran to its end
+ANSI_ESCAPE = re.compile(r"\x1B[@-_][0-?]*[ -/]*[@-~]")
+
+# The session's terminal for interactive commands (``swerex_pty.py``, stdlib only, run by
+# the environment's python3: see there).
+_HERE = Path(__file__).resolve().parent
+PTY_HELPER = (_HERE / "swerex_pty.py").read_text()
+PTY_CLIENT = (_HERE / "swerex_pty_client.py").read_text()
 SYNTAX_CHECK_TIMEOUT_S = 5.0
 
 # --------------------------------------------------------------------------- models
@@ -160,6 +173,7 @@ class Runtimes:
         self.observe = observe  # (kind, ExecResult) -> None: the gateway's metrics
         self.sessions: dict[tuple[str, str], str] = {}
         self.opened: set[str] = set()
+        self.interactive: set[tuple[str, str]] = set()  # sessions with a program on a pty
 
     async def exec(self, kind: str, cmd: Any, **kw: Any) -> ExecResult:
         result: ExecResult = await self.client.exec(cmd, task=f"swerex/{kind}", **kw)
@@ -186,10 +200,16 @@ class Runtimes:
     async def run_in_session(self, env: str, action: BashAction | BashInterruptAction) -> Any:
         sid = self.session(env, action.session)
         if isinstance(action, BashInterruptAction):
+            if (env, action.session) in self.interactive:
+                return await self.interrupt_interactive(env, sid, action)
             await self.client.session_interrupt(sid)
             return _observation("", 0)
-        if action.is_interactive_command or action.is_interactive_quit or action.expect:
-            raise RemoteError("builtins.NotImplementedError", "interactive commands not served")
+        if (
+            action.is_interactive_command
+            or action.is_interactive_quit
+            or (env, action.session) in self.interactive
+        ):
+            return await self.run_interactive(env, sid, action)
         await _check_syntax(action.command)
         # A group keeps the shell's state (cd, variables) and merges stderr as a terminal would;
         # its leading ':' lets an empty or comment-only command run (a bare "{ }" is a bash
@@ -222,9 +242,98 @@ class Runtimes:
             )
         return _observation(output, result.exit_code)
 
+    async def _pty(self, sid: str, request: dict[str, Any], start: str | None) -> dict[str, Any]:
+        """One exchange with the session's program on a pseudo-terminal (``PTY_HELPER``, a
+        background job of the session's shell; ``start``: the command that starts it)."""
+        ask = f'python3 -c {_quote(PTY_CLIENT)} "$__tangram_pty" {_quote(json.dumps(request))}'
+        if start is not None:
+            ask = (
+                "__tangram_pty=$(mktemp -d) && "
+                f'{{ python3 -c {_quote(PTY_HELPER)} "$__tangram_pty" {_quote(start)} & '
+                f"disown; }} 2>/dev/null && {ask}"
+            )
+        wait = request.get("timeout")
+        result = await self.exec(
+            "run_in_session", ask, session=sid, timeout_s=None if wait is None else wait + 30
+        )
+        try:
+            reply: dict[str, Any] = json.loads(result.stdout)
+        except ValueError:
+            raise RemoteError(
+                EXC + "SwerexException",
+                f"interactive command: no answer from its terminal ({result.outcome}, "
+                f"exit {result.exit_code}): {(result.stdout + result.stderr)[-2000:]}",
+            ) from None
+        return reply
+
+    async def run_interactive(self, env: str, sid: str, action: BashAction) -> dict[str, Any]:
+        """An interactive action as SWE-ReX's server runs it (pexpect on its shell): the
+        line goes to the program on the session's terminal, and the answer is what it
+        printed up to the first ``expect`` pattern (regular expressions) or, as SWE-ReX's
+        prompt, until the program exits. A program is started by the first interactive
+        command on a terminal of its own, in the session's directory and exported
+        variables (``bash -c``: a ``read`` there sets nothing in the session's shell)."""
+        key = (env, action.session)
+        running = key in self.interactive
+        request = {
+            "send": action.command + "\n" if running else None,
+            "expect": action.expect,
+            "timeout": action.timeout,
+        }
+        reply = await self._pty(sid, request, None if running else action.command)
+        if "gone" in reply:  # the program had ended: the line is for the session's shell,
+            self.interactive.discard(key)  # as SWE-ReX's shell would read it next
+            rest = _strip_control_chars(reply.get("output", ""))
+            observation = await self.run_in_session(env, action)
+            observation["output"] = rest + observation["output"]
+            return dict(observation)
+        self.interactive.add(key)
+        if reply.get("timeout"):
+            raise RemoteError(
+                EXC + "CommandTimeoutError",
+                f"timeout after {action.timeout} seconds while running command {action.command!r}",
+            )
+        output = _strip_control_chars(reply.get("output", ""))
+        exit_code: int | None = 0
+        if "exited" in reply:
+            self.interactive.discard(key)
+            expect_string = PS1
+            if not (action.is_interactive_command or action.is_interactive_quit):
+                exit_code = int(reply["exited"])
+        else:
+            expect_string = action.expect[int(reply["matched"])]
+        if action.is_interactive_command and not action.is_interactive_quit:
+            output = output.lstrip().removeprefix(action.command).strip()
+        observation = _observation(output, exit_code)
+        observation["expect_string"] = expect_string
+        return observation
+
+    async def interrupt_interactive(
+        self, env: str, sid: str, action: BashInterruptAction
+    ) -> dict[str, Any]:
+        """^C to the program on the session's terminal, ``n_retry`` times, each waiting
+        ``timeout`` for it to end (or for an ``expect`` pattern); then it is killed."""
+        key = (env, action.session)
+        output = ""
+        for attempt in range(action.n_retry + 1):
+            last = attempt == action.n_retry
+            request = {"send": None if last else "\x03", "kill": last,
+                       "expect": action.expect, "timeout": action.timeout}  # fmt: skip
+            reply = await self._pty(sid, request, None)
+            output += reply.get("output", "")
+            if "exited" in reply or "matched" in reply:
+                if "exited" in reply:
+                    self.interactive.discard(key)
+                expect = PS1 if "exited" in reply else action.expect[int(reply["matched"])]
+                observation = _observation(_strip_control_chars(output).strip(), 0)
+                observation["expect_string"] = expect
+                return observation
+        raise RemoteError("pexpect.exceptions.TIMEOUT", "Failed to interrupt session")
+
     async def close_session(self, env: str, req: CloseBashSessionRequest) -> dict[str, Any]:
         sid = self.session(env, req.session)
         del self.sessions[(env, req.session)]
+        self.interactive.discard((env, req.session))
         with contextlib.suppress(NotFound):  # the environment (and its shells) went away
             await self.client.session_close(sid)
         return {"session_type": "bash"}
@@ -310,6 +419,7 @@ class Runtimes:
         for (owner, name), sid in list(self.sessions.items()):
             if owner == env:
                 del self.sessions[(owner, name)]
+                self.interactive.discard((owner, name))
                 with contextlib.suppress(NotFound):
                     await self.client.session_close(sid)
 
@@ -325,9 +435,14 @@ def _observation(output: str, exit_code: int | None) -> dict[str, Any]:
         "output": output,
         "exit_code": exit_code,
         "failure_reason": "",
-        "expect_string": "",
+        "expect_string": PS1,  # the command ran to its end: SWE-ReX's shell is at its prompt
         "session_type": "bash",
     }
+
+
+def _strip_control_chars(text: str) -> str:
+    """As SWE-ReX cleans what its terminal gave: ANSI escapes out, "\\r\\n" as "\\n"."""
+    return ANSI_ESCAPE.sub("", text).replace("\r\n", "\n")
 
 
 def _quote(text: str) -> str:
