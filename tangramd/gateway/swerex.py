@@ -34,6 +34,7 @@ import contextlib
 import io
 import json
 import re
+import subprocess
 import tarfile
 import traceback
 import zipfile
@@ -450,26 +451,25 @@ def _quote(text: str) -> str:
 
 
 async def _check_syntax(command: str) -> None:
-    """``bash -n``, as SWE-ReX checks a command before it reaches the shell (parse only)."""
-    proc = await asyncio.create_subprocess_exec(
-        "bash", "-n",
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    """``bash -n``, as SWE-ReX checks a command before it reaches the shell (parse only).
+
+    A blocking ``subprocess.run`` on a worker thread: asyncio's subprocess transport
+    (child watcher, pipe protocols) made this ~8 ms of a session command in the gateway's
+    process, against ~2 ms for the spawn itself."""
     try:
-        out, err = await asyncio.wait_for(
-            proc.communicate(command.encode() + b"\n"), SYNTAX_CHECK_TIMEOUT_S
-        )
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
+        done = await asyncio.to_thread(
+            subprocess.run, ["bash", "-n"], input=command.encode() + b"\n",
+            capture_output=True, timeout=SYNTAX_CHECK_TIMEOUT_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
         return  # cannot tell: let the shell report it
-    if proc.returncode == 0:
+    if done.returncode == 0:
         return
-    stdout, stderr = out.decode(errors="backslashreplace"), err.decode(errors="backslashreplace")
+    stdout = done.stdout.decode(errors="backslashreplace")
+    stderr = done.stderr.decode(errors="backslashreplace")
     raise RemoteError(
         EXC + "BashIncorrectSyntaxError",
-        f"Error (exit code {proc.returncode}) while checking bash command \n{command!r}\n"
+        f"Error (exit code {done.returncode}) while checking bash command \n{command!r}\n"
         f"---- Stderr ----\n{stderr}\n---- Stdout ----\n{stdout}",
         {"bash_stdout": stdout, "bash_stderr": stderr},
     )
