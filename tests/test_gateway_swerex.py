@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import subprocess
 import time
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from swerex.exceptions import (
     BashIncorrectSyntaxError,
@@ -333,3 +335,41 @@ def test_close_closes_the_environment_the_gateway_opened(stack):
         story = c.story(opened["id"])
         assert story["state"] == "closed", story
         c.env_close(mine)
+
+
+def test_an_interactive_program_is_held_to_the_session(runtime) -> None:
+    """The program of an interactive command runs under the session's shell: each command
+    re-pins it to that command's cores, and closing the session ends it."""
+    marker = f"sleep {random.randint(10_000, 99_999)}"
+
+    def pids() -> list[int]:
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            if proc.info["cmdline"] == marker.split():
+                found.append(proc.pid)
+        return found
+
+    async def scenario() -> None:
+        await runtime.create_session(CreateBashSessionRequest(session="held"))
+        with pytest.raises(CommandTimeoutError):
+            await runtime.run_in_session(
+                BashAction(command=marker, session="held", is_interactive_command=True,
+                           expect=["never"], timeout=0.5)
+            )  # fmt: skip
+        assert len(pids()) == 1
+        # the next command (to the program) pins the session's processes to its core
+        with pytest.raises(CommandTimeoutError):
+            await runtime.run_in_session(
+                BashAction(command="", session="held", is_interactive_command=True,
+                           expect=["never"], timeout=0.3)
+            )  # fmt: skip
+        allowed = psutil.Process(pids()[0]).cpu_affinity()
+        assert len(allowed) == 1, allowed
+        await runtime.close_session(CloseBashSessionRequest(session="held"))
+        await wait_for_async(lambda: _none(pids), 10, "the program ended with its session")
+
+    asyncio.run(scenario())
+
+
+async def _none(pids: Any) -> bool:
+    return not pids()
