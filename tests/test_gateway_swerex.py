@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import subprocess
 import time
@@ -250,9 +251,14 @@ def test_sessions_answer_as_swerex_remote_does(runtime, reference) -> None:
     assert ours[0] == ("42\n", 0) and ours[2] == ("", 0) and ours[5] == ("", 1)
 
 
+# The REPL by absolute path: swerex-remote's shell inherits the test's PATH (a venv's
+# python3 first) and an environment's shell the host's, so `python3` could be two Pythons
+# with two banners. A path under /usr is the same file inside an environment's overlay root.
+REPL = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
+
 INTERACTIVE = [
     # a REPL: its banner up to the prompt, each line's answer, a block, then quit
-    BashAction(command="python3", is_interactive_command=True, expect=[">>> "], timeout=20),
+    BashAction(command=REPL, is_interactive_command=True, expect=[">>> "], timeout=20),
     BashAction(command="print(6 * 7)", is_interactive_command=True, expect=[">>> "]),
     BashAction(command="for i in range(2):", is_interactive_command=True, expect=[r"\.\.\. "]),
     BashAction(command="  print(i)", is_interactive_command=True, expect=[r"\.\.\. "]),

@@ -43,16 +43,24 @@ class NotAFile(ValueError):
     """What was asked for is neither a regular file nor a directory (a FIFO, a socket)."""
 
 
-def _extract_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
-    data_filter = getattr(tarfile, "data_filter", None)
-    if data_filter is not None:
-        return data_filter(member, dest)  # type: ignore[no-any-return]  # typeshed lag
-    # Python without extraction filters: refuse the dangerous member kinds ourselves.
+_DATA_FILTER = getattr(tarfile, "data_filter", None)  # Python >= 3.11.4 (PEP 706)
+
+
+def _extract_member(archive: tarfile.TarFile, member: tarfile.TarInfo, dest: str) -> None:
+    """Extract one member into ``dest`` under the ``data`` filter's rules: with PEP 706's
+    own filter where this Python has it (3.11.4 and later), else (Debian 12's 3.11.2) by
+    refusing absolute names, ``..``, links and devices here and dropping set-id bits."""
+    if _DATA_FILTER is not None:
+        archive.extract(member, dest, filter=_DATA_FILTER)  # type: ignore[call-arg,unused-ignore]
+        return
     if member.name.startswith("/") or ".." in member.name.split("/"):
         raise PathEscape(f"tar member {member.name!r} leaves the directory")
-    if member.issym() or member.islnk() or member.isdev():
-        raise PathEscape(f"tar member {member.name!r} is a link or device")
-    return member
+    if not (member.isfile() or member.isdir()):
+        raise PathEscape(f"tar member {member.name!r} is a link, device or FIFO")
+    member.mode &= 0o777 if member.isdir() else 0o755
+    member.uid = member.gid = 0
+    member.uname = member.gname = ""
+    archive.extract(member, dest, set_attrs=True)
 
 
 def put_local(
@@ -66,7 +74,7 @@ def put_local(
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
             for member in archive.getmembers():
                 confine_real(target, member.name)  # a link written earlier may point out
-                archive.extract(member, target, filter=_extract_filter)
+                _extract_member(archive, member, target)
         if owner is not None:
             for dirpath, dirnames, filenames in os.walk(target):
                 for name in [*dirnames, *filenames]:
