@@ -57,7 +57,7 @@ NOT_RUN = {
     "scripts/test.sh itself, and tests/test_demo.py runs the demo",
     "bash .ci/docker-setup.sh": "installs docker.io, starts dockerd and builds the test image "
     "as root (scripts/test.sh runs it); the docker-marked tests run the Docker backend",
-    "tangramctl ray up": "needs a Ray cluster (tests/test_ray.py starts one)",
+    "ray start --head": "needs Ray and starts a Ray cluster (tests/test_ray.py starts one)",
     "pip install -e '.[dev,gpu,http,ray]'": "installs the extras and runs the whole test "
     "suite (this test among them)",
     "python bench/sched.py": "benchmarks: minutes each, machine-dependent numbers",
