@@ -9,12 +9,12 @@ Each case builds a realistic mix over CPU node pools holding ``units`` free core
 ~80% short non-elastic exec actions, ~12% elastic exec actions with 5-10 allowed amounts
 and a profile, ~5% GPU service actions ({1,2,4,8} GPUs), ~3% API calls. Half of the
 trajectories already have a node. Prints p50/p99 over ``--repeat`` passes.
-``--gc`` is how the cyclic garbage collector sees the objects: ``daemon`` (the default)
-as under ``tangramd``, which freezes its start-up objects (modules, config, pools) once it
-is ready, so a full collection walks only what was made since (here: the queue and the
-pools' state); ``plain`` freezes nothing (full collections also walk every module of this
-process); ``frozen`` (``--gc-freeze``) also freezes the built queue (no daemon does that:
-it shows the collector's whole share of the tail).
+``--gc`` is how the cyclic garbage collector sees the pass: ``daemon`` (the default) under
+the daemon's own policy, by calling its functions (``tangramd/collector.py``): start-up
+objects frozen once (``freeze_startup``), each pass run with the collector paused
+(``schedule_paused``, what ``tangramd`` calls); ``plain`` freezes nothing and leaves the
+collector on (its collections inside the pass walk the queue: the old tail); ``frozen``
+(``--gc-freeze``) freezes the built queue too and leaves the collector on.
 ``--cpu-time`` times each pass with the thread's CPU clock instead of the wall clock: on a
 shared machine it leaves out the time other processes hold the CPU (not cache effects).
 
@@ -50,6 +50,7 @@ from tangram.pools.cpu import CpuNodePool
 from tangram.pools.gpu import GpuCluster, GpuNodePool, ServiceSpec
 from tangram.sched import SchedConfig, Snapshot, schedule
 from tangram.sched.schedule import _assign_nodes  # timed on its own (the node-choice phase)
+from tangramd.collector import freeze_startup, paused, schedule_paused
 
 CASES = [(64, 64), (256, 256), (1024, 256), (4096, 1024)]
 # (queued, units, CPU nodes or None: nodes of up to 256 cores) -> p99 goal, ms
@@ -143,10 +144,13 @@ def measure(
     cfg: SchedConfig,
     clock,
     gc_freeze: bool = False,
+    daemon_gc: bool = True,
 ) -> dict:
-    """One case: p50/p99 of ``passes`` passes after a warm-up, and the node-choice phase's p50."""
+    """One case: p50/p99 of ``passes`` passes after a warm-up, and the node-choice phase's p50
+    (``daemon_gc``: each through the daemon's collector policy, as tangramd runs a pass)."""
     snap = build(queued, units, nodes=nodes)
-    schedule(snap, 0.0, cfg)  # warm-up
+    one = schedule_paused if daemon_gc else schedule
+    one(snap, 0.0, cfg)  # warm-up
     if gc_freeze:  # long-lived state out of the cyclic GC's sight (its pauses are the tail)
         gc.collect()
         gc.freeze()
@@ -154,15 +158,21 @@ def measure(
     placed = 0
     for _ in range(passes):
         t0 = clock()
-        d = schedule(snap, 0.0, cfg)
+        d = one(snap, 0.0, cfg)
         times.append((clock() - t0) * 1e3)
         placed = len(d.placements)
     unplaced = _unplaced(snap)
     assign = []
     for _ in range(passes):
-        t0 = clock()
-        _assign_nodes(unplaced, snap, 0.0, cfg)
-        assign.append((clock() - t0) * 1e3)
+        if daemon_gc:
+            with paused():
+                t0 = clock()
+                _assign_nodes(unplaced, snap, 0.0, cfg)
+                assign.append((clock() - t0) * 1e3)
+        else:
+            t0 = clock()
+            _assign_nodes(unplaced, snap, 0.0, cfg)
+            assign.append((clock() - t0) * 1e3)
     times.sort()
     row = {
         "queued": queued,
@@ -190,10 +200,17 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / den if den else 0.0
 
 
-def curve(points: list[tuple[int, int, int]], x: str, passes: int, cfg: SchedConfig, clock):
+def curve(
+    points: list[tuple[int, int, int]],
+    x: str,
+    passes: int,
+    cfg: SchedConfig,
+    clock,
+    daemon_gc: bool = True,
+):
     """p50 of a pass at each (queued, units, nodes); the slopes over all points and over the
     upper half (where fixed per-pass costs no longer dominate)."""
-    rows = [measure(q, u, n, passes, cfg, clock) for q, u, n in points]
+    rows = [measure(q, u, n, passes, cfg, clock, daemon_gc=daemon_gc) for q, u, n in points]
     xs = [float(r[x]) for r in rows]
     out: dict = {"x": x, "points": rows}
     for key in ("p50_ms", "assign_p50_ms"):
@@ -215,14 +232,20 @@ def curves(
     units: int = CURVE_UNITS,
     node_cores: int = CURVE_NODE_CORES,
     queued: int = CURVE_QUEUED,
+    daemon_gc: bool = True,
 ) -> dict:
     """The pass's cost by queue length (``units`` cores on nodes of ``node_cores``) and by
     cluster size (``queued`` actions, nodes of ``node_cores``)."""
     nodes = max(1, units // node_cores)
-    by_queue = curve([(q, units, nodes) for q in queue], "queued", passes, cfg, clock)
+    by_queue = curve([(q, units, nodes) for q in queue], "queued", passes, cfg, clock, daemon_gc)
     by_queue["fixed"] = {"units": units, "nodes": nodes}
     by_cores = curve(
-        [(queued, u, max(1, u // node_cores)) for u in cores], "units", passes, cfg, clock
+        [(queued, u, max(1, u // node_cores)) for u in cores],
+        "units",
+        passes,
+        cfg,
+        clock,
+        daemon_gc,
     )
     by_cores["fixed"] = {"queued": queued, "node_cores": node_cores}
     return {"queued": by_queue, "units": by_cores}
@@ -285,16 +308,18 @@ def run(
     cfg = SchedConfig(order=order, rule=rule)  # type: ignore[arg-type]
     clock = time.thread_time if cpu_time else time.perf_counter
     gc_freeze = gc_mode == "frozen"
-    if gc_mode == "daemon":  # tangramd/main.py: gc.collect(); gc.freeze() once it is ready
-        gc.collect()
-        gc.freeze()
+    daemon_gc = gc_mode == "daemon"
+    if daemon_gc:  # as tangramd/main.py once it is ready (tangramd/collector.py)
+        freeze_startup()
     out = []
     for queued, units in CASES if cases is None else cases:
         n = repeat if queued <= 1024 else max(10, repeat // 4)
-        out.append(measure(queued, units, None, n, cfg, clock, gc_freeze))
+        out.append(measure(queued, units, None, n, cfg, clock, gc_freeze, daemon_gc))
     if scale:
         for queued, units, nodes in SCALE_CASES if scale_cases is None else scale_cases:
-            out.append(measure(queued, units, nodes, scale_repeat, cfg, clock, gc_freeze))
+            out.append(
+                measure(queued, units, nodes, scale_repeat, cfg, clock, gc_freeze, daemon_gc)
+            )
     result = {
         "order": order,
         "rule": rule,
@@ -305,7 +330,8 @@ def run(
         "cases": out,
     }
     if with_curves:
-        result["curves"] = curves(scale_repeat, cfg, clock, **(curve_spec or {}))
+        spec = {"daemon_gc": daemon_gc, **(curve_spec or {})}
+        result["curves"] = curves(scale_repeat, cfg, clock, **spec)
     if gc_mode != "plain":
         gc.unfreeze()
     return result
@@ -321,8 +347,9 @@ def main() -> None:
         "--gc",
         default="daemon",
         choices=GC_MODES,
-        help="daemon: start-up objects frozen, as tangramd does (default); plain: nothing "
-        "frozen; frozen: the built queue frozen too (the cyclic GC's whole share of p99)",
+        help="daemon: the daemon's collector policy (tangramd/collector.py: start-up objects "
+        "frozen, each pass with the collector paused; default); plain: nothing frozen, "
+        "collector on; frozen: the built queue frozen too, collector on",
     )
     ap.add_argument("--gc-freeze", action="store_true", help="the same as --gc frozen")
     ap.add_argument(

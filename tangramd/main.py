@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import socket
 import sys
@@ -184,6 +183,7 @@ class _Gateway:
 
 async def _serve(config: Any, gateway: _Gateway | None = None) -> None:
     """Serve until a stop signal (with ``gateway``: its HTTP gateway too)."""
+    from tangramd.collector import freeze_startup
     from tangramd.runtime import build_runtime
 
     runtime = build_runtime(config)
@@ -206,9 +206,8 @@ async def _serve(config: Any, gateway: _Gateway | None = None) -> None:
                 await runtime.stop()
                 raise
         # Start-up objects (modules, config, pools) never die: keep them out of the cyclic
-        # GC's full collections, whose pauses are the tail of a scheduling pass.
-        gc.collect()
-        gc.freeze()
+        # GC's full collections (the daemon's collector policy: tangramd/collector.py).
+        freeze_startup()
         sd_notify("READY=1\nSTATUS=serving")
         await stop.wait()
         sd_notify("STOPPING=1")

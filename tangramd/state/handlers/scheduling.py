@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 
 from tangram.model import Action, ActionId, TrajectoryId
 from tangram.pools.cpu import CpuNodePool
-from tangram.sched import Decision, Infeasible, Placement, PoolLoad, SchedPool, Snapshot, schedule
+from tangram.sched import Decision, Infeasible, Placement, PoolLoad, SchedPool, Snapshot
 from tangram.sched.explain import DopWhy, dop_why
 from tangram.sched.replay import Durations
 from tangramd import events as ev
+from tangramd.collector import schedule_paused
 from tangramd.state.handlers.actions import expire_waits, finish_action, run_exec
 from tangramd.state.handlers.leases import grant_lease
 from tangramd.state.handlers.services import start_call
@@ -63,7 +64,7 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
     if core.cfg.short_passes:
         short = short_waiting(core, affinity)
     if short is not None:
-        decision = nothing_fits(core, short, affinity) or schedule(
+        decision = nothing_fits(core, short, affinity) or schedule_paused(
             Snapshot(
                 waiting=short,
                 pools=core.pools,
@@ -98,7 +99,7 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
             estimate=core.history.estimate,
             load=load,
         )
-        decision = schedule(snap, now, core.cfg.sched)
+        decision = schedule_paused(snap, now, core.cfg.sched)
         waiting = snap.waiting
         core.passer.seen_plain = all(
             rec.action.kind == "exec" and rec.action.trajectory in affinity
