@@ -22,7 +22,11 @@ shared machine it leaves out the time other processes hold the CPU (not cache ef
 on 128 nodes) to the same ``cases`` rows, timed over ``--scale-repeat`` passes (default 5).
 Every row has ``goal_p99_ms`` where the case has a goal, and ``assign_p50_ms``: the part of
 the pass spent choosing a node for trajectories without one (``_assign_nodes``, timed on
-its own: the one phase that grows with queue x nodes).
+its own: the one phase that grows with queue x nodes). These rows time a *full* pass from
+the snapshot: every core free, the whole queue to place (a cold start). They also have
+``steady_p50_ms`` / ``steady_p99_ms``: the pass after one event in the queue's steady
+state (passes carried out until one places nothing, then one running action finishes on
+one node), with ``steady_queued`` actions still queued: what the daemon pays per event.
 ``--curve`` adds ``curves``: the pass's p50 as the queue grows (1k to 64k queued on 16,384
 cores, 128 nodes) and as the cluster grows (1k to 16k cores on nodes of 128 cores, 16,384
 queued), each with the slope of log(time) over log(size) (1: linear, 2: quadratic).
@@ -145,9 +149,11 @@ def measure(
     clock,
     gc_freeze: bool = False,
     daemon_gc: bool = True,
+    steady: bool = False,
 ) -> dict:
     """One case: p50/p99 of ``passes`` passes after a warm-up, and the node-choice phase's p50
-    (``daemon_gc``: each through the daemon's collector policy, as tangramd runs a pass)."""
+    (``daemon_gc``: each through the daemon's collector policy, as tangramd runs a pass);
+    ``steady``: also the pass after one event in the queue's steady state (``steady_*``)."""
     snap = build(queued, units, nodes=nodes)
     one = schedule_paused if daemon_gc else schedule
     one(snap, 0.0, cfg)  # warm-up
@@ -184,11 +190,92 @@ def measure(
         "passes": passes,
         "assign_p50_ms": round(statistics.median(assign), 3),
     }
+    if steady:
+        sat, where = saturate(snap, cfg)
+        row.update(measure_steady(sat, where, passes, cfg, clock, one))
     goal = GOALS.get((queued, units, nodes))
     if goal is not None:
         row["goal_p99_ms"] = goal
         row["meets_goal"] = row["p99_ms"] <= goal
     return row
+
+
+def saturate(snap: Snapshot, cfg: SchedConfig) -> tuple[Snapshot, dict]:
+    """The snapshot after passes until one places nothing, each pass's decision carried out
+    as the daemon does (units allocated, an environment's memory reserved on its new node,
+    the action running until its expected finish, placed and rejected actions off the
+    queue): the queue's steady state, every pool full or its queue blocked. Also returns
+    where each action placed runs (action id -> (pool id, its running entry))."""
+    pools, affinity = snap.pools, dict(snap.affinity)
+    running = {pid: list(r) for pid, r in snap.running.items()}
+    waiting = list(snap.waiting)
+    by_id = {a.id: a for a in waiting}
+    where: dict = {}
+    for _ in range(64):
+        d = schedule(snap, 0.0, cfg)
+        if not d.placements:
+            break
+        for p in d.placements:
+            pools[p.pool_id].allocate(p.action_id, p.units)
+            if p.new_node:
+                a = by_id[p.action_id]
+                pools[p.pool_id].reserve_mem(a.trajectory, snap.env_mem(a))
+                affinity[a.trajectory] = p.pool_id
+            entry = (p.expected_s, len(p.units))
+            running.setdefault(p.pool_id, []).append(entry)
+            where[p.action_id] = (p.pool_id, entry)
+        gone = d.placed_ids() | {i.action_id for i in d.infeasible}
+        waiting = [a for a in waiting if a.id not in gone]
+        snap = Snapshot(
+            waiting=waiting,
+            pools=pools,
+            affinity=affinity,
+            running=running,
+            env_mem=snap.env_mem,
+        )
+    return snap, where
+
+
+def measure_steady(
+    snap: Snapshot, where: dict, passes: int, cfg: SchedConfig, clock, one=schedule_paused
+) -> dict:
+    """The pass that follows one event in the steady state: one running action finishes
+    (its units return to its pool, it leaves the running list), and the pass reads the
+    whole queue again (the daemon's full pass; its short pass does not apply to this mix).
+    Each of ``passes`` events is on another pool, undone after its pass."""
+    by_pool: dict = {}
+    for aid, (pid, entry) in where.items():
+        if pid.startswith("cpu:"):
+            by_pool.setdefault(pid, (aid, entry))
+    events = sorted(by_pool.items())
+    times, placed = [], []
+    for k in range(passes):
+        pid, (aid, entry) = events[(k * 37) % len(events)]
+        pool = snap.pools[pid]
+        units = pool.release(aid)
+        run = list(snap.running[pid])
+        run.remove(entry)
+        left = dict(snap.running)
+        left[pid] = run
+        after = Snapshot(
+            waiting=snap.waiting,
+            pools=snap.pools,
+            affinity=snap.affinity,
+            running=left,
+            env_mem=snap.env_mem,
+        )
+        t0 = clock()
+        d = one(after, 0.0, cfg)
+        times.append((clock() - t0) * 1e3)
+        placed.append(len(d.placements))
+        pool.allocate(aid, units)  # undone: the next event finds the same steady state
+    times.sort()
+    return {
+        "steady_p50_ms": round(statistics.median(times), 3),
+        "steady_p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))], 3),
+        "steady_queued": len(snap.waiting),
+        "steady_placed": round(statistics.median(placed), 1),
+    }
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -318,7 +405,7 @@ def run(
     if scale:
         for queued, units, nodes in SCALE_CASES if scale_cases is None else scale_cases:
             out.append(
-                measure(queued, units, nodes, scale_repeat, cfg, clock, gc_freeze, daemon_gc)
+                measure(queued, units, nodes, scale_repeat, cfg, clock, gc_freeze, daemon_gc, True)
             )
     result = {
         "order": order,

@@ -128,3 +128,20 @@ def test_scale_run_at_full_size() -> None:
     ]
     assert [(r["queued"], r["units"]) for r in rows[:4]] == bench.CASES
     assert all(r["placed"] > 0 and r["p50_ms"] > 0 for r in rows), rows
+
+
+def test_steady_pass_follows_one_event_in_the_steady_state() -> None:
+    """--scale rows also time the pass after one finish in the queue's steady state: every
+    pool full or blocked (a pass there places nothing), then one action's cores return."""
+    cfg = SchedConfig()
+    snap = bench.build(512, 256, nodes=4)
+    sat, where = bench.saturate(snap, cfg)
+    assert where and len(sat.waiting) < 512
+    assert not bench.schedule(sat, 0.0, cfg).placements  # the steady state
+    free = {pid: p.free_units() for pid, p in sat.pools.items()}
+    row = bench.measure_steady(sat, where, 3, cfg, bench.time.perf_counter)
+    assert {pid: p.free_units() for pid, p in sat.pools.items()} == free  # each event undone
+    assert row["steady_queued"] == len(sat.waiting)
+    assert 0 < row["steady_p50_ms"] <= row["steady_p99_ms"] and row["steady_placed"] >= 1
+    scaled = bench.run(1, "fcfs", scale=True, scale_repeat=2, cases=[], scale_cases=[(512, 128, 4)])
+    assert {"steady_p50_ms", "steady_p99_ms", "steady_queued"} <= set(scaled["cases"][0])
