@@ -9,6 +9,8 @@ import ast
 import asyncio
 import contextlib
 import os
+import socket
+import ssl
 import time
 import types
 from collections.abc import Iterator, Mapping
@@ -22,9 +24,10 @@ from cluster_harness import InProcessCluster
 from structlog.testing import capture_logs
 
 from tangram import Client
-from tangram.protocol.errors import BadRequest, NotFound
+from tangram.protocol.errors import BadRequest, InfraError, NotFound
 from tangram.protocol.link import (
     LINK_MESSAGES,
+    PEER_MESSAGES,
     End,
     check_message,
     make_message,
@@ -290,6 +293,96 @@ def test_node_drops_unknown_and_malformed_messages(tmp_path: Path) -> None:
     assert "coordinator_message_bad" in events
 
 
+def _agent(tmp_path: Path, name: str, *, insecure: bool = True) -> node.NodeAgent:
+    """A node that is never started (no backend behind it), its outcomes kept in a list."""
+    agent = node.NodeAgent(
+        name=name,
+        coordinator=("127.0.0.1", 1),
+        token=None,
+        ca_sha256=None,
+        insecure=insecure,
+        backend=cast(Backend, _Backend()),
+        socket_path=str(tmp_path / f"{name}.sock"),
+        state_dir=str(tmp_path / name),
+        cores_by_numa=((0,),),
+        mem_bytes=1 << 30,
+    )
+    reported: list[dict[str, Any]] = []
+    agent._report = reported.append  # type: ignore[method-assign]
+    agent.reported = reported  # type: ignore[attr-defined]
+    return agent
+
+
+def test_a_placement_whose_input_cannot_be_pulled_ends_infra_error(tmp_path: Path) -> None:
+    """A run_exec whose fetch is malformed, names a port where nothing listens, a holder
+    whose TLS key is not the one pinned, or a ticket the holder does not know: the exec
+    ends infra_error (an exec_done), never runs (the effects are never asked), and the
+    node raises nothing."""
+    holder = _agent(tmp_path, "a", insecure=False)
+    puller = _agent(tmp_path, "b", insecure=False)
+    ran: list[Any] = []
+    puller.effects.run_exec = ran.append  # type: ignore[method-assign]
+
+    async def scenario() -> list[str]:
+        await holder._open_input_port("127.0.0.1")
+        assert holder.input_addr is not None and holder.input_pin is not None
+        good = {"node": "a", "addr": holder.input_addr, "pin": holder.input_pin}
+        fetches: list[Any] = [
+            {"wrong": [None]},
+            {**good, "addr": "no port"},
+            {**good, "ticket": 7},
+            {**good, "ticket": "t", "pin": 5},
+            {**good, "ticket": "t", "addr": "127.0.0.1:1"},
+            {**good, "ticket": "t", "pin": "sha256:" + "0" * 64},
+            {**good, "ticket": "t", "pin": None},  # plain TCP off --insecure: refused
+            {**good, "ticket": "no such ticket"},
+        ]
+        for k, fetch in enumerate(fetches):
+            puller._on_message(
+                make_message(
+                    "run_exec",
+                    action_id=f"x{k}",
+                    env_id="e1",
+                    cores=[0],
+                    spec={"cmd": ["true"]},
+                    max_output=1 << 20,
+                    fetch=fetch,
+                )
+            )
+        deadline = time.monotonic() + 10
+        while len(puller.reported) < len(fetches) and time.monotonic() < deadline:  # type: ignore[attr-defined]
+            await asyncio.sleep(0.01)
+        await holder._close_input_port()
+        by_action = {m["action_id"]: m["result"]["detail"] for m in puller.reported}  # type: ignore[attr-defined]
+        return [by_action.get(f"x{k}", "") for k in range(len(fetches))]
+
+    details = asyncio.run(scenario())
+    assert len(puller.reported) == 8 and all(details) and not ran, details  # type: ignore[attr-defined]
+    assert all(m["result"]["outcome"] == "infra_error" for m in puller.reported)  # type: ignore[attr-defined]
+    assert "not the one pinned" in details[5], details
+    assert "plain TCP refused" in details[6], details
+    assert "no input is kept here under that ticket" in details[7], details
+
+
+def test_a_hello_with_a_malformed_input_port_has_none() -> None:
+    """A hello whose input port is not host:port (or absurdly long) is kept without it:
+    that node's large inputs then go with its requests; nothing is refused."""
+    read = coordinator._input_port
+    assert read({"input_addr": "10.0.0.1:7001", "input_pin": "sha256:ab"}) == (
+        "10.0.0.1:7001",
+        "sha256:ab",
+    )
+    for hello in (
+        {"input_addr": "nonsense"},
+        {"input_addr": 7},
+        {"input_addr": "h:" + "1" * 400},
+        {"input_addr": "h:99999"},
+        {"input_addr": "h:1", "input_pin": "x" * 200},
+        {},
+    ):
+        assert read(hello) == (None, None), hello
+
+
 def test_coordinator_drops_unknown_and_malformed_messages() -> None:
     """The coordinator logs and drops a node message it does not know or cannot read; it
     never raises out of its dispatch (each handler reads the message before it touches
@@ -404,6 +497,154 @@ def test_an_exec_input_crosses_the_link_once(
     assert reqs[0]["withheld"] is True and not {"stdin", "files"} & set(reqs[0]["args"])
     # from b's client: b has no copy to keep for a, so the input goes with the request
     assert reqs[1]["withheld"] is None and reqs[1]["args"]["stdin"] == b"in"
+
+
+def _bytes_in(value: Any) -> Iterator[bytes]:
+    """Every bytes value inside a message, at any depth."""
+    if isinstance(value, bytes):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _bytes_in(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _bytes_in(item)
+
+
+BIG_FILE = os.urandom(1 << 20)  # 1 MiB: above PULL_MIN_BYTES, so it stays on a
+BIG_STDIN = os.urandom(100 << 10)
+DIGEST_CMD = ["sh", "-c", "sha256sum big.bin | cut -c1-64; head -c 1000000000 | sha256sum"]
+
+
+def test_a_large_input_goes_node_to_node_never_through_the_coordinator(
+    tmp_path: Path, sent_on_links: list[dict[str, Any]]
+) -> None:
+    """An exec from a's client with 1 MiB of files and 100 KiB of stdin, into an
+    environment on b: a keeps the input (the req is withheld, with a ticket), the
+    coordinator places it from its demand and tells b where to pull it (run_exec's fetch),
+    b pulls it from a's input port and the command reads it intact; no message on any
+    link to or from the coordinator carries its bytes."""
+    import hashlib
+
+    seen = sent_on_links
+    with _clients_of_a_and_b(tmp_path) as (on_a, on_b):
+        env = _env_on(on_b, "b")
+        args = {"env": env, "stdin": BIG_STDIN, "files": {"big.bin": BIG_FILE}}
+        ran = on_a.request("exec", {"cmd": DIGEST_CMD, **args})
+    assert ran["outcome"] == "ok" and ran["node"] == "b", ran
+    assert ran["stdout"].split()[0] == hashlib.sha256(BIG_FILE).hexdigest()
+    assert ran["stdout"].split()[1] == hashlib.sha256(BIG_STDIN).hexdigest()
+    (req,) = [m for m in seen if m["t"] == "req" and m["op"] == "exec"]
+    assert req["withheld"] is True and isinstance(req["ticket"], str)
+    assert not {"stdin", "files"} & set(req["args"])
+    (run,) = [m for m in seen if m["t"] == "run_exec"]
+    assert run["fetch"]["node"] == "a" and run["fetch"]["ticket"] == req["ticket"]
+    assert run["fetch"]["pin"].startswith("sha256:")  # TLS, a's key pinned
+    assert not {"stdin", "files"} & set(run["spec"])
+    on_the_links = [m for m in seen if m["t"] in LINK_MESSAGES]
+    assert not any(len(b) >= 1000 for m in on_the_links for b in _bytes_in(m))
+    assert [m["t"] for m in seen if m["t"] in PEER_MESSAGES] == ["pull"]  # b's, to a
+
+
+def test_a_node_that_dies_holding_an_input_ends_its_exec_infra_error(
+    tmp_path: Path, sent_on_links: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """a keeps a large input for an exec placed on b and dies just as b comes to pull it:
+    the exec ends infra_error on b, naming a; it never runs without its input (the
+    command would have left a file behind)."""
+    pull = node.NodeAgent._pull
+    holders: dict[str, Any] = {}
+
+    async def die_then_pull(self: node.NodeAgent, fetch: Any) -> Any:
+        await asyncio.create_task(holders["a"].halted(-9))  # as SIGKILL, in a's context
+        return await pull(self, fetch)
+
+    monkeypatch.setattr(node.NodeAgent, "_pull", die_then_pull)
+    cores = sorted(os.sched_getaffinity(0))
+    with InProcessCluster(tmp_path) as here:
+        coord = here.coordinator(LINK_CONFIG)
+        holders["a"] = a = here.node(coord, "a", cpus=str(cores[0]))
+        b = here.node(coord, "b", cpus=str(cores[-1]))
+        with a.client() as on_a, b.client() as on_b:
+            env = _env_on(on_b, "b")
+            with pytest.raises((InfraError, OSError)):  # a is gone, its clients with it
+                on_a.request(
+                    "exec", {"cmd": ["touch", "ran"], "env": env, "files": {"f": BIG_FILE}}
+                )
+            assert a.wait(10) != 0
+            deadline = time.monotonic() + 10
+            while not [m for m in sent_on_links if m["t"] == "exec_done"]:
+                assert time.monotonic() < deadline, "b never reported the exec's end"
+                time.sleep(0.02)
+            with pytest.raises(NotFound):
+                on_b.request("env.get", {"id": env, "path": "ran"})
+        here.stop_all()
+    (done,) = [m for m in sent_on_links if m["t"] == "exec_done"]
+    assert done["result"]["outcome"] == "infra_error", done
+    assert "could not be pulled from node a" in done["result"]["detail"], done
+    assert "input_pull_failed" in b.log()
+
+
+def _input_port_of(seen: list[dict[str, Any]], name: str) -> tuple[str, int]:
+    """A node's input port, as its hello told the coordinator."""
+    (hello,) = [m for m in seen if m["t"] == "hello" and m["name"] == name]
+    host, _, port = str(hello["input_addr"]).rpartition(":")
+    return host, int(port)
+
+
+def _pull_raw(addr: tuple[str, int], payload: bytes, wait_s: float = 10.0) -> bytes:
+    """Connect to an input port over TLS, send raw bytes, return what comes back within
+    ``wait_s``."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    with socket.create_connection(addr, timeout=wait_s) as raw, ctx.wrap_socket(raw) as tls:
+        tls.sendall(payload)
+        chunks = []
+        with contextlib.suppress(OSError):
+            while chunk := tls.recv(1 << 16):
+                chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def test_the_input_port_refuses_bad_pulls_and_serves_on(
+    tmp_path: Path, sent_on_links: list[dict[str, Any]]
+) -> None:
+    """Garbage, an oversized frame, a malformed or unknown message, a wrong or unknown
+    ticket, a stolen ticket used twice: each is refused (``gone``, or the connection
+    closed) and the node serves on; a real cross-node exec then still gets its input.
+    The coordinator's and the node's link handlers drop a malformed ``fetch`` or
+    ``ticket`` (an exec ends infra_error; test_node_drops_...: run_exec)."""
+    from tangram.protocol.codec import FrameDecoder, encode
+
+    def answer(data: bytes) -> dict[str, Any] | None:
+        decoder = FrameDecoder(64 << 20)
+        decoder.feed(data)
+        return decoder.next_message()
+
+    with _clients_of_a_and_b(tmp_path) as (on_a, on_b):
+        port = _input_port_of(sent_on_links, "a")
+        assert answer(_pull_raw(port, b"\x00\x00\x00\x05garbage")) is None
+        assert answer(_pull_raw(port, b"\xff\xff\xff\xff")) is None  # oversized
+        assert answer(_pull_raw(port, b"\x00\x00\x00", wait_s=0.3)) is None  # cut short
+        for bad in (
+            {"t": "pull"},
+            {"t": "pull", "ticket": 7},
+            {"t": "pull", "ticket": "x", "more": 1},
+            {"t": "input", "stdin": b"x"},
+            {"t": "nope"},
+            {"t": "pull", "ticket": "not-a-ticket"},
+        ):
+            got = answer(_pull_raw(port, encode(bad)))
+            assert got is not None and got["t"] == "gone", (bad, got)
+        env = _env_on(on_b, "b")
+        args = {"env": env, "stdin": BIG_STDIN, "files": {"big.bin": BIG_FILE}}
+        ran = on_a.request("exec", {"cmd": DIGEST_CMD, **args})
+        assert ran["outcome"] == "ok" and ran["node"] == "b", ran
+        (run,) = [m for m in sent_on_links if m["t"] == "run_exec"]
+        replay = answer(_pull_raw(port, encode({"t": "pull", "ticket": run["fetch"]["ticket"]})))
+        assert replay is not None and replay["t"] == "gone"  # each ticket once
+        assert on_a.request("ping", {}) is not None
 
 
 @contextlib.contextmanager

@@ -11,6 +11,11 @@ From it:
 - :func:`check_message` checks a received map in full (name, required fields, types);
 - :func:`render_markdown` writes the "Link messages" section of ``docs/protocol.md``.
 
+:data:`PEER_MESSAGES` declares, the same way, the two-message exchange on a node's input
+port: another node pulls the stdin and files of an exec that the node it came from kept
+(``req``'s ``ticket``, ``run_exec``'s ``fetch``), so they go node to node, never through
+the coordinator (:func:`make_peer_message`, ``check_message(msg, PEER_MESSAGES)``).
+
 Each end dispatches what it receives after the join through a table from message name to
 handler (``RECEIVES`` in ``tangramd.cluster.node`` and ``tangramd.cluster.coordinator``);
 ``tests/test_link_table.py`` holds those tables, and every message each end builds, to
@@ -39,13 +44,20 @@ from tangram.protocol.ops import (
     check_values,
 )
 
-Sender = Literal["coordinator", "node", "both"]
+Sender = Literal["coordinator", "node", "both", "puller", "holder"]
 End = Literal["coordinator", "node"]
 
 # The exec args that a node keeps when it forwards an exec (``req``'s ``held``): when the
 # exec runs on that node, its ``run_exec`` leaves them out (``held``) and the node puts
 # them back, so they cross the link once, not there and back.
 EXEC_INPUT: Final = ("stdin", "files")
+# An exec's input of at least this many bytes, bound for an environment that is not on
+# the client's node, stays on that node too (``req``'s ``ticket``): the node that runs it
+# pulls it from there (``run_exec``'s ``fetch``). Below it, the input rides in the ``req``:
+# a pull's connection and TLS handshake cost more than relaying a few kilobytes.
+PULL_MIN_BYTES: Final = 64 << 10
+# The most a pull request (``pull``) may weigh: a ticket, nothing more.
+PULL_REQUEST_MAX: Final = 4 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +156,19 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
                 Arg("outbox", IDS, True, "keys of the outcomes it holds, not yet acknowledged"),
                 Arg("credential", Str(), doc="the credential a welcome gave it earlier"),
                 Arg("token", Str(), doc="the join token (its first join)"),
+                Arg(
+                    "input_addr",
+                    Str(),
+                    doc="`host:port` of its input port, where other nodes pull the input it"
+                    " keeps (`req`'s `ticket`); absent: it keeps none for other nodes",
+                ),
+                Arg(
+                    "input_pin",
+                    Str(),
+                    doc="`sha256:<hex>` of the key of the input port's TLS certificate (a"
+                    " fresh self-signed one per start); absent with `--insecure` (plain TCP,"
+                    " loopback only)",
+                ),
             ),
             join=True,
         ),
@@ -208,7 +233,15 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
                     Bool(),
                     doc="`held`, and `args` lack the stdin and files of an `exec` (or carry an"
                     " empty `data` for an `env.put`): the environment is on this node, so the"
-                    " work runs here (`run_exec`'s or `transfer`'s `held`) or not at all",
+                    " work runs here (`run_exec`'s or `transfer`'s `held`) or not at all;"
+                    " with `ticket`, anywhere",
+                ),
+                Arg(
+                    "ticket",
+                    Str(),
+                    doc="with `withheld`: the exec may run on any node; one placed elsewhere"
+                    " pulls the input from this node's input port with this one-time secret"
+                    " (`run_exec`'s `fetch`), so it never passes through the coordinator",
                 ),
             ),
         ),
@@ -268,6 +301,14 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
                     Bool(),
                     doc="`spec` lacks its stdin and files: the node takes them from request"
                     " `reply.id`, which it holds (`req`'s `held`)",
+                ),
+                Arg(
+                    "fetch",
+                    MAP,
+                    doc="{node, addr, pin, ticket}: `spec` lacks its stdin and files; the node"
+                    " pulls them from node `node`'s input port `addr` (TLS, its certificate's"
+                    " key hashing to `pin`) with `ticket` (Node to node, below), and ends the"
+                    " exec `infra_error` if it cannot: it never runs without them",
                 ),
             ),
         ),
@@ -375,6 +416,40 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
 }
 
 
+# The exchange on a node's input port (see the module doc): one connection per pull, one
+# message each way, then the holder closes.
+PEER_MESSAGES: Final[dict[str, LinkMessage]] = {
+    m.name: m
+    for m in (
+        LinkMessage(
+            "pull",
+            "puller",
+            "the first and only message of a pull: the ticket of the input the puller was"
+            " told to fetch (`run_exec`'s `fetch`); the holder answers `input` or `gone`,"
+            " each ticket once",
+            (Arg("ticket", Str(), True, "`run_exec`'s `fetch.ticket`"),),
+        ),
+        LinkMessage(
+            "input",
+            "holder",
+            "the exec's stdin and files, as its client sent them; the holder forgets them",
+            (
+                Arg("stdin", Bytes(), doc="its stdin"),
+                Arg("files", MapOf(Bytes()), doc="its carried files, path: contents"),
+            ),
+        ),
+        LinkMessage(
+            "gone",
+            "holder",
+            "the holder has no input under that ticket (taken, answered, its link to the"
+            " coordinator dropped meanwhile), or the pull was malformed: the exec ends"
+            " `infra_error`",
+            (Arg("reason", TEXT, True, "why"),),
+        ),
+    )
+}
+
+
 def sent_by(end: End) -> frozenset[str]:
     """The names of the messages ``end`` sends."""
     return frozenset(name for name, m in LINK_MESSAGES.items() if m.sent_by(end))
@@ -396,7 +471,16 @@ def received_by(end: End, *, join: bool | None = None) -> frozenset[str]:
 def make_message(name: str, /, **fields: Any) -> dict[str, Any]:
     """``{"t": name, **fields}``; ValueError for an undeclared message, a field it does not
     declare or a required field left out (a bug of the sender, not a wire error)."""
-    spec = LINK_MESSAGES.get(name)
+    return _make(LINK_MESSAGES, name, fields)
+
+
+def make_peer_message(name: str, /, **fields: Any) -> dict[str, Any]:
+    """As :func:`make_message`, for a message of a node's input port (``PEER_MESSAGES``)."""
+    return _make(PEER_MESSAGES, name, fields)
+
+
+def _make(table: Mapping[str, LinkMessage], name: str, fields: dict[str, Any]) -> dict[str, Any]:
+    spec = table.get(name)
     if spec is None:
         raise ValueError(f"undeclared link message {name!r}")
     if not spec.field_names.issuperset(fields) or not spec.required.issubset(fields):
@@ -406,11 +490,14 @@ def make_message(name: str, /, **fields: Any) -> dict[str, Any]:
     return {"t": name, **fields}
 
 
-def check_message(msg: Mapping[str, Any]) -> LinkMessage:
-    """The declaration of a received message, once it is checked in full: raise BadRequest
-    naming what is wrong (an unknown name, a missing, unknown or mistyped field)."""
+def check_message(
+    msg: Mapping[str, Any], table: Mapping[str, LinkMessage] = LINK_MESSAGES
+) -> LinkMessage:
+    """The declaration of a received message (of ``table``: the link's, or a node's input
+    port's), once it is checked in full: raise BadRequest naming what is wrong (an unknown
+    name, a missing, unknown or mistyped field)."""
     name = msg.get("t")
-    spec = LINK_MESSAGES.get(name) if isinstance(name, str) else None
+    spec = table.get(name) if isinstance(name, str) else None
     if spec is None:
         raise BadRequest(f"unknown link message {str(name)[:40]!r}")
     check_values(spec.name, "field", spec.fields, msg)
@@ -426,6 +513,8 @@ _SENDER_DOC: Final = {
     "coordinator": "coordinator → node",
     "node": "node → coordinator",
     "both": "both ways",
+    "puller": "pulling node → holding node",
+    "holder": "holding node → pulling node",
 }
 
 
@@ -433,11 +522,14 @@ def render_markdown() -> str:
     """The link table as Markdown (the "Link messages" section of ``docs/protocol.md``,
     below its introduction)."""
     lines: list[str] = []
-    for join, title in ((True, "The join"), (False, "The joined link")):
+    sections = (
+        ("The join", [m for m in LINK_MESSAGES.values() if m.join]),
+        ("The joined link", [m for m in LINK_MESSAGES.values() if not m.join]),
+        ("Node to node: a node's input port", list(PEER_MESSAGES.values())),
+    )
+    for title, messages in sections:
         lines += [f"### {title}", ""]
-        for m in LINK_MESSAGES.values():
-            if m.join != join:
-                continue
+        for m in messages:
             doc = m.doc[0].upper() + m.doc[1:] + "."
             lines += [f"#### `{m.name}` ({_SENDER_DOC[m.sender]})", "", doc, ""]
             if m.fields:

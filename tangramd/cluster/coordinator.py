@@ -40,7 +40,7 @@ from tangram.protocol.results import ExecResult
 from tangram.version import __version__
 from tangramd import events as ev
 from tangramd.cluster.config import ClusterConfig
-from tangramd.cluster.link import Link, LinkClosed
+from tangramd.cluster.link import Link, LinkClosed, split_host_port
 from tangramd.cluster.pki import CoordinatorPki
 from tangramd.cluster.registry import NodeRecord, NodeRegistry, Refused
 from tangramd.cluster.store import Store, StoreEnvRecords
@@ -67,6 +67,7 @@ class _Forwarded(NamedTuple):
     action_id: str | None = None  # set when that node answers its client itself
     held: bool = False  # that node holds the exec's stdin and files (req's held)
     withheld: bool = False  # ... and only that node has them (req's withheld)
+    fetch: dict[str, Any] | None = None  # ... and another node may pull them (req's ticket)
 
 
 class CoordinatorExecutor(Executor):
@@ -244,7 +245,9 @@ class CoordinatorExecutor(Executor):
         :meth:`_on_exec_done`); the answer is the same ``ExecResult.placed``. ``held``
         when that node holds the exec's stdin and files (``req``'s ``held``); ``missing``
         says why the exec cannot run at all: its input stayed on a node it is not placed
-        on (``req``'s ``withheld``, after that node's link was replaced)."""
+        on (``req``'s ``withheld``, after that node's link was replaced). ``fetch``, for
+        an exec placed on another node than the one that kept its input (``req``'s
+        ``ticket``): where that node pulls it from; the bytes never come here."""
         answer = self.core.read.exec_reply(cmd.action_id)
         if answer is None:
             return OnNode()
@@ -256,6 +259,8 @@ class CoordinatorExecutor(Executor):
         if target is None:
             return OnNode()
         if target.link is not self.registry.link_of(cmd.node):
+            if target.fetch is not None:  # that node pulls them from the one that kept them
+                return OnNode(fetch=target.fetch)
             if target.withheld:
                 return OnNode(missing="its stdin and files stayed on the node it came from")
             return OnNode()
@@ -315,6 +320,7 @@ class CoordinatorExecutor(Executor):
         )
         rec, was_lost = self.registry.attach(name, link, cores, mem, self.clock())
         rec.backend, rec.gpus, rec.restored = backend, gpus, False
+        rec.input_addr, rec.input_pin = _input_port(hello)
         self.feed(ev.NodeJoined(node=name, cores_by_numa=cores, mem_bytes=mem))
         work = self.core.read.node_work(name)
         welcome = make_message(
@@ -459,11 +465,22 @@ class CoordinatorExecutor(Executor):
         request_id = msg.get("id")
         try:
             conn = self._remote_conn(rec, int(msg["conn"]))
+            withheld = msg.get("withheld") is True
+            ticket = msg.get("ticket")
+            fetch = None
+            if withheld and isinstance(ticket, str) and ticket and rec.input_addr is not None:
+                fetch = {
+                    "node": rec.name,
+                    "addr": rec.input_addr,
+                    "pin": rec.input_pin,
+                    "ticket": ticket,
+                }
             self._forwarding = _Forwarded(
                 link,
                 request_id,
                 held=msg.get("held") is True,
-                withheld=msg.get("withheld") is True,
+                withheld=withheld,
+                fetch=fetch,
             )
             try:
                 result = self.handlers.handle_inline(self, op, args, conn)
@@ -683,6 +700,19 @@ def _parse_gpus(value: Any) -> tuple[dict[str, Any], ...]:
             }
         )
     return tuple(gpus)
+
+
+def _input_port(hello: dict[str, Any]) -> tuple[str | None, str | None]:
+    """A hello's input port (``input_addr``, ``input_pin``); ``(None, None)`` when it has
+    none or names it wrongly (that node's input then goes with its requests)."""
+    addr, pin = _opt_str(hello, "input_addr"), _opt_str(hello, "input_pin")
+    if addr is None or len(addr) > 300 or (pin is not None and len(pin) > 100):
+        return None, None
+    try:
+        split_host_port(addr)
+    except ValueError:
+        return None, None
+    return addr, pin
 
 
 def _opt_str(msg: dict[str, Any], key: str) -> str | None:

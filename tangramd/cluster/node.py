@@ -14,6 +14,11 @@ The node has no core: the coordinator decides. It
   coordinator, so ``Client``, ``AsyncClient`` and ``tangramctl`` work unchanged;
 - reconnects with backoff when the link drops, and when the coordinator has been silent
   for the heartbeat timeout;
+- keeps the stdin and files of its clients' execs bound elsewhere (above
+  ``PULL_MIN_BYTES``) and serves them on its input port (TLS, a fresh self-signed key per
+  start, its pin told to the coordinator) to the node the exec is placed on, which pulls
+  them with the exec's one-time ticket: they go node to node, never through the
+  coordinator;
 - records the environments it holds in ``<state_dir>/envs.json`` (one journal line per
   change: ``records.RecordJournal``), so that after a crash
   and restart it re-adopts them (the coordinator keeps those it still gives the node: all
@@ -24,28 +29,45 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import json
 import random
+import secrets
 import ssl
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import structlog
 
-from tangram.protocol.codec import FrameError
-from tangram.protocol.errors import InfraError, error_from_wire
-from tangram.protocol.link import EXEC_INPUT, make_message
-from tangram.protocol.results import ExecResult, ExecSpec
+from tangram.protocol.codec import FrameError, encode
+from tangram.protocol.errors import BadRequest, InfraError, error_from_wire
+from tangram.protocol.link import (
+    EXEC_INPUT,
+    PEER_MESSAGES,
+    PULL_MIN_BYTES,
+    PULL_REQUEST_MAX,
+    check_message,
+    make_message,
+    make_peer_message,
+)
+from tangram.protocol.results import MAX_FILES_BYTES, ExecResult, ExecSpec, check_env_path
 from tangram.version import __version__
 from tangramd import events as ev
 from tangramd.backends.base import Backend
-from tangramd.cluster.link import Link, LinkClosed
-from tangramd.cluster.pki import CertInvalid, PinMismatch, client_context, verify_server
+from tangramd.cluster.link import Link, LinkClosed, is_loopback, split_host_port
+from tangramd.cluster.pki import (
+    CertInvalid,
+    PinMismatch,
+    cert_sha256,
+    client_context,
+    input_port_context,
+    verify_server,
+)
 from tangramd.lifecycle import loop_name
 from tangramd.logs import log_soon
 from tangramd.records import RecordJournal, write_json
@@ -58,6 +80,7 @@ log = structlog.get_logger("tangramd")
 CONNECT_TIMEOUT_S = 10.0
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
+PULL_TIMEOUT_S = 30.0  # the most a pull of an exec's input may take, either end
 
 
 class JoinFailed(Exception):
@@ -114,6 +137,15 @@ class NodeAgent:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any] | Later] = {}  # requests forwarded
         self._held: dict[int, dict[str, Any]] = {}  # forwarded execs' args: their input
+        # the input port: what other nodes may pull (ticket -> request id, and back)
+        self.state_dir = Path(state_dir)
+        self.input_addr: str | None = None  # host:port, once open
+        self.input_pin: str | None = None  # its certificate's pin (None: plain TCP)
+        self._input_server: asyncio.base_events.Server | None = None
+        self._input_conns: set[asyncio.StreamWriter] = set()
+        self._offers: dict[str, int] = {}
+        self._tickets: dict[int, str] = {}
+        self._pulls: dict[str, asyncio.Task[None]] = {}  # action id: the pull of its input
         self._watched: set[int] = set()
         self._outbox: dict[str, dict[str, Any]] = {}  # outcomes not yet acknowledged
         self._envs: set[str] = set()
@@ -165,6 +197,7 @@ class NodeAgent:
 
     async def stop(self) -> None:
         """End running execs, remove environments, say goodbye, stop serving."""
+        await self._close_input_port()
         await self.effects.shutdown(keep=[])
         deadline = self.clock() + 5.0
         while self.effects.in_flight() and self.clock() < deadline:
@@ -189,6 +222,7 @@ class NodeAgent:
         if self.link is not None:
             self.link.abort()
         self._link_down()
+        await self._close_input_port()
         await self.server.close()
         log.info("node_aborted", node=self.name)
 
@@ -235,6 +269,12 @@ class NodeAgent:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(host, port, ssl=tls, limit=1 << 20), self._patience()
         )
+        if self._input_server is None:
+            # on the address this host reaches the coordinator from: other nodes reach
+            # the coordinator, so they can most likely reach this one there
+            local = writer.get_extra_info("sockname")
+            if isinstance(local, tuple):
+                await self._open_input_port(str(local[0]))
         return Link(reader, writer, max_frame=self.max_frame)
 
     async def _join(self, link: Link) -> None:
@@ -277,6 +317,8 @@ class NodeAgent:
             outbox=list(self._outbox),
             credential=self._stored_credential(),
             token=self.token or None,
+            input_addr=self.input_addr,
+            input_pin=self.input_pin,
         )
         link.send(hello)
         answer = await asyncio.wait_for(link.recv(), self._patience())
@@ -334,7 +376,9 @@ class NodeAgent:
             log.warning("coordinator_link_down", node=self.name, coordinator=self.addr)
         self.link = None
         self._watched.clear()
-        self._held.clear()
+        self._held.clear()  # (a pull of what it held is answered gone)
+        self._offers.clear()
+        self._tickets.clear()
         pending, self._pending = self._pending, {}
         for owed in pending.values():
             if not owed.done():
@@ -389,7 +433,7 @@ class NodeAgent:
         data = msg.get("data") or b""
         held = msg.get("held")
         if isinstance(held, int) and not isinstance(held, bool):
-            args = self._held.pop(held, None)
+            args = self._release(held)
             if args is None:  # never put an empty file in its place
                 tid = str(msg["tid"])
                 error = ["infra_error", "the put's data is no longer held on this node"]
@@ -478,6 +522,10 @@ class NodeAgent:
 
     async def _cancel(self, action_id: str) -> None:
         """Kill an exec the coordinator has already ended (its outcome is ignored there)."""
+        pull = self._pulls.get(action_id)
+        if pull is not None:  # it has not started: it never will
+            pull.cancel()
+            return
         try:
             found = await self.backend.cancel(action_id)
         except Exception as exc:
@@ -519,18 +567,75 @@ class NodeAgent:
                 max_output=int(msg["max_output"]),
                 run_as=owner_of(msg.get("run_as")),
             )
+            fetch = _fetch_of(msg.get("fetch"))
         except Exception as exc:  # a malformed placement ends as an infra error
             res = ExecResult("infra_error", detail=f"{type(exc).__name__}: {exc}")
             self._exec_ended(ev.ExecFinished(action_id=action_id, result=res))
             return
-        self.effects.run_exec(cmd)
+        if fetch is None:
+            self.effects.run_exec(cmd)
+            return
+        task = asyncio.get_running_loop().create_task(self._pull_then_run(cmd, fetch))
+        self._pulls[action_id] = task
+        task.add_done_callback(lambda _: self._pulls.pop(action_id, None))
+
+    async def _pull_then_run(self, cmd: ev.RunExec, fetch: _Fetch) -> None:
+        """Pull a placed exec's stdin and files from the node that kept them, then run it;
+        if they cannot be had (that node is gone, its link dropped, the pull timed out or
+        was cancelled) the exec ends ``infra_error``: it never runs without them."""
+        try:
+            stdin, files = await asyncio.wait_for(self._pull(fetch), PULL_TIMEOUT_S)
+            spec = dataclasses.replace(cmd.spec, stdin=stdin, files=files)
+        except asyncio.CancelledError:
+            self._input_missing(cmd, fetch, "cancelled before its input arrived")
+            raise
+        except Exception as exc:
+            self._input_missing(cmd, fetch, str(exc) or type(exc).__name__)
+            return
+        if cmd.action_id in self._running:
+            self.effects.run_exec(dataclasses.replace(cmd, spec=spec))
+
+    def _input_missing(self, cmd: ev.RunExec, fetch: _Fetch, why: str) -> None:
+        log.warning(
+            "input_pull_failed", node=self.name, action_id=cmd.action_id, holder=fetch.node, why=why
+        )
+        if cmd.action_id in self._running:
+            detail = f"its stdin and files could not be pulled from node {fetch.node}: {why}"
+            res = ExecResult("infra_error", detail=detail[:500])
+            self._exec_ended(ev.ExecFinished(action_id=cmd.action_id, result=res))
+
+    async def _pull(self, fetch: _Fetch) -> tuple[bytes | None, dict[str, bytes] | None]:
+        """One pull from ``fetch.node``'s input port: its certificate checked against the
+        pin the coordinator relayed, the ticket sent, the input (or why not) received."""
+        if fetch.pin is None and not (self.insecure and is_loopback(fetch.host)):
+            raise CertInvalid(f"no pin for node {fetch.node}'s input port: plain TCP refused")
+        tls = client_context() if fetch.pin is not None else None
+        reader, writer = await asyncio.open_connection(
+            fetch.host, fetch.port, ssl=tls, limit=1 << 20
+        )
+        link = Link(reader, writer, max_frame=self.max_frame)
+        try:
+            if fetch.pin is not None:
+                der = link.peer_cert_der()
+                if der is None or cert_sha256(der) != fetch.pin:
+                    raise CertInvalid(f"node {fetch.node}'s input port is not the one pinned")
+            link.send(make_peer_message("pull", ticket=fetch.ticket))
+            answer = await link.recv()
+        finally:
+            link.abort()
+        kind = check_message(answer, PEER_MESSAGES).name
+        if kind == "gone":
+            raise LookupError(f"node {fetch.node}: {str(answer['reason'])[:200]}")
+        if kind != "input":
+            raise BadRequest(f"node {fetch.node} answered a pull with {kind!r}")
+        return answer.get("stdin"), answer.get("files")
 
     def _exec_spec(self, msg: dict[str, Any]) -> ExecSpec:
         """A placement's spec; its stdin and files from the request this node forwarded
         when the coordinator left them out (``held``: they crossed the link once)."""
         spec = msg["spec"]
         if msg.get("held") is True:
-            args = self._held.pop(int(msg["reply"]["id"]), None)
+            args = self._release(int(msg["reply"]["id"]))
             if args is None:
                 raise LookupError("the exec's stdin and files are no longer held here")
             spec = {**spec, **{k: args[k] for k in EXEC_INPUT if args.get(k) is not None}}
@@ -576,7 +681,7 @@ class NodeAgent:
         except (KeyError, TypeError, ValueError):
             return False
         owed = self._pending.pop(request_id, None)
-        self._held.pop(request_id, None)
+        self._release(request_id)
         if owed is None or owed.done():
             return False
         final = res.placed(action_id=action_id, queue_s=queue_s, cores=cores, node=self.name)
@@ -626,6 +731,16 @@ class NodeAgent:
         withheld = holds and (
             args.get("env") in self._envs or args.get("session") in self._sessions
         )
+        ticket = None
+        if holds and not withheld and self.input_addr is not None:
+            # bound elsewhere: a large input stays here too, for the node it is placed on
+            # to pull (run_exec's fetch); invalid input goes on, for the coordinator to refuse
+            size = _input_size(args)
+            if size is not None and size >= PULL_MIN_BYTES:
+                ticket = secrets.token_urlsafe(32)
+                self._offers[ticket] = request_id
+                self._tickets[request_id] = ticket
+                withheld = True
         if holds:
             self._held[request_id] = args
         if withheld:
@@ -648,12 +763,97 @@ class NodeAgent:
             args=args,
             held=True if holds else None,
             withheld=True if withheld else None,
+            ticket=ticket,
         )
         link.send(msg)
         return request_id
 
+    def _release(self, request_id: int) -> dict[str, Any] | None:
+        """Forget a forwarded request's kept input (and its ticket): the args, or None."""
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is not None:
+            self._offers.pop(ticket, None)
+        return self._held.pop(request_id, None)
+
+    # ------------------------------------------------------------------ the input port
+    async def _open_input_port(self, host: str) -> None:
+        """Listen for other nodes' pulls on ``host`` (any free port); without it, every
+        input goes with its request, as before (logged)."""
+        try:
+            if self.insecure:
+                tls, pin = None, None
+            else:
+                tls, pin = input_port_context(self.state_dir / "input-port")
+            server = await asyncio.start_server(
+                self._serve_pull,
+                host,
+                0,
+                ssl=tls,
+                ssl_handshake_timeout=PULL_TIMEOUT_S if tls is not None else None,
+                limit=PULL_REQUEST_MAX,
+            )
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            log.warning("input_port_not_opened", node=self.name, host=host, error=str(exc))
+            return
+        self._input_server = server
+        port = server.sockets[0].getsockname()[1]
+        self.input_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.input_pin = pin
+        log.info("input_port_open", node=self.name, addr=self.input_addr, tls=tls is not None)
+
+    async def _close_input_port(self) -> None:
+        pulls = list(self._pulls.values())
+        for task in pulls:
+            task.cancel()
+        if pulls:
+            await asyncio.wait(pulls, timeout=1.0)
+        server, self._input_server = self._input_server, None
+        if server is not None:
+            server.close()
+        for writer in list(self._input_conns):
+            writer.transport.abort()
+        if server is not None:
+            with contextlib.suppress(OSError, TimeoutError):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+
+    async def _serve_pull(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One pull: read its ``pull`` (a few bytes, within ``PULL_TIMEOUT_S``), answer
+        ``input`` once per ticket, else ``gone``, then close. Nothing a peer sends here
+        ends more than its own connection."""
+        self._input_conns.add(writer)
+        link = Link(reader, writer, max_frame=PULL_REQUEST_MAX)
+        closed = False
+        try:
+            msg = await asyncio.wait_for(link.recv(), PULL_TIMEOUT_S)
+            answer = self._pull_answer(msg, link.peer)
+            writer.write(encode(answer, max_frame=self.max_frame))
+            writer.close()  # once all of it is written (an abort would drop the rest)
+            await asyncio.wait_for(writer.wait_closed(), PULL_TIMEOUT_S)
+            closed = True
+        except (LinkClosed, FrameError, OSError, TimeoutError, ssl.SSLError, ValueError) as exc:
+            log.warning("input_pull_refused", node=self.name, peer=link.peer, error=str(exc)[:200])
+        finally:
+            self._input_conns.discard(writer)
+            if not closed:
+                link.abort()
+
+    def _pull_answer(self, msg: dict[str, Any], peer: str) -> dict[str, Any]:
+        try:
+            if check_message(msg, PEER_MESSAGES).name != "pull":
+                raise BadRequest(f"expected pull, got {msg['t']!r}")
+        except BadRequest as exc:
+            log.warning("input_pull_refused", node=self.name, peer=peer, error=str(exc)[:200])
+            return make_peer_message("gone", reason=f"bad pull: {str(exc)[:200]}")
+        request_id = self._offers.get(str(msg["ticket"]))
+        args = None if request_id is None else self._release(request_id)
+        if args is None:
+            log.warning("input_pull_refused", node=self.name, peer=peer, error="unknown ticket")
+            return make_peer_message("gone", reason="no input is kept here under that ticket")
+        log.info("input_pulled", node=self.name, peer=peer, request=request_id)
+        return make_peer_message("input", stdin=args.get("stdin"), files=args.get("files"))
+
     def _answer(self, msg: dict[str, Any]) -> None:
-        self._held.pop(int(msg["id"]), None)
+        self._release(int(msg["id"]))
         owed = self._pending.pop(int(msg["id"]), None)
         if owed is None or owed.done():
             return
@@ -729,6 +929,49 @@ RECEIVES: Final[Mapping[str, Callable[[NodeAgent, dict[str, Any]], None]]] = Map
         "close_session": NodeAgent._on_close_session,
     }
 )
+
+
+class _Fetch(NamedTuple):
+    """Where a placed exec's input is to be pulled from (``run_exec``'s ``fetch``)."""
+
+    node: str
+    host: str
+    port: int
+    pin: str | None
+    ticket: str
+
+
+def _fetch_of(value: Any) -> _Fetch | None:
+    """``run_exec``'s ``fetch``, read in full (ValueError, TypeError, KeyError if not)."""
+    if value is None:
+        return None
+    host, port = split_host_port(str(value["addr"]))
+    pin, ticket = value.get("pin"), value["ticket"]
+    if not isinstance(ticket, str) or not ticket or not (pin is None or isinstance(pin, str)):
+        raise ValueError("fetch: ticket must be a non-empty str, pin a str or null")
+    return _Fetch(str(value["node"])[:64], host, port, pin or None, ticket)
+
+
+def _input_size(args: dict[str, Any]) -> int | None:
+    """The bytes of an exec's stdin and files, or None when the coordinator would refuse
+    them (wrong types, a path outside the environment, too much): such input goes with
+    the request, so its client gets the coordinator's ``bad_request`` as before."""
+    stdin, files = args.get("stdin"), args.get("files")
+    if not (stdin is None or isinstance(stdin, bytes)):
+        return None
+    if files is None:
+        return len(stdin or b"")
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, bytes) for k, v in files.items()
+    ):
+        return None
+    try:
+        for path in files:
+            check_env_path(path)
+    except BadRequest:
+        return None
+    size = sum(len(v) for v in files.values())
+    return None if size > MAX_FILES_BYTES else size + len(stdin or b"")
 
 
 def _positive(value: Any, default: float) -> float:

@@ -117,6 +117,46 @@ def client_context() -> ssl.SSLContext:
     return ctx
 
 
+def cert_sha256(der: bytes) -> str:
+    """``sha256:<hex>`` of the SubjectPublicKeyInfo of a DER certificate (as a pin)."""
+    spki = (
+        x509.load_der_x509_certificate(der)
+        .public_key()
+        .public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    return "sha256:" + hashlib.sha256(spki).hexdigest()
+
+
+def input_port_context(root: Path) -> tuple[ssl.SSLContext, str]:
+    """A node's TLS server context for its input port and the pin other nodes check it by.
+
+    A fresh key and a self-signed certificate each start (files in ``root``, 0600): the
+    node tells the coordinator the pin over its authenticated link (``hello``'s
+    ``input_pin``), and the coordinator tells the node that pulls (``run_exec``'s
+    ``fetch``), so no CA is needed; the ticket the puller sends says who it is."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tangram node input port")])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=SERVER_DAYS))
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = root / "input.pem", root / "input.key"
+    _write_private(key_path, _key_pem(key))
+    _write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert_path, key_path)
+    return ctx, cert_sha256(cert.public_bytes(serialization.Encoding.DER))
+
+
 # --------------------------------------------------------------------------- creation
 
 

@@ -39,6 +39,8 @@ class NodeRecord:
     gpus: tuple[dict[str, Any], ...] = ()  # as the node reported them (NVML or simulated)
     restored: bool = False  # known from the store, not yet back since a restart
     remote_conns: dict[int, Any] = field(default_factory=dict)  # node conn id -> ConnInfo
+    input_addr: str | None = None  # its input port, host:port (hello's input_addr)
+    input_pin: str | None = None  # its certificate's pin (None: plain TCP, --insecure)
 
     @property
     def cores(self) -> int:

@@ -34,6 +34,7 @@ class OnNode(NamedTuple):
     reply: dict[str, Any] | None = None  # the client request it answers itself
     held: bool = False  # it holds the exec's stdin and files: the spec leaves them out
     missing: str | None = None  # why the exec cannot run: its input is on another node
+    fetch: dict[str, Any] | None = None  # where it pulls its input from (another node)
 
 
 ReplyOnNode = Callable[[ev.RunExec], OnNode]
@@ -104,7 +105,7 @@ class RemoteEffects:
             self._fail(ev.EnvRemoved(env_id=cmd.env_id))
 
     def run_exec(self, cmd: ev.RunExec) -> None:
-        reply, held, missing = self._reply_on_node(cmd)
+        reply, held, missing, fetch = self._reply_on_node(cmd)
         if missing is not None:  # never run without its input
             self._fail(ev.ExecFinished(cmd.action_id, ExecResult("infra_error", detail=missing)))
             return
@@ -122,6 +123,7 @@ class RemoteEffects:
             run_as=list(cmd.run_as) if cmd.run_as else None,
             reply=reply,
             held=True if held else None,
+            fetch=fetch,
         )
         if not self._send(cmd.node, msg):
             res = ExecResult("infra_error", detail=self._unreachable(cmd.node))
