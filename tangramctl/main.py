@@ -33,6 +33,7 @@ import click
 from tangram.client import CallResult, Client, ExecResult, default_socket_path
 from tangram.model import TangramError
 from tangram.protocol import ConnectionFailed, InfraError, parse_size
+from tangram.tarsafe import extract_all
 from tangramctl.render import NODE_COLUMNS, humanize_sizes, kv, node_rows, table, to_json
 
 EXIT_UNREACHABLE = 2
@@ -655,7 +656,7 @@ def env_get(ctl: Ctl, env_id: str, path: str, output: str | None, as_json: bool)
     elif is_tar:
         os.makedirs(output, exist_ok=True)
         with tarfile.open(fileobj=io.BytesIO(data)) as archive:
-            archive.extractall(output, filter="data")
+            extract_all(archive, output)
     else:
         with open(output, "wb") as f:
             f.write(data)

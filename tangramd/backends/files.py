@@ -32,6 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 from tangram.protocol.results import MAX_FILES_BYTES, ExecResult
+from tangram.tarsafe import extract_member
 from tangramd.backends.base import Backend, ExecRequest, PathEscape, confine_real, infra_error
 
 
@@ -41,26 +42,6 @@ class TooLarge(ValueError):
 
 class NotAFile(ValueError):
     """What was asked for is neither a regular file nor a directory (a FIFO, a socket)."""
-
-
-_DATA_FILTER = getattr(tarfile, "data_filter", None)  # Python >= 3.11.4 (PEP 706)
-
-
-def _extract_member(archive: tarfile.TarFile, member: tarfile.TarInfo, dest: str) -> None:
-    """Extract one member into ``dest`` under the ``data`` filter's rules: with PEP 706's
-    own filter where this Python has it (3.11.4 and later), else (Debian 12's 3.11.2) by
-    refusing absolute names, ``..``, links and devices here and dropping set-id bits."""
-    if _DATA_FILTER is not None:
-        archive.extract(member, dest, filter=_DATA_FILTER)  # type: ignore[call-arg,unused-ignore]
-        return
-    if member.name.startswith("/") or ".." in member.name.split("/"):
-        raise PathEscape(f"tar member {member.name!r} leaves the directory")
-    if not (member.isfile() or member.isdir()):
-        raise PathEscape(f"tar member {member.name!r} is a link, device or FIFO")
-    member.mode &= 0o777 if member.isdir() else 0o755
-    member.uid = member.gid = 0
-    member.uname = member.gname = ""
-    archive.extract(member, dest, set_attrs=True)
 
 
 def put_local(
@@ -74,7 +55,7 @@ def put_local(
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
             for member in archive.getmembers():
                 confine_real(target, member.name)  # a link written earlier may point out
-                _extract_member(archive, member, target)
+                extract_member(archive, member, target)
         if owner is not None:
             for dirpath, dirnames, filenames in os.walk(target):
                 for name in [*dirnames, *filenames]:
