@@ -317,11 +317,12 @@ def test_a_placement_whose_input_cannot_be_pulled_ends_infra_error(tmp_path: Pat
     """A run_exec whose fetch is malformed, names a port where nothing listens, a holder
     whose TLS key is not the one pinned, or a ticket the holder does not know: the exec
     ends infra_error (an exec_done), never runs (the effects are never asked), and the
-    node raises nothing."""
+    node raises nothing. A put's transfer likewise fails, and writes nothing."""
     holder = _agent(tmp_path, "a", insecure=False)
     puller = _agent(tmp_path, "b", insecure=False)
     ran: list[Any] = []
     puller.effects.run_exec = ran.append  # type: ignore[method-assign]
+    puller.effects.run_transfer = ran.append  # type: ignore[method-assign]
 
     async def scenario() -> list[str]:
         await holder._open_input_port("127.0.0.1")
@@ -349,16 +350,38 @@ def test_a_placement_whose_input_cannot_be_pulled_ends_infra_error(tmp_path: Pat
                     fetch=fetch,
                 )
             )
+        for k, fetch in enumerate((fetches[0], fetches[-1])):
+            puller._on_message(
+                make_message(
+                    "transfer",
+                    tid=f"t{k}",
+                    env_id="e1",
+                    direction="put",
+                    path="f",
+                    data=b"",
+                    tar=False,
+                    max_bytes=1 << 20,
+                    fetch=fetch,
+                )
+            )
         deadline = time.monotonic() + 10
-        while len(puller.reported) < len(fetches) and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        while len(puller.reported) < len(fetches) + 2 and time.monotonic() < deadline:  # type: ignore[attr-defined]
             await asyncio.sleep(0.01)
         await holder._close_input_port()
-        by_action = {m["action_id"]: m["result"]["detail"] for m in puller.reported}  # type: ignore[attr-defined]
+        by_action = {
+            m["action_id"]: m["result"]["detail"]
+            for m in puller.reported  # type: ignore[attr-defined]
+            if m["t"] == "exec_done"
+        }
+        puts = [m["error"] for m in puller.reported if m["t"] == "transfer_done"]  # type: ignore[attr-defined]
+        assert [e[0] for e in puts] == ["infra_error", "infra_error"], puts
+        assert any("no input is kept here" in e[1] for e in puts), puts
         return [by_action.get(f"x{k}", "") for k in range(len(fetches))]
 
     details = asyncio.run(scenario())
-    assert len(puller.reported) == 8 and all(details) and not ran, details  # type: ignore[attr-defined]
-    assert all(m["result"]["outcome"] == "infra_error" for m in puller.reported)  # type: ignore[attr-defined]
+    assert len(puller.reported) == 10 and all(details) and not ran, details  # type: ignore[attr-defined]
+    done = [m for m in puller.reported if m["t"] == "exec_done"]  # type: ignore[attr-defined]
+    assert all(m["result"]["outcome"] == "infra_error" for m in done)
     assert "not the one pinned" in details[5], details
     assert "plain TCP refused" in details[6], details
     assert "no input is kept here under that ticket" in details[7], details
@@ -554,6 +577,30 @@ def test_a_large_input_goes_node_to_node_never_through_the_coordinator(
     assert run["fetch"]["pin"].startswith("sha256:")  # TLS, a's key pinned
     assert not {"stdin", "files"} & set(run["spec"])
     assert [m["t"] for m in seen if m["t"] in PEER_MESSAGES] == ["pull"]  # b's, to a
+
+
+def test_a_large_put_into_another_nodes_environment_goes_node_to_node(
+    tmp_path: Path, sent_on_links: list[dict[str, Any]]
+) -> None:
+    """env.put of 1 MiB from a's client into an environment on b: a keeps the data (the
+    req's data is empty, with a ticket), the transfer tells b to pull it (fetch), and the
+    file on b is intact; no link message carries the bytes (a put whose data cannot be
+    pulled: test_a_placement_whose_input_cannot_be_pulled_ends_infra_error)."""
+    import hashlib
+
+    seen = sent_on_links
+    with _clients_of_a_and_b(tmp_path) as (on_a, on_b):
+        env = _env_on(on_b, "b")
+        on_a.request("env.put", {"id": env, "path": "big.bin", "data": BIG_FILE})
+        ran = on_b.request("exec", {"cmd": "sha256sum big.bin | cut -c1-64", "env": env})
+        (put,) = [m for m in seen if m["t"] == "req" and m["op"] == "env.put"]
+        assert put["withheld"] is True and put["args"]["data"] == b"" and put["ticket"]
+        (sent,) = [m for m in seen if m["t"] == "transfer" and m["direction"] == "put"]
+        assert sent["fetch"]["ticket"] == put["ticket"] and sent["fetch"]["node"] == "a"
+        assert not sent["data"] and sent["held"] is None
+        on_the_links = [m for m in seen if m["t"] in LINK_MESSAGES]
+        assert not any(len(b) >= 1000 for m in on_the_links for b in _bytes_in(m))
+    assert ran["stdout"].strip() == hashlib.sha256(BIG_FILE).hexdigest()
 
 
 def test_a_node_that_dies_holding_an_input_ends_its_exec_infra_error(

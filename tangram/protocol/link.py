@@ -239,9 +239,10 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
                 Arg(
                     "ticket",
                     Str(),
-                    doc="with `withheld`: the exec may run on any node; one placed elsewhere"
-                    " pulls the input from this node's input port with this one-time secret"
-                    " (`run_exec`'s `fetch`), so it never passes through the coordinator",
+                    doc="with `withheld`: the exec may run on any node (the put go to any"
+                    " environment); a node elsewhere pulls the input (the data) from this"
+                    " node's input port with this one-time secret (`run_exec`'s or"
+                    " `transfer`'s `fetch`), so it never passes through the coordinator",
                 ),
             ),
         ),
@@ -329,6 +330,13 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
                     Int(),
                     doc="a put whose `data` is the node's own: that of its request `held`"
                     " (`req`'s `withheld`), which it kept",
+                ),
+                Arg(
+                    "fetch",
+                    MAP,
+                    doc="{node, addr, pin, ticket}: a put whose `data` another node kept"
+                    " (`req`'s `ticket`): pulled as `run_exec`'s `fetch` is; if it cannot"
+                    " be, the transfer fails `infra_error`, never writes an empty file",
                 ),
             ),
         ),
@@ -432,10 +440,12 @@ PEER_MESSAGES: Final[dict[str, LinkMessage]] = {
         LinkMessage(
             "input",
             "holder",
-            "the exec's stdin and files, as its client sent them; the holder forgets them",
+            "the exec's stdin and files (or the put's data), as its client sent them; the"
+            " holder forgets them",
             (
-                Arg("stdin", Bytes(), doc="its stdin"),
-                Arg("files", MapOf(Bytes()), doc="its carried files, path: contents"),
+                Arg("stdin", Bytes(), doc="an exec's stdin"),
+                Arg("files", MapOf(Bytes()), doc="an exec's carried files, path: contents"),
+                Arg("data", Bytes(), doc="an `env.put`'s data"),
             ),
         ),
         LinkMessage(

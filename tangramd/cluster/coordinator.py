@@ -46,7 +46,7 @@ from tangramd.cluster.registry import NodeRecord, NodeRegistry, Refused
 from tangramd.cluster.store import Store, StoreEnvRecords
 from tangramd.executor import Executor, OpHandlers
 from tangramd.lifecycle import loop_name
-from tangramd.run.remote import OnNode, RemoteEffects
+from tangramd.run.remote import OnNode, PutOnNode, RemoteEffects
 from tangramd.state import Core
 from tangramd.transport import NOT_SYNC, ConnInfo, Later
 
@@ -465,22 +465,12 @@ class CoordinatorExecutor(Executor):
         request_id = msg.get("id")
         try:
             conn = self._remote_conn(rec, int(msg["conn"]))
-            withheld = msg.get("withheld") is True
-            ticket = msg.get("ticket")
-            fetch = None
-            if withheld and isinstance(ticket, str) and ticket and rec.input_addr is not None:
-                fetch = {
-                    "node": rec.name,
-                    "addr": rec.input_addr,
-                    "pin": rec.input_pin,
-                    "ticket": ticket,
-                }
             self._forwarding = _Forwarded(
                 link,
                 request_id,
                 held=msg.get("held") is True,
-                withheld=withheld,
-                fetch=fetch,
+                withheld=msg.get("withheld") is True,
+                fetch=_fetch_from(rec, msg),
             )
             try:
                 result = self.handlers.handle_inline(self, op, args, conn)
@@ -516,15 +506,18 @@ class CoordinatorExecutor(Executor):
             for token in tokens:
                 self._held_puts.pop(token, None)
 
-    def _put_on_node(self, cmd: ev.RunTransfer) -> tuple[int | None, str | None]:
-        """``(held, missing)`` for a transfer: the node's request whose data a put takes
-        there, and why a put cannot run (its data stayed on a node it is not sent to)."""
+    def _put_on_node(self, cmd: ev.RunTransfer) -> PutOnNode:
+        """For a transfer: the node's request whose data a put takes there (``held``), or
+        where the node pulls that data from (``fetch``: it is on another node), or why a
+        put cannot run (``missing``: its data stayed on a node it is not sent to)."""
         origin = self._held_puts.pop(cmd.token, None) if cmd.token is not None else None
         if origin is None:
-            return None, None
+            return PutOnNode()
         if origin.link is not self.registry.link_of(cmd.node):
-            return None, "the put's data stayed on the node it came from"
-        return int(origin.request_id), None
+            if origin.fetch is not None:
+                return PutOnNode(fetch=origin.fetch)
+            return PutOnNode(missing="the put's data stayed on the node it came from")
+        return PutOnNode(held=int(origin.request_id))
 
     def request_later(self, make_event: Callable[[int], ev.Event]) -> Later:
         """As the executor's, and an exec forwarded by a node is known as such before the
@@ -566,7 +559,8 @@ class CoordinatorExecutor(Executor):
                 raise UnknownOp(f"{op} is served on the coordinator's own socket only")
             conn = self._remote_conn(rec, int(msg["conn"]))
             if msg.get("withheld") is True:  # read by request() before this task yields
-                self._serving = _Forwarded(link, request_id, held=True, withheld=True)
+                fetch = _fetch_from(rec, msg)
+                self._serving = _Forwarded(link, request_id, held=True, withheld=True, fetch=fetch)
             try:
                 result = await self.handlers.handle(self, op, args, conn)
             finally:
@@ -700,6 +694,17 @@ def _parse_gpus(value: Any) -> tuple[dict[str, Any], ...]:
             }
         )
     return tuple(gpus)
+
+
+def _fetch_from(rec: NodeRecord, msg: dict[str, Any]) -> dict[str, Any] | None:
+    """Where another node pulls the input a node kept for its request ``msg`` (``req``'s
+    ``withheld`` and ``ticket``; its input port from its hello); None without either."""
+    ticket = msg.get("ticket")
+    if msg.get("withheld") is not True or not isinstance(ticket, str) or not ticket:
+        return None
+    if rec.input_addr is None:
+        return None
+    return {"node": rec.name, "addr": rec.input_addr, "pin": rec.input_pin, "ticket": ticket}
 
 
 def _input_port(hello: dict[str, Any]) -> tuple[str | None, str | None]:

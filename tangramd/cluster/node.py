@@ -55,6 +55,7 @@ from tangram.protocol.link import (
     make_message,
     make_peer_message,
 )
+from tangram.protocol.ops import MAX_TRANSFER
 from tangram.protocol.results import MAX_FILES_BYTES, ExecResult, ExecSpec, check_env_path
 from tangram.version import __version__
 from tangramd import events as ev
@@ -430,16 +431,22 @@ class NodeAgent:
         self.effects.remove_env(ev.RemoveEnv(env_id=env_id, node=self.name))
 
     def _on_transfer(self, msg: dict[str, Any]) -> None:
+        tid = str(msg["tid"])
         data = msg.get("data") or b""
         held = msg.get("held")
         if isinstance(held, int) and not isinstance(held, bool):
             args = self._release(held)
             if args is None:  # never put an empty file in its place
-                tid = str(msg["tid"])
                 error = ["infra_error", "the put's data is no longer held on this node"]
                 self._report(make_message("transfer_done", key=f"t:{tid}", tid=tid, error=error))
                 return
             data = args["data"]
+        try:
+            fetch = _fetch_of(msg.get("fetch"))
+        except (KeyError, TypeError, ValueError) as exc:
+            error = ["infra_error", f"malformed fetch: {str(exc)[:200]}"]
+            self._report(make_message("transfer_done", key=f"t:{tid}", tid=tid, error=error))
+            return
         cmd = ev.RunTransfer(
             token=next(self._ids),
             env_id=str(msg["env_id"]),
@@ -451,8 +458,38 @@ class NodeAgent:
             max_bytes=int(msg["max_bytes"]),
         )
         assert cmd.token is not None
-        self._transfers[cmd.token] = str(msg["tid"])
+        if fetch is not None:  # its data is on another node: pull it first
+            key = f"t:{tid}"
+            task = asyncio.get_running_loop().create_task(self._pull_then_put(tid, cmd, fetch))
+            self._pulls[key] = task
+            task.add_done_callback(lambda _: self._pulls.pop(key, None))
+            return
+        self._transfers[cmd.token] = tid
         self.effects.run_transfer(cmd)
+
+    async def _pull_then_put(self, tid: str, cmd: ev.RunTransfer, fetch: _Fetch) -> None:
+        """Pull a put's data from the node that kept it, then write it; if it cannot be
+        had, the transfer fails ``infra_error`` (never an empty file)."""
+        why = "cancelled before its data arrived"
+        try:
+            data = (await asyncio.wait_for(self._pull(fetch), PULL_TIMEOUT_S)).get("data")
+            if not isinstance(data, bytes) or not data:
+                raise LookupError(f"node {fetch.node} sent no data")
+        except asyncio.CancelledError:
+            self._put_missing(tid, fetch, why)
+            raise
+        except Exception as exc:
+            self._put_missing(tid, fetch, str(exc) or type(exc).__name__)
+            return
+        assert cmd.token is not None
+        self._transfers[cmd.token] = tid
+        self.effects.run_transfer(dataclasses.replace(cmd, data=data))
+
+    def _put_missing(self, tid: str, fetch: _Fetch, why: str) -> None:
+        log.warning("input_pull_failed", node=self.name, transfer=tid, holder=fetch.node, why=why)
+        detail = f"the put's data could not be pulled from node {fetch.node}: {why}"
+        error = ["infra_error", detail[:500]]
+        self._report(make_message("transfer_done", key=f"t:{tid}", tid=tid, error=error))
 
     def _on_open_session(self, msg: dict[str, Any]) -> None:
         cmd = ev.StartShell(
@@ -584,8 +621,8 @@ class NodeAgent:
         if they cannot be had (that node is gone, its link dropped, the pull timed out or
         was cancelled) the exec ends ``infra_error``: it never runs without them."""
         try:
-            stdin, files = await asyncio.wait_for(self._pull(fetch), PULL_TIMEOUT_S)
-            spec = dataclasses.replace(cmd.spec, stdin=stdin, files=files)
+            got = await asyncio.wait_for(self._pull(fetch), PULL_TIMEOUT_S)
+            spec = dataclasses.replace(cmd.spec, stdin=got.get("stdin"), files=got.get("files"))
         except asyncio.CancelledError:
             self._input_missing(cmd, fetch, "cancelled before its input arrived")
             raise
@@ -604,9 +641,10 @@ class NodeAgent:
             res = ExecResult("infra_error", detail=detail[:500])
             self._exec_ended(ev.ExecFinished(action_id=cmd.action_id, result=res))
 
-    async def _pull(self, fetch: _Fetch) -> tuple[bytes | None, dict[str, bytes] | None]:
+    async def _pull(self, fetch: _Fetch) -> dict[str, Any]:
         """One pull from ``fetch.node``'s input port: its certificate checked against the
-        pin the coordinator relayed, the ticket sent, the input (or why not) received."""
+        pin the coordinator relayed, the ticket sent, the ``input`` message (checked in
+        full) received; LookupError with the holder's reason when it has none."""
         if fetch.pin is None and not (self.insecure and is_loopback(fetch.host)):
             raise CertInvalid(f"no pin for node {fetch.node}'s input port: plain TCP refused")
         tls = client_context() if fetch.pin is not None else None
@@ -628,7 +666,7 @@ class NodeAgent:
             raise LookupError(f"node {fetch.node}: {str(answer['reason'])[:200]}")
         if kind != "input":
             raise BadRequest(f"node {fetch.node} answered a pull with {kind!r}")
-        return answer.get("stdin"), answer.get("files")
+        return answer
 
     def _exec_spec(self, msg: dict[str, Any]) -> ExecSpec:
         """A placement's spec; its stdin and files from the request this node forwarded
@@ -748,10 +786,20 @@ class NodeAgent:
         elif (  # a put into an environment here: its data stays here (transfer's held)
             op == "env.put"
             and isinstance(args, dict)
-            and args.get("id") in self._envs
             and isinstance(args.get("data"), bytes)
             and args["data"]
+            and (
+                args.get("id") in self._envs
+                or (  # elsewhere, a large one too, for that node to pull (transfer's fetch)
+                    self.input_addr is not None
+                    and PULL_MIN_BYTES <= len(args["data"]) <= MAX_TRANSFER
+                )
+            )
         ):
+            if args.get("id") not in self._envs:
+                ticket = secrets.token_urlsafe(32)
+                self._offers[ticket] = request_id
+                self._tickets[request_id] = ticket
             self._held[request_id] = args
             args = {**args, "data": b""}
             holds = withheld = True
@@ -850,7 +898,10 @@ class NodeAgent:
             log.warning("input_pull_refused", node=self.name, peer=peer, error="unknown ticket")
             return make_peer_message("gone", reason="no input is kept here under that ticket")
         log.info("input_pulled", node=self.name, peer=peer, request=request_id)
-        return make_peer_message("input", stdin=args.get("stdin"), files=args.get("files"))
+        data = args.get("data") if isinstance(args.get("data"), bytes) else None
+        return make_peer_message(
+            "input", stdin=args.get("stdin"), files=args.get("files"), data=data
+        )
 
     def _answer(self, msg: dict[str, Any]) -> None:
         self._release(int(msg["id"]))

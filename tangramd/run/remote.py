@@ -37,10 +37,16 @@ class OnNode(NamedTuple):
     fetch: dict[str, Any] | None = None  # where it pulls its input from (another node)
 
 
+class PutOnNode(NamedTuple):
+    """Where a transfer's data is, when not in the transfer (the coordinator decides)."""
+
+    held: int | None = None  # the node's own request that holds it
+    missing: str | None = None  # why the transfer cannot run: its data is on another node
+    fetch: dict[str, Any] | None = None  # where the node pulls it from (another node)
+
+
 ReplyOnNode = Callable[[ev.RunExec], OnNode]
-# A transfer's data on its node: the node's request holding it (or None), and why the
-# transfer cannot run (its data is on another node).
-PutOnNode = Callable[[ev.RunTransfer], tuple[int | None, str | None]]
+PutsOnNode = Callable[[ev.RunTransfer], PutOnNode]
 
 
 NO_GPUS = "this coordinator places no GPU services (cluster GPU scheduling is not built yet)"
@@ -57,7 +63,7 @@ class RemoteEffects:
     services: ServiceHost | None = None  # no GPUs of its own (see the module doc)
     runs_execs_here = False  # the nodes run them and log their ends
 
-    def __init__(self, send: Send, reply_on_node: ReplyOnNode, put_on_node: PutOnNode) -> None:
+    def __init__(self, send: Send, reply_on_node: ReplyOnNode, put_on_node: PutsOnNode) -> None:
         self._send = send
         self._reply_on_node = reply_on_node
         self._put_on_node = put_on_node
@@ -130,7 +136,7 @@ class RemoteEffects:
             self._fail(ev.ExecFinished(cmd.action_id, res))
 
     def run_transfer(self, cmd: ev.RunTransfer) -> None:
-        held, missing = self._put_on_node(cmd)
+        held, missing, fetch = self._put_on_node(cmd)
         if missing is not None:  # never put an empty file in place of the data
             error = ("infra_error", missing)
             self._fail(ev.TransferDone(token=cmd.token, env_id=cmd.env_id, error=error))
@@ -146,6 +152,7 @@ class RemoteEffects:
             tar=cmd.tar,
             max_bytes=cmd.max_bytes,
             held=held,
+            fetch=fetch,
         )
         if not self._send(cmd.node, msg):
             self._transfers.pop(key, None)
