@@ -23,6 +23,7 @@ finished; a trajectory arrives ``arrival_s`` after its step's start.
 from __future__ import annotations
 
 import heapq
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -42,6 +43,8 @@ from tangram.sim.trace import TraceAction, Trajectory
 
 # event kinds, in the order they are handled within one timestamp
 DONE, POD_READY, RETRY, GEN_DONE, ARRIVE, WAKE, POD_BIND = range(7)
+
+_SEQ = operator.attrgetter("seq")
 
 
 class Engine:
@@ -112,6 +115,7 @@ class Engine:
         if self.gpu is not None:
             self.pools[self.gpu.pool_id] = self.gpu
         self.pools.update(self.apis)
+        self._cpu_ids = frozenset(self.cpu)
         # scheduler-side state
         self.queues: dict[str, dict[ActionId, Run]] = {pid: {} for pid in self.pools}
         self.unassigned: dict[ActionId, Run] = {}
@@ -119,6 +123,10 @@ class Engine:
         self.affinity: dict[Any, str] = {}
         self.envs_on: dict[str, int] = {}  # CPU node -> trajectories living there (envs)
         self.env_bytes: dict[str, int] = {}
+        # an environment's memory, for the scheduler's node choice (called once per waiting
+        # trajectory per pass: a closure over the dict's get, no attribute lookups)
+        get_env = self.env_bytes.get
+        self._env_mem: Callable[[Action], int] = lambda action: get_env(action.trajectory, 0)
         self.dirty: set[str] = set()
         self.meter = LoadMeter()  # recent offered load per CPU node, for the "priced" rule
         self._wakes: set[tuple[str, float]] = set()
@@ -328,32 +336,33 @@ class Engine:
     # ------------------------------------------------------------------ scheduler pass
 
     def _pass(self, now: float) -> None:
+        # The waiting actions in submission order: the unassigned ones and each pool's queue
+        # are each in seq order (dicts keep insertion order, seq grows with submission), so
+        # the sort merges sorted runs. A placed or failed action's run is found again in
+        # ``unassigned`` or its pool's queue (no per-pass map of every waiting run).
         pools: dict[str, Any] = {}
         waiting: list[Action] = []
-        runs: dict[ActionId, Run] = {}
+        unassigned = self.unassigned
         dirty = self.dirty
-        if self.unassigned:
-            dirty = dirty | set(self.cpu)
-            for r in self.unassigned.values():
-                waiting.append(r.action)
-            runs.update(self.unassigned)
+        if unassigned:
+            dirty = dirty | self._cpu_ids
+            waiting.extend([r.action for r in unassigned.values()])
+        apis, queues, all_pools, cpu = self.apis, self.queues, self.pools, self.cpu
         for pid in sorted(dirty):
-            pool = self.pools[pid]
-            if pid in self.apis:
+            pool = all_pools[pid]
+            if pid in apis:
                 pool.advance(now)
-            queue = self.queues[pid]
-            if not queue and not self.unassigned:
+            queue = queues[pid]
+            if not queue and not unassigned:
                 continue
-            if pool.free_units() == 0 and not (self.unassigned and pid in self.cpu):
+            if pool.free_units() == 0 and not (unassigned and pid in cpu):
                 continue  # nothing can start here until something is released
             pools[pid] = pool
-            for r in queue.values():
-                waiting.append(r.action)
-            runs.update(queue)
+            waiting.extend([r.action for r in queue.values()])
         self.dirty = set()
         if not waiting:
             return
-        waiting.sort(key=lambda a: a.seq)
+        waiting.sort(key=_SEQ)
         running = {pid: list(self.running[pid].values()) for pid in pools}
         snap = Snapshot(
             waiting=waiting,
@@ -365,51 +374,63 @@ class Engine:
             load={
                 pid: self.meter.load(pid, now, self.envs_on.get(pid, 0))
                 for pid in pools
-                if pid in self.cpu
+                if pid in cpu
             },
         )
         decision = schedule(snap, now, self.sched)
+        mem_free: dict[str, int] = {}  # per node this pass: free memory, kept up to date
         for p in decision.placements:
-            run = runs[p.action_id]
-            action = run.action
-            tid = action.trajectory
+            pid = p.pool_id
             if p.new_node:
-                node = self.cpu[p.pool_id]
-                if not node.reserve_mem(EnvId(tid), self.env_bytes[tid]):
+                run = unassigned[p.action_id]
+                action = run.action
+                tid = action.trajectory
+                node = cpu[pid]
+                need = self.env_bytes[tid]
+                free = mem_free.get(pid)
+                if free is None:
+                    free = mem_free[pid] = node.mem_free
+                if need > free:  # what reserve_mem would refuse, without summing the node
                     continue  # memory not free after all: the action keeps waiting
-                self.affinity[tid] = p.pool_id
-                self.envs_on[p.pool_id] = self.envs_on.get(p.pool_id, 0) + 1
-                del self.unassigned[action.id]
-                self.meter.submitted(p.pool_id, run.submit, action.elastic)
+                if not node.reserve_mem(EnvId(tid), need):
+                    continue  # (not reached: the check above is reserve_mem's)
+                mem_free[pid] = free - need
+                self.affinity[tid] = pid
+                self.envs_on[pid] = self.envs_on.get(pid, 0) + 1
+                del unassigned[action.id]
+                self.meter.submitted(pid, run.submit, action.elastic)
             else:
-                del self.queues[p.pool_id][action.id]
-            pool = self.pools[p.pool_id]
+                run = queues[pid].pop(p.action_id)
+                action = run.action
+            pool = all_pools[pid]
             pool.allocate(action.id, p.units)
-            run.pool_id = p.pool_id
+            run.pool_id = pid
             restore = 0.0
             if action.kind == "service":
                 self._tick += 1
                 assert self.gpu is not None
                 plan = self.gpu.restore_for(action.id, action.service or "", self._tick)
                 restore = plan.seconds
-            self.running[p.pool_id][action.id] = (now + p.expected_s, p.amount)
-            if p.pool_id in self.cpu:
-                self.meter.started(
-                    p.pool_id, action.id, now, action.elastic, p.amount, p.expected_s
-                )
+            self.running[pid][action.id] = (now + p.expected_s, p.amount)
+            if pid in cpu:
+                self.meter.started(pid, action.id, now, action.elastic, p.amount, p.expected_s)
             self.start_run(run, now, len(p.units), restore, pool.resource)
         for inf in decision.infeasible:
-            failed = self.unassigned.pop(inf.action_id, None)
+            failed = unassigned.pop(inf.action_id, None)
             if failed is None:
-                pid = pool_of_run(runs[inf.action_id], self.affinity)
-                failed = self.queues[pid].pop(inf.action_id)
+                failed = self._pop_queued(inf.action_id)
             self.fail_run(failed, now)
-        for pid in self.apis:
-            if self.queues[pid]:
+        for pid in apis:
+            if queues[pid]:
                 self._api_wake(pid, now)
 
-    def _env_mem(self, action: Action) -> int:
-        return self.env_bytes.get(action.trajectory, 0)
+    def _pop_queued(self, aid: ActionId) -> Run:
+        """Remove a queued (not unassigned) action's run from its pool's queue."""
+        for queue in self.queues.values():
+            run = queue.pop(aid, None)
+            if run is not None:
+                return run
+        raise KeyError(aid)
 
     def _api_wake(self, pid: str, now: float) -> None:
         at = self.apis[pid].next_grant_time(now)

@@ -1,0 +1,55 @@
+"""bench/paper/sim_scale.py's small mode: its JSON describes the run it made, and the
+simulated part of it is the same on a second run of the same seed."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[1] / "bench" / "paper" / "sim_scale.py"
+
+
+def _sim_scale():
+    sys.path.insert(0, str(SCRIPT.parent))  # it imports its sibling common.py
+    try:
+        spec = importlib.util.spec_from_file_location("sim_scale_under_test", SCRIPT)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def test_small_mode_json(capsys):
+    mod = _sim_scale()
+    argv = ["--batch", "192", "--nodes", "2", "--policies", "tangram,k8s", "--json"]
+    doc = mod.main(argv)
+    assert '"goal_met"' in capsys.readouterr().out  # printed as JSON
+    assert (doc["workload"], doc["batch"], doc["cpu_nodes"], doc["cores"]) == (
+        "ai-coding",
+        192,
+        2,
+        128,
+    )
+    assert doc["goal_s"] == 120.0 and isinstance(doc["compiled"], bool)
+    t, k = doc["policies"]["tangram"], doc["policies"]["k8s"]
+    for row in (t, k):
+        assert row["actions"] == doc["trace_actions"] and row["failed"] == 0
+        assert row["wall_s"] > 0 and row["makespan_s"] > 0
+        assert 0 < row["avg_act_s"] <= row["p99_act_s"]
+    assert t["passes"] > 0 and k["passes"] == 0  # k8s never calls the scheduler
+    assert doc["max_wall_s"] == max(t["wall_s"], k["wall_s"])
+    assert doc["goal_met"] == (doc["max_wall_s"] <= 120.0)
+    again = mod.main(argv)
+    for name, row in doc["policies"].items():
+        same = {f: v for f, v in row.items() if f != "wall_s"}
+        assert same == {f: v for f, v in again["policies"][name].items() if f != "wall_s"}
+
+
+def test_scale_cluster_is_four_nodes_per_unit_of_scale():
+    mod = _sim_scale()
+    (spec,) = mod.scale_cluster(10).cpu_nodes
+    assert (spec.count, spec.cores, spec.numa, spec.mem_gb) == (40, 64, 2, 512)
+    assert mod.scale_cluster(0.1).cpu_nodes[0].count == 1
