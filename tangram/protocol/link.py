@@ -54,8 +54,9 @@ EXEC_INPUT: Final = ("stdin", "files")
 # An exec's input of at least this many bytes, bound for an environment that is not on
 # the client's node, stays on that node too (``req``'s ``ticket``): the node that runs it
 # pulls it from there (``run_exec``'s ``fetch``). Below it, the input rides in the ``req``:
-# a pull's connection and TLS handshake cost more than relaying a few kilobytes.
-PULL_MIN_BYTES: Final = 64 << 10
+# a pull opens a connection (a TLS handshake) of its own, which costs more time than
+# relaying a small input costs the coordinator (docs/architecture.md §4.3).
+PULL_MIN_BYTES: Final = 256 << 10
 # The most a pull request (``pull``) may weigh: a ticket, nothing more.
 PULL_REQUEST_MAX: Final = 4 << 10
 

@@ -870,20 +870,20 @@ class NodeAgent:
         ends more than its own connection."""
         self._input_conns.add(writer)
         link = Link(reader, writer, max_frame=PULL_REQUEST_MAX)
-        closed = False
         try:
             msg = await asyncio.wait_for(link.recv(), PULL_TIMEOUT_S)
             answer = self._pull_answer(msg, link.peer)
             writer.write(encode(answer, max_frame=self.max_frame))
-            writer.close()  # once all of it is written (an abort would drop the rest)
-            await asyncio.wait_for(writer.wait_closed(), PULL_TIMEOUT_S)
-            closed = True
+            # a close flushes what is still buffered (an abort would drop it); the
+            # connection is gone once the puller has it all, or has hung up
+            writer.close()
+            with contextlib.suppress(ConnectionError, ssl.SSLError):
+                await asyncio.wait_for(reader.read(1), PULL_TIMEOUT_S)
         except (LinkClosed, FrameError, OSError, TimeoutError, ssl.SSLError, ValueError) as exc:
             log.warning("input_pull_refused", node=self.name, peer=link.peer, error=str(exc)[:200])
         finally:
             self._input_conns.discard(writer)
-            if not closed:
-                link.abort()
+            link.abort()
 
     def _pull_answer(self, msg: dict[str, Any], peer: str) -> dict[str, Any]:
         try:
