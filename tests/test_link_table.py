@@ -556,6 +556,12 @@ def test_a_large_input_goes_node_to_node_never_through_the_coordinator(
         args = {"env": env, "stdin": BIG_STDIN, "files": {"big.bin": BIG_FILE}}
         ran = on_a.request("exec", {"cmd": DIGEST_CMD, **args})
         placed = len(seen)
+        # the most an exec may carry: all of it arrives (the holder flushes, then closes)
+        most = os.urandom((8 << 20) - 1)
+        biggest = on_a.request(
+            "exec", {"cmd": "sha256sum f | cut -c1-64", "env": env, "files": {"f": most}}
+        )
+        assert biggest["stdout"].strip() == hashlib.sha256(most).hexdigest(), biggest
         # throwaway execs (no environment) go where the pass puts them: a or b
         throwaways = [
             on_a.request("exec", {"cmd": DIGEST_CMD, "stdin": BIG_STDIN, "files": args["files"]})
