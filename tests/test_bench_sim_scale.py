@@ -36,7 +36,7 @@ def test_small_mode_json(capsys):
     assert doc["goal_s"] == 120.0 and isinstance(doc["compiled"], bool)
     t, k = doc["policies"]["tangram"], doc["policies"]["k8s"]
     for row in (t, k):
-        assert row["actions"] == doc["trace_actions"] and row["failed"] == 0
+        assert row["finished"] and row["actions"] == doc["trace_actions"] and not row["failed"]
         assert row["wall_s"] > 0 and row["makespan_s"] > 0
         assert 0 < row["avg_act_s"] <= row["p99_act_s"]
     assert t["passes"] > 0 and k["passes"] == 0  # k8s never calls the scheduler
@@ -53,3 +53,12 @@ def test_scale_cluster_is_four_nodes_per_unit_of_scale():
     (spec,) = mod.scale_cluster(10).cpu_nodes
     assert (spec.count, spec.cores, spec.numa, spec.mem_gb) == (40, 64, 2, 512)
     assert mod.scale_cluster(0.1).cpu_nodes[0].count == 1
+
+
+def test_cap_stops_a_run_and_says_how_far_it_got():
+    mod = _sim_scale()
+    doc = mod.main(["--batch", "192", "--nodes", "2", "--policies", "tangram", "--cap-s", "0"])
+    row = doc["policies"]["tangram"]
+    assert row["finished"] is False and doc["goal_met"] is False
+    assert row["simulated_s"] > 0 and 0 <= row["trajectories_done"] < row["trajectories"] == 192
+    assert row["passes"] > 0
