@@ -98,3 +98,23 @@ def test_a_large_input_is_pulled_over_plain_tcp_with_insecure(tmp_path: Path) ->
         assert len(_events(a, "input_pulled")) == 1
     assert ran["outcome"] == "ok" and ran["node"] == "b", ran
     assert ran["stdout"].split() == DIGESTS
+
+
+def test_a_large_stdin_for_a_session_on_another_node_is_pulled(tmp_path: Path) -> None:
+    """A command in a session on b, sent by a's client with 300 KiB of stdin: b pulls the
+    stdin from a and the session's shell reads all of it."""
+    with InProcessCluster(tmp_path) as here:
+        coord = here.coordinator(CONFIG)
+        a = here.node(coord, "a", cpus=str(CORES[0]))
+        b = here.node(coord, "b", cpus=str(CORES[-1]))
+        with a.client() as on_a, b.client() as on_b:
+            env = _env_on(on_b, "b")
+            session = on_b.request("session.open", {"env": env})["id"]
+            ran = on_a.request(
+                "exec", {"cmd": "sha256sum | cut -c1-64", "session": session, "stdin": STDIN}
+            )
+            on_b.request("session.close", {"id": session})
+        here.stop_all()
+        assert len(_events(a, "input_pulled")) == 1
+    assert ran["outcome"] == "ok" and ran["node"] == "b", ran
+    assert ran["stdout"].strip() == DIGESTS[1]
