@@ -172,8 +172,14 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
     unplaced_new: list[Action] = []
     # per pool: the pool, its never_fits memo, its queue (None: no such pool)
     lanes: dict[str, tuple[SchedPool, dict[str, Shortfall | None], list[Action]] | None] = {}
-    affinity, pools = snapshot.affinity, snapshot.pools
-    for action in snapshot.waiting:
+    # read as a dict and a list (the daemon's and the benchmarks' types): compiled, their
+    # get and iteration are direct calls, not method look-ups on a Mapping / Sequence
+    given = snapshot.affinity
+    affinity: dict[TrajectoryId, str] = given if isinstance(given, dict) else dict(given)
+    pools = snapshot.pools
+    queued = snapshot.waiting
+    everyone: list[Action] = queued if isinstance(queued, list) else list(queued)
+    for action in everyone:
         kind = action.kind  # pool_of(), inlined
         if kind == "exec":
             pid = affinity.get(action.trajectory)
@@ -211,11 +217,12 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
     if unplaced_new:
         assigned, never = _assign_nodes(unplaced_new, snapshot, now, cfg)
         infeasible.extend(never)
+        joining: dict[str, list[Action]] = {}  # per pool, in queue order
         for action, pid in assigned:
-            queues.setdefault(pid, []).append(action)
+            joining.setdefault(pid, []).append(action)
             new_nodes.add(action.id)
-        for pid in {pid for _, pid in assigned}:
-            queues[pid].sort(key=_SEQ)
+        for pid, extra in joining.items():
+            queues[pid] = _merge_by_seq(queues.get(pid, []), extra)
 
     placements: list[Placement] = []
     objective = 0.0
@@ -232,10 +239,42 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
             placements.append(
                 Placement(action.id, pid, amount, unit_ids, dur, action.id in new_nodes)
             )
-    placed = {p.action_id for p in placements}
-    bad = {i.action_id for i in infeasible}
-    waiting = tuple([a.id for a in snapshot.waiting if a.id not in placed and a.id not in bad])
+    gone = {p.action_id for p in placements}  # placed or infeasible: not waiting
+    for inf in infeasible:
+        gone.add(inf.action_id)
+    waiting = tuple([aid for a in everyone if (aid := a.id) not in gone])
     return Decision(tuple(placements), waiting, tuple(infeasible), objective, evicted)
+
+
+def _seq_sorted(actions: list[Action]) -> bool:
+    """Whether ``actions`` are in ascending ``seq`` (FCFS) order already."""
+    for i in range(1, len(actions)):  # noqa: SIM110 (compiled: a loop over native ints)
+        if actions[i].seq < actions[i - 1].seq:
+            return False
+    return True
+
+
+def _merge_by_seq(first: list[Action], second: list[Action]) -> list[Action]:
+    """``sorted(first + second, key=seq)`` (stable: ``first``'s before ``second``'s on equal
+    seqs), as one linear merge when both are in seq order already (they are: queues keep
+    FCFS order), instead of a sort reading every action's seq through ``attrgetter``."""
+    if not (_seq_sorted(first) and _seq_sorted(second)):
+        return sorted([*first, *second], key=_SEQ)
+    out: list[Action] = []
+    i, j, n, m = 0, 0, len(first), len(second)
+    while i < n and j < m:
+        a, b = first[i], second[j]
+        if b.seq < a.seq:
+            out.append(b)
+            j += 1
+        else:
+            out.append(a)
+            i += 1
+    if i < n:
+        out.extend(first[i:])
+    if j < m:
+        out.extend(second[j:])
+    return out
 
 
 def _no_pool(action: Action, pid: str) -> Shortfall:
@@ -451,7 +490,8 @@ def _schedule_pool(
     while n > 0 and not table.feasible(n):  # chunk order effects: drop trailing candidates
         rest.append(elastic.pop())
         n -= 1
-    rest.sort(key=_SEQ)
+    if not _seq_sorted(rest):  # (it is unless candidates went back: a stable sort's no-op)
+        rest.sort(key=_SEQ)
     # The replay window is a fixed set for every t (evicted candidates + the first
     # ``replay_limit`` non-candidates), so objective values of different t compare.
     window = rest[: cfg.replay_limit]
@@ -464,7 +504,7 @@ def _schedule_pool(
     base_heap.sort()  # a sorted list is a valid heap: copied, never re-heapified
     rank = {a.id: k for k, a in enumerate(elastic)}
     # both in seq order: a stable sort of the two runs is their merge (a linear pass)
-    merged = sorted([*elastic, *window], key=_SEQ)
+    merged = _merge_by_seq(elastic, window)
     ranks = [rank.get(a.id, n) for a in merged]  # n: not a candidate, replayed at every t
     ents = replay.entries(merged)  # looked up once for every t's subset of merged
 
