@@ -66,21 +66,23 @@ def _events(daemon: AnyDaemon, name: str) -> list[dict[str, Any]]:
 
 
 def test_a_large_input_is_pulled_across_node_processes(tmp_path: Path) -> None:
-    """Coordinator and two nodes as processes (the command line, TLS): the exec runs on b
-    with its input intact, a logs the one pull of it, and neither the coordinator nor
-    the nodes log a failure."""
+    """Coordinator and two nodes as processes (the command line, TLS): two execs run on b
+    with their input intact, a logs one pull of each, over one connection (b kept it),
+    and neither the coordinator nor the nodes log a failure."""
     coord = spawn_coordinator(tmp_path, CONFIG)
     a = spawn_node(tmp_path, coord, "a", cpus=str(CORES[0]))
     b = spawn_node(tmp_path, coord, "b", cpus=str(CORES[-1]))
     try:
-        ran = _exec_across(a, b)
+        runs = [_exec_across(a, b), _exec_across(a, b)]
     finally:
         stop_all([b, a, coord])
-    assert ran["outcome"] == "ok" and ran["node"] == "b", ran
-    assert ran["stdout"].split() == DIGESTS
+    for ran in runs:
+        assert ran["outcome"] == "ok" and ran["node"] == "b", ran
+        assert ran["stdout"].split() == DIGESTS
     (port,) = _events(a, "input_port_open")
     assert port["tls"] is True
-    assert len(_events(a, "input_pulled")) == 1
+    pulls = _events(a, "input_pulled")
+    assert len(pulls) == 2 and pulls[0]["peer"] == pulls[1]["peer"], pulls
     assert not _events(b, "input_pull_failed") and not _events(a, "input_pull_refused")
     check_clean(coord, a, b)
 

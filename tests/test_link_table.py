@@ -387,6 +387,39 @@ def test_a_placement_whose_input_cannot_be_pulled_ends_infra_error(tmp_path: Pat
     assert "no input is kept here under that ticket" in details[7], details
 
 
+def test_pulls_reuse_a_connection_and_redial_when_the_holder_closed_it(tmp_path: Path) -> None:
+    """Two pulls from one holder share a connection (one TLS handshake); when the holder
+    has closed it meanwhile, the next pull dials anew and still gets its input."""
+    holder = _agent(tmp_path, "a", insecure=False)
+    puller = _agent(tmp_path, "b", insecure=False)
+    for k in (1, 2, 3):
+        holder._held[k] = {"stdin": f"in{k}".encode()}
+        holder._offers[f"t{k}"] = k
+        holder._tickets[k] = f"t{k}"
+
+    async def scenario() -> list[Any]:
+        await holder._open_input_port("127.0.0.1")
+        host, _, port = str(holder.input_addr).rpartition(":")
+        got = []
+        for k in (1, 2, 3):
+            fetch = node._Fetch("a", host, int(port), holder.input_pin, f"t{k}")
+            got.append((await puller._pull(fetch))["stdin"])
+            got.append(len(holder._input_conns))
+            if k == 2:  # the holder lets go of the kept connection (idle, restarted)
+                for writer in list(holder._input_conns):
+                    writer.transport.abort()
+                await asyncio.sleep(0.05)
+        await puller._close_input_port()
+        await holder._close_input_port()
+        return got
+
+    with capture_logs() as logs:
+        got = asyncio.run(scenario())
+    assert got == [b"in1", 1, b"in2", 1, b"in3", 1], got
+    peers = [e["peer"] for e in logs if e["event"] == "input_pulled"]
+    assert len(peers) == 3 and peers[0] == peers[1] != peers[2], peers
+
+
 def test_a_hello_with_a_malformed_input_port_has_none() -> None:
     """A hello whose input port is not host:port (or absurdly long) is kept without it:
     that node's large inputs then go with its requests; nothing is refused."""
@@ -655,19 +688,24 @@ def _input_port_of(seen: list[dict[str, Any]], name: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _pull_raw(addr: tuple[str, int], payload: bytes, wait_s: float = 10.0) -> bytes:
-    """Connect to an input port over TLS, send raw bytes, return what comes back within
-    ``wait_s``."""
+def _pull_raw(addr: tuple[str, int], payload: bytes, wait_s: float = 10.0) -> dict[str, Any] | None:
+    """Connect to an input port over TLS, send raw bytes: the first message that comes
+    back within ``wait_s``, None if the holder closes (or says nothing) first."""
+    from tangram.protocol.codec import FrameDecoder
+
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
+    decoder = FrameDecoder(64 << 20)
     with socket.create_connection(addr, timeout=wait_s) as raw, ctx.wrap_socket(raw) as tls:
         tls.sendall(payload)
-        chunks = []
         with contextlib.suppress(OSError):
             while chunk := tls.recv(1 << 16):
-                chunks.append(chunk)
-        return b"".join(chunks)
+                decoder.feed(chunk)
+                msg = decoder.next_message()
+                if msg is not None:
+                    return msg
+        return None
 
 
 def test_the_input_port_refuses_bad_pulls_and_serves_on(
@@ -678,18 +716,13 @@ def test_the_input_port_refuses_bad_pulls_and_serves_on(
     closed) and the node serves on; a real cross-node exec then still gets its input.
     The coordinator's and the node's link handlers drop a malformed ``fetch`` or
     ``ticket`` (an exec ends infra_error; test_node_drops_...: run_exec)."""
-    from tangram.protocol.codec import FrameDecoder, encode
-
-    def answer(data: bytes) -> dict[str, Any] | None:
-        decoder = FrameDecoder(64 << 20)
-        decoder.feed(data)
-        return decoder.next_message()
+    from tangram.protocol.codec import encode
 
     with _clients_of_a_and_b(tmp_path) as (on_a, on_b):
         port = _input_port_of(sent_on_links, "a")
-        assert answer(_pull_raw(port, b"\x00\x00\x00\x05garbage")) is None
-        assert answer(_pull_raw(port, b"\xff\xff\xff\xff")) is None  # oversized
-        assert answer(_pull_raw(port, b"\x00\x00\x00", wait_s=0.3)) is None  # cut short
+        assert _pull_raw(port, b"\x00\x00\x00\x05garbage") is None
+        assert _pull_raw(port, b"\xff\xff\xff\xff") is None  # oversized
+        assert _pull_raw(port, b"\x00\x00\x00", wait_s=0.3) is None  # cut short
         for bad in (
             {"t": "pull"},
             {"t": "pull", "ticket": 7},
@@ -698,14 +731,14 @@ def test_the_input_port_refuses_bad_pulls_and_serves_on(
             {"t": "nope"},
             {"t": "pull", "ticket": "not-a-ticket"},
         ):
-            got = answer(_pull_raw(port, encode(bad)))
+            got = _pull_raw(port, encode(bad))
             assert got is not None and got["t"] == "gone", (bad, got)
         env = _env_on(on_b, "b")
         args = {"env": env, "stdin": BIG_STDIN, "files": {"big.bin": BIG_FILE}}
         ran = on_a.request("exec", {"cmd": DIGEST_CMD, **args})
         assert ran["outcome"] == "ok" and ran["node"] == "b", ran
         (run,) = [m for m in sent_on_links if m["t"] == "run_exec"]
-        replay = answer(_pull_raw(port, encode({"t": "pull", "ticket": run["fetch"]["ticket"]})))
+        replay = _pull_raw(port, encode({"t": "pull", "ticket": run["fetch"]["ticket"]}))
         assert replay is not None and replay["t"] == "gone"  # each ticket once
         assert on_a.request("ping", {}) is not None
 

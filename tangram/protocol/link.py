@@ -425,17 +425,17 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
 }
 
 
-# The exchange on a node's input port (see the module doc): one connection per pull, one
-# message each way, then the holder closes.
+# The exchange on a node's input port (see the module doc): per pull, one message each
+# way; the puller keeps the connection for its next pull to that node (the holder closes
+# it after a minute idle, or after a malformed pull).
 PEER_MESSAGES: Final[dict[str, LinkMessage]] = {
     m.name: m
     for m in (
         LinkMessage(
             "pull",
             "puller",
-            "the first and only message of a pull: the ticket of the input the puller was"
-            " told to fetch (`run_exec`'s `fetch`); the holder answers `input` or `gone`,"
-            " each ticket once",
+            "a pull: the ticket of the input the puller was told to fetch (`run_exec`'s or"
+            " `transfer`'s `fetch`); the holder answers `input` or `gone`, each ticket once",
             (Arg("ticket", Str(), True, "`run_exec`'s `fetch.ticket`"),),
         ),
         LinkMessage(

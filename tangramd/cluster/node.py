@@ -82,6 +82,10 @@ CONNECT_TIMEOUT_S = 10.0
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
 PULL_TIMEOUT_S = 30.0  # the most a pull of an exec's input may take, either end
+# A connection to another node's input port is kept for the next pull (no new TLS
+# handshake); the holder closes one idle this long, the puller reuses one idle half as long.
+PULL_IDLE_S = 60.0
+PULL_IDLE_KEPT = 2  # idle connections kept per input port
 
 
 class JoinFailed(Exception):
@@ -147,6 +151,9 @@ class NodeAgent:
         self._offers: dict[str, int] = {}
         self._tickets: dict[int, str] = {}
         self._pulls: dict[str, asyncio.Task[None]] = {}  # action id: the pull of its input
+        # connections to other nodes' input ports, idle: (host, port, pin) -> (link, since)
+        self._idle: dict[tuple[str, int, str | None], list[tuple[Link, float]]] = {}
+        self._closing = False  # the input port is closing: no connection is kept
         self._watched: set[int] = set()
         self._outbox: dict[str, dict[str, Any]] = {}  # outcomes not yet acknowledged
         self._envs: set[str] = set()
@@ -647,26 +654,72 @@ class NodeAgent:
         full) received; LookupError with the holder's reason when it has none."""
         if fetch.pin is None and not (self.insecure and is_loopback(fetch.host)):
             raise CertInvalid(f"no pin for node {fetch.node}'s input port: plain TCP refused")
+        port = (fetch.host, fetch.port, fetch.pin)
+        link = self._idle_link(port)
+        answer: dict[str, Any] | None = None
+        if link is not None:  # the holder may have closed it meanwhile: then a new one
+            with contextlib.suppress(LinkClosed, OSError, ssl.SSLError):
+                answer = await self._ask(link, fetch.ticket)
+        if answer is None:
+            link = await self._dial_input_port(fetch)
+            answer = await self._ask(link, fetch.ticket)
+        assert link is not None
+        try:
+            kind = check_message(answer, PEER_MESSAGES).name
+        except BadRequest:
+            link.abort()
+            raise
+        if kind not in ("input", "gone"):
+            link.abort()
+            raise BadRequest(f"node {fetch.node} answered a pull with {kind!r}")
+        self._keep_idle(port, link)
+        if kind == "gone":
+            raise LookupError(f"node {fetch.node}: {str(answer['reason'])[:200]}")
+        return answer
+
+    async def _dial_input_port(self, fetch: _Fetch) -> Link:
+        """A new connection to ``fetch.node``'s input port, its TLS key checked."""
         tls = client_context() if fetch.pin is not None else None
         reader, writer = await asyncio.open_connection(
             fetch.host, fetch.port, ssl=tls, limit=1 << 20
         )
         link = Link(reader, writer, max_frame=self.max_frame)
+        if fetch.pin is not None:
+            der = link.peer_cert_der()
+            if der is None or cert_sha256(der) != fetch.pin:
+                link.abort()
+                raise CertInvalid(f"node {fetch.node}'s input port is not the one pinned")
+        return link
+
+    @staticmethod
+    async def _ask(link: Link, ticket: str) -> dict[str, Any]:
+        """One pull on ``link``; any failure (or cancellation) ends the link: an answer
+        that came later would be taken for the next pull's."""
         try:
-            if fetch.pin is not None:
-                der = link.peer_cert_der()
-                if der is None or cert_sha256(der) != fetch.pin:
-                    raise CertInvalid(f"node {fetch.node}'s input port is not the one pinned")
-            link.send(make_peer_message("pull", ticket=fetch.ticket))
-            answer = await link.recv()
-        finally:
+            link.send(make_peer_message("pull", ticket=ticket))
+            return await link.recv()
+        except BaseException:
             link.abort()
-        kind = check_message(answer, PEER_MESSAGES).name
-        if kind == "gone":
-            raise LookupError(f"node {fetch.node}: {str(answer['reason'])[:200]}")
-        if kind != "input":
-            raise BadRequest(f"node {fetch.node} answered a pull with {kind!r}")
-        return answer
+            raise
+
+    def _idle_link(self, port: tuple[str, int, str | None]) -> Link | None:
+        """A kept connection to an input port, idle for less than half the holder's
+        patience (an older one is closed); None if there is none."""
+        idle = self._idle.get(port, [])
+        while idle:
+            link, since = idle.pop()
+            if not link.closed and self.clock() - since < PULL_IDLE_S / 2:
+                return link
+            link.abort()
+        self._idle.pop(port, None)
+        return None
+
+    def _keep_idle(self, port: tuple[str, int, str | None], link: Link) -> None:
+        idle = self._idle.setdefault(port, [])
+        if self._closing or len(idle) >= PULL_IDLE_KEPT:
+            link.abort()  # (stopping, or enough kept)
+        else:
+            idle.append((link, self.clock()))
 
     def _exec_spec(self, msg: dict[str, Any]) -> ExecSpec:
         """A placement's spec; its stdin and files from the request this node forwarded
@@ -850,6 +903,7 @@ class NodeAgent:
         log.info("input_port_open", node=self.name, addr=self.input_addr, tls=tls is not None)
 
     async def _close_input_port(self) -> None:
+        self._closing = True
         pulls = list(self._pulls.values())
         for task in pulls:
             task.cancel()
@@ -860,20 +914,37 @@ class NodeAgent:
             server.close()
         for writer in list(self._input_conns):
             writer.transport.abort()
+        idle, self._idle = self._idle, {}
+        for links in idle.values():
+            for link, _ in links:
+                link.abort()
         if server is not None:
             with contextlib.suppress(OSError, TimeoutError):
                 await asyncio.wait_for(server.wait_closed(), 1.0)
 
     async def _serve_pull(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One pull: read its ``pull`` (a few bytes, within ``PULL_TIMEOUT_S``), answer
-        ``input`` once per ticket, else ``gone``, then close. Nothing a peer sends here
+        """Pulls on one connection: read a ``pull`` (a few bytes: the first within
+        ``PULL_TIMEOUT_S``, the next within ``PULL_IDLE_S``), answer ``input`` once per
+        ticket, else ``gone``; after a malformed one, close. Nothing a peer sends here
         ends more than its own connection."""
         self._input_conns.add(writer)
         link = Link(reader, writer, max_frame=PULL_REQUEST_MAX)
+        served = 0
         try:
-            msg = await asyncio.wait_for(link.recv(), PULL_TIMEOUT_S)
-            answer = self._pull_answer(msg, link.peer)
-            writer.write(encode(answer, max_frame=self.max_frame))
+            while True:
+                try:
+                    wait_s = PULL_IDLE_S if served else PULL_TIMEOUT_S
+                    msg = await asyncio.wait_for(link.recv(), wait_s)
+                except (LinkClosed, TimeoutError):
+                    if served:
+                        return  # the puller hung up, or left it idle: it has every answer
+                    raise
+                answer, keep = self._pull_answer(msg, link.peer)
+                writer.write(encode(answer, max_frame=self.max_frame))
+                served += 1
+                if not keep:
+                    break
+                await asyncio.wait_for(writer.drain(), PULL_TIMEOUT_S)
             # a close flushes what is still buffered (an abort would drop it); the
             # connection is gone once the puller has it all, or has hung up
             writer.close()
@@ -885,23 +956,26 @@ class NodeAgent:
             self._input_conns.discard(writer)
             link.abort()
 
-    def _pull_answer(self, msg: dict[str, Any], peer: str) -> dict[str, Any]:
+    def _pull_answer(self, msg: dict[str, Any], peer: str) -> tuple[dict[str, Any], bool]:
+        """The answer to one pull, and whether the connection may serve another (not
+        after a malformed one)."""
         try:
             if check_message(msg, PEER_MESSAGES).name != "pull":
                 raise BadRequest(f"expected pull, got {msg['t']!r}")
         except BadRequest as exc:
             log.warning("input_pull_refused", node=self.name, peer=peer, error=str(exc)[:200])
-            return make_peer_message("gone", reason=f"bad pull: {str(exc)[:200]}")
+            return make_peer_message("gone", reason=f"bad pull: {str(exc)[:200]}"), False
         request_id = self._offers.get(str(msg["ticket"]))
         args = None if request_id is None else self._release(request_id)
         if args is None:
             log.warning("input_pull_refused", node=self.name, peer=peer, error="unknown ticket")
-            return make_peer_message("gone", reason="no input is kept here under that ticket")
+            return make_peer_message("gone", reason="no input is kept here under that ticket"), True
         log.info("input_pulled", node=self.name, peer=peer, request=request_id)
         data = args.get("data") if isinstance(args.get("data"), bytes) else None
-        return make_peer_message(
+        answer = make_peer_message(
             "input", stdin=args.get("stdin"), files=args.get("files"), data=data
         )
+        return answer, True
 
     def _answer(self, msg: dict[str, Any]) -> None:
         self._release(int(msg["id"]))
