@@ -607,6 +607,8 @@ def test_a_large_input_goes_node_to_node_never_through_the_coordinator(
         assert other["outcome"] == "ok" and other["stdout"].split()[:2] == digests, other
     on_the_links = [m for m in seen if m["t"] in LINK_MESSAGES]
     assert not any(len(b) >= 1000 for m in on_the_links for b in _bytes_in(m))
+    for msg in seen:  # every message sent passes its table's full check, types included
+        check_message(msg, PEER_MESSAGES if msg["t"] in PEER_MESSAGES else LINK_MESSAGES)
     seen = seen[:placed]
     (req,) = [m for m in seen if m["t"] == "req" and m["op"] == "exec"]
     assert req["withheld"] is True and isinstance(req["ticket"], str)
