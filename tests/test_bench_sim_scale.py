@@ -34,6 +34,7 @@ def test_small_mode_json(capsys):
         128,
     )
     assert doc["goal_s"] == 120.0 and isinstance(doc["compiled"], bool)
+    assert doc["mem_gb_per_node"] == 512.0
     t, k = doc["policies"]["tangram"], doc["policies"]["k8s"]
     for row in (t, k):
         assert row["finished"] and row["actions"] == doc["trace_actions"] and not row["failed"]
@@ -53,6 +54,7 @@ def test_scale_cluster_is_four_nodes_per_unit_of_scale():
     (spec,) = mod.scale_cluster(10).cpu_nodes
     assert (spec.count, spec.cores, spec.numa, spec.mem_gb) == (40, 64, 2, 512)
     assert mod.scale_cluster(0.1).cpu_nodes[0].count == 1
+    assert mod.scale_cluster(1, 3, 2048).cpu_nodes[0].mem_gb == 2048
 
 
 def test_cap_stops_a_run_and_says_how_far_it_got():

@@ -37,11 +37,12 @@ POLICIES = ("tangram", "tangram-eft", "k8s", "baseline")
 GOAL_S = 120.0
 
 
-def scale_cluster(scale: float, nodes: int | None = None) -> ClusterSpec:
-    """``4·scale`` nodes (or ``nodes``) of 64 cores / 512 GB next to cluster-mixed's GPUs."""
+def scale_cluster(scale: float, nodes: int | None = None, mem_gb: float = 512.0) -> ClusterSpec:
+    """``4·scale`` nodes (or ``nodes``) of 64 cores / ``mem_gb`` next to cluster-mixed's GPUs."""
     base = load_cluster(ROOT / "config" / "cluster-mixed.toml")
     nodes = nodes or max(1, round(4 * scale))
-    return replace(base, cpu_nodes=(CpuNodeSpec(count=nodes, cores=64, numa=2, mem_gb=512),))
+    node = CpuNodeSpec(count=nodes, cores=64, numa=2, mem_gb=mem_gb)
+    return replace(base, cpu_nodes=(node,))
 
 
 def compiled() -> bool:
@@ -123,6 +124,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, help="override the batch (default 2048 x scale)")
     ap.add_argument("--nodes", type=int, help="override the node count (default 4 x scale)")
+    ap.add_argument(
+        "--mem-gb", type=float, default=512.0, help="memory per node (GB; 4 GB per environment)"
+    )
     ap.add_argument("--profile", metavar="FILE")
     ap.add_argument(
         "--cap-s",
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    cluster = scale_cluster(args.scale, args.nodes)
+    cluster = scale_cluster(args.scale, args.nodes, args.mem_gb)
     batch = args.batch or max(1, round(2048 * args.scale))
     t0 = time.perf_counter()
     trace = generate("ai-coding", cluster, batch, seed=args.seed)
@@ -144,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seed": args.seed,
         "cpu_nodes": nodes,
         "cores": nodes * 64,
+        "mem_gb_per_node": args.mem_gb,
         "trace_actions": sum(1 for t in trace for _ in t.actions()),
         "generate_s": round(gen_s, 2),
         "compiled": compiled(),
