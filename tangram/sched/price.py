@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 
 from tangram.model import Action, ActionId
 from tangram.sched.load import PoolLoad
@@ -86,18 +85,22 @@ def short_reserve(load: PoolLoad) -> float:
     return a + math.sqrt(a) if a > 0 else 0.0
 
 
-# pure functions of small tuples, asked for every queued elastic action on every pass
-@lru_cache(maxsize=4096)
+# pure functions of small tuples, asked for every queued elastic action on every pass; not
+# memoised: one pass over the tuple costs less than an lru_cache's look-up, and with more
+# distinct allowed sets than it holds every call was a miss (replay.py, _at_or_below)
 def probe(amounts: tuple[int, ...]) -> tuple[int, ...]:
     """The amounts the price is evaluated at: both ends and every power of two between."""
     lo, hi = amounts[0], amounts[-1]
-    out = {lo, hi}
-    k = 1
-    while k < hi:
-        if k > lo and k in amounts:
-            out.add(k)
-        k *= 2
-    return tuple(sorted(out))
+    out: list[int] = []
+    ascending = True
+    for a in amounts:
+        if a in (lo, hi) or (lo < a < hi and a > 0 and a & (a - 1) == 0):  # a power of two
+            if out and a <= out[-1]:
+                ascending = False
+            out.append(a)
+    if not ascending:  # (allowed sets are sorted; anything else as a set, sorted)
+        return tuple(sorted(set(out)))
+    return tuple(out)
 
 
 def price_factor(k: int, sharing: float) -> float:
@@ -119,7 +122,6 @@ def priced_dop(
     return pick
 
 
-@lru_cache(maxsize=4096)
 def band(amounts: tuple[int, ...], k: int) -> tuple[int, ...]:
     """The allowed amounts in ``[k/2, k]``."""
     return tuple(u for u in amounts if 2 * u >= k and u <= k) or (k,)

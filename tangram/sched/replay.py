@@ -65,19 +65,28 @@ def elastic_amounts(action: Action, max_single: int) -> tuple[int, ...]:
 
 
 # The helpers below are pure functions of small tuples, asked for every queued elastic
-# action on every pass: memoised, bounded (a daemon sees few distinct allowed sets).
+# action on every pass. Not memoised where a direct answer is cheaper than the memo's
+# look-up: with more distinct allowed sets than an lru_cache holds (one per action in
+# bench/sched.py's 10x cases) every call was a miss, paying the hash, the look-up and the
+# eviction on top of the work.
 
 
-@lru_cache(maxsize=4096)
 def _at_or_below(allowed: tuple[int, ...], max_single: int) -> tuple[int, ...]:
-    return tuple(a for a in allowed if a <= max_single)
+    for a in allowed:
+        if a > max_single:
+            return tuple([b for b in allowed if b <= max_single])
+    return allowed  # all of them (the common case): the same tuple
 
 
-@lru_cache(maxsize=4096)
 def spread(values: tuple[int, ...], k: int) -> tuple[int, ...]:
     """At most k values spread over a sorted tuple, always keeping both ends."""
     if len(values) <= k:
         return values
+    return _spread(values, k)
+
+
+@lru_cache(maxsize=4096)
+def _spread(values: tuple[int, ...], k: int) -> tuple[int, ...]:
     step = (len(values) - 1) / (k - 1)
     return tuple(sorted({values[round(i * step)] for i in range(k)}))
 
@@ -267,16 +276,17 @@ class Replay:
     def _entries_of(self, waiting: Sequence[Action]) -> list[Entry]:
         """The EFT entries of ``waiting``, position by position: looked up once per run and
         shared by every branch's replay of the same list."""
-        entries, entry = self._entries, self._entry
-        get = entries.get
+        # (methods called on their objects, not bound to locals: compiled, that is a direct
+        # call; a bound method is a generic Python call)
+        entries = self._entries
         dur = self.dur
-        low, at_min, minimum, extra = dur.low, dur.at_min, dur.minimum, dur._extra
+        low, at_min, extra = dur.low, dur.at_min, dur._extra
         out = []
         for w in waiting:
-            e = get(w.id)
+            e = entries.get(w.id)
             if e is None:
                 if w.elastic:
-                    e = entry(w)
+                    e = self._entry(w)
                 else:  # _entry(), inlined for the common case (lowest amount, minimum)
                     aid = w.id
                     d = at_min.get(aid)
@@ -291,7 +301,7 @@ class Replay:
                         ):
                             d = at_min[aid] = base + x
                         else:
-                            d = minimum(w)
+                            d = dur.minimum(w)
                     e = entries[aid] = (low.get(aid, w.min_units), d, None)
             out.append(e)
         return out
@@ -350,7 +360,8 @@ class Replay:
         """``_run`` at depth 1 on any operator without EFT: each action at its lowest amount
         as soon as the operator can take it (``_wait_for`` inlined)."""
         total = 0.0
-        at_min, minimum, low = self.dur.at_min, self.dur.minimum, self.dur.low
+        dur = self.dur
+        at_min, low = dur.at_min, dur.low
         take, give = self.op.take, self.op.give
         pop, push = heapq.heappop, heapq.heappush
         while i < end:
@@ -358,7 +369,7 @@ class Replay:
             u = low.get(w.id, w.min_units)
             d = at_min.get(w.id)
             if d is None:
-                d = minimum(w)
+                d = dur.minimum(w)
             nxt = take(state, u)
             while nxt is None:
                 if not heap:
@@ -435,7 +446,8 @@ class Replay:
     ) -> float:
         """``_run`` at depth 1 on plain unit counts, lowest amounts (rules paper / wait)."""
         total = 0.0
-        at_min, minimum, low = self.dur.at_min, self.dur.minimum, self.dur.low
+        dur = self.dur
+        at_min, low = dur.at_min, dur.low
         pop, push = heapq.heappop, heapq.heappush
         while i < end:
             w = waiting[i]
@@ -449,7 +461,7 @@ class Replay:
                 free += units
             d = at_min.get(w.id)
             if d is None:
-                d = minimum(w)
+                d = dur.minimum(w)
             total += clock + d
             push(heap, (clock + d, need))
             free -= need

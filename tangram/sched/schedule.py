@@ -542,7 +542,7 @@ def _schedule_pool(
     durs: list[float] = []
     chosen = dict(zip((a.id for a in elastic[:best_t]), best_amounts, strict=True))
     fixed_ids = {a.id for a in fixed}
-    low, minimum = dur.low, dur.minimum
+    low = dur.low
     for a in cands:
         aid = a.id
         amount = chosen.get(aid)
@@ -553,7 +553,7 @@ def _schedule_pool(
         placed.append((a, amount))
         # at the lowest amount the duration is the cached minimum (the same computation)
         if amount == low.get(aid, a.min_units):
-            durs.append(minimum(a))
+            durs.append(dur.minimum(a))
         else:
             durs.append(dur(a, amount))
     return _PoolResult(placed, durs, best, n - best_t)
