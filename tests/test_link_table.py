@@ -34,6 +34,7 @@ from tangram.protocol.link import (
     received_by,
     sent_by,
 )
+from tangram.testing import wait_for
 from tangramd.backends.base import Backend
 from tangramd.cluster import coordinator, node
 from tangramd.cluster.link import Link
@@ -743,6 +744,43 @@ def test_the_input_port_refuses_bad_pulls_and_serves_on(
         replay = _pull_raw(port, encode({"t": "pull", "ticket": run["fetch"]["ticket"]}))
         assert replay is not None and replay["t"] == "gone"  # each ticket once
         assert on_a.request("ping", {}) is not None
+
+
+def test_the_input_port_caps_its_connections(
+    tmp_path: Path, sent_on_links: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connections held open without a pull take a place each, up to ``PULL_CONNS_MAX``;
+    one more is closed at once (no fd per attacker's socket); once they go, pulls work."""
+    from tangram.protocol.codec import encode
+
+    monkeypatch.setattr(node, "PULL_CONNS_MAX", 2)
+    pull = encode({"t": "pull", "ticket": "x"})
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    with _clients_of_a_and_b(tmp_path) as (on_a, on_b):
+        port = _input_port_of(sent_on_links, "a")
+        with contextlib.ExitStack() as held:
+            for _ in range(2):
+                raw = held.enter_context(socket.create_connection(port, timeout=5))
+                held.enter_context(ctx.wrap_socket(raw))
+            # (the held ones count once the node has taken them: until then one may pass)
+            wait_for(
+                lambda: _pull_raw(port, pull, wait_s=2) is None,
+                20,
+                "a third connection refused",
+                ignore=(OSError,),
+            )
+
+        def answered() -> bool:
+            got = _pull_raw(port, pull, wait_s=2)
+            return got is not None and got["t"] == "gone"
+
+        wait_for(answered, 20, "pulls answered once the held ones are gone", ignore=(OSError,))
+        env = _env_on(on_b, "b")
+        args = {"env": env, "stdin": BIG_STDIN, "files": {"big.bin": BIG_FILE}}
+        ran = on_a.request("exec", {"cmd": DIGEST_CMD, **args})
+        assert ran["outcome"] == "ok" and ran["node"] == "b", ran
 
 
 @contextlib.contextmanager

@@ -86,6 +86,7 @@ PULL_TIMEOUT_S = 30.0  # the most a pull of an exec's input may take, either end
 # handshake); the holder closes one idle this long, the puller reuses one idle half as long.
 PULL_IDLE_S = 60.0
 PULL_IDLE_KEPT = 2  # idle connections kept per input port
+PULL_CONNS_MAX = 64  # connections to this node's input port at once; more are closed at once
 
 
 class JoinFailed(Exception):
@@ -927,6 +928,10 @@ class NodeAgent:
         ``PULL_TIMEOUT_S``, the next within ``PULL_IDLE_S``), answer ``input`` once per
         ticket, else ``gone``; after a malformed one, close. Nothing a peer sends here
         ends more than its own connection."""
+        if len(self._input_conns) >= PULL_CONNS_MAX:  # a flood ends here, not in fds
+            log.warning("input_pull_refused", node=self.name, error="too many connections")
+            writer.transport.abort()
+            return
         self._input_conns.add(writer)
         link = Link(reader, writer, max_frame=PULL_REQUEST_MAX)
         served = 0
