@@ -136,18 +136,7 @@ def input_port_context(root: Path) -> tuple[ssl.SSLContext, str]:
     ``fetch``), so no CA is needed; the ticket the puller sends says who it is."""
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tangram node input port")])
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=SERVER_DAYS))
-        .sign(key, hashes.SHA256())
-    )
+    key, cert = _self_signed("tangram node input port", now, SERVER_DAYS)
     cert_path, key_path = root / "input.pem", root / "input.key"
     _write_private(key_path, _key_pem(key))
     _write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM))
@@ -171,29 +160,39 @@ def ensure_pki(state_dir: str | os.PathLike[str], hosts: list[str]) -> Coordinat
     pki = CoordinatorPki(root / "ca.pem", root / "ca.key", root / "server.pem", root / "server.key")
     now = datetime.datetime.now(datetime.timezone.utc)
     if not (pki.ca_cert.exists() and pki.ca_key.exists()):
-        key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tangram cluster CA")])
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(
-                x509.KeyUsage(False, False, False, False, False, True, True, False, False),
-                critical=True,
-            )
-            .sign(key, hashes.SHA256())
-        )
+        key, cert = _self_signed("tangram cluster CA", now, CA_DAYS, ca=True)
         _write_private(pki.ca_key, _key_pem(key))
         _write_private(pki.ca_cert, cert.public_bytes(serialization.Encoding.PEM))
         pki.server_cert.unlink(missing_ok=True)
     if not (pki.server_cert.exists() and pki.server_key.exists()):
         _issue_server(pki, hosts, now)
     return pki
+
+
+def _self_signed(
+    common_name: str, now: datetime.datetime, days: int, *, ca: bool = False
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A fresh P-256 key and a certificate it signs itself, valid from 5 minutes ago for
+    ``days``; with ``ca``, a CA that signs certificates (path length 0)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+    )
+    if ca:
+        builder = builder.add_extension(
+            x509.BasicConstraints(ca=True, path_length=0), critical=True
+        ).add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False),
+            critical=True,
+        )
+    return key, builder.sign(key, hashes.SHA256())
 
 
 def _issue_server(pki: CoordinatorPki, hosts: list[str], now: datetime.datetime) -> None:
