@@ -285,7 +285,8 @@ class Action:
     allowed: tuple[int, ...] = field(init=False, repr=False, compare=False)
     min_units: int = field(init=False, repr=False, compare=False)
     elastic: bool = field(init=False, repr=False, compare=False)
-    profiled: Mapping[int, float] = field(init=False, repr=False, compare=False)
+    # a dict (not a Mapping): compiled, its get is then a direct call in the inner loops
+    profiled: dict[int, float] = field(init=False, repr=False, compare=False)
     # own_duration(min_units): computed once, the scheduler asks for it on every pass
     base_min: float | None = field(init=False, repr=False, compare=False)
     # the scheduler's memo keys: strings (their hash is cached) that are equal exactly when

@@ -1,6 +1,8 @@
-"""The pass's FCFS merges (tangram/sched/schedule.py ``_merge_by_seq``, ``_seq_sorted``) are the
-stable sorts they replace: the same list for sorted runs, ties included, and a sort when a
-run is not in seq order."""
+"""The pass's fast paths give what they replace, exactly: the FCFS merges
+(tangram/sched/schedule.py ``_merge_by_seq``, ``_seq_sorted``) are the stable sorts they
+replace (ties included, a sort when a run is out of order), and the helpers that lost their
+lru_cache (``price.probe``, ``replay._at_or_below``, ``replay.spread``) answer as the
+set-and-sort versions did, on sorted allowed sets and on anything else."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from operator import attrgetter
 import pytest
 
 from tangram.model import make_action
+from tangram.sched.price import probe
+from tangram.sched.replay import _at_or_below, spread
 from tangram.sched.schedule import _merge_by_seq, _seq_sorted
 
 
@@ -32,3 +36,34 @@ def test_merge_is_the_stable_sort_of_the_concatenation(seed: int) -> None:
     got = _merge_by_seq(first, second)
     assert [a.id for a in got] == [a.id for a in want]
     assert _seq_sorted(first) == (first == sorted(first, key=attrgetter("seq")))
+
+
+def _probe_before(amounts: tuple[int, ...]) -> tuple[int, ...]:
+    lo, hi = amounts[0], amounts[-1]
+    out = {lo, hi}
+    k = 1
+    while k < hi:
+        if k > lo and k in amounts:
+            out.add(k)
+        k *= 2
+    return tuple(sorted(out))
+
+
+def _spread_before(values: tuple[int, ...], k: int) -> tuple[int, ...]:
+    if len(values) <= k:
+        return values
+    step = (len(values) - 1) / (k - 1)
+    return tuple(sorted({values[round(i * step)] for i in range(k)}))
+
+
+def test_helpers_answer_as_before() -> None:
+    rng = random.Random(7)
+    for _ in range(5000):
+        t = tuple(rng.randrange(0, 70) for _ in range(rng.randrange(1, 12)))
+        if rng.random() < 0.7:  # allowed sets are sorted and distinct
+            t = tuple(sorted(set(t)))
+        assert probe(t) == _probe_before(t), t
+        m = rng.randrange(0, 70)
+        assert _at_or_below(t, m) == tuple(a for a in t if a <= m), (t, m)
+        k = rng.randrange(2, 6)
+        assert spread(t, k) == _spread_before(t, k), (t, k)

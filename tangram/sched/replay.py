@@ -30,7 +30,6 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Callable, Mapping, Sequence
-from functools import lru_cache
 from typing import Any, Protocol
 
 from tangram.model import Action, ActionId
@@ -85,10 +84,20 @@ def spread(values: tuple[int, ...], k: int) -> tuple[int, ...]:
     return _spread(values, k)
 
 
-@lru_cache(maxsize=4096)
 def _spread(values: tuple[int, ...], k: int) -> tuple[int, ...]:
     step = (len(values) - 1) / (k - 1)
-    return tuple(sorted({values[round(i * step)] for i in range(k)}))
+    out: list[int] = []
+    ascending = True
+    for i in range(k):
+        v = values[round(i * step)]
+        if out and v <= out[-1]:
+            if v == out[-1]:
+                continue  # (the same index again: the set's one copy)
+            ascending = False
+        out.append(v)
+    if not ascending:  # (values are sorted; anything else as a set, sorted)
+        return tuple(sorted(set(out)))
+    return tuple(out)
 
 
 class Durations:
@@ -542,7 +551,8 @@ class Replay:
         opts = self._options.get(w.id)
         if opts is None:
             amounts = spread(self.dur.choices(w), self.cfg.max_branch)
-            opts = self._options[w.id] = list(zip(amounts, self.dur.many(w, amounts), strict=True))
+            ds = self.dur.many(w, amounts)  # one per amount
+            opts = self._options[w.id] = [(amounts[i], ds[i]) for i in range(len(amounts))]
         return opts
 
     def _wait_for(
