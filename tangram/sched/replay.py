@@ -259,7 +259,6 @@ class Replay:
         # measured worse than "wait" (docs/results.md, "Findings for the scheduler", 2)
         self.eft = cfg.rule in ("wait-eft", "priced") and self.plain
         self._options: dict[ActionId, list[tuple[int, float]]] = {}
-        self._entries: dict[ActionId, Entry] = {}
 
     def run(
         self,
@@ -284,34 +283,33 @@ class Replay:
 
     def _entries_of(self, waiting: Sequence[Action]) -> list[Entry]:
         """The EFT entries of ``waiting``, position by position: looked up once per run and
-        shared by every branch's replay of the same list."""
+        shared by every branch's replay of the same list (computed, not memoised per action:
+        the scheduler asks once per pool and pass; the durations behind them are memoised in
+        ``Durations`` and ``_option_durs``)."""
         # (methods called on their objects, not bound to locals: compiled, that is a direct
         # call; a bound method is a generic Python call)
-        entries = self._entries
         dur = self.dur
         low, at_min, extra = dur.low, dur.at_min, dur._extra
         out = []
         for w in waiting:
-            e = entries.get(w.id)
-            if e is None:
-                if w.elastic:
-                    e = self._entry(w)
-                else:  # _entry(), inlined for the common case (lowest amount, minimum)
-                    aid = w.id
-                    d = at_min.get(aid)
-                    if d is None:
-                        # minimum()'s own-base path, inlined while the extra cost is memoised
-                        # (as a call per action it was a measurable share of a pass)
-                        base = w.base_min
-                        if (
-                            base is not None
-                            and aid not in low
-                            and (x := extra.get(w.min_cost_key)) is not None
-                        ):
-                            d = at_min[aid] = base + x
-                        else:
-                            d = dur.minimum(w)
-                    e = entries[aid] = (low.get(aid, w.min_units), d, None)
+            if w.elastic:
+                e = self._entry(w)
+            else:  # _entry(), inlined for the common case (lowest amount, minimum)
+                aid = w.id
+                d = at_min.get(aid)
+                if d is None:
+                    # minimum()'s own-base path, inlined while the extra cost is memoised
+                    # (as a call per action it was a measurable share of a pass)
+                    base = w.base_min
+                    if (
+                        base is not None
+                        and aid not in low
+                        and (x := extra.get(w.min_cost_key)) is not None
+                    ):
+                        d = at_min[aid] = base + x
+                    else:
+                        d = dur.minimum(w)
+                e = (low.get(aid, w.min_units), d, None)
             out.append(e)
         return out
 
@@ -535,16 +533,14 @@ class Replay:
         return total
 
     def _entry(self, w: Action) -> Entry:
-        """(amount, duration, options) of ``w`` in the EFT replay, cached per pass: the
-        options are None unless the amount is chosen per replay (elastic, >= 2 options)."""
+        """(amount, duration, options) of ``w`` in the EFT replay (its options and durations
+        cached per pass): the options are None unless the amount is chosen per replay
+        (elastic, >= 2 options)."""
         if w.elastic:
             opts = self._option_durs(w)
             u, d = opts[0]
-            e = (u, d, opts if len(opts) > 1 else None)
-        else:
-            e = (self.dur.lowest(w), self.dur.minimum(w), None)
-        self._entries[w.id] = e
-        return e
+            return (u, d, opts if len(opts) > 1 else None)
+        return (self.dur.lowest(w), self.dur.minimum(w), None)
 
     def _option_durs(self, w: Action) -> list[tuple[int, float]]:
         """(amount, duration) for the spread of w's amounts in this pass, cached per pass."""
