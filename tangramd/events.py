@@ -86,6 +86,27 @@ class ReleaseLease(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class RenewLease(Event):
+    """``lease.renew``: the lease now expires ``ttl_s`` from now."""
+
+    token: int | None = None
+    lease_id: str = ""
+    ttl_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CancelAction(Event):
+    """``cancel``: end an exec or call, by its id or by the ``ref`` its exec carried on
+    connection ``conn``; ``peer`` must own it (or be root)."""
+
+    token: int | None = None
+    action_id: str | None = None
+    ref: str | None = None
+    conn: int | None = None
+    peer: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SaveProfile(Event):
     """A measured elasticity profile from ``profile.save`` (validated by the op table)."""
 
@@ -219,6 +240,7 @@ class SubmitCall(Event):
     spec: CallSpec
     token: int | None = None
     conn: int | None = None
+    peer: tuple[int, int] | None = None  # (uid, gid) of the client (who may cancel it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,6 +351,17 @@ class RunExec(Command):
     spec: ExecSpec
     max_output: int
     run_as: tuple[int, int] | None = None  # (uid, gid), None: the backend's sandbox user
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KillExec(Command):
+    """Kill a running exec (``cancel``): its process group and cgroup, everything it
+    started; an exec in a shell session is interrupted instead (the shell stays). Its end
+    is reported as usual (``ExecFinished``)."""
+
+    action_id: str
+    node: str
+    session: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

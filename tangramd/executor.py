@@ -116,6 +116,7 @@ class Executor:
             ev.RunTransfer: effects.run_transfer,
             ev.StartShell: effects.start_shell,
             ev.InterruptShell: effects.interrupt_shell,
+            ev.KillExec: effects.kill_exec,
             ev.EndShell: effects.end_shell,
             ev.RunCall: effects.run_call,
             ev.LoadService: effects.load_service,

@@ -258,7 +258,24 @@ async def _service_remove(ex: Executor, args: Args, conn: ConnInfo) -> Any:
 
 async def _call(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     spec = CallSpec(args["name"], args["payload"], args.get("timeout_s"))
-    return await ex.request(lambda tok: ev.SubmitCall(spec=spec, token=tok, conn=conn.id))
+    return await ex.request(
+        lambda tok: ev.SubmitCall(spec=spec, token=tok, conn=conn.id, peer=conn.peer)
+    )
+
+
+async def _cancel(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    """Answered at once, except for a running exec: when it has been killed."""
+    return await ex.request(
+        lambda tok: ev.CancelAction(
+            token=tok, action_id=args.get("id"), ref=args.get("ref"), conn=conn.id, peer=conn.peer
+        )
+    )
+
+
+def _lease_renew(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return ex.answer_now(
+        lambda tok: ev.RenewLease(token=tok, lease_id=args["lease"], ttl_s=float(args["ttl_s"]))
+    )
 
 
 SYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Any]] = {
@@ -277,6 +294,7 @@ SYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Any]] = {
     "profile.get": _profile_get,
     "profile.list": _profile_list,
     "service.list": _service_list,
+    "lease.renew": _lease_renew,
 }
 
 ASYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Awaitable[Any]]] = {
@@ -293,4 +311,5 @@ ASYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Awaitable[Any]]] = {
     "service.register": _service_register,
     "service.remove": _service_remove,
     "call": _call,
+    "cancel": _cancel,
 }

@@ -466,7 +466,7 @@ def test_real_link_traffic_matches_the_table(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every message a real coordinator and node exchange (a join, execs, transfers, a
-    session and its interrupt, a goodbye) passes the table's full check, types included;
+    session and its interrupt, a cancel, a goodbye) passes the table's full check, types included;
     together they use every message but the two that turn a join down."""
     seen: list[dict[str, Any]] = []
     send, defer = Link.send, Link.defer
@@ -498,6 +498,11 @@ def test_real_link_traffic_matches_the_table(
                     c.request("session.interrupt", {"id": session})
                     time.sleep(0.05)
                 assert sleeping.result().exec_s < 20
+            with ThreadPoolExecutor(1) as pool:  # a running exec cancelled: cancel_exec
+                running = pool.submit(c2.exec, "sleep 30")
+                rows = wait_for(lambda: c.queue()["running"], 20, "the exec running")
+                assert c.cancel(rows[0]["action_id"])["outcome"] == "cancelled"
+                assert running.result().outcome == "cancelled"
             c.request("session.close", {"id": session})
             c.request("env.close", {"id": env})
             with pytest.raises(NotFound):

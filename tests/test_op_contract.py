@@ -49,6 +49,7 @@ def test_every_documented_result_is_what_the_daemon_sends(tmp_path) -> None:
             "node.drain": {"name": "local"},
             "node.undrain": {"name": "local"},
             "service.remove": {"name": "s"},
+            "cancel": {"id": result["action_id"]},  # ended: answered with its outcome
         }
         answers = {
             "exec": result,
@@ -63,6 +64,8 @@ def test_every_documented_result_is_what_the_daemon_sends(tmp_path) -> None:
         answers["session.interrupt"] = c.request("session.interrupt", {"id": session["id"]})
         answers["session.close"] = c.request("session.close", {"id": session["id"]})
         answers["profile.save"] = c.request("profile.save", PROFILE)  # before profile.get
+        renew = {"lease": lease["lease_id"], "ttl_s": 5.0}
+        answers["lease.renew"] = c.request("lease.renew", renew)  # before lease.release
         for op in [o for o in OPS if o not in answers and o not in COORDINATOR_ONLY]:
             answers[op] = c.request(op, args.get(op, {}))
         assert set(answers) | COORDINATOR_ONLY == set(OPS)

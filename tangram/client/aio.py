@@ -99,6 +99,7 @@ class AsyncClient(Ops):
         self._protocol: _ClientProtocol | None = None
         self._connecting: asyncio.Lock | None = None
         self._ids = itertools.count(1)
+        self._refs = itertools.count(1)  # exec refs, unique on each connection
 
     async def connect(self) -> None:
         """Connect now (calls connect lazily anyway); raise ConnectionFailed."""
@@ -165,7 +166,34 @@ class AsyncClient(Ops):
     def _op(  # type: ignore[override]  # the async client's ops return coroutines
         self, op: str, args: Mapping[str, Any], parse: Callable[[Any], T]
     ) -> Coroutine[Any, Any, T]:
+        if op == "exec":
+            return self._exec(args, parse)
         return self._parsed(op, args, parse)
+
+    async def _exec(self, args: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
+        """An exec that a cancelled caller takes back: the coroutine carries a ``ref``
+        (unless the caller named one) and, when it is cancelled while the daemon has the
+        request, sends ``cancel`` with that ref on the same connection (not awaited: the
+        caller is leaving). The action never runs if it still waits; a running one is
+        killed."""
+        ref = args.get("ref")
+        if ref is None:
+            ref = f"aio-{next(self._refs)}"
+            args = {**args, "ref": ref}
+        try:
+            return parse(await self.request("exec", args))
+        except asyncio.CancelledError:
+            self._send_cancel(ref)
+            raise
+
+    def _send_cancel(self, ref: str) -> None:
+        protocol = self._protocol
+        if protocol is None or protocol.lost or protocol.transport is None:
+            return  # the connection is gone: its waiting actions are withdrawn anyway
+        if protocol.transport.is_closing():
+            return
+        request = make_request(next(self._ids), "cancel", {"ref": ref})
+        protocol.transport.write(encode(request, max_frame=self.max_frame))
 
     async def _parsed(self, op: str, args: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
         return parse(await self.request(op, args))

@@ -171,6 +171,7 @@ class Ops:
         files: Mapping[str, bytes | str] | None = None,
         fetch: Sequence[str] | None = None,
         queue_timeout_s: float | None = None,
+        ref: str | None = None,
     ) -> ExecResult:
         """Run one command as an exec action; failures of the command are in the result.
 
@@ -189,6 +190,10 @@ class Ops:
         and a detail naming what it waited for (``waited 2.0 s for memory: needs 1 GiB,
         0.3 GiB free``). A client that disconnects withdraws its waiting actions (they
         never run); one already running runs to its end.
+
+        ``ref`` names the action on this connection so that ``cancel`` can reach it before
+        its id is known; :class:`~tangram.client.AsyncClient` sets one on every exec and
+        sends that cancel when the awaiting coroutine is cancelled.
         """
         spec = ExecSpec(
             cmd=cmd if isinstance(cmd, str) else list(cmd), env=env, image=image,
@@ -201,6 +206,7 @@ class Ops:
                 for path, data in files.items()
             },
             fetch=None if fetch is None else list(fetch), queue_timeout_s=queue_timeout_s,
+            ref=ref,
         )  # fmt: skip
         return self._op("exec", spec.to_wire(), ExecResult.from_wire)
 
@@ -242,6 +248,19 @@ class Ops:
     def release_lease(self, lease_id: str) -> None:
         """Give a lease back."""
         return self._op("lease.release", {"lease_id": lease_id}, _none)
+
+    def lease_renew(self, lease_id: str, ttl_s: float) -> dict[str, Any]:
+        """Extend a lease: it now expires ``ttl_s`` seconds from now; ``{"lease_id",
+        "ttl_s", "state"}``. NotFound once it was released or expired."""
+        return self._op("lease.renew", {"lease": lease_id, "ttl_s": ttl_s}, _as_dict)
+
+    def cancel(self, action_id: str) -> dict[str, Any]:
+        """Cancel an exec or call: a waiting one never runs, a running exec is killed (the
+        answer comes once it is gone); its outcome is ``cancelled``. Returns
+        ``{"action_id", "cancelled", "state", "outcome"}``: an action that had already
+        ended gives its outcome and ``cancelled`` False. NotFound for an unknown action,
+        or another user's."""
+        return self._op("cancel", {"id": action_id}, _as_dict)
 
     def api_list(self) -> list[dict[str, Any]]:
         """API endpoints with quotas."""

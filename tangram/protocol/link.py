@@ -315,6 +315,17 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             ),
         ),
         LinkMessage(
+            "cancel_exec",
+            "coordinator",
+            "kill a running exec (a client's `cancel`): its process group and cgroup, all it"
+            " started; its end comes back as its `exec_done`, which (and any answer the node"
+            " gives its client itself) says `cancelled` unless the command had exited 0",
+            (
+                _ACTION_ID,
+                Arg("session", Str(), doc="the exec runs in this shell session: interrupt it"),
+            ),
+        ),
+        LinkMessage(
             "transfer",
             "coordinator",
             "put or get a file in an environment (the node answers `transfer_done`)",

@@ -356,7 +356,26 @@ _EXEC_ARGS: Final = (
         doc="most it may wait to start (cores, memory, its environment), then outcome "
         "timeout; unset: timeout_s bounds the wait and the run together",
     ),
+    Arg(
+        "ref",
+        Str(),
+        doc="the client's name for this action, unique on its connection: `cancel` with "
+        "`ref` on the same connection cancels it before its action id is known",
+    ),
 )
+
+CANCEL_RESULT: Final = (
+    "action_id: str",
+    "cancelled: bool",  # this cancel (or an earlier one) ended it
+    "state: str",  # done, or running (a GPU call runs to its end)
+    "outcome: str|null",  # its final outcome once done
+)
+
+
+def _check_cancel(args: Mapping[str, Any]) -> None:
+    if (args.get("id") is None) == (args.get("ref") is None):
+        raise BadRequest("id: give exactly one of id (the action id) and ref")
+
 
 _STATUS_FIELDS: Final = (
     "queued: int",
@@ -569,6 +588,24 @@ OPS: Final[dict[str, Op]] = {
             errors=("not_found", "unschedulable", "infra_error", "shutting_down"),
         ),
         Op(
+            "cancel",
+            "cancel an exec or call: a waiting one leaves the queue and never runs; a running "
+            "exec is killed with everything it started (its process group and cgroup) and "
+            "answered when it is gone. Its outcome is cancelled, which its own client gets "
+            "too (a running exec that had already exited 0 stays ok). An action that had "
+            "already ended is answered with its outcome (cancelled false), not an error; a "
+            "running GPU call runs to its end (state running). Only the user who submitted "
+            "it, or root, may cancel it: another user's action is not_found. A lease is "
+            "given back with lease.release",
+            (
+                Arg("id", ID, doc="the action id (`action_id` of queue, story, exec's result)"),
+                Arg("ref", ID, doc="the exec's `ref`, on the connection that sent that exec"),
+            ),
+            result=CANCEL_RESULT,
+            errors=("not_found", "bad_request"),
+            check=_check_cancel,
+        ),
+        Op(
             "lease.acquire",
             "take one unit of an API quota",
             (
@@ -589,6 +626,17 @@ OPS: Final[dict[str, Op]] = {
             (Arg("lease_id", ID, True),),
             result=("released: bool",),
             errors=("not_found",),
+        ),
+        Op(
+            "lease.renew",
+            "extend a lease: it now expires ttl_s from now (a waiting lease gets ttl_s when "
+            "granted)",
+            (
+                Arg("lease", ID, True, "the lease id (lease.acquire's lease_id)"),
+                Arg("ttl_s", POSITIVE_S, True, "its new time to live, from now"),
+            ),
+            result=("lease_id: str", "ttl_s: float", "state: str"),
+            errors=("not_found", "bad_request"),
         ),
         Op("api.list", "API endpoints with quota and usage", result=("apis: [map]",)),
         Op(

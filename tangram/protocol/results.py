@@ -20,7 +20,7 @@ from typing import Any, Final, Literal, get_args
 from tangram.protocol.errors import BadRequest
 from tangram.protocol.messages import MalformedResponse
 
-Outcome = Literal["ok", "failed", "timeout", "rejected", "infra_error"]
+Outcome = Literal["ok", "failed", "timeout", "rejected", "infra_error", "cancelled"]
 OUTCOMES: Final[tuple[str, ...]] = get_args(Outcome)
 
 Command = list[str] | str  # an argv list, or a shell command string (/bin/sh -c)
@@ -59,6 +59,9 @@ class ExecSpec:
     # the most it may wait to start (queue, memory, environment); None: ``timeout_s``
     # bounds the wait and the run together (the command gets what the wait left)
     queue_timeout_s: float | None = None
+    # the client's name for the action, unique on its connection: ``cancel``'s ``ref``
+    # finds it before the client knows its action id (``AsyncClient`` sets one per exec)
+    ref: str | None = None
 
     def __post_init__(self) -> None:
         if self.cwd is not None:
@@ -246,6 +249,17 @@ class ExecResult:
 
 
 EXEC_RESULT_FIELDS: Final[tuple[str, ...]] = tuple(f.name for f in fields(ExecResult))
+
+
+def cancelled(result: ExecResult, why: str) -> ExecResult:
+    """The result of a running exec that a ``cancel`` killed: outcome ``cancelled``, with
+    the output it had written; one that had already exited 0 stays ``ok`` (it finished)."""
+    if result.outcome == "ok":
+        return result
+    detail = f"{why}; {result.detail}" if result.detail else why
+    return replace(result, outcome="cancelled", detail=detail)
+
+
 EXEC_ARG_FIELDS: Final[tuple[str, ...]] = tuple(f.name for f in fields(ExecSpec))
 
 

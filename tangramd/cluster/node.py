@@ -56,7 +56,13 @@ from tangram.protocol.link import (
     make_peer_message,
 )
 from tangram.protocol.ops import MAX_TRANSFER
-from tangram.protocol.results import MAX_FILES_BYTES, ExecResult, ExecSpec, check_env_path
+from tangram.protocol.results import (
+    MAX_FILES_BYTES,
+    ExecResult,
+    ExecSpec,
+    cancelled,
+    check_env_path,
+)
 from tangram.version import __version__
 from tangramd import events as ev
 from tangramd.backends.base import Backend
@@ -162,6 +168,7 @@ class NodeAgent:
         self._creating: dict[str, tuple[int, int] | None] = {}  # env id: its owner
         # execs handed to the effects, not ended: env, cores and the client to answer
         self._running: dict[str, tuple[str, tuple[int, ...], Any]] = {}
+        self._cancelling: set[str] = set()  # of those, the ones a `cancel_exec` kills
         self._transfers: dict[int, str] = {}  # transfers under way: token -> the link's tid
         # shell sessions here (opening or open): session id -> its environment
         self._sessions: dict[str, str] = {}
@@ -509,6 +516,26 @@ class NodeAgent:
         self._sessions[cmd.session_id] = cmd.env_id
         self.effects.start_shell(cmd)
 
+    def _on_cancel_exec(self, msg: dict[str, Any]) -> None:
+        """A client's ``cancel`` of an exec running here: kill it; its end is reported
+        (and answered, when this node answers its client) as ``cancelled``."""
+        action_id = str(msg["action_id"])
+        if action_id not in self._running:
+            return  # it has ended: its exec_done is on its way
+        self._cancelling.add(action_id)
+        pull = self._pulls.get(action_id)
+        if pull is not None:  # its input is still being pulled: it never starts
+            pull.cancel()
+            return
+        session = msg.get("session")
+        self.effects.kill_exec(
+            ev.KillExec(
+                action_id=action_id,
+                node=self.name,
+                session=session if isinstance(session, str) else None,
+            )
+        )
+
     def _on_interrupt_session(self, msg: dict[str, Any]) -> None:
         self.effects.interrupt_shell(
             ev.InterruptShell(session_id=str(msg["session_id"]), node=self.name)
@@ -736,6 +763,9 @@ class NodeAgent:
     def _exec_ended(self, done: ev.ExecFinished) -> None:
         action_id, res = done.action_id, done.result
         env_id, cores, reply = self._running.pop(action_id, ("", (), None))
+        if action_id in self._cancelling:
+            self._cancelling.discard(action_id)
+            res = cancelled(res, "cancelled: killed while running")
         answered = self._answer_exec(reply, action_id, cores, res)
         # after the answer, before this turn ends: the coordinator has the outcome before
         # whatever that client sends next reaches it over the same link
@@ -1056,6 +1086,7 @@ RECEIVES: Final[Mapping[str, Callable[[NodeAgent, dict[str, Any]], None]]] = Map
         "transfer": NodeAgent._on_transfer,
         "open_session": NodeAgent._on_open_session,
         "interrupt_session": NodeAgent._on_interrupt_session,
+        "cancel_exec": NodeAgent._on_cancel_exec,
         "close_session": NodeAgent._on_close_session,
     }
 )

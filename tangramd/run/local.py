@@ -30,6 +30,10 @@ BAD_TRANSFER = (
 )  # fmt: skip
 
 
+KILL_TRIES = 600  # a cancel waits up to a minute for its exec to reach the backend
+KILL_RETRY_S = 0.1
+
+
 def _unbound(event: ev.Event) -> None:  # pragma: no cover - bind() comes first
     raise RuntimeError("LocalEffects used before bind()")
 
@@ -122,6 +126,33 @@ class LocalEffects:
         self._running.discard(cmd.action_id)
         lost = res.outcome == "infra_error" and not self.backend.env_exists(cmd.env_id)
         self._report(ev.ExecFinished(action_id=cmd.action_id, result=res, env_lost=lost))
+
+    def kill_exec(self, cmd: ev.KillExec) -> None:
+        """``cancel`` of a running exec: the backend kills it and what it started (an exec
+        in a shell session is interrupted); its end is reported as any exec's."""
+        self._spawn(self._kill_exec(cmd))
+
+    async def _kill_exec(self, cmd: ev.KillExec) -> None:
+        # the exec may not have reached the backend yet (its files are being written):
+        # try again until the backend has it or it has ended
+        for _ in range(KILL_TRIES):
+            if cmd.action_id not in self._running:
+                return
+            try:
+                if cmd.session is not None:
+                    found = await self.backend.interrupt_session(cmd.session)
+                else:
+                    found = await self.backend.cancel(cmd.action_id)
+            except Exception as exc:
+                log.warning(
+                    "exec_kill_failed", node=cmd.node, action_id=cmd.action_id, error=str(exc)
+                )
+                return
+            if found:
+                log.info("exec_killed", node=cmd.node, action_id=cmd.action_id, cause=cmd.cause)
+                return
+            await asyncio.sleep(KILL_RETRY_S)
+        log.warning("exec_kill_gave_up", node=cmd.node, action_id=cmd.action_id)
 
     # ------------------------------------------------------------------ files
     def run_transfer(self, cmd: ev.RunTransfer) -> None:

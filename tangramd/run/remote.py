@@ -174,6 +174,11 @@ class RemoteEffects:
             error = self._unreachable(cmd.node)
             self._fail(ev.SessionOpened(session_id=cmd.session_id, error=error))
 
+    def kill_exec(self, cmd: ev.KillExec) -> None:
+        """The node kills it (its end comes back as the exec's ``exec_done``)."""
+        msg = make_message("cancel_exec", action_id=cmd.action_id, session=cmd.session)
+        self._send(cmd.node, msg)
+
     def interrupt_shell(self, cmd: ev.InterruptShell) -> None:
         self._send(cmd.node, make_message("interrupt_session", session_id=cmd.session_id))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from tangram.model import Action, ActionId, EnvId
@@ -29,11 +29,17 @@ ACTION_EDGES: dict[tuple[ActionState, ActionState], str] = {
     ("new", "queued"): "submitted with a ready environment",
     ("new", "waiting_env"): "submitted while its environment is being created",
     ("waiting_env", "queued"): "the backend reported the environment created",
-    ("waiting_env", "done"): "env creation failed or closed, wait timed out, client gone, shutdown",
+    ("waiting_env", "done"): (
+        "env creation failed or closed, wait timed out, cancelled, client gone, shutdown"
+    ),
     ("queued", "waiting_env"): "its node was lost; its throwaway env is recreated elsewhere",
     ("queued", "running"): "the scheduler placed it and the pool allocated its units",
-    ("queued", "done"): "infeasible, lease deadline or wait timeout passed, client gone, shutdown",
-    ("running", "done"): "the backend finished the exec / the lease was released or expired",
+    ("queued", "done"): (
+        "infeasible, lease deadline or wait timeout passed, cancelled, client gone, shutdown"
+    ),
+    ("running", "done"): (
+        "the backend finished the exec (killed, if cancelled) / the lease was released or expired"
+    ),
 }
 
 
@@ -62,6 +68,9 @@ class ActionRec:
     # exec actions: the command's timeout bounds its wait too (no queue_timeout_s given),
     # so it runs for what is left of it (see ``handlers.actions.run_exec``)
     bounds_run: bool = False
+    owner: tuple[int, int] | None = None  # (uid, gid) of the client that submitted it
+    cancelling: bool = False  # a cancel killed it: it ends ``cancelled`` (unless it was ok)
+    cancel_tokens: list[int] = field(default_factory=list)  # cancels answered at its end
 
 
 class ActionBook:
@@ -72,6 +81,7 @@ class ActionBook:
         self.live: dict[ActionId, ActionRec] = {}
         self.queue: dict[ActionId, ActionRec] = {}  # waiting for units, FCFS (seq) order
         self.recent: OrderedDict[ActionId, str] = OrderedDict()  # outcome of ended ones
+        self.owners: dict[ActionId, tuple[int, int]] = {}  # of those in ``recent`` (known)
         self.finished: deque[tuple[str, float, float]] = deque(maxlen=4096)  # kind, queue, exec
         # actions queued since the last pass (insertion order): the short pass reads them
         self.fresh: dict[ActionId, None] = {}
@@ -108,6 +118,7 @@ class ActionBook:
         spec: ExecSpec | None = None,
         run_as: tuple[int, int] | None = None,
         call: CallSpec | None = None,
+        owner: tuple[int, int] | None = None,
     ) -> ActionRec:
         """A new action, in state ``new``, with a fresh story."""
         rec = ActionRec(
@@ -120,6 +131,7 @@ class ActionBook:
             spec=spec,
             run_as=run_as,
             call=call,
+            owner=owner,
         )
         self.live[action.id] = rec
         return rec
@@ -147,5 +159,23 @@ class ActionBook:
         self.live.pop(rec.action.id, None)
         self.deadlines.drop(rec.action.id)
         self.recent[rec.action.id] = outcome
+        if rec.owner is not None:
+            self.owners[rec.action.id] = rec.owner
         if len(self.recent) > STORY_LIMIT:
-            self.recent.popitem(last=False)
+            old, _ = self.recent.popitem(last=False)
+            self.owners.pop(old, None)
+
+    def ended(self, action_id: str, peer: tuple[int, int] | None) -> str | None:
+        """The outcome of a recently ended action ``peer`` may see (None: unknown, too old,
+        or another user's)."""
+        aid = ActionId(action_id)
+        outcome = self.recent.get(aid)
+        if outcome is None or not may_touch(peer, self.owners.get(aid)):
+            return None
+        return outcome
+
+
+def may_touch(peer: tuple[int, int] | None, owner: tuple[int, int] | None) -> bool:
+    """Whether ``peer`` may act on a record ``owner`` submitted: its owner, root, or anyone
+    when either side is unknown (the rule of environments, ``EnvBook.open_env``)."""
+    return peer is None or owner is None or peer[0] in (0, owner[0])

@@ -7,10 +7,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tangram.model import ActionId, TangramError, make_action
-from tangram.protocol.errors import EnvLost, InfraError, NotFound, ShuttingDown
-from tangram.protocol.results import CallResult, ExecResult
+from tangram.protocol.errors import BadRequest, EnvLost, InfraError, NotFound, ShuttingDown
+from tangram.protocol.results import CallResult, ExecResult, cancelled
 from tangramd import events as ev
-from tangramd.state.actions import ActionRec
+from tangramd.state.actions import ActionRec, may_touch
 from tangramd.state.dispatch import handles
 from tangramd.state.services import gpu_place
 from tangramd.state.story import note
@@ -76,6 +76,9 @@ def finish_action(
             )
             out.append(core.reply(rec.token, result=final.to_wire()))
         rec.token = None
+    for token in rec.cancel_tokens:  # cancels waiting for it to end (a killed exec)
+        out.append(core.reply(token, result=cancel_answer(rec.action.id, "done", outcome)))
+    rec.cancel_tokens.clear()
     if env is not None and env.active == 0 and env.throwaway:
         close_env(core, env, now, out, "throwaway environment done")
     books.forget(rec, outcome)
@@ -164,6 +167,7 @@ def submit_exec(core: Core, e: ev.SubmitExec, now: float, out: list[ev.Command])
         conn=e.conn,
         spec=spec,
         run_as=e.peer if core.cfg.exec_as_peer else None,
+        owner=e.peer,
     )
     if session is not None:
         session.busy = aid  # one command at a time per shell
@@ -196,6 +200,8 @@ def exec_done(core: Core, e: ev.ExecFinished, now: float, out: list[ev.Command])
     if rec is None or rec.state != "running":
         return
     res = e.result
+    if rec.cancelling:
+        res = cancelled(res, "cancelled: killed while running")
     env = core.envs.get(rec.env) if rec.env else None
     if res.outcome == "infra_error" and env is not None and e.env_lost:
         core.envs.lose(env, now, res.detail or "backend lost it", core.stimulus)
@@ -210,6 +216,74 @@ def exec_done(core: Core, e: ev.ExecFinished, now: float, out: list[ev.Command])
         result=res,
         detail=f"exit={res.exit_code} exec_s={res.exec_s:.4f} {res.detail}".strip(),
     )
+
+
+@handles(ev.CancelAction)
+def cancel(core: Core, e: ev.CancelAction, now: float, out: list[ev.Command]) -> None:
+    """``cancel``: a waiting action ends ``cancelled`` at once; a running exec is killed
+    (``KillExec``) and the cancel answered when its end comes back; an action that has
+    ended is answered with its outcome. Another user's action is not found."""
+    rec = _cancel_target(core, e)
+    name = e.action_id if e.action_id is not None else f"with ref {e.ref!r}"
+    if rec is None or not may_touch(e.peer, rec.owner):
+        outcome = core.actions.ended(e.action_id, e.peer) if e.action_id is not None else None
+        if outcome is None:
+            raise NotFound(f"action {name} not found (unknown, too old, or not yours)")
+        if e.token is not None:
+            answer = cancel_answer(e.action_id or "", "done", outcome)
+            out.append(core.reply(e.token, result=answer))
+        return
+    aid = rec.action.id
+    if rec.action.kind == "api":
+        raise BadRequest(f"id: {aid} is a lease; give it back with lease.release")
+    by_owner = e.peer is None or rec.owner is None or e.peer[0] == rec.owner[0]
+    who = "its owner" if by_owner else "root"
+    if rec.state in ("queued", "waiting_env"):
+        finish_action(core, rec, now, out, outcome="cancelled", detail=f"cancelled by {who}")
+        if e.token is not None:
+            out.append(core.reply(e.token, result=cancel_answer(aid, "done", "cancelled")))
+        return
+    if rec.action.kind != "exec":  # a running GPU call: its handler cannot be stopped safely
+        note(rec, now, "cancel refused", "a running call runs to its end", core.stimulus)
+        if e.token is not None:
+            out.append(core.reply(e.token, result=cancel_answer(aid, "running", None)))
+        return
+    if e.token is not None:
+        rec.cancel_tokens.append(e.token)
+    if rec.cancelling:
+        return  # already being killed: answered with the first cancel
+    rec.cancelling = True
+    env = core.envs.get(rec.env) if rec.env else None
+    note(rec, now, "cancel", f"by {who}: killing it", core.stimulus)
+    out.append(
+        ev.KillExec(
+            action_id=aid,
+            node=env.node if env is not None else "",
+            session=rec.spec.session if rec.spec is not None else None,
+            cause=core.stimulus,
+        )
+    )
+
+
+def _cancel_target(core: Core, e: ev.CancelAction) -> ActionRec | None:
+    if e.action_id is not None:
+        return core.actions.get(e.action_id)
+    if e.ref is None or e.conn is None:
+        return None
+    for rec in core.actions:
+        if rec.conn == e.conn and rec.spec is not None and rec.spec.ref == e.ref:
+            return rec
+    return None
+
+
+def cancel_answer(action_id: str, state: str, outcome: str | None) -> dict[str, Any]:
+    """The ``cancel`` op's result."""
+    return {
+        "action_id": action_id,
+        "cancelled": outcome == "cancelled",
+        "state": state,
+        "outcome": outcome,
+    }
 
 
 def run_exec(core: Core, rec: ActionRec, out: list[ev.Command]) -> None:

@@ -99,6 +99,24 @@ def release(core: Core, e: ev.ReleaseLease, now: float, out: list[ev.Command]) -
         out.append(core.reply(e.token, result={"released": released}))
 
 
+@handles(ev.RenewLease)
+def renew(core: Core, e: ev.RenewLease, now: float, out: list[ev.Command]) -> None:
+    """``lease.renew``: a granted lease now expires ``ttl_s`` from now; a waiting one will
+    hold for ``ttl_s`` once granted. An ended or unknown lease is not found."""
+    lease = core.leases.get(e.lease_id)
+    if lease is None or lease.state not in ("waiting", "granted"):
+        raise NotFound(f"lease {e.lease_id!r} not found (unknown, released or expired)")
+    lease.ttl_s = e.ttl_s
+    if lease.state == "granted":
+        lease.expires_at = now + e.ttl_s
+    rec = core.actions.get(lease.action_id)
+    if rec is not None:
+        note(rec, now, "renewed", f"ttl={e.ttl_s:g} s from now", core.stimulus)
+    if e.token is not None:
+        result = {"lease_id": lease.action_id, "ttl_s": e.ttl_s, "state": lease.state}
+        out.append(core.reply(e.token, result=result))
+
+
 def expire_leases(core: Core, now: float, out: list[ev.Command]) -> None:
     """A tick: end leases past their TTL and waiting ones past their deadline."""
     for lease in core.leases:

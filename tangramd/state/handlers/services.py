@@ -138,7 +138,9 @@ def submit_call(core: Core, e: ev.SubmitCall, now: float, out: list[ev.Command])
     )
     timeout = e.spec.timeout_s if e.spec.timeout_s is not None else core.cfg.call_timeout_s
     call = replace(e.spec, timeout_s=timeout)
-    rec = core.actions.add(action, now, token=e.token, env=None, conn=e.conn, call=call)
+    rec = core.actions.add(
+        action, now, token=e.token, env=None, conn=e.conn, call=call, owner=e.peer
+    )
     detail = f"call service={name} gpus={counts} timeout_s={timeout:g}"
     note(rec, now, "submitted", detail, core.stimulus)
     core.enqueue(rec, now)
