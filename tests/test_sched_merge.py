@@ -6,6 +6,7 @@ set-and-sort versions did, on sorted allowed sets and on anything else."""
 
 from __future__ import annotations
 
+import bisect
 import random
 from operator import attrgetter
 
@@ -67,3 +68,25 @@ def test_helpers_answer_as_before() -> None:
         assert _at_or_below(t, m) == tuple(a for a in t if a <= m), (t, m)
         k = rng.randrange(2, 6)
         assert spread(t, k) == _spread_before(t, k), (t, k)
+
+
+@pytest.mark.parametrize("own_loop", [False, True])
+def test_insort_is_bisect_insort(monkeypatch, own_loop: bool) -> None:
+    """replay._insort (compiled: its own binary search on unboxed floats and ints) puts an
+    entry where bisect.insort puts the tuple: ties on the finish by units, NaN, inf, ints."""
+    from tangram import _native
+    from tangram.sched import replay
+
+    if own_loop and not _native.ACTIVE:
+        monkeypatch.setattr(replay, "_C_INSORT", False)  # the loop the compiled core runs
+    rng = random.Random(3)
+    pool = [0.0, 0.5, 1.0, 1.0, 2.0, 3, float("inf"), float("nan"), -0.0]
+    for _ in range(3000):
+        base = sorted((rng.choice(pool[:7]), rng.randrange(1, 4)) for _ in range(rng.randrange(8)))
+        fin, u = rng.choice(pool), rng.randrange(1, 4)
+        lo = rng.randrange(len(base) + 1)
+        want, got = list(base), list(base)
+        bisect.insort(want, (fin, u), lo)
+        replay._insort(got, fin, u, lo)
+        # (compiled, the finish is stored as the float it is typed as: compare as floats)
+        assert repr([(float(f), k) for f, k in got]) == repr([(float(f), k) for f, k in want])

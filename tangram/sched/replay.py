@@ -32,6 +32,7 @@ import heapq
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from tangram import _native
 from tangram.model import Action, ActionId
 from tangram.sched.operators import BaseOperator, Operator
 from tangram.sched.pool import SchedPool
@@ -57,6 +58,29 @@ NEVER = 1e9  # replay penalty (seconds) for an action that cannot start at all
 Entry = tuple[int, float, list[tuple[int, float]] | None]
 # where an EFT replay stopped: (free units, finishes, head into them, clock, total)
 _EftState = tuple[int, list[tuple[float, int]], int, float, float]
+
+
+# Interpreted, bisect's C loop is the faster; compiled, _insort's own (its comparisons on
+# unboxed floats and ints, not through tuple comparison): the same search either way.
+_C_INSORT = not _native.ACTIVE
+
+
+def _insort(order: list[tuple[float, int]], fin: float, u: int, lo: int) -> None:
+    """``bisect.insort(order, (fin, u), lo)``: after every entry <= (fin, u) from ``lo`` on,
+    found by the same binary search (``(fin, u) < (f, k)`` is ``fin < f or (fin == f and
+    u < k)`` for tuples of a float and an int, NaN included)."""
+    if _C_INSORT:
+        bisect.insort(order, (fin, u), lo)
+        return
+    hi = len(order)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        f, k = order[mid]
+        if fin < f or (fin == f and u < k):
+            hi = mid
+        else:
+            lo = mid + 1
+    order.insert(lo, (fin, u))
 
 
 def elastic_amounts(action: Action, max_single: int) -> tuple[int, ...]:
@@ -409,7 +433,7 @@ class Replay:
         in the heap's order, and the branch gets the rest already sorted."""
         total = 0.0
         order = sorted(heap)
-        head, size, insort = 0, len(order), bisect.insort
+        head, size = 0, len(order)
         while i < end:
             w = waiting[i]
             u, d, _ = ents[i]
@@ -428,7 +452,7 @@ class Replay:
                 return total + self._branch(waiting, i, end, free, rest, clock, 2, ents, rest)
             fin = clock + d
             total += fin
-            insort(order, (fin, u), head)  # lo=head: finishes never precede the clock
+            _insort(order, fin, u, head)  # lo=head: finishes never precede the clock
             size += 1
             free -= u
             i += 1
@@ -510,7 +534,7 @@ class Replay:
         """``_eft``'s loop from position ``i`` with the pending finishes ``order[head:]``
         (sorted) and ``total`` so far; when it reaches ``end`` it appends its state to
         ``keep``, from which a later call resumes exactly where it stopped."""
-        size, insort = len(order), bisect.insort
+        size = len(order)
         for k in range(i, end):
             u, d, opts = ents[k]
             if opts is not None:
@@ -525,7 +549,7 @@ class Replay:
                 free += units
             fin = clock + d
             total += fin
-            insort(order, (fin, u), head)  # lo=head: finishes never precede the clock
+            _insort(order, fin, u, head)  # lo=head: finishes never precede the clock
             size += 1
             free -= u
         if keep is not None:
@@ -617,7 +641,7 @@ class Replay:
                     s += units
                 d = self.dur(w, u)
                 rest_heap = ordered[j:]
-                bisect.insort(rest_heap, (clk + d, u))
+                _insort(rest_heap, clk + d, u, 0)
                 keep: list[_EftState] | None = [] if stop < end else None
                 # plain unit counts: take(s, u) is s - u
                 rest = self._eft_from(ents, i + 1, stop, s - u, rest_heap, 0, clk, 0.0, keep)
