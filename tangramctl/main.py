@@ -9,10 +9,10 @@ output is for people (aligned tables). Errors are one line on stderr, never a tr
   option, an unknown ``--profile`` or ``--env``, more ``--cpus`` or ``--mem`` than any node
   has, a quota refusal), with one line naming the option; 124 on timeout; 125 only when
   the infrastructure failed (daemon unreachable or shutting down, environment lost, engine
-  down);
+  down); 130 when the action was cancelled (``tangramctl cancel``, by anyone allowed to);
 - ``call`` (one GPU service call) exits 0 ok, 1 failed (the handler rejected the payload),
-  124 timeout, 125 infrastructure error, 2 usage or request error (unknown service, a
-  payload that is not a JSON object, the service removed while the call waited).
+  124 timeout, 125 infrastructure error, 130 cancelled, 2 usage or request error (unknown
+  service, a payload that is not a JSON object, the service removed while the call waited).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ EXIT_REFUSED = 1
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 124
 EXIT_INFRA = 125
+EXIT_CANCELLED = 130  # as a shell reports a command ended by SIGINT
 # Error codes that mean "this request cannot be served as asked" (the caller's to fix),
 # as opposed to infrastructure failures.
 REQUEST_ERRORS = frozenset(
@@ -367,6 +368,8 @@ def exit_code_for(result: ExecResult) -> int:
         return EXIT_USAGE
     if result.outcome == "infra_error":
         return EXIT_INFRA
+    if result.outcome == "cancelled":
+        return EXIT_CANCELLED
     code = result.exit_code
     if code is None:
         return 0 if result.outcome == "ok" else 1
@@ -493,7 +496,8 @@ def exec_(
     that holds spaces ('echo $HOME') is a line for the session's shell, as with `session
     run`. Prints the command's stdout and stderr and exits with its exit code; 2 on a usage
     or request error (a bad option, an unknown --profile or --env, more --cpus or --mem
-    than any node has), 124 on timeout, 125 on an infrastructure error.
+    than any node has), 124 on timeout, 125 on an infrastructure error, 130 when the
+    action was cancelled (`tangramctl cancel ID`), with a line saying so.
 
     --timeout bounds waiting plus running; a wait past it (or past --queue-timeout) ends
     with 124 and a line naming what it waited for ("waited 2.0 s for memory: needs 1
@@ -559,7 +563,34 @@ def finish_exec(result: ExecResult, as_json: bool) -> NoReturn:
         elif result.outcome in ("infra_error", "rejected"):
             why = result.detail or "the command did not complete"
             click.echo(f"tangramctl: {result.outcome}: {why}", err=True)
+        elif result.outcome == "cancelled":
+            why = result.detail or "cancelled"
+            click.echo(f"tangramctl: cancelled: action {result.action_id}: {why}", err=True)
     sys.exit(exit_code_for(result))
+
+
+@cli.command("cancel")
+@click.argument("action_id", metavar="ID")
+@json_option
+@pass_ctl
+def cancel(ctl: Ctl, action_id: str, as_json: bool) -> None:
+    """Cancel an exec or call by its action id (see `tangramctl queue`): a waiting one never
+    runs; a running exec is killed with everything it started, and this returns once it is
+    gone. Its client gets outcome cancelled (`tangramctl exec` exits 130). An action that
+    already ended prints its outcome; a running GPU call runs to its end. Exit 0 then too;
+    1 if there is no such action of yours.
+
+    (`--job NAME --all` waits for jobs, which do not exist yet.)"""
+    result = ctl.client.cancel(action_id)
+
+    def human() -> str:
+        if result.get("state") == "running":
+            return f"{action_id}: a running GPU call; it runs to its end"
+        if result.get("cancelled"):
+            return f"{action_id}: cancelled"
+        return f"{action_id}: already ended ({result.get('outcome')})"
+
+    emit(as_json, result, human)
 
 
 # --------------------------------------------------------------------------- env
@@ -906,8 +937,15 @@ def service_remove(ctl: Ctl, name: str, as_json: bool) -> None:
 
 
 def call_exit_code(result: CallResult) -> int:
-    """0 ok, 1 failed, 124 timeout, 125 infra_error, 2 rejected (as for exec)."""
-    codes = {"ok": 0, "failed": 1, "timeout": EXIT_TIMEOUT, "infra_error": EXIT_INFRA}
+    """0 ok, 1 failed, 124 timeout, 125 infra_error, 130 cancelled, 2 rejected (as for
+    exec)."""
+    codes = {
+        "ok": 0,
+        "failed": 1,
+        "timeout": EXIT_TIMEOUT,
+        "infra_error": EXIT_INFRA,
+        "cancelled": EXIT_CANCELLED,
+    }
     return codes.get(result.outcome, EXIT_USAGE)
 
 
@@ -928,7 +966,7 @@ def call(ctl: Ctl, name: str, timeout_s: float | None, as_json: bool, payload: s
 
     Prints the handler's answer as JSON (with --json: outcome, result, error, queue_s,
     restore_s, exec_s, act_s, gpus, node). Exit 0 ok, 1 failed, 124 timeout, 125
-    infrastructure error, 2 usage or request error.
+    infrastructure error, 130 cancelled, 2 usage or request error.
     """
     try:
         body = json.loads(payload)

@@ -1,0 +1,99 @@
+"""`tangramctl cancel ID` against a real `tangramd up` with one core, and what a cancelled
+`tangramctl exec` does: exit 130 with a line saying so (docs/design.md §6.4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import psutil
+import pytest
+from click.testing import CliRunner
+from harness import running_daemon
+
+from tangram.testing import wait_for
+from tangramctl.main import cli
+
+CORE = min(os.sched_getaffinity(0))
+CTL = [sys.executable, "-m", "tangramctl.main"]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    """One core: a second exec waits for the first."""
+    config = f"\n[cpu]\ncores = [{CORE}]\n"
+    with running_daemon(tmp_path_factory.mktemp("cli-cancel"), config=config) as d:
+        yield d
+
+
+def ctl(sock: str, *args: str):
+    return CliRunner().invoke(cli, ["--socket", sock, *args], catch_exceptions=False)
+
+
+def marked(mark: str) -> list[psutil.Process]:
+    """The exec's processes (not the `tangramctl exec` that sent the command line)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or ())
+        if mark in line and "tangramctl" not in line:
+            found.append(proc)
+    return found
+
+
+def test_cancel_a_running_and_a_queued_tangramctl_exec(daemon):
+    """Both `tangramctl exec`s exit 130 saying they were cancelled; the running one's
+    processes are gone when `cancel` returns; `--json` says outcome cancelled."""
+    mark = str(uuid.uuid4().int % 10**9)
+    sock = daemon.socket
+    running = subprocess.Popen(
+        [*CTL, "--socket", sock, "exec", "--shell", "--", f"sleep 300.{mark} & sleep 301.{mark}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with daemon.client() as c:
+            rows = wait_for(lambda: c.queue()["running"], 30, "the exec running")
+            running_id = rows[0]["action_id"]
+            wait_for(lambda: len(marked(mark)) >= 2, 20, "both sleeps started")
+            queued = subprocess.Popen(
+                [*CTL, "--socket", sock, "exec", "--json", "--", "sleep", f"302.{mark}"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            rows = wait_for(lambda: c.queue()["waiting"], 30, "the second exec waiting")
+            queued_id = rows[0]["action_id"]
+
+        r = ctl(sock, "cancel", queued_id, "--json")
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.output) == {
+            "action_id": queued_id,
+            "cancelled": True,
+            "state": "done",
+            "outcome": "cancelled",
+        }
+        out, _ = queued.communicate(timeout=20)
+        assert queued.returncode == 130, out
+        assert json.loads(out)["outcome"] == "cancelled"
+
+        r = ctl(sock, "cancel", running_id)
+        assert r.exit_code == 0, r.output
+        assert r.output.strip() == f"{running_id}: cancelled"
+        assert marked(mark) == []  # killed, background child and all, before the answer
+        _, err = running.communicate(timeout=20)
+        assert running.returncode == 130, err
+        assert f"tangramctl: cancelled: action {running_id}" in err
+
+        r = ctl(sock, "cancel", running_id)
+        assert (r.exit_code, r.output.strip()) == (0, f"{running_id}: cancelled")
+        r = ctl(sock, "cancel", "a999999")
+        assert r.exit_code == 1
+        assert "not_found" in r.output and "a999999" in r.output
+    finally:
+        for proc in (running,):
+            if proc.poll() is None:
+                proc.kill()
