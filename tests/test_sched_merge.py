@@ -90,3 +90,18 @@ def test_insort_is_bisect_insort(monkeypatch, own_loop: bool) -> None:
         replay._insort(got, fin, u, lo)
         # (compiled, the finish is stored as the float it is typed as: compare as floats)
         assert repr([(float(f), k) for f, k in got]) == repr([(float(f), k) for f, k in want])
+
+
+@pytest.mark.parametrize("own_loop", [False, True])
+def test_bisect_left_is_bisect_bisect_left(monkeypatch, own_loop: bool) -> None:
+    from tangram import _native
+    from tangram.sched import replay
+
+    if own_loop and not _native.ACTIVE:
+        monkeypatch.setattr(replay, "_C_INSORT", False)
+    rng = random.Random(4)
+    pool = [0.0, 0.25, 0.5, 0.5, 1.0, float("inf"), float("nan")]
+    for _ in range(3000):
+        base = sorted((rng.choice(pool[:6]), rng.randrange(6)) for _ in range(rng.randrange(9)))
+        key, k = rng.choice(pool), rng.randrange(6)
+        assert replay._bisect_left(base, key, k) == bisect.bisect_left(base, (key, k))

@@ -120,6 +120,7 @@ class DPTable:
         # each state's successor per amount, taken once per table (a state recurs in many
         # layers and candidates mostly share their amounts)
         moves: dict[Hashable, dict[int, Hashable | None]] = {}
+        missing = _MISSING  # a local: compiled, a module global is a dict look-up per read
         for options in self._choices:
             nxt: dict[Hashable, float] = {}
             parent: dict[Hashable, tuple[Hashable, int]] = {}
@@ -128,8 +129,8 @@ class DPTable:
                 if succ is None:
                     succ = moves[state] = {}
                 for amount, dur in options:
-                    new = succ.get(amount, _MISSING)
-                    if new is _MISSING:
+                    new = succ.get(amount, missing)
+                    if new is missing:
                         new = succ[amount] = take(state, amount)
                     if new is None:
                         continue

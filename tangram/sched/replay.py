@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from tangram import _native
 from tangram.model import Action, ActionId
@@ -62,7 +62,7 @@ _EftState = tuple[int, list[tuple[float, int]], int, float, float]
 
 # Interpreted, bisect's C loop is the faster; compiled, _insort's own (its comparisons on
 # unboxed floats and ints, not through tuple comparison): the same search either way.
-_C_INSORT = not _native.ACTIVE
+_C_INSORT: Final = not _native.ACTIVE  # (Final: compiled, a constant, not a dict look-up)
 
 
 def _insort(order: list[tuple[float, int]], fin: float, u: int, lo: int) -> None:
@@ -81,6 +81,21 @@ def _insort(order: list[tuple[float, int]], fin: float, u: int, lo: int) -> None
         else:
             lo = mid + 1
     order.insert(lo, (fin, u))
+
+
+def _bisect_left(order: list[tuple[float, int]], key: float, k: int) -> int:
+    """``bisect.bisect_left(order, (key, k))``, by the same binary search (see _insort)."""
+    if _C_INSORT:
+        return bisect.bisect_left(order, (key, k))
+    lo, hi = 0, len(order)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        f, j = order[mid]
+        if f < key or (f == key and j < k):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def elastic_amounts(action: Action, max_single: int) -> tuple[int, ...]:

@@ -47,7 +47,6 @@ loop evaluates the objective until it stops improving (usually 1–3 times).
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,7 +60,7 @@ from tangram.sched.load import PoolLoad
 from tangram.sched.operators import BaseOperator, Operator
 from tangram.sched.pool import SchedPool
 from tangram.sched.price import NO_LOAD, price_bands
-from tangram.sched.replay import Durations, Replay, elastic_amounts
+from tangram.sched.replay import Durations, Replay, _bisect_left, _insort, elastic_amounts
 
 Order = Literal["fcfs", "backfill"]
 ORDERS: tuple[str, ...] = ("fcfs", "backfill")
@@ -179,6 +178,7 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
     pools = snapshot.pools
     queued = snapshot.waiting
     everyone: list[Action] = queued if isinstance(queued, list) else list(queued)
+    unknown = _UNKNOWN  # a local: compiled, a module global is a dict look-up on every read
     for action in everyone:
         kind = action.kind  # pool_of(), inlined
         if kind == "exec":
@@ -189,8 +189,8 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
         else:
             pid = "gpu" if kind == "service" else action.key
         # the markers are read as Any: compiled (mypyc), a declared type is checked on read
-        got: Any = lanes.get(pid, _UNKNOWN)
-        if got is _UNKNOWN:
+        got: Any = lanes.get(pid, unknown)
+        if got is unknown:
             pool = pools.get(pid)
             lane = lanes[pid] = None if pool is None else (pool, {}, [])
         else:
@@ -202,8 +202,8 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
         # never_fits depends only on (kind, service, min_units, demand["mem"]), which
         # fit_key stands for; memoised because queues are long
         sig = action.fit_key
-        got = never_memo.get(sig, _UNKNOWN)
-        if got is _UNKNOWN:
+        got = never_memo.get(sig, unknown)
+        if got is unknown:
             short = never_memo[sig] = pool.never_fits(action)
         else:
             short = got
@@ -385,7 +385,7 @@ def _assign_nodes(
         if mem_free[k] >= need_mem:
             total = mem_total[k]
             if rank and cores_free[k] > 0 and at < 0:  # in the ranking, chosen without it
-                at = bisect.bisect_left(ranked, (mem_used[k] / total if total else 1.0, k))
+                at = _bisect_left(ranked, mem_used[k] / total if total else 1.0, k)
             mem_free[k] -= need_mem
             mem_used[k] += need_mem
             cores = cores_free[k]
@@ -398,7 +398,7 @@ def _assign_nodes(
                         ranked[at] = moved  # still before the next one: same place
                     else:
                         del ranked[at]
-                        bisect.insort(ranked, moved, at)
+                        _insort(ranked, moved[0], k, at)
                 else:
                     del ranked[at]
             if cores == most_free:  # only the node with the most free cores moves the max
