@@ -219,7 +219,11 @@ def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, InProc
             "profile.get": {"name": "p"},
             "node.drain": {"name": "a"},
             "node.undrain": {"name": "a"},
+            "cancel": {"id": result["action_id"]},  # ended: answered with its outcome
         }
+        answers["lease.renew"] = c.request(
+            "lease.renew", {"lease": lease["lease_id"], "ttl_s": 30.0}
+        )  # before lease.release
         # GPU services run in `tangramd up` only (nodes report no GPUs yet): the coordinator
         # refuses them with the documented errors, and lists no service
         with pytest.raises(BadRequest, match="no GPUs"):

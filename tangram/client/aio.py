@@ -84,7 +84,11 @@ class _ClientProtocol(asyncio.Protocol):
 
 
 class AsyncClient(Ops):
-    """asyncio client: any number of concurrent calls pipelined over one connection."""
+    """asyncio client: any number of concurrent calls pipelined over one connection.
+
+    Cancelling the coroutine of an ``exec`` cancels its action (``cancel`` by the exec's
+    ``ref``): withdrawn if it waits, killed if it runs; ``cancel_abandoned=False`` leaves
+    it running instead."""
 
     def __init__(
         self,
@@ -92,8 +96,12 @@ class AsyncClient(Ops):
         *,
         connect_timeout_s: float = 5.0,
         max_frame: int = DEFAULT_MAX_FRAME,
+        cancel_abandoned: bool = True,
     ) -> None:
         self.path = os.fspath(path) if path is not None else default_socket_path()
+        # an exec whose awaiting coroutine is cancelled is cancelled too (``_exec``); False:
+        # it runs on, as a disconnected client's running exec does (the HTTP gateway's rule)
+        self.cancel_abandoned = cancel_abandoned
         self.connect_timeout_s = connect_timeout_s
         self.max_frame = max_frame
         self._protocol: _ClientProtocol | None = None
@@ -166,7 +174,7 @@ class AsyncClient(Ops):
     def _op(  # type: ignore[override]  # the async client's ops return coroutines
         self, op: str, args: Mapping[str, Any], parse: Callable[[Any], T]
     ) -> Coroutine[Any, Any, T]:
-        if op == "exec":
+        if op == "exec" and self.cancel_abandoned:
             return self._exec(args, parse)
         return self._parsed(op, args, parse)
 

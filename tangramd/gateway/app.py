@@ -206,7 +206,9 @@ def build_app(
     if client is None:
         if socket is None:
             raise ValueError("build_app needs a socket or a client")
-        client = AsyncClient(socket)
+        # a caller that hangs up does not cancel its action (design.md §6.1), as in the
+        # daemon's process (whose InProcessClient sends no cancel either)
+        client = AsyncClient(socket, cancel_abandoned=False)
     metrics = Metrics()
 
     def observe(kind: str, result: ExecResult) -> None:

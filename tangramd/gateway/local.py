@@ -24,7 +24,7 @@ class InProcessClient(AsyncClient):
     """``AsyncClient`` over a :class:`LocalConnection` of ``server``."""
 
     def __init__(self, server: UnixServer, *, peer: tuple[int, int] | None = None) -> None:
-        super().__init__(server.path)
+        super().__init__(server.path, cancel_abandoned=False)  # as the socket's gateway
         self._server = server
         self._peer = peer
         self._local: LocalConnection | None = None
