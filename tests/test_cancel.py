@@ -265,3 +265,23 @@ def test_lease_renew_outlives_its_first_ttl(daemon):
             c.request("lease.renew", {"ttl_s": 1.0})
         wait_for(lambda: c.story(renewed)["outcome"] == "expired", 5, "the renewed lease expired")
         assert c.api_list()  # still serving
+
+
+def test_cancel_a_running_exec_in_a_session_keeps_the_shell(daemon):
+    """An exec in a shell session is interrupted, not the shell: it ends cancelled and the
+    session runs the next command."""
+    mark = marker()
+    with daemon.client() as c:
+        env = c.env_open()
+        session = c.session_open(env)
+        running = in_thread(lambda: daemon.client().exec(f"sleep 300.{mark}", session=session))
+        aid = running_action(c)
+        wait_for(lambda: processes_with(mark), 20, "the sleep started")
+        answer = c.cancel(aid)
+        assert answer["outcome"] == "cancelled", answer
+        assert processes_with(mark) == []
+        running["thread"].join(10)
+        assert running["result"].outcome == "cancelled"
+        assert c.exec("echo still", session=session).stdout == "still\n"
+        c.session_close(session)
+        c.env_close(env)

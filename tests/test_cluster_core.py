@@ -68,7 +68,8 @@ def test_environments_spread_over_joined_nodes_by_memory() -> None:
 
 
 def test_rejoin_of_a_known_node_keeps_its_pool() -> None:
-    """A node whose link came back within the timeout keeps its running work."""
+    """A node whose link came back within the timeout keeps its running work (and the
+    kills a cancel still waits for)."""
     core = cluster_core()
     join(core, "a")
     create = open_ready(core, 1)
@@ -80,7 +81,15 @@ def test_rejoin_of_a_known_node_keeps_its_pool() -> None:
         "creating": [],
         "closing": [],
         "running": [running.action_id],
+        "killing": [],
     }
+    # a cancel is killing it: a rejoin sends the kill again (it may have been lost)
+    kill = [c for c in core.handle(ev.CancelAction(action_id=running.action_id), 2.0)]
+    assert [type(c) for c in kill] == [ev.KillExec]
+    join(core, "a")
+    assert core.read.node_work("a")["killing"] == [
+        {"action_id": running.action_id, "session": None}
+    ]
 
 
 def test_lost_node_ends_its_actions_and_loses_its_environments() -> None:

@@ -372,6 +372,12 @@ class CoordinatorExecutor(Executor):
             if action_id not in running and f"x:{action_id}" not in pending:
                 detail = f"node {node} lost track of the action while its link was down"
                 self.feed(ev.ExecFinished(action_id, ExecResult("infra_error", detail=detail)))
+        for kill in work["killing"]:  # a cancel_exec may have been lost with the link
+            if kill["action_id"] in running:
+                msg = make_message(
+                    "cancel_exec", action_id=kill["action_id"], session=kill["session"]
+                )
+                self._send(node, msg)
 
     def _on_message(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         """One message from a node, to its handler (:data:`RECEIVES`); an unknown or

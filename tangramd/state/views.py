@@ -197,7 +197,8 @@ class ReadModel:
     def node_work(self, node: str) -> dict[str, Any]:
         """What the core expects of one node (cluster reconciliation after a reconnect):
         the environments it still owns, those being created (with image and memory) or
-        removed there, and the exec actions running there."""
+        removed there, the exec actions running there, and those of them a ``cancel`` is
+        killing (``{"action_id", "session"}``: the kill is sent again)."""
         keep: list[str] = []
         creating: list[dict[str, Any]] = []
         closing: list[str] = []
@@ -211,12 +212,23 @@ class ReadModel:
                 if env.state == "creating":
                     creating.append({"env_id": env.id, "image": env.image, "mem": env.mem})
         pool_id = f"cpu:{node}"
-        running = [
-            rec.action.id
+        here = [
+            rec
             for rec in self.core.actions.live.values()
             if rec.state == "running" and rec.action.kind == "exec" and rec.pool_id == pool_id
         ]
-        return {"keep": keep, "creating": creating, "closing": closing, "running": running}
+        killing = [
+            {"action_id": rec.action.id, "session": rec.spec.session if rec.spec else None}
+            for rec in here
+            if rec.cancelling
+        ]
+        return {
+            "keep": keep,
+            "creating": creating,
+            "closing": closing,
+            "running": [rec.action.id for rec in here],
+            "killing": killing,
+        }
 
     def env_node(self, env_id: str) -> str | None:
         """The node holding an environment (None: unknown or not placed)."""
