@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import msgpack
 import psutil
@@ -285,3 +286,31 @@ def test_cancel_a_running_exec_in_a_session_keeps_the_shell(daemon):
         assert c.exec("echo still", session=session).stdout == "still\n"
         c.session_close(session)
         c.env_close(env)
+
+
+SERVICES = Path(__file__).parent / "data" / "services"
+ONE_GPU = "[gpu]\nsimulated = { count = 1, mem_gb = 0.1 }\nnvml = false\n"
+
+
+def test_cancel_a_queued_call_and_a_running_one_runs_on(tmp_path):
+    """A GPU call waiting for the one GPU leaves the queue (its caller gets cancelled); a
+    running call is not interrupted: the answer says so and it ends ok."""
+    with running_daemon(tmp_path, config=ONE_GPU) as d, d.client() as c:
+        spec = {"name": "s", "runtime": "torch", "mem_gb": 0.01, "entry": "tiny_services:small"}
+        c.request("service.register", {**spec, "path": str(SERVICES)})
+        running = in_thread(lambda: d.client().call("s", {"x": 1, "sleep": 2.0}))
+        rows = wait_for(lambda: c.queue()["running"], 20, "the call running")
+        running_id = rows[0]["action_id"]
+        queued = in_thread(lambda: d.client().call("s", {"x": 1}))
+        rows = wait_for(lambda: c.queue()["waiting"], 20, "the second call queued")
+        assert c.cancel(rows[0]["action_id"])["outcome"] == "cancelled"
+        queued["thread"].join(10)
+        assert queued["result"].outcome == "cancelled"
+        assert c.cancel(running_id) == {
+            "action_id": running_id,
+            "cancelled": False,
+            "state": "running",
+            "outcome": None,
+        }
+        running["thread"].join(20)
+        assert running["result"].outcome == "ok"
