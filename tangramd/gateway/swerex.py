@@ -360,8 +360,8 @@ class Runtimes:
             )
         if result.outcome == "rejected":
             raise RemoteError("builtins.ValueError", result.detail)
-        if result.outcome == "infra_error":
-            raise RemoteError(EXC + "SwerexException", result.detail)
+        if result.outcome in ("infra_error", "cancelled"):  # cancelled: `tangramctl cancel`
+            raise RemoteError(EXC + "SwerexException", result.detail or result.outcome)
         if command.check and result.exit_code != 0:
             msg = (
                 f"Command {command.command!r} failed with exit code {result.exit_code}. "
