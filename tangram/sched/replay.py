@@ -32,7 +32,6 @@ import heapq
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Protocol
 
-from tangram import _native
 from tangram.model import Action, ActionId
 from tangram.sched.operators import BaseOperator, Operator
 from tangram.sched.pool import SchedPool
@@ -60,11 +59,6 @@ Entry = tuple[int, float, list[tuple[int, float]] | None]
 _EftState = tuple[int, list[tuple[float, int]], int, float, float]
 
 
-# Interpreted, bisect's C loop is the faster; compiled, _insort's own (its comparisons on
-# unboxed floats and ints, not through tuple comparison): the same search either way.
-_C_INSORT: Final = not _native.ACTIVE  # (Final: compiled, a constant, not a dict look-up)
-
-
 def _insort(order: list[tuple[float, int]], fin: float, u: int, lo: int) -> None:
     """``bisect.insort(order, (fin, u), lo)``: after every entry <= (fin, u) from ``lo`` on,
     found by the same binary search (``(fin, u) < (f, k)`` is ``fin < f or (fin == f and
@@ -81,6 +75,13 @@ def _insort(order: list[tuple[float, int]], fin: float, u: int, lo: int) -> None
         else:
             lo = mid + 1
     order.insert(lo, (fin, u))
+
+
+# Interpreted, bisect's C loop is the faster; compiled, _insort's own (its comparisons on
+# unboxed floats and ints, not through tuple comparison): the same search either way. An
+# interpreted function has a code object, a compiled one none (the core imports nothing to
+# ask tangram._native; Final: compiled, a constant, not a dict look-up on every read).
+_C_INSORT: Final = hasattr(_insort, "__code__")
 
 
 def _bisect_left(order: list[tuple[float, int]], key: float, k: int) -> int:
