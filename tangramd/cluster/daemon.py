@@ -9,7 +9,6 @@ or :func:`node`; everything they build is composed here (:func:`build_coordinato
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import socket
 import sys
@@ -23,6 +22,7 @@ from tangram.pools.cpu import CpuCluster
 from tangramd import ops
 from tangramd.cluster import config as cluster_config
 from tangramd.cluster.link import is_loopback, split_host_port
+from tangramd.collector import freeze_startup
 from tangramd.config import ConfigError, parse_cores
 from tangramd.lifecycle import (
     StateDirBusy,
@@ -139,8 +139,7 @@ def coordinator(
         uninstall = install_stop_handlers(asyncio.get_running_loop(), stop)
         try:
             await ex.start()
-            gc.collect()
-            gc.freeze()
+            freeze_startup()
             sd_notify("READY=1\nSTATUS=coordinating")
             await stop.wait()
             sd_notify("STOPPING=1")
