@@ -348,6 +348,11 @@ class CpuConfig:
     docker_image: str = _key(_text, "tangram-test:bookworm")
     exec_agent: bool = _key(_bool, True)
     exec_user: str = _key(_exec_user, "peer")
+    # process backend: each environment in its own namespaces ("auto": where the kernel
+    # allows, else plain directories with one start-up line saying so)
+    isolation: str = _key(_choice("auto", "namespaces", "none"), "auto")
+    env_pids_max: int = _key(_int(1), 4096)
+    env_network: str = _key(_choice("none", "host"), "none")
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,7 +123,14 @@ def make_backend(config: Any) -> Backend:
     from tangramd.backends.process import ProcessBackend
 
     sandbox_user = None if config.cpu.exec_user == "peer" else resolve_user(config.cpu.exec_user)
-    return ProcessBackend(os.path.join(state_dir, "process"), default_user=sandbox_user)
+    return ProcessBackend(
+        os.path.join(state_dir, "process"),
+        default_user=sandbox_user,
+        isolation=config.cpu.isolation,
+        env_pids_max=config.cpu.env_pids_max,
+        env_network=config.cpu.env_network,
+        hide=[state_dir],  # (the daemon's whole state: its keys, journal, other envs)
+    )
 
 
 def server_options(config: Any) -> dict[str, Any]:

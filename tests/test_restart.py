@@ -10,6 +10,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 from harness import running_daemon
 
@@ -47,19 +48,23 @@ def test_command_running_at_the_crash_is_ended_not_left_running(tmp_path) -> Non
         with d.client() as c:
             env = c.env_open()
 
+        token = f"60.{os.getpid()}"  # its sleep, found by command line from the host
+
         def long_exec() -> None:
             try:
                 with d.client() as c2:
-                    box["result"] = c2.exec("echo $$ > pid; exec sleep 60", env=env)
+                    box["result"] = c2.exec(f"echo $$ > pid; exec sleep {token}", env=env)
             except ConnectionFailed as exc:
                 box["error"] = exc
 
         t = threading.Thread(target=long_exec)
         t.start()
         pid_file = Path(d.state_dir, "process", "envs", env, "pid")
-        pid = int(
+        inside = int(
             wait_for(lambda: pid_file.read_text().strip(), 10, "the pid file", ignore=(OSError,))
         )
+        # (the pid it sees is its namespace's in an isolated environment: the host's here)
+        pid = wait_for(lambda: _host_pid(token), 10, "the command on the host")
         d.stop(signal.SIGKILL)
         t.join(10)
         assert isinstance(box.get("error"), ConnectionFailed)  # never a silent success
@@ -72,7 +77,15 @@ def test_command_running_at_the_crash_is_ended_not_left_running(tmp_path) -> Non
         )
         assert "actions that were running when the previous daemon died" in d2.log()
         with d2.client() as c:
-            assert c.exec("cat pid", env=env).stdout.strip() == str(pid)
+            assert c.exec("cat pid", env=env).stdout.strip() == str(inside)
+
+
+def _host_pid(token: str) -> int | None:
+    """The host pid of the process whose command line ends with ``token``."""
+    for proc in psutil.process_iter(["cmdline"]):
+        if (proc.info["cmdline"] or [""])[-1] == token:
+            return int(proc.pid)
+    return None
 
 
 def test_another_users_environment_does_not_exist_for_them() -> None:

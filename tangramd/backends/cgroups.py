@@ -137,6 +137,14 @@ class Cgroups:
             self._write_cpus(path, cores)
         return path
 
+    def make_session(self, path: Path) -> None:
+        """A session's cgroup, on every core of ours until its first run pins it."""
+        cores = parse_cpulist(_read(f"{self.base}/cpuset.cpus").decode())
+        if not cores:  # (v2: an empty cpuset.cpus means the parent's)
+            cores = parse_cpulist(_read(f"{self.base}/cpuset.cpus.effective").decode())
+        with contextlib.suppress(FileExistsError):
+            self._make(path, cores)
+
     @staticmethod
     def place(path: Path, pid: int) -> None:
         """Move a whole process (not yet running its command) into the cgroup."""
@@ -291,3 +299,117 @@ def probe(scope: str, *, prefer: str = "auto") -> Cgroups | None:
                 with contextlib.suppress(OSError):
                     return CgroupV2(parent, scope)
     return None
+
+
+class EnvLimits:
+    """Per-environment limits of isolated environments, on cgroup v1: ``memory`` (its
+    ``mem_bytes``, swap included where accounted) and ``pids`` (``env_pids_max``). Every
+    process of the environment (its keeper, its execs, its session shells) joins
+    ``<controller>/<own path>/tangram/<scope>/e-<env>`` of each before it enters the
+    environment; the files are the host root's, read-only inside."""
+
+    CONTROLLERS = ("memory", "pids")
+
+    def __init__(self, bases: dict[str, Path]) -> None:
+        self.bases = bases
+
+    @classmethod
+    def probe(cls, scope: str) -> EnvLimits | None:
+        """The manager, or None where cgroup v1 ``memory`` and ``pids`` are not ours."""
+        if os.geteuid() != 0:
+            return None
+        mounts = _mounts()
+        bases: dict[str, Path] = {}
+        for ctrl in cls.CONTROLLERS:
+            point = next((m for m, t, o in mounts if t == "cgroup" and ctrl in o.split(",")), None)
+            own = _own_path(ctrl)
+            if point is None or own is None:
+                return None
+            base = Path(point) / own.lstrip("/") / "tangram" / scope
+            try:
+                base.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                return None
+            bases[ctrl] = base
+        return cls(bases)
+
+    def paths(self, env_id: str) -> list[Path]:
+        return [base / f"e-{env_id}" for base in self.bases.values()]
+
+    def create(self, env_id: str, mem_bytes: int | None, pids_max: int) -> list[str]:
+        """Make the environment's cgroups with their limits; the ``tasks`` files to join."""
+        mem, pids = self.paths(env_id)
+        for path in (mem, pids):
+            path.mkdir(exist_ok=True)
+        if mem_bytes is not None:
+            (mem / "memory.limit_in_bytes").write_text(str(mem_bytes))
+            swap = mem / "memory.memsw.limit_in_bytes"
+            if swap.exists():  # (swap accounted) no way around the limit through swap
+                swap.write_text(str(mem_bytes))
+        (pids / "pids.max").write_text(str(pids_max))
+        return [str(mem / "tasks"), str(pids / "tasks")]
+
+    def exec_memory(self, env_id: str, name: str, mem_bytes: int) -> str:
+        """A cgroup for one exec below the environment's memory cgroup, limited to
+        ``mem_bytes``; its ``tasks`` file (joined after the environment's)."""
+        path = self.paths(env_id)[0] / name
+        path.mkdir(exist_ok=True)
+        (path / "memory.limit_in_bytes").write_text(str(mem_bytes))
+        return str(path / "tasks")
+
+    def kill_all(self, env_id: str) -> bool:
+        """SIGKILL every process of the environment; False when there was none."""
+        found = False
+        for path in self.paths(env_id):
+            for sub in (path, *_subdirs(path)):
+                found |= _kill_members(sub)
+        return found
+
+    async def remove(self, env_id: str) -> None:
+        """Kill what is left and remove the environment's cgroups (and any exec's)."""
+        for path in self.paths(env_id):
+            for sub in (*_subdirs(path), path):
+                for _ in range(100):
+                    _kill_members(sub)
+                    try:
+                        sub.rmdir()
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        await asyncio.sleep(0.01)
+
+    async def remove_exec(self, env_id: str, name: str) -> None:
+        path = self.paths(env_id)[0] / name
+        for _ in range(100):
+            try:
+                path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                _kill_members(path)
+                await asyncio.sleep(0.01)
+
+    def leftovers(self) -> list[str]:
+        """Env ids of the environment cgroups found (a previous daemon's)."""
+        found: set[str] = set()
+        for base in self.bases.values():
+            found.update(p.name[2:] for p in _subdirs(base) if p.name.startswith("e-"))
+        return sorted(found)
+
+
+def _kill_members(path: Path) -> bool:
+    """SIGKILL every process in the cgroup ``path`` but this one; False when none."""
+    me = os.getpid()
+    found = [pid for pid in Cgroups.pids(path) if pid != me]
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return bool(found)
+
+
+def _subdirs(path: Path) -> list[Path]:
+    with contextlib.suppress(OSError):
+        return [p for p in path.iterdir() if p.is_dir()]
+    return []

@@ -44,6 +44,20 @@ class NotAFile(ValueError):
     """What was asked for is neither a regular file nor a directory (a FIFO, a socket)."""
 
 
+def _make_dirs(base: str, path: str, owner: tuple[int, int] | None) -> None:
+    """``os.makedirs(path)`` below ``base``; those it creates belong to ``owner`` (the
+    environment's user must be able to enter what a put made for it)."""
+    missing = []
+    here = path
+    while here != base and here.startswith(base) and not os.path.lexists(here):
+        missing.append(here)
+        here = os.path.dirname(here)
+    os.makedirs(path, exist_ok=True)
+    if owner is not None:
+        for made in missing:
+            os.lchown(made, *owner)
+
+
 def put_local(
     base: str, path: str, data: bytes, *, tar: bool, owner: tuple[int, int] | None
 ) -> int:
@@ -51,7 +65,7 @@ def put_local(
     ``base.confine_real``); return the bytes written."""
     target = confine_real(base, path)
     if tar:
-        os.makedirs(target, exist_ok=True)
+        _make_dirs(base, target, owner)
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
             for member in archive.getmembers():
                 confine_real(target, member.name)  # a link written earlier may point out
@@ -65,7 +79,7 @@ def put_local(
         raise IsADirectoryError(f"{path}: is a directory (send a tar stream)")
     parent = os.path.dirname(target)
     if parent != base:  # a file in a subdirectory: create the parents, check they stay inside
-        os.makedirs(parent, exist_ok=True)
+        _make_dirs(base, parent, owner)
         confine_real(base, parent)
     try:
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)

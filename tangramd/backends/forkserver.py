@@ -116,6 +116,19 @@ def _load_native() -> Any:
     return None
 
 
+@functools.cache
+def _load_nsbox() -> Any:
+    """``nsbox.py`` (environments in namespaces), loaded by file like the lodger loop."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nsbox.py")
+    spec = importlib.util.spec_from_file_location("_tangram_nsbox", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _has_pidfd() -> bool:
     try:
         os.close(os.pidfd_open(os.getpid()))
@@ -226,6 +239,9 @@ class _Helper:
         self.joined_score: str | None = None  # a lodger's: the exec score it joined at
         self.native: Any = None  # a lodger's loop in C, run once it has joined
         self.wake: int | None = None  # a subreaper lodger's SIGCHLD wake-up pipe
+        # commands spawned in an environment's pid namespace: their orphans go to its
+        # keeper, not to us, so having no child left says nothing about them
+        self.boxed: set[int] = set()
         if lodger and _become_subreaper():
             self.wake, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # both ends
             signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
@@ -261,6 +277,9 @@ class _Helper:
             return True
         if op == "base_env":
             self.base_env = msg["env"]
+            return True
+        if op == "keeper":
+            self._send(self._keeper(msg))
             return True
         try:
             reply = self._join(msg) if op == "join" else self._spawn(msg, fds)
@@ -300,7 +319,10 @@ class _Helper:
             score = str(msg["oom_score_adj"])
             if score != self.joined_score:  # a lodger is there already
                 _write("/proc/self/oom_score_adj", score)
-            if msg.get("user") is None:
+            if msg.get("sandbox"):
+                pid, popen = _load_nsbox().spawn(msg, stdio), None
+                self.boxed.add(pid)
+            elif msg.get("user") is None:
                 pid, popen = _posix_spawn(msg, stdio), None
             else:
                 popen = _popen(msg, stdio)
@@ -308,6 +330,15 @@ class _Helper:
         except _CannotStart as e:
             return {"id": rid, "error": str(e), **self._home(home)}
         except OSError as e:
+            if e.filename == "cwd":  # (in an environment) its working directory is missing
+                why = f"cwd {msg['cwd']}: {os.strerror(e.errno or 0)}"
+                return {
+                    "id": rid,
+                    "error": why,
+                    "errno": e.errno or 0,
+                    "stage": "cwd",
+                    **self._home(home),
+                }
             return {"id": rid, "errno": e.errno or 0, "error": str(e), **self._home(home)}
         except subprocess.SubprocessError as e:
             return {"id": rid, "error": str(e), **self._home(home)}
@@ -342,6 +373,21 @@ class _Helper:
             return
         pid, popen = self._release(pidfd)
         reply.update(self._exit_report(pid, popen, pidfd=True))
+
+    def _keeper(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Start an environment's keeper (``nsbox.py``): its pid, watched as a child."""
+        try:
+            pid = _load_nsbox().open_keeper(msg["box"])
+        except OSError as e:
+            return {"id": msg["id"], "error": f"cannot build the environment: {e.strerror or e}"}
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            threading.Thread(target=self._wait, args=(pid, None), daemon=True).start()
+        else:
+            self.children[pidfd] = (pid, None)
+            self.sel.register(pidfd, selectors.EVENT_READ)
+        return {"id": msg["id"], "pid": pid}
 
     def _home(self, home: str | None) -> dict[str, Any]:
         """Back to our own cgroup, affinity and score; ``fatal`` if that fails."""
@@ -439,7 +485,10 @@ class _Helper:
         # A Popen child is reaped by its Popen (which would otherwise reap it itself).
         rc = popen.wait() if popen else os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         report: dict[str, Any] = {"exit": pid, "rc": rc}
-        if pidfd and self.wake is not None and not self.children and self._reap_orphans():
+        boxed = pid in self.boxed
+        self.boxed.discard(pid)
+        alone = pidfd and self.wake is not None and not self.children and self._reap_orphans()
+        if alone and not boxed:
             report["alone"] = True
         return report
 

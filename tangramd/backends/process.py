@@ -40,21 +40,24 @@ import errno
 import functools
 import hashlib
 import itertools
+import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 
 from tangramd.backends import cgroups as cg
-from tangramd.backends import files
+from tangramd.backends import files, nsbox
 from tangramd.backends import shell as shell_mod
 from tangramd.backends.base import (
     EXEC_OOM_SCORE_ADJ,
@@ -102,6 +105,52 @@ SPARE_DIRS = 16  # how many are kept ready; a refill starts below half
 SMALL_DIR_ENTRIES = 32  # a closed environment with at most this many files, no subdirectory,
 # is removed without shutil.rmtree's walk
 _ENV_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "TERM")
+ISOLATION_MODES = ("auto", "namespaces", "none")
+ENV_NETWORKS = ("none", "host")
+DEFAULT_ENV_PIDS_MAX = 4096
+# Where the host uids of isolated environments begin (root inside each maps to one of them,
+# when the environment has no unprivileged owner): far above any account's uid.
+SANDBOX_ID_BASE = 1_000_000_000
+BOX = "sandbox"  # in the root dir: each isolated environment's overlay layers
+
+
+def _traversable(paths: Sequence[str]) -> list[str]:
+    """The directories on the way to ``paths`` (the interpreter's) that others may not
+    cross, such as ``/root`` under pyenv: an environment may cross them, not list them."""
+    found: list[str] = []
+    for path in paths:
+        here = "/"
+        for part in Path(os.path.realpath(path)).parts[1:]:
+            here = os.path.join(here, part)
+            with contextlib.suppress(OSError):
+                st = os.stat(here)
+                if stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o001 and here not in found:
+                    found.append(here)
+    return found
+
+
+def probe_isolation(scratch_parent: str) -> str:
+    """'' when this host can run environments in namespaces, else why not (a keeper is
+    built and killed by a child process, as the fork server would)."""
+    if os.geteuid() != 0:
+        return "the daemon is not root"
+    scratch = tempfile.mkdtemp(prefix=".probe-", dir=scratch_parent)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-S", nsbox.__file__, "probe", scratch],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        return str(e)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if done.returncode == 0:
+        return ""
+    lines = (done.stdout.strip() or done.stderr.strip()).splitlines()
+    return lines[-1] if lines else f"the probe exited {done.returncode}"
 
 
 def _base_env() -> dict[str, str]:
@@ -118,6 +167,12 @@ def _make_private_dir(path: str) -> str:
     os.mkdir(path, 0o700)
     os.chmod(path, 0o700)  # whatever the umask
     return path
+
+
+def _make_layers(path: str) -> None:
+    """(In a thread) an isolated environment's overlay directories (kept if there)."""
+    for sub in ("upper", "work", "merged"):
+        os.makedirs(os.path.join(path, sub), 0o700, exist_ok=True)
 
 
 def _make_dirs(parent: str, count: int) -> list[str]:
@@ -358,6 +413,10 @@ class ProcessBackend:
         default_user: tuple[int, int] | None = None,
         oom_score_adj: int = EXEC_OOM_SCORE_ADJ,
         lodgers: int | None = None,
+        isolation: str = "none",
+        env_pids_max: int = DEFAULT_ENV_PIDS_MAX,
+        env_network: str = "none",
+        hide: Sequence[str] = (),
     ) -> None:
         self._base_env = _base_env()
         self.root = Path(root_dir)
@@ -382,6 +441,45 @@ class ProcessBackend:
             log.info("exec_cgroups", kind=self.cgroups.kind, base=str(self.cgroups.base))
         self.default_user = default_user
         self.oom_score_adj = oom_score_adj
+        # isolation (nsbox.py): each environment in its own namespaces, with limits
+        if isolation not in ISOLATION_MODES:
+            raise ValueError(f"isolation: got {isolation!r} (allowed: {ISOLATION_MODES})")
+        if env_network not in ENV_NETWORKS:
+            raise ValueError(f"env_network: got {env_network!r} (allowed: {ENV_NETWORKS})")
+        self.env_pids_max = env_pids_max
+        self.env_network = env_network
+        self.box_dir = self.root / BOX
+        self.isolated = False
+        if isolation != "none":
+            why = probe_isolation(os.fspath(self.root))
+            if why and isolation == "namespaces":
+                raise EnvError(f'cpu.isolation = "namespaces", but this host refuses: {why}')
+            self.isolated = not why
+            if why:
+                log.warning(
+                    "env_isolation_off",
+                    reason=why,
+                    detail='cpu.isolation = "auto": environments are plain directories and '
+                    "commands share the host's filesystem, processes and network",
+                )
+        self.limits = cg.EnvLimits.probe(scope) if self.isolated else None
+        if self.isolated:
+            self.box_dir.mkdir(exist_ok=True)
+            os.chmod(self.box_dir, 0o700)
+            log.info(
+                "env_isolation",
+                network=env_network,
+                pids_max=env_pids_max,
+                limits="cgroup v1 memory+pids" if self.limits else "none (no v1 memory/pids)",
+            )
+        self._hide = sorted({os.path.realpath(p) for p in (*hide, os.fspath(self.root))})
+        self._traverse = _traversable([sys.executable, sys.prefix, sys.base_prefix])
+        self._keepers: dict[str, int] = {}  # env id -> its keeper's pid (nsbox.py)
+        self._keeper_gen: dict[str, int] = {}  # env id -> the fork server that started it
+        self._stale: dict[str, int] = {}  # env id -> a keeper of an earlier fork server
+        self._opening: dict[str, asyncio.Task[int]] = {}
+        self._joins: dict[str, list[str]] = {}  # env id -> cgroup tasks files to join
+        self._ids: dict[str, tuple[int, int]] = {}  # env id -> host (uid, gid) of root inside
         self._envs: dict[str, int | None] = {}  # env_id -> advisory memory bytes
         self._owners: dict[str, tuple[int, int] | None] = {}
         self._running: set[_Running] = set()
@@ -398,6 +496,8 @@ class ProcessBackend:
         self._spawner = Spawner(
             lodgers=lodgers if self.cgroups is not None and self.cgroups.lodgers else 0,
             base_env=self._base_env,
+            # (the lodger loop in C spawns on the host only)
+            native=False if self.isolated else None,
         )
         self._exec_ids = itertools.count(1)
 
@@ -454,11 +554,92 @@ class ProcessBackend:
         if self._closing:  # shut down during an await above: its removal passed this one by
             await asyncio.to_thread(shutil.rmtree, path, True)
             raise EnvError(SHUTDOWN_DETAIL)
-        if owner is not None and self._is_root:
+        if self.isolated:  # root inside is this host uid: its home is its own
+            ids = self._ids[env_id] = self._host_ids(owner)
+            os.chown(path, *ids)
+        elif owner is not None and self._is_root:
             os.chown(path, *owner)
         self._envs[env_id] = mem_bytes
         self._owners[env_id] = owner
         self._make_spares()
+        if self.isolated:
+            try:
+                await self._open_box(env_id)
+            except BaseException:
+                await self.close_env(env_id)
+                raise
+
+    def _host_ids(self, owner: tuple[int, int] | None) -> tuple[int, int]:
+        """The host (uid, gid) that root inside a new environment maps to: its owner's
+        when that is not root, else the first free one from ``SANDBOX_ID_BASE``."""
+        if owner is not None and owner[0] != 0:
+            return owner
+        used = {uid for uid, _ in self._ids.values()}
+        uid = next(u for u in itertools.count(SANDBOX_ID_BASE) if u not in used)
+        return (uid, uid)
+
+    async def _open_box(self, env_id: str) -> int:
+        """The environment's keeper (nsbox.py): started once, again if it died; its pid."""
+        pid = self._keepers.get(env_id)
+        if pid is not None:
+            return pid
+        task = self._opening.get(env_id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._build_box(env_id))
+            self._opening[env_id] = task
+            task.add_done_callback(lambda _t: self._opening.pop(env_id, None))
+        return await asyncio.shield(task)
+
+    async def _build_box(self, env_id: str) -> int:
+        layers = self.box_dir / check_env_id(env_id)
+        await asyncio.to_thread(_make_layers, os.fspath(layers))
+        uid, gid = self._ids[env_id]
+        joins: list[str] = []
+        stale = self._stale.pop(env_id, None)
+        if stale is not None and self.limits is None:  # (no cgroup to find it by)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stale, signal.SIGKILL)
+        if self.limits is not None:
+            # a keeper of an earlier fork server (and what ran in it) must not share the
+            # layers with the new one
+            if self.limits.kill_all(env_id):
+                await self.limits.remove(env_id)
+            joins = await asyncio.to_thread(
+                self.limits.create, env_id, self._envs.get(env_id), self.env_pids_max
+            )
+        box = {
+            "upper": os.fspath(layers / "upper"),
+            "work": os.fspath(layers / "work"),
+            "merged": os.fspath(layers / "merged"),
+            "home": os.path.join(self._real_envs_path, env_id),
+            "hide": self._hide,
+            "uid": uid,
+            "gid": gid,
+            "net": self.env_network,
+            "hostname": env_id[:64],
+            "traverse": self._traverse,
+            "cgroups": joins,
+        }
+        try:
+            pid = await self._spawner.spawn({"op": "keeper", "box": box}, {})
+        except SpawnError as e:
+            raise EnvError(str(e)) from None
+        if env_id not in self._envs:  # closed meanwhile
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            raise EnvError(f"no such environment {env_id}")
+        self._keepers[env_id] = pid
+        self._keeper_gen[env_id] = self._spawner.generation
+        self._joins[env_id] = joins
+        self._spawner.watch(pid, lambda _rc, _alone: self._keeper_gone(env_id, pid))
+        log.debug("env_keeper", env_id=env_id, pid=pid, uid=uid)
+        return pid
+
+    def _keeper_gone(self, env_id: str, pid: int) -> None:
+        """A keeper died (killed, or its fork server did): the next exec builds the
+        environment's namespaces again over the same layers (its files are kept)."""
+        if self._keepers.get(env_id) == pid:
+            del self._keepers[env_id]
 
     def _make_spares(self) -> None:
         """Start a refill of the spare directories when fewer than half are ready."""
@@ -481,12 +662,33 @@ class ProcessBackend:
         self._spares.extend(task.result())
 
     async def close_env(self, env_id: str) -> None:
-        self._end_sessions(env_id)
+        for shell in self._end_sessions(env_id):
+            await self._drop_session_cgroup(shell)
         self._envs.pop(env_id, None)
         self._owners.pop(env_id, None)
         path = os.path.join(self._envs_path, check_env_id(env_id))
+        if self.isolated:
+            await self._close_box(env_id)
         # in a thread: an rmdir can wait milliseconds for the filesystem (ext4 with discard)
         await asyncio.to_thread(_remove_env_dir, path, os.path.join(self._envs_path, TOMB))
+
+    async def _close_box(self, env_id: str, *, keep_layers: bool = False) -> None:
+        """Kill the environment's keeper (and so everything in its pid namespace), remove
+        its cgroups and (unless kept) its layers."""
+        opening = self._opening.get(env_id)
+        if opening is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(opening)
+        for pid in (self._keepers.pop(env_id, None), self._stale.pop(env_id, None)):
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self._joins.pop(env_id, None)
+        if self.limits is not None:
+            await self.limits.remove(env_id)
+        if not keep_layers:
+            self._ids.pop(env_id, None)
+            await asyncio.to_thread(shutil.rmtree, self.box_dir / env_id, True)
 
     async def reconcile(
         self, keep: Mapping[str, tuple[int, int] | None] | None = None
@@ -502,6 +704,9 @@ class ProcessBackend:
             if path.name in keep and path.is_dir() and not path.is_symlink():
                 self._envs[path.name] = None
                 self._owners[path.name] = keep[path.name] or self.default_user
+                if self.isolated:  # its keeper is built again on its first exec
+                    st = path.stat()
+                    self._ids[path.name] = (st.st_uid, st.st_gid)
                 done.append(f"adopted env dir {path}")
                 continue
             await asyncio.to_thread(shutil.rmtree, path, True)
@@ -522,6 +727,17 @@ class ProcessBackend:
                     )
                 if await self.cgroups.remove(cgroup):
                     done.append(f"removed cgroup {cgroup}")
+        if self.isolated:
+            for path in sorted(self.box_dir.iterdir()):
+                if path.name not in self._envs:
+                    await asyncio.to_thread(shutil.rmtree, path, True)
+            if self.limits is not None:
+                # a previous daemon's keepers (kept environments too: their files stay,
+                # their namespaces are built again on their first exec)
+                for env_id in self.limits.leftovers():
+                    if env_id not in self._keepers:
+                        await self.limits.remove(env_id)
+                        done.append(f"ended what environment {env_id} ran for the previous daemon")
         return done
 
     async def shutdown(self, keep: Collection[str] = ()) -> None:
@@ -536,6 +752,8 @@ class ProcessBackend:
         for env_id in list(self._envs):
             if env_id not in keep:
                 await self.close_env(env_id)
+            elif self.isolated:  # its files stay; its processes end with the daemon
+                await self._close_box(env_id, keep_layers=True)
         if self._refill is not None:
             with contextlib.suppress(Exception):
                 await self._refill
@@ -606,16 +824,36 @@ class ProcessBackend:
             loop.call_soon(done, infra_error(user))
             return
         home = self.env_dir(req.env_id)
-        try:
-            cwd = confine(home, req.cwd) if req.cwd else home
-        except PathEscape as e:
-            loop.call_soon(done, ExecResult("rejected", detail=f"cwd {e}"))
-            return
-        if req.cwd and not cwd.is_dir():
-            why = "not a directory" if cwd.exists() else "no such directory"
-            msg = f"tangram: cwd {req.cwd}: {why}\n"
-            loop.call_soon(done, ExecResult("failed", 1, stderr=msg))
-            return
+        box: dict[str, object] | None = None
+        if self.isolated:  # any path inside is the environment's own: no confinement
+            keeper = self._keepers.get(req.env_id)
+            if keeper is not None and not self._spawner.serves(
+                loop, self._keeper_gen.get(req.env_id)
+            ):  # its fork server is gone (or of another event loop): built again
+                self._stale[req.env_id] = self._keepers.pop(req.env_id)
+                keeper = None
+            if keeper is None:  # (built again: its keeper died, or a restart adopted it)
+                opening = loop.create_task(self._exec_when_open(req, done))
+                self._tasks.add(opening)
+                opening.add_done_callback(self._tasks.discard)
+                return
+            if req.cwd and "\0" in req.cwd:
+                loop.call_soon(done, ExecResult("rejected", detail="cwd: NUL is not allowed"))
+                return
+            cwd = home / req.cwd if req.cwd else home
+            box = {"pid": keeper, "cgroups": self._joins.get(req.env_id, [])}
+            user = None  # root inside, mapped to the environment's host uid
+        else:
+            try:
+                cwd = confine(home, req.cwd) if req.cwd else home
+            except PathEscape as e:
+                loop.call_soon(done, ExecResult("rejected", detail=f"cwd {e}"))
+                return
+            if req.cwd and not cwd.is_dir():
+                why = "not a directory" if cwd.exists() else "no such directory"
+                msg = f"tangram: cwd {req.cwd}: {why}\n"
+                loop.call_soon(done, ExecResult("failed", 1, stderr=msg))
+                return
         cgroup: Path | None = None
         if self.cgroups is not None:
             try:
@@ -639,6 +877,8 @@ class ProcessBackend:
             # (one message less per exec under load; a lone exec's pid overlaps it)
             "quick": bool(self._running),
         }
+        if box is not None:
+            request["sandbox"] = box
         out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         os.set_blocking(out_w, True)
@@ -663,6 +903,18 @@ class ProcessBackend:
         )
         self._running.add(run)
         self._spawner.submit(request, stdio, lambda got: self._spawned(run, got))
+
+    async def _exec_when_open(self, req: ExecRequest, done: ExecDone) -> None:
+        """Build the environment's namespaces again, then start the exec."""
+        try:
+            await self._open_box(req.env_id)
+        except Exception as e:
+            done(infra_error(f"cannot open environment {req.env_id}: {e}"))
+            return
+        if req.env_id not in self._keepers:
+            done(infra_error(f"environment {req.env_id} has no keeper"))
+            return
+        self.start_exec(req, done)
 
     def _refusal(self, req: ExecRequest) -> ExecResult | None:
         if self._closing:
@@ -690,7 +942,22 @@ class ProcessBackend:
                 os.close(fd)
             if run.stdin_w is not None:
                 os.close(run.stdin_w)
-            if got.errno in (errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR):
+            if self.isolated and got.errno == errno.ESRCH and run.req.env_id in self._keepers:
+                # its keeper died unseen (killed by hand, or its fork server was replaced):
+                # build the environment again and run the command there
+                self._stale[run.req.env_id] = self._keepers.pop(run.req.env_id)
+                self._running.discard(run)
+                task = asyncio.get_running_loop().create_task(
+                    self._exec_when_open(run.req, run.done)
+                )
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            elif got.stage == "cwd":  # (in an environment) its working directory is missing
+                why = {errno.ENOENT: "no such directory", errno.ENOTDIR: "not a directory"}
+                text = why.get(got.errno or 0, str(got))
+                msg = f"tangram: cwd {run.req.cwd or '~'}: {text}\n"
+                self._end(run, ExecResult("failed", 1, stderr=msg))
+            elif got.errno in (errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR):
                 self._end(run, _not_run(run.argv, got))
             else:
                 self._end(run, infra_error(f"spawn failed: {got}"))
@@ -874,6 +1141,8 @@ class ProcessBackend:
         """Write a file (or extract a tar stream into a directory) inside the environment."""
         base = self._env_base(env_id)
         owner = self._owners.get(env_id) if self._is_root else None
+        if self.isolated:  # root inside is the environment's host uid
+            owner = self._ids.get(env_id, owner)
         if not tar and len(data) <= INLINE_PUT_MAX:  # a source file: a thread hop costs more
             return files.put_local(base, path, data, tar=False, owner=owner)
         return await asyncio.to_thread(files.put_local, base, path, data, tar=tar, owner=owner)
@@ -902,6 +1171,10 @@ class ProcessBackend:
         for key in ("TANGRAM_CPUS", "TANGRAM_CORES"):
             env.pop(key, None)
         env[MARKER_VAR] = f"{self._token}.session.{session_id}"
+        if self.isolated:
+            shell = await self._open_boxed_session(env_id, session_id, root, env)
+            self._shells[session_id] = shell
+            return
         try:
             shell = await shell_mod.open_shell(session_id, env_id, root, env, user)
         except (OSError, subprocess.SubprocessError) as e:
@@ -909,6 +1182,44 @@ class ProcessBackend:
         with contextlib.suppress(OSError):  # what the shell forks inherits it, as an exec's
             Path(f"/proc/{shell.popen.pid}/oom_score_adj").write_text(str(self.oom_score_adj))
         self._shells[session_id] = shell
+
+    async def _open_boxed_session(
+        self, env_id: str, session_id: str, home: Path, env: dict[str, str]
+    ) -> shell_mod.Shell:
+        """A session's shell inside its environment (``nsbox.py enter``): root inside, in
+        the environment's namespaces and cgroups, and in a cpuset cgroup of its own that
+        each run's cores are written to; everything in that cgroup dies with the session."""
+        keeper = await self._open_box(env_id)
+        cpuset = None
+        join = list(self._joins.get(env_id, []))
+        if self.cgroups is not None and self.cgroups.pins:
+            name = "s-" + hashlib.sha1(f"{env_id}/{session_id}".encode()).hexdigest()[:16]
+            cpuset = self.cgroups.base / name
+            await asyncio.to_thread(self.cgroups.make_session, cpuset)
+            join.append(str(cpuset / "tasks"))
+        request = {
+            "sandbox": {"pid": keeper, "cgroups": []},
+            "join": join,
+            "env": env,
+            "cwd": str(home),
+            "umask": EXEC_UMASK,
+            "setsid": False,  # (in the wrapper's process group: the session's signals reach it)
+            "oom_score_adj": self.oom_score_adj,
+        }
+
+        def wrap(argv: list[str]) -> list[str]:
+            req = json.dumps({**request, "argv": argv})
+            return [sys.executable, "-I", "-S", nsbox.__file__, "enter", req]
+
+        try:
+            return await shell_mod.open_shell(
+                session_id, env_id, home, env, None, wrap=wrap,
+                cpuset=None if cpuset is None else str(cpuset),
+            )  # fmt: skip
+        except (OSError, subprocess.SubprocessError) as e:
+            if cpuset is not None and self.cgroups is not None:
+                await self.cgroups.remove(cpuset)
+            raise EnvError(f"cannot start the session's shell: {e}") from e
 
     async def _session_run(self, req: ExecRequest) -> ExecResult:
         shell = self._shells.get(req.session or "")
@@ -927,9 +1238,19 @@ class ProcessBackend:
         shell = self._shells.pop(session_id, None)
         if shell is not None:
             shell_mod.close(shell)
+            await self._drop_session_cgroup(shell)
 
-    def _end_sessions(self, env_id: str) -> None:
+    async def _drop_session_cgroup(self, shell: shell_mod.Shell) -> None:
+        """(An isolated session) kill what its shell left, wherever it went, and remove
+        its cpuset cgroup."""
+        if shell.cpuset is not None and self.cgroups is not None:
+            await self.cgroups.remove(Path(shell.cpuset))
+
+    def _end_sessions(self, env_id: str) -> list[shell_mod.Shell]:
+        ended = []
         for session_id, shell in list(self._shells.items()):
             if shell.env_id == env_id:
                 del self._shells[session_id]
                 shell_mod.close(shell)
+                ended.append(shell)
+        return ended

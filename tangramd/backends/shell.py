@@ -32,6 +32,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,6 +106,9 @@ class Shell:
     # set between runs when the shell was found with no descendant (see _note_idle)
     idle_alone: bool = False
     busy: bool = False
+    # (an isolated environment's session) its own cpuset cgroup: a run's cores are
+    # written there, and root inside cannot widen them
+    cpuset: str | None = None
 
     @property
     def alive(self) -> bool:
@@ -117,11 +121,15 @@ async def open_shell(
     cwd: Path,
     env: dict[str, str],
     user: tuple[int, int] | None,
+    wrap: Callable[[list[str]], list[str]] | None = None,
+    cpuset: str | None = None,
 ) -> Shell:
-    """Start the session's shell in ``cwd``, watch its pipes, wait until it answers."""
+    """Start the session's shell in ``cwd``, watch its pipes, wait until it answers.
+    ``wrap`` turns the shell's argv into the one to start (entering an environment)."""
     bash = shutil.which("bash", path=env.get("PATH")) or "/bin/bash"
+    argv = [bash, "--noprofile", "--norc", "--noediting", "-i"]
     popen = subprocess.Popen(
-        [bash, "--noprofile", "--norc", "--noediting", "-i"],
+        wrap(argv) if wrap is not None else argv,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -133,7 +141,7 @@ async def open_shell(
         group=None if user is None else user[1],
         extra_groups=None if user is None else [],
     )
-    shell = Shell(session_id, env_id, popen)
+    shell = Shell(session_id, env_id, popen, cpuset=cpuset)
     loop = asyncio.get_running_loop()
     assert popen.stdin is not None
     os.set_blocking(popen.stdin.fileno(), False)
@@ -241,6 +249,13 @@ def _descendants(shell: Shell) -> list[psutil.Process]:
 
 def pin(shell: Shell, cores: tuple[int, ...], pids: list[int]) -> str:
     """Re-pin the shell and ``pids`` (all it left running) to ``cores``; '' if done."""
+    if shell.cpuset is not None:  # the cgroup moves every member at once
+        try:
+            with open(os.path.join(shell.cpuset, "cpuset.cpus"), "w") as f:
+                f.write(",".join(map(str, cores)))
+        except OSError as e:
+            return f"cannot pin the session to cores {list(cores)}: {e}"
+        return ""
     try:
         os.sched_setaffinity(shell.popen.pid, cores)
     except OSError as e:

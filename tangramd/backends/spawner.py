@@ -31,11 +31,13 @@ NATIVE_ENV = "TANGRAM_NATIVE_LODGER"  # "0": lodgers run their loop in Python
 
 
 class SpawnError(Exception):
-    """The helper could not spawn: ``errno`` set when exec itself failed (e.g. ENOENT)."""
+    """The helper could not spawn: ``errno`` set when exec itself failed (e.g. ENOENT);
+    ``stage`` "cwd" when the working directory is missing inside an environment."""
 
-    def __init__(self, message: str, errno: int | None = None) -> None:
+    def __init__(self, message: str, errno: int | None = None, stage: str = "") -> None:
         super().__init__(message)
         self.errno = errno
+        self.stage = stage
 
 
 class SpawnerGone(SpawnError):
@@ -111,6 +113,16 @@ class Spawner:
         self._watch: dict[int, ExitWatch] = {}
         self.lodger_pids: set[int] = set()
         """Pids of the lodgers (live or starting): not leftovers of any command."""
+        self._generation = 0
+
+    @property
+    def generation(self) -> int:
+        """How many fork servers this spawner has started (the current one's number)."""
+        return self._generation
+
+    def serves(self, loop: asyncio.AbstractEventLoop, generation: int | None) -> bool:
+        """Whether the fork server of ``generation`` is still the one serving ``loop``."""
+        return self._loop is loop and self._helper is not None and generation == self._generation
 
     def lodged(self) -> set[str]:
         """The cgroups that have a lodger (live or joining)."""
@@ -137,6 +149,7 @@ class Spawner:
         finally:
             theirs.close()
         self._loop = loop
+        self._generation += 1
         self._helper = self._open(ours, self._proc.pid, None)
         if self.base_env:  # the helper's first message: every spawn's env is laid over it
             self._send(self._helper, {"op": "base_env", "env": self.base_env}, [])
@@ -300,7 +313,7 @@ class Spawner:
             if "exit" in msg:  # a quick command: its exit came with its pid
                 self._exited(msg)
         else:
-            reply(SpawnError(msg["error"], msg.get("errno")))
+            reply(SpawnError(msg["error"], msg.get("errno"), msg.get("stage", "")))
 
     def _exited(self, msg: dict[str, Any]) -> None:
         self._origin.pop(msg["exit"], None)

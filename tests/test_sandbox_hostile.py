@@ -1,0 +1,328 @@
+"""The default backend as a sandbox, attacked from inside (issue 30): root inside an
+environment of the process backend, built from the daemon's default config, tries to get
+out and must fail; the limits hold. Runs as root on a kernel with namespaces (CI's).
+
+Every test drives real processes in real namespaces; nothing here is faked."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytest.register_assert_rewrite("backend_conformance")
+from backend_conformance import BackendConformance, ex, new_env  # noqa: E402
+
+from tangramd.backends.base import ExecRequest  # noqa: E402
+from tangramd.backends.process import SANDBOX_ID_BASE, ProcessBackend  # noqa: E402
+from tangramd.config import load_config  # noqa: E402
+from tangramd.runtime import make_backend  # noqa: E402
+
+ONE_CORE = (min(os.sched_getaffinity(0)),)
+
+
+def default_backend(state: Path, **cpu: object) -> ProcessBackend:
+    """The backend ``tangramd up`` builds from the default config (with ``cpu`` keys)."""
+    overrides = {"daemon.state_dir": str(state), **{f"cpu.{k}": v for k, v in cpu.items()}}
+    backend = make_backend(load_config(None, overrides))
+    assert isinstance(backend, ProcessBackend)
+    # auto must not have fallen back here: this host (and CI) allows namespaces
+    assert backend.isolated, "cpu.isolation = 'auto' fell back to plain directories"
+    return backend
+
+
+@pytest.fixture
+def backend(tmp_path):
+    b = default_backend(tmp_path / "state")
+    yield b
+    asyncio.run(b.shutdown())
+
+
+def alive_with(token: str) -> list[int]:
+    """Host pids whose command line carries ``token``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if any(token in part for part in cmdline):
+            found.append(proc.pid)
+    return found
+
+
+def wait_gone(token: str, timeout: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := alive_with(token)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+class TestIsolatedConformance(BackendConformance):
+    """The shared backend contract holds inside isolated environments too."""
+
+
+def test_root_inside_is_an_unprivileged_uid_outside(backend):
+    """Commands run as root inside; what they create belongs to an unprivileged host uid."""
+    env = new_env(backend)
+    r = ex(backend, env, "id -u; touch ~/mine")
+    assert (r.outcome, r.stdout) == ("ok", "0\n"), r
+    owner = (backend.env_dir(env) / "mine").stat().st_uid
+    assert owner >= SANDBOX_ID_BASE
+
+
+def test_cannot_leave_the_cpuset(backend):
+    """Root inside cannot widen its cores, nor move itself to another cpuset cgroup."""
+    env = new_env(backend)
+    every = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    r = ex(
+        backend, env,
+        f"taskset -pc {every} $$ >/dev/null 2>&1; echo $$ > /sys/fs/cgroup/cpuset/tasks "
+        "2>/dev/null && echo MOVED; grep Cpus_allowed_list /proc/self/status",
+        ONE_CORE,
+    )  # fmt: skip
+    assert "MOVED" not in r.stdout, r
+    assert r.stdout.split()[-1] == str(ONE_CORE[0]), r
+
+
+def test_cannot_write_cgroup_files(backend):
+    """Every cgroup file is read-only inside, its own environment's limits included."""
+    env = new_env(backend)
+    script = (
+        "for f in /sys/fs/cgroup/cpuset/tasks /sys/fs/cgroup/pids/pids.max "
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes "
+        '"/sys/fs/cgroup/memory$(grep :memory: /proc/self/cgroup | cut -d: -f3)/'
+        'memory.limit_in_bytes" '
+        '"/sys/fs/cgroup/pids$(grep :pids: /proc/self/cgroup | cut -d: -f3)/pids.max"; do '
+        '[ -e "$f" ] && echo FOUND; echo 1 2>/dev/null > "$f" && echo "WROTE $f"; done; true'
+    )
+    r = ex(backend, env, script)
+    assert r.outcome == "ok", r
+    # (the two of its own are where the host mounts its hierarchy: found on most hosts)
+    assert r.stdout.count("FOUND") >= 3 and "WROTE" not in r.stdout, r
+
+
+def test_cannot_mount_or_make_namespaces(backend):
+    """Root inside has no capability: mount fails, and so does a nested user namespace."""
+    env = new_env(backend)
+    r = ex(
+        backend, env,
+        "mount -t tmpfs none /mnt 2>/dev/null && echo MOUNTED; "
+        "unshare -U -r true 2>/dev/null && echo USERNS; "
+        "mount --bind /tmp /mnt 2>/dev/null && echo BOUND; grep CapEff /proc/self/status",
+    )  # fmt: skip
+    assert r.outcome == "ok", r
+    assert r.stdout.strip() == "CapEff:\t0000000000000000", r
+
+
+def test_cannot_see_host_processes(backend):
+    """Only the environment's processes are visible: not the daemon, not its spawner."""
+    env = new_env(backend)
+    r = ex(backend, env, f"kill -0 {os.getpid()} 2>/dev/null && echo SEEN; ls /proc")
+    assert r.outcome == "ok", r
+    pids = [int(p) for p in r.stdout.split() if p.isdigit()]
+    assert "SEEN" not in r.stdout and pids and max(pids) < 100, r
+    assert len(psutil.pids()) > len(pids)
+
+
+def test_cannot_reach_the_network(backend):
+    """Loopback only: a server on the host's loopback and the outside are unreachable."""
+    env = new_env(backend)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        code = (
+            "import socket\n"
+            f"for host in (('127.0.0.1', {port}), ('1.1.1.1', 53)):\n"
+            "    try:\n"
+            "        socket.create_connection(host, timeout=2).close(); print('REACHED', host)\n"
+            "    except OSError as e:\n"
+            "        print('refused', e.errno)\n"
+            "print(open('/proc/net/dev').read().count(':'))\n"
+        )
+        r = ex(backend, env, ["python3", "-c", code])
+    assert r.outcome == "ok", r
+    assert "REACHED" not in r.stdout, r
+    assert r.stdout.split()[-1] == "1", r  # one interface: lo
+
+
+def test_network_host_is_the_hosts(tmp_path):
+    """``env_network = "host"`` keeps the host's network (a server on its loopback answers)."""
+    b = default_backend(tmp_path / "state", env_network="host")
+    try:
+        env = new_env(b)
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen()
+            port = server.getsockname()[1]
+            code = f"import socket; socket.create_connection(('127.0.0.1', {port})); print('ok')"
+            r = ex(b, env, ["python3", "-c", code])
+        assert r.stdout == "ok\n", r
+    finally:
+        asyncio.run(b.shutdown())
+
+
+def test_nothing_outlives_the_action(backend):
+    """A setsid'd, double-forked child of an exec dies when the exec ends."""
+    env = new_env(backend)
+    token = f"30{uuid.uuid4().int % 10**6}.5"
+    r = ex(backend, env, f"setsid sh -c 'sleep {token} & exit' ; echo started")
+    assert r.stdout == "started\n", r
+    assert wait_gone(token) == []
+
+
+def test_nothing_outlives_the_session_or_the_env(backend):
+    """What a session's command starts (setsid, in the background) dies with the session;
+    and whatever an environment still runs dies with the environment."""
+    env = new_env(backend)
+    first, second = (f"31{uuid.uuid4().int % 10**6}.{i}" for i in (1, 2))
+
+    async def scenario() -> None:
+        await backend.open_session(env, "s1")
+        run = ExecRequest(env, f"setsid sleep {first} & echo ok", ONE_CORE, session="s1")
+        r = await backend.exec(run)
+        assert r.outcome == "ok", r
+        assert alive_with(first)
+        await backend.close_session("s1")
+        await backend.open_session(env, "s2")
+        run = ExecRequest(env, f"setsid sleep {second} & echo ok", ONE_CORE, session="s2")
+        assert (await backend.exec(run)).outcome == "ok"
+        assert alive_with(second)
+        await backend.close_env(env)
+
+    asyncio.run(scenario())
+    assert wait_gone(first) == [] and wait_gone(second) == []
+
+
+def test_session_is_pinned_inside(backend):
+    """A session's shell runs root inside, on exactly its run's cores, unable to widen them."""
+    env = new_env(backend)
+    every = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+    async def scenario() -> list[str]:
+        await backend.open_session(env, "s")
+        cmd = (
+            f"taskset -pc {every} $$ >/dev/null 2>&1; id -u; grep Cpus_allowed_list /proc/$$/status"
+        )
+        r = await backend.exec(ExecRequest(env, cmd, ONE_CORE, session="s"))
+        await backend.close_session("s")
+        return r.stdout.split()
+
+    out = asyncio.run(scenario())
+    assert out[0] == "0" and out[-1] == str(ONE_CORE[0]), out
+
+
+def test_cannot_read_another_environment_or_the_daemon(backend, tmp_path):
+    """Another environment's /tmp and home, and the daemon's state dir, are not visible."""
+    (tmp_path / "state" / "daemon.key").write_text("secret")
+    a, b = new_env(backend), new_env(backend)
+    assert ex(backend, a, "echo a-secret > /tmp/s; echo a-secret > ~/s").outcome == "ok"
+    home_a = backend.env_dir(a)
+    r = ex(
+        backend, b,
+        f"cat /tmp/s {home_a}/s {tmp_path}/state/daemon.key 2>/dev/null; "
+        f"ls {tmp_path}/state {backend.envs_dir}; cat /etc/shadow >/dev/null 2>&1 && echo SHADOW",
+    )  # fmt: skip
+    assert "secret" not in r.stdout and "SHADOW" not in r.stdout, r
+    assert a not in r.stdout and "daemon.key" not in r.stdout, r
+
+
+def test_fork_bomb_stops_at_the_pids_limit(tmp_path):
+    """A fork bomb gets EAGAIN at ``env_pids_max``; the exec's end kills what it made."""
+    b = default_backend(tmp_path / "state", env_pids_max=48)
+    try:
+        env = new_env(b)
+        code = (
+            "import os, time\nn = 0\n"
+            "try:\n"
+            "    while n < 5000:\n"
+            "        if os.fork() == 0:\n"
+            "            time.sleep(60); os._exit(0)\n"
+            "        n += 1\n"
+            "except OSError as e:\n"
+            "    print('stopped', n, e.errno)\n"
+        )
+        r = ex(b, env, ["python3", "-c", code], timeout_s=60)
+        words = r.stdout.split()
+        assert words[0] == "stopped" and 0 < int(words[1]) < 48, r
+        left = ex(b, env, "ls /proc | grep -c '^[0-9]'")
+        assert int(left.stdout) <= 4, left  # its keeper, the shell, grep, ls
+    finally:
+        asyncio.run(b.shutdown())
+
+
+def test_memory_hog_is_killed_at_its_limit(backend):
+    """An environment opened with 128 MiB: 32 MiB fit, 512 MiB gets the command killed."""
+    env = new_env(backend, mem_bytes=128 << 20)
+    fits = ex(backend, env, ["python3", "-c", "b = bytearray(32 << 20); print(len(b))"])
+    assert fits.stdout == f"{32 << 20}\n", fits
+    hog = ex(backend, env, ["python3", "-c", "b = bytearray(512 << 20); print('ALLOCATED')"])
+    assert "ALLOCATED" not in hog.stdout and hog.exit_code == 137, hog
+
+
+def test_tmp_and_testbed_are_the_environments_own(backend):
+    """cwd=/tmp works and is private; /testbed can be made and used as a working directory,
+    and it is the environment's, not the host's."""
+    env, other = new_env(backend), new_env(backend)
+    marker = f"tb-{uuid.uuid4().hex[:8]}"
+    r = ex(backend, env, f"pwd; mkdir -p /testbed && echo x > /testbed/{marker}", cwd="/tmp")
+    assert r.outcome == "ok" and r.stdout == "/tmp\n", r
+    r = ex(backend, env, "pwd; ls", cwd="/testbed")
+    assert r.stdout.split() == ["/testbed", marker], r
+    assert not os.path.exists(f"/testbed/{marker}")
+    assert ex(backend, other, "ls /testbed").exit_code != 0
+    r = ex(backend, env, "pwd", cwd="/nowhere")
+    assert r.outcome == "failed" and "no such directory" in r.stderr, r
+
+
+def test_files_survive_a_lost_keeper(backend):
+    """If an environment's keeper dies, the next exec builds its namespaces again over the
+    same layers: files in /testbed and home stay."""
+    env = new_env(backend)
+    assert (
+        ex(backend, env, "mkdir /testbed && echo kept > /testbed/f && echo h > ~/h").outcome == "ok"
+    )
+    keeper = backend._keepers[env]
+    os.kill(keeper, 9)
+    assert wait_gone_pid(keeper)
+    time.sleep(0.1)
+    r = ex(backend, env, "cat /testbed/f ~/h")
+    assert r.stdout == "kept\nh\n", r
+
+
+def wait_gone_pid(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                time.sleep(0.02)
+                continue
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_auto_falls_back_with_one_line(tmp_path, monkeypatch):
+    """Where the kernel refuses, "auto" runs plain directories and says why in one log
+    line; "namespaces" refuses to start."""
+    from structlog.testing import capture_logs
+
+    from tangramd.backends import process
+    from tangramd.backends.base import EnvError
+
+    monkeypatch.setattr(process, "probe_isolation", lambda _root: "refused for the test")
+    with capture_logs() as logs:
+        b = ProcessBackend(tmp_path / "a", isolation="auto")
+    assert not b.isolated
+    off = [e for e in logs if e["event"] == "env_isolation_off"]
+    assert len(off) == 1 and off[0]["reason"] == "refused for the test"
+    env = new_env(b)
+    assert ex(b, env, "pwd").stdout == f"{b.env_dir(env)}\n"
+    asyncio.run(b.shutdown())
+    with pytest.raises(EnvError, match="refused for the test"):
+        ProcessBackend(tmp_path / "n", isolation="namespaces")
