@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from cluster_harness import (
     FaultProxy,
@@ -62,6 +63,14 @@ def _env_on(c: Client, node: str) -> str:
         if env["node"] == node:
             return str(env["id"])
     raise AssertionError(f"no environment landed on {node}")
+
+
+def _host_pid(token: str) -> int | None:
+    """The host pid of the process whose command line ends with ``token``."""
+    for proc in psutil.process_iter(["cmdline"]):
+        if (proc.info["cmdline"] or [""])[-1] == token:
+            return int(proc.pid)
+    return None
 
 
 def _alive(pid: int) -> bool:
@@ -114,11 +123,13 @@ def test_long_partition_is_a_node_failure_then_reconciled(partitioned: dict[str,
         env = _env_on(c, "far")
     env_dir = Path(far.state_dir) / "process" / "envs" / env
     assert env_dir.is_dir()
-    pid_file = far.workdir / "sleep.pid"
-    cmd = ["sh", "-c", f"echo $$ > {pid_file}; exec sleep 30"]
+    # found by its command line from the host (inside an isolated environment the host's
+    # paths and pids are not the command's)
+    token = f"30.{os.getpid()}"
+    cmd = ["sleep", token]
     thread, out = _run_in_thread(near.socket, cmd, env)
     wait_for(lambda: node_row(coord, "far")["running"] == 1, 10, "sleep runs on far")
-    pid = int(wait_for(lambda: pid_file.read_text().strip(), 10, "the sleep's pid"))
+    pid = wait_for(lambda: _host_pid(token), 10, "the sleep's pid")
     proxy.partition()
     started = time.monotonic()
     thread.join(TIMEOUT_S + 10)

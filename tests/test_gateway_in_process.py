@@ -139,7 +139,15 @@ def test_http_user_runs_http_callers_unprivileged(tmp_path):
         with running_daemon(Path(tmp), *args) as daemon:
             url = f"http://127.0.0.1:{port}"
             wait_http(url, daemon.proc, daemon.log_path)
-            code = "import os; print(os.getuid(), os.getgid()); open('/etc/shadow').read()"
+            # the host ids it runs as: its own, or those root inside its environment maps to
+            code = (
+                "import os\n"
+                "def host(kind, mine):\n"
+                "    inside, outside, _ = open(f'/proc/self/{kind}_map').read().split()[:3]\n"
+                "    return int(outside) + mine - int(inside)\n"
+                "print(host('uid', os.getuid()), host('gid', os.getgid()))\n"
+                "open('/etc/shadow').read()"
+            )
             r = httpx.post(f"{url}/run_code", json={"code": code, "language": "python"})
             body = r.json()
             assert body["status"] == "Failed", body

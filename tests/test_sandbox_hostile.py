@@ -326,3 +326,31 @@ def test_auto_falls_back_with_one_line(tmp_path, monkeypatch):
     asyncio.run(b.shutdown())
     with pytest.raises(EnvError, match="refused for the test"):
         ProcessBackend(tmp_path / "n", isolation="namespaces")
+
+
+def test_lodger_spawns_are_as_closed(backend):
+    """Later execs on the same cores come from a lodger living inside the environment:
+    they are as confined as the first (root inside, no capability, the env's cgroups, its
+    pid namespace), and still nothing they leave outlives them."""
+    env = new_env(backend)
+    token = f"32{uuid.uuid4().int % 10**6}.5"
+    check = (
+        "id -u; grep CapEff /proc/self/status; grep -c 'e-' /proc/self/cgroup; "
+        f"setsid sleep {token} & ls /proc | grep -c '^[0-9]'"
+    )
+
+    async def scenario() -> list[str]:
+        seen = []
+        for _ in range(4):
+            r = await backend.exec(ExecRequest(env, check, ONE_CORE, timeout_s=30))
+            assert r.outcome == "ok", r
+            seen.append(r.stdout)
+        assert backend.lodger_pids, "no lodger served the later execs"
+        return seen
+
+    seen = asyncio.run(scenario())
+    first = seen[0].split()
+    assert first[:3] == ["0", "CapEff:", "0000000000000000"] and first[3] == "2", seen
+    assert all(s.split()[:4] == first[:4] for s in seen), seen
+    assert all(int(s.split()[-1]) < 10 for s in seen), seen
+    assert wait_gone(token) == []

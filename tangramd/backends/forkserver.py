@@ -138,7 +138,12 @@ def _has_pidfd() -> bool:
 
 
 class _CannotStart(Exception):
-    """Not the command's fault (e.g. its working directory is gone): no exit code."""
+    """Not the command's fault (e.g. its working directory is gone): no exit code.
+    ``extra`` goes into the reply (``stage``: what failed)."""
+
+    def __init__(self, message: str, extra: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.extra = extra or {}
 
 
 def _posix_spawn(msg: dict[str, Any], stdio: dict[str, int]) -> int:
@@ -167,7 +172,8 @@ def _posix_spawn(msg: dict[str, Any], stdio: dict[str, int]) -> int:
     try:
         os.chdir(msg["cwd"])
     except OSError as e:
-        raise _CannotStart(f"cwd {msg['cwd']}: {e.strerror}") from None
+        why = f"cwd {msg['cwd']}: {e.strerror}"
+        raise _CannotStart(why, {"stage": "cwd", "errno": e.errno or 0}) from None
     old_umask = os.umask(msg["umask"])
     try:
         return spawn(
@@ -242,6 +248,9 @@ class _Helper:
         # commands spawned in an environment's pid namespace: their orphans go to its
         # keeper, not to us, so having no child left says nothing about them
         self.boxed: set[int] = set()
+        # (a lodger) inside an isolated environment for good, root there with no capability:
+        # it spawns there as it would on the host (``posix_spawn``)
+        self.inside = False
         if lodger and _become_subreaper():
             self.wake, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # both ends
             signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
@@ -319,16 +328,15 @@ class _Helper:
             score = str(msg["oom_score_adj"])
             if score != self.joined_score:  # a lodger is there already
                 _write("/proc/self/oom_score_adj", score)
-            if msg.get("sandbox"):
+            if msg.get("sandbox") and not self.inside:
                 pid, popen = _load_nsbox().spawn(msg, stdio), None
-                self.boxed.add(pid)
             elif msg.get("user") is None:
                 pid, popen = _posix_spawn(msg, stdio), None
             else:
                 popen = _popen(msg, stdio)
                 pid = popen.pid
         except _CannotStart as e:
-            return {"id": rid, "error": str(e), **self._home(home)}
+            return {"id": rid, "error": str(e), **e.extra, **self._home(home)}
         except OSError as e:
             if e.filename == "cwd":  # (in an environment) its working directory is missing
                 why = f"cwd {msg['cwd']}: {os.strerror(e.errno or 0)}"
@@ -343,6 +351,8 @@ class _Helper:
         except subprocess.SubprocessError as e:
             return {"id": rid, "error": str(e), **self._home(home)}
         back = self._home(home)
+        if msg.get("sandbox"):
+            self.boxed.add(pid)
         try:
             pidfd = os.pidfd_open(pid)
         except OSError:  # no pidfd (Linux < 5.3): a thread waits for this child
@@ -446,11 +456,15 @@ class _Helper:
             self.sel.register(pidfd, selectors.EVENT_READ)
 
     def _join(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """(A lodger) enter the exec cgroup, its cores and the exec OOM score, for good."""
+        """(A lodger) enter the exec cgroup, its cores and the exec OOM score, for good; and
+        with ``sandbox``, that environment (``nsbox.enter_for_good``)."""
         try:
             _write(os.path.join(msg["cgroup"], "cgroup.procs"), "0")
             os.sched_setaffinity(0, msg["cores"])
             _write("/proc/self/oom_score_adj", str(msg["oom_score_adj"]))
+            if msg.get("sandbox"):
+                _load_nsbox().enter_for_good(msg["sandbox"])
+                self.inside = True
         except OSError as e:
             return {"id": msg["id"], "fatal": f"tangram lodger cannot join: {e}"}
         self.joined_score = str(msg["oom_score_adj"])

@@ -491,8 +491,9 @@ class ProcessBackend:
         self._refill: asyncio.Task[list[str]] | None = None
         # The fork server: started on the first exec (and again if it dies), with lodgers
         # in the exec cgroups where they pay (see forkserver.py).
-        if lodgers is None:
-            lodgers = min(MAX_LODGERS, 2 * len(os.sched_getaffinity(0)))
+        if lodgers is None:  # (isolated: one per environment and core set in use)
+            cores = len(os.sched_getaffinity(0))
+            lodgers = MAX_LODGERS if self.isolated else min(MAX_LODGERS, 2 * cores)
         self._spawner = Spawner(
             lodgers=lodgers if self.cgroups is not None and self.cgroups.lodgers else 0,
             base_env=self._base_env,
@@ -879,6 +880,8 @@ class ProcessBackend:
         }
         if box is not None:
             request["sandbox"] = box
+            if cgroup is not None:  # its lodgers live inside it (forkserver.py)
+                request["lodge"] = f"{cgroup}#{req.env_id}#{box['pid']}"
         out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         os.set_blocking(out_w, True)

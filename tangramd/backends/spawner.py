@@ -55,13 +55,20 @@ subreaper lodger) saw nothing the command started left alive."""
 class _Channel:
     """One socket to a helper process (the fork server or a lodger) and its frame buffers."""
 
-    __slots__ = ("cgroup", "fd", "fds", "inbuf", "native", "out", "pid", "ready", "sent", "sock")
+    __slots__ = (
+        "cgroup", "fd", "fds", "inbuf", "key", "native", "out", "pid", "ready", "sent", "sock",
+        "used",
+    )  # fmt: skip
 
-    def __init__(self, sock: socket.socket, pid: int | None, cgroup: str | None) -> None:
+    def __init__(
+        self, sock: socket.socket, pid: int | None, cgroup: str | None, key: str | None = None
+    ) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.pid = pid
         self.cgroup = cgroup  # a lodger's cgroup (None: the fork server)
+        self.key = key or cgroup  # what it serves: its cgroup, or its cgroup in one environment
+        self.used = 0  # (a lodger) the spawn counter when it last served
         self.ready = cgroup is None  # a lodger takes spawns once it has joined
         self.native = False  # a lodger running its loop in C (``_lodger.c``)
         self.inbuf = bytearray()
@@ -103,7 +110,8 @@ class Spawner:
         self._proc: subprocess.Popen[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._helper: _Channel | None = None
-        self._lodgers: dict[str, _Channel] = {}  # cgroup -> its lodger
+        # lodge key (a cgroup, or a cgroup in one isolated environment) -> its lodger
+        self._lodgers: dict[str, _Channel] = {}
         self._asked: dict[int, dict[str, Any]] = {}  # request id -> a lodger's join order
         self._refused: set[str] = set()  # cgroups a lodger could not join: not asked again
         self._ids = 0
@@ -126,7 +134,7 @@ class Spawner:
 
     def lodged(self) -> set[str]:
         """The cgroups that have a lodger (live or joining)."""
-        return set(self._lodgers)
+        return {chan.cgroup for chan in self._lodgers.values() if chan.cgroup is not None}
 
     def native_lodgers(self) -> int:
         """How many lodgers run their loop in C."""
@@ -154,10 +162,12 @@ class Spawner:
         if self.base_env:  # the helper's first message: every spawn's env is laid over it
             self._send(self._helper, {"op": "base_env", "env": self.base_env}, [])
 
-    def _open(self, sock: socket.socket, pid: int | None, cgroup: str | None) -> _Channel:
+    def _open(
+        self, sock: socket.socket, pid: int | None, cgroup: str | None, key: str | None = None
+    ) -> _Channel:
         assert self._loop is not None
         sock.setblocking(False)
-        chan = _Channel(sock, pid, cgroup)
+        chan = _Channel(sock, pid, cgroup, key)
         self._loop.add_reader(chan.fd, self._on_readable, chan)
         return chan
 
@@ -170,19 +180,22 @@ class Spawner:
         if self._loop is not loop:
             self.close()  # a helper of an earlier event loop (tests run one per call)
             self._start(loop)
-        cgroup = request.get("cgroup")
-        chan = self._lodgers.get(cgroup) if cgroup else None
+        # ``lodge``: an isolated environment's spawns have lodgers of their own, inside it
+        key = request.get("lodge") or request.get("cgroup")
+        chan = self._lodgers.get(key) if key else None
         ask = False
+        self._ids += 1
         if chan is None or not chan.ready:
             chan = self._helper
             assert chan is not None
             ask = (
-                bool(cgroup)
+                bool(key)
                 and self.max_lodgers > 0
-                and cgroup not in self._lodgers
-                and cgroup not in self._refused
+                and key not in self._lodgers
+                and key not in self._refused
             )
-        self._ids += 1
+        else:
+            chan.used = self._ids
         rid = self._ids
         names = list(stdio)
         fds = [stdio[n] for n in names]
@@ -195,14 +208,26 @@ class Spawner:
 
     def _ask_lodger(self, request: dict[str, Any]) -> None:
         """Ask the fork server for a lodger in ``request``'s cgroup (after its spawn)."""
+        key = request.get("lodge") or request["cgroup"]
+        if any(join["key"] == key for join in self._asked.values()):
+            return
         if len(self._lodgers) + len(self._asked) >= self.max_lodgers:
-            return
-        cgroup = request["cgroup"]
-        if any(join["cgroup"] == cgroup for join in self._asked.values()):
-            return
+            # an environment's lodger makes room by ending the least recently used idle one
+            # (environments come and go; plain cgroups are few and fixed)
+            idle = [
+                c for c in self._lodgers.values()
+                if c.ready and not any(e[1] is c for e in self._pending.values())
+                and c not in self._origin.values()
+            ]  # fmt: skip
+            if "lodge" not in request or not idle:
+                return
+            self._gone(min(idle, key=lambda c: c.used))
         assert self._helper is not None
         self._ids += 1
-        self._asked[self._ids] = {k: request[k] for k in ("cgroup", "cores", "oom_score_adj")}
+        join = {k: request[k] for k in ("cgroup", "cores", "oom_score_adj")}
+        if "sandbox" in request:
+            join["sandbox"] = request["sandbox"]
+        self._asked[self._ids] = {**join, "key": key}
         self._send(self._helper, {"op": "lodger", "id": self._ids, "native": self.native}, [])
 
     async def spawn(self, request: dict[str, Any], stdio: dict[str, int]) -> int:
@@ -301,7 +326,7 @@ class Spawner:
         if "fatal" in msg and chan.cgroup is not None:
             # A lodger that cannot join exits (its EOF ends the channel); the fork
             # server's path keeps serving that cgroup, without asking again.
-            self._refused.add(chan.cgroup)
+            self._refused.add(chan.key or chan.cgroup)
             return
         entry = self._pending.pop(rid, None)
         if entry is None:
@@ -331,7 +356,8 @@ class Spawner:
             sock.close()
             return
         self.lodger_pids.add(pid)
-        chan = self._lodgers[join["cgroup"]] = self._open(sock, pid, join["cgroup"])
+        key = join.pop("key")
+        chan = self._lodgers[key] = self._open(sock, pid, join["cgroup"], key)
         self._ids += 1
         self._send(chan, {"op": "join", "id": self._ids, **join}, [])
 
@@ -363,8 +389,8 @@ class Spawner:
         for fd in chan.fds:
             os.close(fd)
         chan.fds.clear()
-        if chan.cgroup is not None and self._lodgers.get(chan.cgroup) is chan:
-            del self._lodgers[chan.cgroup]
+        if chan.key is not None and self._lodgers.get(chan.key) is chan:
+            del self._lodgers[chan.key]
         if chan.pid is not None:
             self.lodger_pids.discard(chan.pid)
 
