@@ -354,3 +354,16 @@ def test_lodger_spawns_are_as_closed(backend):
     assert all(s.split()[:4] == first[:4] for s in seen), seen
     assert all(int(s.split()[-1]) < 10 for s in seen), seen
     assert wait_gone(token) == []
+
+
+def test_exec_memory_limit_is_its_own(backend):
+    """An exec's ``mem_limit`` holds below its environment's: 256 MiB is killed under a
+    64 MiB exec limit and fits the next exec, which has none, in a 512 MiB environment."""
+    env = new_env(backend, mem_bytes=512 << 20)
+    grab = ["python3", "-c", "b = bytearray(256 << 20); print('ALLOCATED')"]
+    limited = ex(backend, env, grab, mem_limit=64 << 20)
+    assert limited.exit_code == 137 and "ALLOCATED" not in limited.stdout, limited
+    free = ex(backend, env, grab)
+    assert free.stdout == "ALLOCATED\n", free
+    left = [p.name for p in backend.limits.paths(env)[0].iterdir() if p.name.startswith("x-")]
+    assert left == []

@@ -103,6 +103,8 @@ class ExecRequest:
     stdin: bytes | None = None  # the command's standard input (None: empty)
     cwd: str | None = None  # inside the environment (confined by the backend)
     session: str | None = None  # run in this open shell session instead of a fresh process
+    # bytes: this exec's own memory limit, below its environment's (process backend, isolated)
+    mem_limit: int | None = None
     # moved by ``files.exec_with_files`` around the backend's exec (same action)
     files: Mapping[str, bytes] = field(default_factory=dict)
     fetch: tuple[str, ...] = ()

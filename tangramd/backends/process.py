@@ -368,6 +368,7 @@ class _Running:
     exec_s: float | None = None
     timer: asyncio.TimerHandle | None = None
     cancelled: bool = False  # by cancel(): killed as soon as it is spawned
+    mem_cgroup: str | None = None  # its own memory cgroup (``mem_limit``), removed at its end
     killed_for_shutdown: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -878,9 +879,19 @@ class ProcessBackend:
             # (one message less per exec under load; a lone exec's pid overlaps it)
             "quick": bool(self._running),
         }
+        mem_cgroup = None
         if box is not None:
             request["sandbox"] = box
-            if cgroup is not None:  # its lodgers live inside it (forkserver.py)
+            if req.mem_limit is not None and self.limits is not None:
+                # its own memory cgroup below the environment's: the fork server's path
+                mem_cgroup = f"x-{marker}"
+                try:
+                    tasks = self.limits.exec_memory(req.env_id, mem_cgroup, req.mem_limit)
+                except OSError as e:
+                    loop.call_soon(done, infra_error(f"cannot limit the exec's memory: {e}"))
+                    return
+                box["cgroups"] = [*self._joins.get(req.env_id, []), tasks]
+            elif cgroup is not None:  # its lodgers live inside it (forkserver.py)
                 request["lodge"] = f"{cgroup}#{req.env_id}#{box['pid']}"
         out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -903,6 +914,7 @@ class ProcessBackend:
             stdin_w=in_w,
             out=OutputBuffer(req.max_output),
             err=OutputBuffer(req.max_output),
+            mem_cgroup=mem_cgroup,
         )
         self._running.add(run)
         self._spawner.submit(request, stdio, lambda got: self._spawned(run, got))
@@ -1091,6 +1103,12 @@ class ProcessBackend:
         if run.child is not None:
             self._spawner.forget(run.child.pid)
         self._running.discard(run)
+        if run.mem_cgroup is not None and self.limits is not None:
+            task = asyncio.get_running_loop().create_task(
+                self.limits.remove_exec(run.req.env_id, run.mem_cgroup)
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         try:
             run.done(result)
         except Exception:
