@@ -286,7 +286,7 @@ def test_files_survive_a_lost_keeper(backend):
     assert (
         ex(backend, env, "mkdir /testbed && echo kept > /testbed/f && echo h > ~/h").outcome == "ok"
     )
-    keeper = backend._keepers[env]
+    keeper = backend.boxes.keepers[env]
     os.kill(keeper, 9)
     assert wait_gone_pid(keeper)
     time.sleep(0.1)
@@ -365,5 +365,5 @@ def test_exec_memory_limit_is_its_own(backend):
     assert limited.exit_code == 137 and "ALLOCATED" not in limited.stdout, limited
     free = ex(backend, env, grab)
     assert free.stdout == "ALLOCATED\n", free
-    left = [p.name for p in backend.limits.paths(env)[0].iterdir() if p.name.startswith("x-")]
+    left = [p.name for p in backend.boxes.limits.paths(env)[0].iterdir() if p.name.startswith("x-")]
     assert left == []

@@ -44,15 +44,14 @@ import json
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -75,10 +74,18 @@ from tangramd.backends.base import (
     outcome_for,
     rewrite_pytest,
 )
+from tangramd.backends.boxes import (
+    DEFAULT_ENV_PIDS_MAX,
+    ENV_NETWORKS,
+    ISOLATION_MODES,
+    SANDBOX_ID_BASE,
+    Boxes,
+    probe_isolation,
+)
 from tangramd.backends.cgroups import CPUSET_ROOT, Cgroups
 from tangramd.backends.spawner import Spawner, SpawnError
 
-__all__ = ["CPUSET_ROOT", "ProcessBackend"]
+__all__ = ["CPUSET_ROOT", "SANDBOX_ID_BASE", "ProcessBackend"]
 
 log = structlog.get_logger(__name__)
 
@@ -105,52 +112,6 @@ SPARE_DIRS = 16  # how many are kept ready; a refill starts below half
 SMALL_DIR_ENTRIES = 32  # a closed environment with at most this many files, no subdirectory,
 # is removed without shutil.rmtree's walk
 _ENV_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "TERM")
-ISOLATION_MODES = ("auto", "namespaces", "none")
-ENV_NETWORKS = ("none", "host")
-DEFAULT_ENV_PIDS_MAX = 4096
-# Where the host uids of isolated environments begin (root inside each maps to one of them,
-# when the environment has no unprivileged owner): far above any account's uid.
-SANDBOX_ID_BASE = 1_000_000_000
-BOX = "sandbox"  # in the root dir: each isolated environment's overlay layers
-
-
-def _traversable(paths: Sequence[str]) -> list[str]:
-    """The directories on the way to ``paths`` (the interpreter's) that others may not
-    cross, such as ``/root`` under pyenv: an environment may cross them, not list them."""
-    found: list[str] = []
-    for path in paths:
-        here = "/"
-        for part in Path(os.path.realpath(path)).parts[1:]:
-            here = os.path.join(here, part)
-            with contextlib.suppress(OSError):
-                st = os.stat(here)
-                if stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o001 and here not in found:
-                    found.append(here)
-    return found
-
-
-def probe_isolation(scratch_parent: str) -> str:
-    """'' when this host can run environments in namespaces, else why not (a keeper is
-    built and killed by a child process, as the fork server would)."""
-    if os.geteuid() != 0:
-        return "the daemon is not root"
-    scratch = tempfile.mkdtemp(prefix=".probe-", dir=scratch_parent)
-    try:
-        done = subprocess.run(
-            [sys.executable, "-I", "-S", nsbox.__file__, "probe", scratch],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError) as e:
-        return str(e)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    if done.returncode == 0:
-        return ""
-    lines = (done.stdout.strip() or done.stderr.strip()).splitlines()
-    return lines[-1] if lines else f"the probe exited {done.returncode}"
 
 
 def _base_env() -> dict[str, str]:
@@ -167,12 +128,6 @@ def _make_private_dir(path: str) -> str:
     os.mkdir(path, 0o700)
     os.chmod(path, 0o700)  # whatever the umask
     return path
-
-
-def _make_layers(path: str) -> None:
-    """(In a thread) an isolated environment's overlay directories (kept if there)."""
-    for sub in ("upper", "work", "merged"):
-        os.makedirs(os.path.join(path, sub), 0o700, exist_ok=True)
 
 
 def _make_dirs(parent: str, count: int) -> list[str]:
@@ -442,14 +397,11 @@ class ProcessBackend:
             log.info("exec_cgroups", kind=self.cgroups.kind, base=str(self.cgroups.base))
         self.default_user = default_user
         self.oom_score_adj = oom_score_adj
-        # isolation (nsbox.py): each environment in its own namespaces, with limits
+        # isolation (nsbox.py, boxes.py): each environment in its own namespaces
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"isolation: got {isolation!r} (allowed: {ISOLATION_MODES})")
         if env_network not in ENV_NETWORKS:
             raise ValueError(f"env_network: got {env_network!r} (allowed: {ENV_NETWORKS})")
-        self.env_pids_max = env_pids_max
-        self.env_network = env_network
-        self.box_dir = self.root / BOX
         self.isolated = False
         if isolation != "none":
             why = probe_isolation(os.fspath(self.root))
@@ -463,24 +415,6 @@ class ProcessBackend:
                     detail='cpu.isolation = "auto": environments are plain directories and '
                     "commands share the host's filesystem, processes and network",
                 )
-        self.limits = cg.EnvLimits.probe(scope) if self.isolated else None
-        if self.isolated:
-            self.box_dir.mkdir(exist_ok=True)
-            os.chmod(self.box_dir, 0o700)
-            log.info(
-                "env_isolation",
-                network=env_network,
-                pids_max=env_pids_max,
-                limits="cgroup v1 memory+pids" if self.limits else "none (no v1 memory/pids)",
-            )
-        self._hide = sorted({os.path.realpath(p) for p in (*hide, os.fspath(self.root))})
-        self._traverse = _traversable([sys.executable, sys.prefix, sys.base_prefix])
-        self._keepers: dict[str, int] = {}  # env id -> its keeper's pid (nsbox.py)
-        self._keeper_gen: dict[str, int] = {}  # env id -> the fork server that started it
-        self._stale: dict[str, int] = {}  # env id -> a keeper of an earlier fork server
-        self._opening: dict[str, asyncio.Task[int]] = {}
-        self._joins: dict[str, list[str]] = {}  # env id -> cgroup tasks files to join
-        self._ids: dict[str, tuple[int, int]] = {}  # env id -> host (uid, gid) of root inside
         self._envs: dict[str, int | None] = {}  # env_id -> advisory memory bytes
         self._owners: dict[str, tuple[int, int] | None] = {}
         self._running: set[_Running] = set()
@@ -502,6 +436,12 @@ class ProcessBackend:
             native=False if self.isolated else None,
         )
         self._exec_ids = itertools.count(1)
+        self.boxes: Boxes | None = None
+        if self.isolated:
+            self.boxes = Boxes(
+                self.root, self._real_envs_path, scope, self._spawner,
+                hide=hide, network=env_network, pids_max=env_pids_max,
+            )  # fmt: skip
 
     @property
     def lodger_pids(self) -> set[int]:
@@ -556,92 +496,19 @@ class ProcessBackend:
         if self._closing:  # shut down during an await above: its removal passed this one by
             await asyncio.to_thread(shutil.rmtree, path, True)
             raise EnvError(SHUTDOWN_DETAIL)
-        if self.isolated:  # root inside is this host uid: its home is its own
-            ids = self._ids[env_id] = self._host_ids(owner)
-            os.chown(path, *ids)
+        if self.boxes is not None:  # root inside is this host uid: its home is its own
+            os.chown(path, *self.boxes.assign(env_id, owner, mem_bytes))
         elif owner is not None and self._is_root:
             os.chown(path, *owner)
         self._envs[env_id] = mem_bytes
         self._owners[env_id] = owner
         self._make_spares()
-        if self.isolated:
+        if self.boxes is not None:
             try:
-                await self._open_box(env_id)
+                await self.boxes.open(env_id)
             except BaseException:
                 await self.close_env(env_id)
                 raise
-
-    def _host_ids(self, owner: tuple[int, int] | None) -> tuple[int, int]:
-        """The host (uid, gid) that root inside a new environment maps to: its owner's
-        when that is not root, else the first free one from ``SANDBOX_ID_BASE``."""
-        if owner is not None and owner[0] != 0:
-            return owner
-        used = {uid for uid, _ in self._ids.values()}
-        uid = next(u for u in itertools.count(SANDBOX_ID_BASE) if u not in used)
-        return (uid, uid)
-
-    async def _open_box(self, env_id: str) -> int:
-        """The environment's keeper (nsbox.py): started once, again if it died; its pid."""
-        pid = self._keepers.get(env_id)
-        if pid is not None:
-            return pid
-        task = self._opening.get(env_id)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(self._build_box(env_id))
-            self._opening[env_id] = task
-            task.add_done_callback(lambda _t: self._opening.pop(env_id, None))
-        return await asyncio.shield(task)
-
-    async def _build_box(self, env_id: str) -> int:
-        layers = self.box_dir / check_env_id(env_id)
-        await asyncio.to_thread(_make_layers, os.fspath(layers))
-        uid, gid = self._ids[env_id]
-        joins: list[str] = []
-        stale = self._stale.pop(env_id, None)
-        if stale is not None and self.limits is None:  # (no cgroup to find it by)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stale, signal.SIGKILL)
-        if self.limits is not None:
-            # a keeper of an earlier fork server (and what ran in it) must not share the
-            # layers with the new one
-            if self.limits.kill_all(env_id):
-                await self.limits.remove(env_id)
-            joins = await asyncio.to_thread(
-                self.limits.create, env_id, self._envs.get(env_id), self.env_pids_max
-            )
-        box = {
-            "upper": os.fspath(layers / "upper"),
-            "work": os.fspath(layers / "work"),
-            "merged": os.fspath(layers / "merged"),
-            "home": os.path.join(self._real_envs_path, env_id),
-            "hide": self._hide,
-            "uid": uid,
-            "gid": gid,
-            "net": self.env_network,
-            "hostname": env_id[:64],
-            "traverse": self._traverse,
-            "cgroups": joins,
-        }
-        try:
-            pid = await self._spawner.spawn({"op": "keeper", "box": box}, {})
-        except SpawnError as e:
-            raise EnvError(str(e)) from None
-        if env_id not in self._envs:  # closed meanwhile
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            raise EnvError(f"no such environment {env_id}")
-        self._keepers[env_id] = pid
-        self._keeper_gen[env_id] = self._spawner.generation
-        self._joins[env_id] = joins
-        self._spawner.watch(pid, lambda _rc, _alone: self._keeper_gone(env_id, pid))
-        log.debug("env_keeper", env_id=env_id, pid=pid, uid=uid)
-        return pid
-
-    def _keeper_gone(self, env_id: str, pid: int) -> None:
-        """A keeper died (killed, or its fork server did): the next exec builds the
-        environment's namespaces again over the same layers (its files are kept)."""
-        if self._keepers.get(env_id) == pid:
-            del self._keepers[env_id]
 
     def _make_spares(self) -> None:
         """Start a refill of the spare directories when fewer than half are ready."""
@@ -669,28 +536,10 @@ class ProcessBackend:
         self._envs.pop(env_id, None)
         self._owners.pop(env_id, None)
         path = os.path.join(self._envs_path, check_env_id(env_id))
-        if self.isolated:
-            await self._close_box(env_id)
+        if self.boxes is not None:
+            await self.boxes.close(env_id)
         # in a thread: an rmdir can wait milliseconds for the filesystem (ext4 with discard)
         await asyncio.to_thread(_remove_env_dir, path, os.path.join(self._envs_path, TOMB))
-
-    async def _close_box(self, env_id: str, *, keep_layers: bool = False) -> None:
-        """Kill the environment's keeper (and so everything in its pid namespace), remove
-        its cgroups and (unless kept) its layers."""
-        opening = self._opening.get(env_id)
-        if opening is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(opening)
-        for pid in (self._keepers.pop(env_id, None), self._stale.pop(env_id, None)):
-            if pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        self._joins.pop(env_id, None)
-        if self.limits is not None:
-            await self.limits.remove(env_id)
-        if not keep_layers:
-            self._ids.pop(env_id, None)
-            await asyncio.to_thread(shutil.rmtree, self.box_dir / env_id, True)
 
     async def reconcile(
         self, keep: Mapping[str, tuple[int, int] | None] | None = None
@@ -706,9 +555,9 @@ class ProcessBackend:
             if path.name in keep and path.is_dir() and not path.is_symlink():
                 self._envs[path.name] = None
                 self._owners[path.name] = keep[path.name] or self.default_user
-                if self.isolated:  # its keeper is built again on its first exec
+                if self.boxes is not None:  # its keeper is built again on its first exec
                     st = path.stat()
-                    self._ids[path.name] = (st.st_uid, st.st_gid)
+                    self.boxes.ids[path.name] = (st.st_uid, st.st_gid)
                 done.append(f"adopted env dir {path}")
                 continue
             await asyncio.to_thread(shutil.rmtree, path, True)
@@ -729,17 +578,8 @@ class ProcessBackend:
                     )
                 if await self.cgroups.remove(cgroup):
                     done.append(f"removed cgroup {cgroup}")
-        if self.isolated:
-            for path in sorted(self.box_dir.iterdir()):
-                if path.name not in self._envs:
-                    await asyncio.to_thread(shutil.rmtree, path, True)
-            if self.limits is not None:
-                # a previous daemon's keepers (kept environments too: their files stay,
-                # their namespaces are built again on their first exec)
-                for env_id in self.limits.leftovers():
-                    if env_id not in self._keepers:
-                        await self.limits.remove(env_id)
-                        done.append(f"ended what environment {env_id} ran for the previous daemon")
+        if self.boxes is not None:
+            done += await self.boxes.reconcile(self._envs)
         return done
 
     async def shutdown(self, keep: Collection[str] = ()) -> None:
@@ -754,8 +594,8 @@ class ProcessBackend:
         for env_id in list(self._envs):
             if env_id not in keep:
                 await self.close_env(env_id)
-            elif self.isolated:  # its files stay; its processes end with the daemon
-                await self._close_box(env_id, keep_layers=True)
+            elif self.boxes is not None:  # its files stay; its processes end with the daemon
+                await self.boxes.close(env_id, keep_layers=True)
         if self._refill is not None:
             with contextlib.suppress(Exception):
                 await self._refill
@@ -826,14 +666,10 @@ class ProcessBackend:
             loop.call_soon(done, infra_error(user))
             return
         home = self.env_dir(req.env_id)
-        box: dict[str, object] | None = None
-        if self.isolated:  # any path inside is the environment's own: no confinement
-            keeper = self._keepers.get(req.env_id)
-            if keeper is not None and not self._spawner.serves(
-                loop, self._keeper_gen.get(req.env_id)
-            ):  # its fork server is gone (or of another event loop): built again
-                self._stale[req.env_id] = self._keepers.pop(req.env_id)
-                keeper = None
+        box: dict[str, Any] | None = None
+        boxes = self.boxes
+        if boxes is not None:  # any path inside is the environment's own: no confinement
+            keeper = boxes.keeper(req.env_id, loop)
             if keeper is None:  # (built again: its keeper died, or a restart adopted it)
                 opening = loop.create_task(self._exec_when_open(req, done))
                 self._tasks.add(opening)
@@ -843,7 +679,7 @@ class ProcessBackend:
                 loop.call_soon(done, ExecResult("rejected", detail="cwd: NUL is not allowed"))
                 return
             cwd = home / req.cwd if req.cwd else home
-            box = {"pid": keeper, "cgroups": self._joins.get(req.env_id, [])}
+            box = boxes.exec_box(req.env_id, keeper)
             user = None  # root inside, mapped to the environment's host uid
         else:
             try:
@@ -882,15 +718,16 @@ class ProcessBackend:
         mem_cgroup = None
         if box is not None:
             request["sandbox"] = box
-            if req.mem_limit is not None and self.limits is not None:
+            limits = None if boxes is None else boxes.limits
+            if req.mem_limit is not None and limits is not None:
                 # its own memory cgroup below the environment's: the fork server's path
                 mem_cgroup = f"x-{marker}"
                 try:
-                    tasks = self.limits.exec_memory(req.env_id, mem_cgroup, req.mem_limit)
+                    tasks = limits.exec_memory(req.env_id, mem_cgroup, req.mem_limit)
                 except OSError as e:
                     loop.call_soon(done, infra_error(f"cannot limit the exec's memory: {e}"))
                     return
-                box["cgroups"] = [*self._joins.get(req.env_id, []), tasks]
+                box["cgroups"] = [*box["cgroups"], tasks]
             elif cgroup is not None:  # its lodgers live inside it (forkserver.py)
                 request["lodge"] = f"{cgroup}#{req.env_id}#{box['pid']}"
         out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -921,12 +758,13 @@ class ProcessBackend:
 
     async def _exec_when_open(self, req: ExecRequest, done: ExecDone) -> None:
         """Build the environment's namespaces again, then start the exec."""
+        assert self.boxes is not None
         try:
-            await self._open_box(req.env_id)
+            await self.boxes.open(req.env_id)
         except Exception as e:
             done(infra_error(f"cannot open environment {req.env_id}: {e}"))
             return
-        if req.env_id not in self._keepers:
+        if req.env_id not in self.boxes.keepers:
             done(infra_error(f"environment {req.env_id} has no keeper"))
             return
         self.start_exec(req, done)
@@ -957,10 +795,11 @@ class ProcessBackend:
                 os.close(fd)
             if run.stdin_w is not None:
                 os.close(run.stdin_w)
-            if self.isolated and got.errno == errno.ESRCH and run.req.env_id in self._keepers:
+            boxes = self.boxes
+            if boxes is not None and got.errno == errno.ESRCH and run.req.env_id in boxes.keepers:
                 # its keeper died unseen (killed by hand, or its fork server was replaced):
                 # build the environment again and run the command there
-                self._stale[run.req.env_id] = self._keepers.pop(run.req.env_id)
+                boxes.lost(run.req.env_id)
                 self._running.discard(run)
                 task = asyncio.get_running_loop().create_task(
                     self._exec_when_open(run.req, run.done)
@@ -1103,9 +942,10 @@ class ProcessBackend:
         if run.child is not None:
             self._spawner.forget(run.child.pid)
         self._running.discard(run)
-        if run.mem_cgroup is not None and self.limits is not None:
+        limits = None if self.boxes is None else self.boxes.limits
+        if run.mem_cgroup is not None and limits is not None:
             task = asyncio.get_running_loop().create_task(
-                self.limits.remove_exec(run.req.env_id, run.mem_cgroup)
+                limits.remove_exec(run.req.env_id, run.mem_cgroup)
             )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -1162,8 +1002,8 @@ class ProcessBackend:
         """Write a file (or extract a tar stream into a directory) inside the environment."""
         base = self._env_base(env_id)
         owner = self._owners.get(env_id) if self._is_root else None
-        if self.isolated:  # root inside is the environment's host uid
-            owner = self._ids.get(env_id, owner)
+        if self.boxes is not None:  # root inside is the environment's host uid
+            owner = self.boxes.ids.get(env_id, owner)
         if not tar and len(data) <= INLINE_PUT_MAX:  # a source file: a thread hop costs more
             return files.put_local(base, path, data, tar=False, owner=owner)
         return await asyncio.to_thread(files.put_local, base, path, data, tar=tar, owner=owner)
@@ -1210,9 +1050,10 @@ class ProcessBackend:
         """A session's shell inside its environment (``nsbox.py enter``): root inside, in
         the environment's namespaces and cgroups, and in a cpuset cgroup of its own that
         each run's cores are written to; everything in that cgroup dies with the session."""
-        keeper = await self._open_box(env_id)
+        assert self.boxes is not None
+        keeper = await self.boxes.open(env_id)
         cpuset = None
-        join = list(self._joins.get(env_id, []))
+        join = list(self.boxes.joins.get(env_id, []))
         if self.cgroups is not None and self.cgroups.pins:
             name = "s-" + hashlib.sha1(f"{env_id}/{session_id}".encode()).hexdigest()[:16]
             cpuset = self.cgroups.base / name
