@@ -367,3 +367,19 @@ def test_exec_memory_limit_is_its_own(backend):
     assert free.stdout == "ALLOCATED\n", free
     left = [p.name for p in backend.boxes.limits.paths(env)[0].iterdir() if p.name.startswith("x-")]
     assert left == []
+
+
+def test_spawns_never_cross_environments(backend):
+    """On one core, execs of two environments, with and without their own memory limit,
+    each run in their own environment (its hostname is its id), lodgers or not."""
+    a, b = new_env(backend), new_env(backend)
+
+    async def scenario() -> list[tuple[str, str]]:
+        seen = []
+        for env, limit in [(a, 64 << 20), (a, None), (a, None), (b, 64 << 20), (b, None),
+                           (b, None), (a, 64 << 20), (a, None)]:  # fmt: skip
+            r = await backend.exec(ExecRequest(env, "hostname", ONE_CORE, mem_limit=limit))
+            seen.append((env, r.stdout.strip()))
+        return seen
+
+    assert all(env == name for env, name in asyncio.run(scenario()))

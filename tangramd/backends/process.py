@@ -728,6 +728,7 @@ class ProcessBackend:
                     loop.call_soon(done, infra_error(f"cannot limit the exec's memory: {e}"))
                     return
                 box["cgroups"] = [*box["cgroups"], tasks]
+                request["lodge"] = False  # (a lodger has joined its own cgroups for good)
             elif cgroup is not None:  # its lodgers live inside it (forkserver.py)
                 request["lodge"] = f"{cgroup}#{req.env_id}#{box['pid']}"
         out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)

@@ -180,8 +180,10 @@ class Spawner:
         if self._loop is not loop:
             self.close()  # a helper of an earlier event loop (tests run one per call)
             self._start(loop)
-        # ``lodge``: an isolated environment's spawns have lodgers of their own, inside it
-        key = request.get("lodge") or request.get("cgroup")
+        # ``lodge``: an isolated environment's spawns have lodgers of their own, inside it;
+        # ``lodge`` False: the fork server's path only (a lodger would not do what it asks)
+        lodge = request.get("lodge")
+        key = None if lodge is False else lodge or request.get("cgroup")
         chan = self._lodgers.get(key) if key else None
         ask = False
         self._ids += 1
