@@ -1,0 +1,58 @@
+"""swe-rex's own RemoteRuntime against the default (isolated) backend: absolute paths such
+as /tmp and /testbed work, in execute and in sessions, as in a container (issue 30)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from swerex.runtime.abstract import (
+    BashAction,
+    CloseBashSessionRequest,
+    Command,
+    CreateBashSessionRequest,
+)
+from swerex.runtime.remote import RemoteRuntime
+
+KEY = "swe-key"
+AUTH = {"X-API-Key": KEY}
+
+
+@pytest.fixture(scope="module")
+def gateway_args(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
+    """Served with an API key: RemoteRuntime sends its auth_token as X-API-Key."""
+    key = tmp_path_factory.mktemp("swerex") / "key"
+    key.write_text(KEY)
+    return ("--api-key-file", str(key))
+
+
+@pytest.fixture
+def runtime(stack):
+    """A RemoteRuntime on a fresh environment opened with POST /envs."""
+    opened = httpx.post(f"{stack.url}/envs", json={}, headers=AUTH).json()
+    yield RemoteRuntime(host=opened["swerex_url"], timeout=30, auth_token=KEY)
+    httpx.delete(f"{stack.url}/envs/{opened['id']}", headers=AUTH)
+
+
+def test_absolute_paths_are_the_environments(runtime):
+    """execute with cwd=/tmp; a session that makes /testbed, works there, and an execute
+    that finds what it left; the host's /testbed is untouched."""
+
+    async def scenario() -> None:
+        r = await runtime.execute(Command(command="pwd; touch here", shell=True, cwd="/tmp"))
+        assert (r.exit_code, r.stdout) == (0, "/tmp\n"), r
+        await runtime.create_session(CreateBashSessionRequest(session="main"))
+        out = await runtime.run_in_session(
+            BashAction(command="mkdir -p /testbed && cd /testbed && echo x > f && pwd",
+                       session="main")
+        )  # fmt: skip
+        assert out.output.strip() == "/testbed", out
+        out = await runtime.run_in_session(BashAction(command="pwd; ls /tmp", session="main"))
+        # (/tmp also holds the way to its home here: the tests' state dir is under /tmp)
+        assert out.output.split()[:2] == ["/testbed", "here"], out
+        await runtime.close_session(CloseBashSessionRequest(session="main"))
+        r = await runtime.execute(Command(command=["cat", "f"], cwd="/testbed"))
+        assert (r.exit_code, r.stdout) == (0, "x\n"), r
+
+    asyncio.run(scenario())
