@@ -242,6 +242,12 @@ class Boxes:
             self.mem.pop(env_id, None)
             await asyncio.to_thread(shutil.rmtree, self.dir / env_id, True)
 
+    def remove_bases(self) -> None:
+        """(At shutdown, every environment closed or kept) remove this backend's cgroup
+        directories that hold no environment."""
+        if self.limits is not None:
+            self.limits.remove_bases()
+
     async def reconcile(self, known: Collection[str]) -> list[str]:
         """Remove the layers of environments not in ``known``; end what a previous
         daemon's keepers ran (kept environments too: their files stay, their namespaces

@@ -391,6 +391,13 @@ class EnvLimits:
                 _kill_members(path)
                 await asyncio.sleep(0.01)
 
+    def remove_bases(self) -> None:
+        """Remove the (empty) per-backend directories; one still holding an environment
+        (kept across a restart) stays."""
+        for base in self.bases.values():
+            with contextlib.suppress(OSError):
+                base.rmdir()
+
     def leftovers(self) -> list[str]:
         """Env ids of the environment cgroups found (a previous daemon's)."""
         found: set[str] = set()

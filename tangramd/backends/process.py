@@ -607,6 +607,8 @@ class ProcessBackend:
                     await self.cgroups.remove(cgroup)
             await self.cgroups.remove(self.cgroups.base)
         self._spawner.close()
+        if self.boxes is not None:
+            self.boxes.remove_bases()
 
     # --- execs ------------------------------------------------------------------------
 
