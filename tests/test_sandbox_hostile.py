@@ -383,3 +383,24 @@ def test_spawns_never_cross_environments(backend):
         return seen
 
     assert all(env == name for env, name in asyncio.run(scenario()))
+
+
+def test_cannot_reach_host_unix_sockets(backend, tmp_path):
+    """A Unix socket anyone may connect to on the host (in /run) is not reachable from
+    inside: /run is the environment's own (a path socket ignores network namespaces)."""
+    path = f"/run/tangram-test-{uuid.uuid4().hex[:8]}.sock"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        os.chmod(path, 0o777)
+        server.listen()
+        try:
+            env = new_env(backend)
+            code = (
+                "import socket\ns = socket.socket(socket.AF_UNIX)\n"
+                f"try:\n    s.connect({path!r}); print('REACHED')\n"
+                "except OSError as e:\n    print('refused', e.errno)\n"
+            )
+            r = ex(backend, env, ["python3", "-c", code])
+        finally:
+            os.unlink(path)
+    assert r.outcome == "ok" and r.stdout.startswith("refused"), r

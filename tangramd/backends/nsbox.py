@@ -10,7 +10,7 @@ can change them later):
   a per-environment upper (``<root_dir>/sandbox/<env>/upper``) that takes every write, with
   the host's other mounts bound read-only at their places, a fresh ``/proc`` (the pid
   namespace's), ``/sys`` read-only (``/sys/fs/cgroup`` with it), a minimal ``/dev``, an
-  empty private ``/tmp`` and ``/var/tmp``, the daemon's state directory hidden under an
+  empty private ``/tmp``, ``/var/tmp`` and ``/run``, the daemon's state directory hidden under an
   empty tmpfs, and the environment's own directory bound back read-write at its path (its
   home and default working directory);
 - a network namespace with the loopback interface only (``env_network = "none"``);
@@ -68,8 +68,11 @@ _SYSCALLS = {  # (pivot_root, mount_setattr) by machine
     "aarch64": (41, 442),
 }
 # The paths of the host whose mounts are not bound into an environment: it gets its own.
-OWN_MOUNTS = ("/proc", "/sys", "/dev")
-PRIVATE_DIRS = ("/tmp", "/var/tmp")  # empty in each environment (opaque in its upper)
+# Empty in each environment (opaque in its upper layer, the host's mounts there not bound):
+# /run too, so that no host socket a stranger may connect to (a bus, a daemon's) is
+# reachable by path: a Unix socket does not care about network namespaces.
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/run")
+OWN_MOUNTS = ("/proc", "/sys", "/dev", *PRIVATE_DIRS)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -212,7 +215,7 @@ def _prepare_upper(box: dict[str, Any]) -> None:
         mine = upper + path
         os.makedirs(mine, exist_ok=True)
         os.chown(mine, uid, gid)
-        os.chmod(mine, 0o1777)
+        os.chmod(mine, 0o755 if path == "/run" else 0o1777)
         os.setxattr(mine, "trusted.overlay.opaque", b"y")
 
 
