@@ -404,3 +404,20 @@ def test_cannot_reach_host_unix_sockets(backend, tmp_path):
         finally:
             os.unlink(path)
     assert r.outcome == "ok" and r.stdout.startswith("refused"), r
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "allowed"),
+    [
+        ("isolation", "docker", "'auto', 'namespaces', 'none'"),
+        ("env_network", "bridge", "'none', 'host'"),
+        ("env_pids_max", 0, "integers >= 1"),
+    ],
+)
+def test_isolation_keys_are_validated(key, value, allowed):
+    """A bad isolation key is refused naming the key and what it allows."""
+    from tangramd.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {f"cpu.{key}": value})
+    assert f"cpu.{key}" in str(info.value) and allowed in str(info.value)
