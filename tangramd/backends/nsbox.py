@@ -9,8 +9,8 @@ can change them later):
 - a mount namespace whose root is an overlay: the host's root read-only as the lower layer,
   a per-environment upper (``<root_dir>/sandbox/<env>/upper``) that takes every write, with
   the host's other mounts bound read-only at their places, a fresh ``/proc`` (the pid
-  namespace's), ``/sys`` read-only (``/sys/fs/cgroup`` with it), a minimal ``/dev``, an
-  empty private ``/tmp``, ``/var/tmp`` and ``/run``, the daemon's state directory hidden under an
+  namespace's), ``/sys`` read-only (``/sys/fs/cgroup`` with it), a minimal ``/dev``, empty
+  private ``/tmp``, ``/var/tmp`` and ``/run``, the daemon's state directory hidden under an
   empty tmpfs, and the environment's own directory bound back read-write at its path (its
   home and default working directory);
 - a network namespace with the loopback interface only (``env_network = "none"``);
@@ -24,9 +24,11 @@ can change them later):
 An exec enters the keeper's namespaces from the spawning loop (:func:`spawn`): the helper
 sets its children's pid namespace to the keeper's, forks, and the child joins the
 environment's memory and pids cgroups, enters the mount, network, ipc and uts namespaces,
-then the user namespace, becomes root there, drops the capability bounding set (so the
-command runs as root inside with no capability at all: it cannot mount, leave its cpuset or
-write a cgroup file) and execs. Nothing is built per exec.
+then the user namespace, becomes root there with no capability, for good (securebits
+``NOROOT`` locked, no new privileges: it cannot mount, leave its cpuset or write a cgroup
+file) and execs. A lodger of one environment and core set does the same once, for itself
+(:func:`enter_for_good`), and then spawns there with ``posix_spawn``. Nothing is built per
+exec.
 """
 
 from __future__ import annotations
