@@ -44,8 +44,9 @@ BOX = "sandbox"  # in the backend's root dir: each isolated environment's overla
 
 
 def traversable(paths: Sequence[str]) -> list[str]:
-    """The directories on the way to ``paths`` (the interpreter's) that others may not
-    cross, such as ``/root`` under pyenv: an environment may cross them, not list them."""
+    """The directories on the way to ``paths`` (the interpreter's, the homes') that others
+    may not cross, such as ``/root`` under pyenv: an environment may cross them, not list
+    them."""
     found: list[str] = []
     for path in paths:
         here = "/"
@@ -111,7 +112,8 @@ class Boxes:
         self.pids_max = pids_max
         self.limits = cg.EnvLimits.probe(scope)
         self.hide = sorted({os.path.realpath(p) for p in (*hide, os.fspath(root))})
-        self.traverse = traversable([sys.executable, sys.prefix, sys.base_prefix])
+        # (the way to the interpreter, and to the homes: a state dir under /root)
+        self.traverse = traversable([sys.executable, sys.prefix, sys.base_prefix, envs_path])
         self.keepers: dict[str, int] = {}  # env id -> its keeper's pid (nsbox.py)
         self.joins: dict[str, list[str]] = {}  # env id -> cgroup tasks files to join
         self.ids: dict[str, tuple[int, int]] = {}  # env id -> host (uid, gid) of root inside
