@@ -45,7 +45,7 @@ import threading
 from typing import Any
 
 HEADER = struct.Struct(">I")
-MAX_FDS = 3
+MAX_FDS = 4  # a command's three, and (an isolated environment's lodger) its cgroup's tasks
 # How long a lodger waits for a command it has just spawned to exit before it answers the
 # spawn request; a command that is done by then has its exit in that same answer.
 QUICK_EXIT_S = 0.002
@@ -320,6 +320,11 @@ class _Helper:
         try:
             if cgroup:
                 _write(os.path.join(cgroup, "cgroup.procs"), "0")  # 0: the writer itself
+            elif self.inside and "cgroup_tasks" in stdio:
+                # (an environment's lodger serves all its core sets) into this exec's cpuset
+                # cgroup: the daemon opened its tasks file, so root outside may move us;
+                # moving oneself, one thread, waits for no RCU grace period
+                os.write(stdio["cgroup_tasks"], b"0")
             os.sched_setaffinity(0, msg["cores"])
         except OSError as e:
             why = f"cannot pin the command to cores {msg['cores']}: {e}"

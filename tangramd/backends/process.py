@@ -95,6 +95,8 @@ EXEC_UMASK = 0o077
 # The most lodgers (pre-joined copies of the fork server, one per exec cgroup: forkserver.py)
 # kept at once; each costs a few MiB of memory not shared with the fork server.
 MAX_LODGERS = 64
+# (isolated) one lodger per environment in use, inside it (~1.6 MiB each), up to this many
+MAX_BOX_LODGERS = 512
 _READ_CHUNK = 1 << 16
 # how long an exec's output waits in its pipes before the loop reads it as it comes (see
 # _Child): a command that ends sooner is read once, at its end
@@ -428,7 +430,7 @@ class ProcessBackend:
         # in the exec cgroups where they pay (see forkserver.py).
         if lodgers is None:  # (isolated: one per environment and core set in use)
             cores = len(os.sched_getaffinity(0))
-            lodgers = MAX_LODGERS if self.isolated else min(MAX_LODGERS, 2 * cores)
+            lodgers = MAX_BOX_LODGERS if self.isolated else min(MAX_LODGERS, 2 * cores)
         self._spawner = Spawner(
             lodgers=lodgers if self.cgroups is not None and self.cgroups.lodgers else 0,
             base_env=self._base_env,
@@ -436,6 +438,7 @@ class ProcessBackend:
             native=False if self.isolated else None,
         )
         self._exec_ids = itertools.count(1)
+        self._tasks_fds: dict[Path, int] = {}  # cpuset cgroup -> its tasks file (_cgroup_tasks)
         self.boxes: Boxes | None = None
         if self.isolated:
             self.boxes = Boxes(
@@ -607,6 +610,9 @@ class ProcessBackend:
                     await self.cgroups.remove(cgroup)
             await self.cgroups.remove(self.cgroups.base)
         self._spawner.close()
+        for fd in self._tasks_fds.values():
+            os.close(fd)
+        self._tasks_fds.clear()
         if self.boxes is not None:
             self.boxes.remove_bases()
 
@@ -731,13 +737,15 @@ class ProcessBackend:
                     return
                 box["cgroups"] = [*box["cgroups"], tasks]
                 request["lodge"] = False  # (a lodger has joined its own cgroups for good)
-            elif cgroup is not None:  # its lodgers live inside it (forkserver.py)
-                request["lodge"] = f"{cgroup}#{req.env_id}#{box['pid']}"
+            elif cgroup is not None:  # its lodger lives inside it (forkserver.py)
+                request["lodge"] = f"{req.env_id}#{box['pid']}"
         out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         os.set_blocking(out_w, True)
         os.set_blocking(err_w, True)
         stdio = {"stdout": out_w, "stderr": err_w}
+        if request.get("lodge") and cgroup is not None:  # (its lodger moves itself there)
+            stdio["cgroup_tasks"] = os.dup(self._cgroup_tasks(cgroup))
         in_w = None
         if req.stdin:
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
@@ -758,6 +766,14 @@ class ProcessBackend:
         )
         self._running.add(run)
         self._spawner.submit(request, stdio, lambda got: self._spawned(run, got))
+
+    def _cgroup_tasks(self, cgroup: Path) -> int:
+        """A descriptor of the cpuset cgroup's ``tasks`` file, opened once by the daemon:
+        what an isolated environment's lodger writes to move itself there."""
+        fd = self._tasks_fds.get(cgroup)
+        if fd is None:
+            fd = self._tasks_fds[cgroup] = os.open(cgroup / "tasks", os.O_WRONLY | os.O_CLOEXEC)
+        return fd
 
     async def _exec_when_open(self, req: ExecRequest, done: ExecDone) -> None:
         """Build the environment's namespaces again, then start the exec."""
