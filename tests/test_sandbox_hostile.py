@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 pytest.register_assert_rewrite("backend_conformance")
-from backend_conformance import BackendConformance, ex, new_env  # noqa: E402
+from backend_conformance import BOTH_CORES, BackendConformance, cpulist, ex, new_env  # noqa: E402
 
 from tangramd.backends.base import ExecRequest  # noqa: E402
 from tangramd.backends.process import SANDBOX_ID_BASE, ProcessBackend  # noqa: E402
@@ -25,6 +25,7 @@ from tangramd.config import load_config  # noqa: E402
 from tangramd.runtime import make_backend  # noqa: E402
 
 ONE_CORE = (min(os.sched_getaffinity(0)),)
+BOTH = BOTH_CORES
 
 
 def default_backend(state: Path, **cpu: object) -> ProcessBackend:
@@ -421,3 +422,26 @@ def test_isolation_keys_are_validated(key, value, allowed):
     with pytest.raises(ConfigError) as info:
         load_config(None, {f"cpu.{key}": value})
     assert f"cpu.{key}" in str(info.value) and allowed in str(info.value)
+
+
+def test_lodger_follows_each_execs_cores(backend):
+    """One environment's execs on changing core sets, in one event loop (so its lodger,
+    which moves itself between cpuset cgroups, serves them): each sees exactly its cores
+    and sits in the cpuset cgroup of those cores."""
+    env = new_env(backend)
+    sets = [ONE_CORE, BOTH, (max(BOTH),), BOTH, ONE_CORE] if len(BOTH) > 1 else [ONE_CORE] * 3
+    cmd = "grep Cpus_allowed_list /proc/self/status; grep cpuset: /proc/self/cgroup"
+
+    async def scenario() -> list[tuple[tuple[int, ...], str]]:
+        seen = []
+        for cores in sets:
+            r = await backend.exec(ExecRequest(env, cmd, cores))
+            assert r.outcome == "ok", r
+            seen.append((cores, r.stdout))
+        assert backend.lodger_pids
+        return seen
+
+    for cores, out in asyncio.run(scenario()):
+        allowed, group = out.split()[1], out.split()[2]
+        assert allowed == cpulist(cores), (cores, out)
+        assert group.endswith("/c" + "_".join(map(str, cores))), (cores, out)
