@@ -445,3 +445,18 @@ def test_lodger_follows_each_execs_cores(backend):
         allowed, group = out.split()[1], out.split()[2]
         assert allowed == cpulist(cores), (cores, out)
         assert group.endswith("/c" + "_".join(map(str, cores))), (cores, out)
+
+
+def test_closing_an_environment_ends_its_lodger(backend):
+    """An environment's lodger, which lives inside it, ends when the environment closes."""
+    env = new_env(backend)
+
+    async def scenario() -> set[int]:
+        for _ in range(3):
+            assert (await backend.exec(ExecRequest(env, "true", ONE_CORE))).outcome == "ok"
+        lodgers = set(backend.lodger_pids)
+        assert lodgers
+        await backend.close_env(env)
+        return lodgers
+
+    assert all(wait_gone_pid(pid) for pid in asyncio.run(scenario()))

@@ -232,6 +232,7 @@ class Boxes:
         if opening is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(opening)
+        self.spawner.release(f"{env_id}#")  # its lodger (process.py names it so)
         for pid in (self.keepers.pop(env_id, None), self._stale.pop(env_id, None)):
             if pid is not None:
                 with contextlib.suppress(ProcessLookupError):

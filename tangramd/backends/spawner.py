@@ -136,6 +136,13 @@ class Spawner:
         """The cgroups that have a lodger (live or joining)."""
         return {chan.cgroup for chan in self._lodgers.values() if chan.cgroup is not None}
 
+    def release(self, prefix: str) -> None:
+        """End the lodgers whose lodge key starts with ``prefix`` (an environment's, when
+        it closes): each exits when its socket closes."""
+        for key, chan in list(self._lodgers.items()):
+            if key.startswith(prefix):
+                self._gone(chan)
+
     def native_lodgers(self) -> int:
         """How many lodgers run their loop in C."""
         return sum(chan.native for chan in self._lodgers.values())
