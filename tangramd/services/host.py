@@ -205,8 +205,11 @@ class ServiceHost:
         self, name: str, gpus: Sequence[int], evicted: Iterable[EvictionLike] = ()
     ) -> Restored:
         """Carry out ``GpuNodePool.restore``'s plan: the evictions, then the restore."""
-        chunks = {_chunk_of(ev.gpu, ev.dop): ev.service for ev in evicted}
-        await asyncio.gather(*(self.evict(svc, chunk) for chunk, svc in chunks.items()))
+        # One eviction per (service, chunk): a multi-GPU variant is listed once per GPU it
+        # leaves, and one chunk can hold several services (keyed by the chunk alone, all
+        # but one victim of a shared GPU stayed resident here while the pool freed them).
+        victims = {(ev.service, _chunk_of(ev.gpu, ev.dop)) for ev in evicted}
+        await asyncio.gather(*(self.evict(svc, chunk) for svc, chunk in sorted(victims)))
         return await self.ensure_resident(name, gpus)
 
     async def ensure_resident(self, name: str, gpus: Sequence[int]) -> Restored:
