@@ -146,8 +146,15 @@ class HttpReplica:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with self.log_path.open("ab") as log:
+                # in the service's own directory, never the daemon's working directory
+                # (`python -m SERVER` would import a module planted there, as root)
                 self.proc = await asyncio.create_subprocess_exec(
-                    *argv, stdout=log, stderr=log, env=env, start_new_session=True
+                    *argv,
+                    stdout=log,
+                    stderr=log,
+                    env=env,
+                    cwd=self.spec.path or str(self.log_path.parent),
+                    start_new_session=True,
                 )
         except OSError as exc:
             raise ServiceLoadError(

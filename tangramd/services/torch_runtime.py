@@ -49,16 +49,32 @@ def device_of(gpus: tuple[Gpu, ...]) -> str:
 def _worker_env(spec: ServiceSpec, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(spec.env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # cuda:i is NVML GPU i
     env.update(extra)
     return env
 
 
+# The worker runs isolated (-I: no current directory, PYTHONPATH or user site on sys.path;
+# -u: its log is complete when it crashes), so a module planted where the daemon was
+# started (a torch.py in root's cwd) is never imported by a worker running as root. It
+# finds tangramd where this daemon found it (appended: the interpreter's own packages come
+# first), and the service's --path is the only other directory added (worker.build).
+_WORKER_BOOT = (
+    "import runpy, sys; sys.path.append(sys.argv.pop(1)); "
+    "runpy.run_module('tangramd.services.worker', run_name='__main__', alter_sys=True)"
+)
+
+
 def _worker_argv(python: str, spec: ServiceSpec) -> list[str]:
-    argv = [python, "-m", "tangramd.services.worker", "--name", spec.name]
+    argv = [python, "-I", "-u", "-c", _WORKER_BOOT, PACKAGE_ROOT, "--name", spec.name]
     argv += ["--entry", str(spec.entry)]
     return argv + (["--path", spec.path] if spec.path else [])
+
+
+def _worker_cwd(spec: ServiceSpec, log_path: Path) -> str:
+    """Where a worker runs: the service's own directory (its --path), else the daemon's
+    private directory of service logs; never the daemon's working directory."""
+    return spec.path or str(log_path.parent)
 
 
 def _load_failed(spec: ServiceSpec, why: object, log: Path) -> ServiceLoadError:
@@ -125,6 +141,7 @@ class ForkServer:
                 stdout=log,
                 stderr=log,
                 env=env,
+                cwd=_worker_cwd(self.spec, self.log_path),
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,  # a ^C to the daemon must not reach the workers
             )
@@ -252,6 +269,7 @@ class TorchReplica:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
                 env=_worker_env(self.spec),
+                cwd=_worker_cwd(self.spec, self.log_path),
                 start_new_session=True,
             )
         self._pid = self.proc.pid
