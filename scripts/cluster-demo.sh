@@ -65,7 +65,12 @@ try:
     coord = spawn_coordinator(work, CONFIG)
     daemons.append(coord)
     join = coord.join
-    print(f"   join: tangramd node --coordinator {join['coordinator']} --token {join['token']} "
+    # the token in a private file, never on a command line (`ps` shows those to every user);
+    # spawn_node passes it to each node in $TANGRAM_JOIN_TOKEN
+    token_file = work / "join-token"
+    token_file.touch(mode=0o600)
+    token_file.write_text(join["token"] + "\n")
+    print(f"   join: tangramd node --coordinator {join['coordinator']} --token-file {token_file} "
           f"--ca-sha256 {join['ca_sha256']}")
     for i, c in enumerate(cpus, 1):
         node = spawn_node(work, coord, f"node-{i}", cpus=c)

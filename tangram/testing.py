@@ -380,8 +380,9 @@ def spawn_node(
     ready_timeout_s: float = 30.0,
     address: str | None = None,
 ) -> ClusterDaemon:
-    """A node joined to ``coordinator`` (its current token and CA hash unless given;
-    ``address``: dial this instead, e.g. a :class:`FaultProxy`)."""
+    """A node joined to ``coordinator`` (its current token, passed as
+    ``$TANGRAM_JOIN_TOKEN``, and CA hash unless given; ``address``: dial this instead, e.g.
+    a :class:`FaultProxy`)."""
     work = Path(workdir) / name
     work.mkdir(parents=True, exist_ok=True)
     cfg = work / "node.toml"
@@ -403,8 +404,9 @@ def spawn_node(
     ]
     token = join["token"] if token is None else token
     ca = join["ca_sha256"] if ca_sha256 is None else ca_sha256
-    if token:
-        args += ["--token", token]
+    env = dict(env or {})
+    if token:  # from the environment, as a deployment should: never on the command line
+        env.setdefault("TANGRAM_JOIN_TOKEN", token)
     if ca:
         args += ["--ca-sha256", ca]
     if cpus is not None:

@@ -21,6 +21,7 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import sys
 import tarfile
 import time
@@ -253,16 +254,40 @@ def cluster() -> None:
 
 @cluster.command("join")
 @click.option("--rotate", is_flag=True, help="Replace the join token; joined nodes stay.")
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="PATH",
+    help="Write the token to PATH (mode 0600) and print a command that reads it from there.",
+)
 @json_option
 @pass_ctl
-def cluster_join(ctl: Ctl, rotate: bool, as_json: bool) -> None:
-    """Print the command a new host runs to join this cluster."""
+def cluster_join(ctl: Ctl, rotate: bool, token_file: str | None, as_json: bool) -> None:
+    """Print the command a new host runs to join this cluster. The token never goes on
+    that command's command line (which `ps` shows every local user): it is passed in
+    $TANGRAM_JOIN_TOKEN, or with --token-file in a file only its owner reads."""
     info = ctl.client.cluster_join(rotate=rotate)
-    line = (
-        f"tangramd node --coordinator {info['coordinator']} --token {info['token']} "
-        f"--ca-sha256 {info['ca_sha256']}"
-    )
+    where = f"--coordinator {info['coordinator']}"
+    pin = f"--ca-sha256 {info['ca_sha256']}" if info["ca_sha256"] else "--insecure"
+    if token_file is not None:
+        path = os.path.abspath(token_file)
+        try:
+            _write_private(path, f"{info['token']}\n")
+        except OSError as exc:
+            fail(f"--token-file {path}: {exc.strerror or exc}", EXIT_USAGE)
+        line = f"tangramd node {where} --token-file {shlex.quote(path)} {pin}"
+    else:
+        line = f"TANGRAM_JOIN_TOKEN={info['token']} tangramd node {where} {pin}"
     emit(as_json, info, lambda: line)
+
+
+def _write_private(path: str, text: str) -> None:
+    """Write ``text`` to ``path``, readable by its owner only (a link there is refused)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), 0o600)  # an existing file keeps its mode otherwise
+        f.write(text)
 
 
 @cli.command()

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,12 +107,14 @@ def _die_with_parent() -> Callable[[], None]:
 class Daemon:
     """One ``tangramd`` subprocess of an actor, its log file and how it ended."""
 
-    def __init__(self, args: Sequence[str], log_path: Path) -> None:
+    def __init__(
+        self, args: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None
+    ) -> None:
         self.args = list(args)
         self.log_path = log_path
         self.stopping = False
         self.started = time.monotonic()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tangramd.main", *self.args],
@@ -220,14 +222,14 @@ class Node:
         args = ["node", "--coordinator", join["coordinator"], "--name", self.name]
         args += ["--socket", self.socket, "--state-dir", str(self.state / "state")]
         args += ["--config", str(config)]
-        if join.get("token"):
-            args += ["--token", join["token"]]
+        # the token in the environment, never in argv (which `ps` shows every local user)
+        env = {"TANGRAM_JOIN_TOKEN": join["token"]} if join.get("token") else {}
         if join.get("ca_sha256"):
             args += ["--ca-sha256", join["ca_sha256"]]
         if spec.get("cpus") is not None:
             args += ["--cpus", spec["cpus"]]
         self.failed: list[str] = []
-        self.daemon = Daemon(args, self.state / "tangramd.log")
+        self.daemon = Daemon(args, self.state / "tangramd.log", env)
         self.daemon.watch(_crash_handler(self.daemon, f"tangramd node {self.name}", self.failed))
 
     def info(self) -> dict[str, Any]:

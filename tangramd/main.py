@@ -325,7 +325,17 @@ def http(listen: str, socket_path: str | None, api_key_file: str | None, cpus: i
     help="The coordinator's node address (its --listen).",
 )
 @click.option(
-    "--token", default=None, metavar="TOKEN", help="Join token (`tangramctl cluster join`)."
+    "--token-file",
+    default=None,
+    metavar="PATH",
+    help="File holding the join token (`tangramctl cluster join --token-file`); also read "
+    "from $TANGRAM_JOIN_TOKEN or the systemd credential join-token.",
+)
+@click.option(
+    "--token",
+    default=None,
+    metavar="TOKEN",
+    help="The join token itself (warned about: `ps` shows it; prefer --token-file).",
 )
 @click.option(
     "--ca-sha256", default=None, metavar="HEX", help="Pinned hash of the coordinator's CA."

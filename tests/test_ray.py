@@ -340,7 +340,10 @@ def test_ray_up_starts_the_coordinator_and_one_node_per_ray_node(
         assert Path(row["socket"]).is_socket()
     with Client(report["coordinator"]["socket"]) as c:
         names = sorted(r["name"] for r in c.nodes() if r["state"] == "ready")
+        token = c.cluster_join()["token"]
     assert names == sorted(node_name(n.node_id) for n in host.nodes.values())
+    for row in report["nodes"]:  # joined with the token in its environment: `ps` never shows it
+        assert token not in " ".join(psutil.Process(row["pid"]).cmdline()), row
     status = CliRunner().invoke(cli, ["ray", "status", "--json"])
     assert status.exit_code == 0, status.output
     assert {r["name"] for r in json.loads(status.output)["nodes"]} == set(names)

@@ -12,6 +12,7 @@ import asyncio
 import os
 import socket
 import sys
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -225,10 +226,58 @@ async def serve_node(agent: NodeAgent, stop: asyncio.Event) -> int:
     return 0 if agent.failed is None else 1
 
 
+TOKEN_ENV = "TANGRAM_JOIN_TOKEN"
+TOKEN_CREDENTIAL = "join-token"  # $CREDENTIALS_DIRECTORY/join-token (systemd LoadCredential=)
+TOKEN_ON_ARGV_WARNING = (
+    "warning: --token puts the join token on this process's command line, which `ps` shows "
+    f"every local user; pass --token-file PATH, ${TOKEN_ENV} or the systemd credential "
+    f"{TOKEN_CREDENTIAL} (LoadCredential=) instead"
+)
+
+
+def join_token(
+    token: str | None, token_file: str | None, environ: MutableMapping[str, str]
+) -> str | None:
+    """The node's join token, from the first of: ``--token-file``, ``--token`` (warned
+    about: argv is public), ``$TANGRAM_JOIN_TOKEN``, the systemd credential ``join-token``;
+    None if none gives one (a node with its own credential needs none). The variable is
+    removed from ``environ``: the node's commands and services never inherit it. Raises
+    ValueError naming the source that is unusable."""
+    from_env = environ.pop(TOKEN_ENV, "").strip() or None
+    if token is not None and token_file is not None:
+        raise ValueError("pass --token or --token-file, not both")
+    if token_file is not None:
+        return _read_token(token_file, "--token-file", empty_ok=False)
+    if token is not None:
+        click.echo(f"tangramd node: {TOKEN_ON_ARGV_WARNING}", err=True)
+        return token.strip() or None
+    if from_env is not None:
+        return from_env
+    credentials = environ.get("CREDENTIALS_DIRECTORY")
+    if credentials:
+        path = os.path.join(credentials, TOKEN_CREDENTIAL)
+        if os.path.exists(path):  # an empty one (SetCredential= default): no token
+            return _read_token(path, f"credential {TOKEN_CREDENTIAL}", empty_ok=True)
+    return None
+
+
+def _read_token(path: str, what: str, *, empty_ok: bool) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ValueError(f"{what} {path}: {why}") from None
+    if not text and not empty_ok:
+        raise ValueError(f"{what} {path} is empty")
+    return text or None
+
+
 def node(
     *,
     coordinator_addr: str,
     token: str | None,
+    token_file: str | None,
     ca_sha256: str | None,
     socket_path: str | None,
     state_dir: str | None,
@@ -238,6 +287,10 @@ def node(
     config_path: str | None,
     insecure: bool,
 ) -> None:
+    try:
+        token = join_token(token, token_file, os.environ)
+    except ValueError as exc:
+        _fail(str(exc), 2)
     host, port = _address(coordinator_addr, "--coordinator")
     if insecure and not is_loopback(host):
         _fail(f"--insecure sends the token in the clear and is refused off loopback ({host})", 2)
