@@ -57,8 +57,9 @@ def _worker_env(spec: ServiceSpec, **extra: str) -> dict[str, str]:
 # The worker runs isolated (-I: no current directory, PYTHONPATH or user site on sys.path;
 # -u: its log is complete when it crashes), so a module planted where the daemon was
 # started (a torch.py in root's cwd) is never imported by a worker running as root. It
-# finds tangramd where this daemon found it (appended: the interpreter's own packages come
-# first), and the service's --path is the only other directory added (worker.build).
+# finds tangramd in the interpreter's packages (an install, editable or not), else where
+# this daemon found it (appended: a source tree run through PYTHONPATH); the service's
+# --path is the only other directory added (worker.build).
 _WORKER_BOOT = (
     "import runpy, sys; sys.path.append(sys.argv.pop(1)); "
     "runpy.run_module('tangramd.services.worker', run_name='__main__', alter_sys=True)"
