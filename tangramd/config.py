@@ -435,6 +435,14 @@ class GpuConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """``[http]``: the HTTP gateway's limits (``tangramd http``, ``tangramd up --http``)."""
+
+    max_body: int = _key(_size(1024), 16 * MIB)  # larger request bodies: 413, unread
+    max_run_timeout_s: float = _key(_number(0.0, exclusive=True), 3600.0)  # above: 400
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceConfig:
     """One ``[[service]]``: a GPU model service and its DoP variants."""
 
@@ -457,6 +465,7 @@ class Config:
     apis: tuple[ApiConfig, ...] = ()
     services: tuple[ServiceConfig, ...] = ()
     path: str | None = None
+    http: HttpConfig = field(default_factory=HttpConfig)
 
     def api(self, name: str) -> ApiConfig | None:
         """The ``[[api]]`` entry called ``name``, if any."""
@@ -468,6 +477,7 @@ _TABLES: Final[dict[str, type]] = {
     "cpu": CpuConfig,
     "sched": SchedSection,
     "gpu": GpuConfig,
+    "http": HttpConfig,
 }
 _ARRAYS: Final[dict[str, tuple[str, type]]] = {
     "api": ("apis", ApiConfig),
@@ -677,6 +687,7 @@ __all__ = [
     "CpuConfig",
     "DaemonConfig",
     "GpuConfig",
+    "HttpConfig",
     "SchedSection",
     "ServiceConfig",
     "SimulatedGpuConfig",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import socket
 import sys
@@ -82,6 +83,12 @@ def cli() -> None:
     metavar="N",
     help="With --http: cores per /run_code (default 1).",
 )
+@click.option(
+    "--http-insecure-no-auth",
+    is_flag=True,
+    default=None,
+    help="With --http on a non-loopback address: serve it without an API key anyway.",
+)
 def up(
     config_path: str | None,
     socket_path: str | None,
@@ -91,6 +98,7 @@ def up(
     http_api_key_file: str | None,
     http_user: str | None,
     http_cpus: int | None,
+    http_insecure_no_auth: bool | None,
 ) -> None:
     """Run coordinator + node + local socket in one process until SIGTERM/SIGINT."""
     gateway = None
@@ -100,7 +108,9 @@ def up(
         except ImportError as exc:
             click.echo(f"tangramd up --http: {_NO_HTTP_EXTRA}: {exc}", err=True)
             sys.exit(2)
-        host, port, key = _http_settings("tangramd up --http", http_listen, http_api_key_file)
+        host, port, key = _http_settings(
+            "tangramd up --http", http_listen, http_api_key_file, bool(http_insecure_no_auth)
+        )
         peer = None
         if http_user is not None:
             peer = resolve_user(http_user)
@@ -113,6 +123,7 @@ def up(
             "--http-api-key-file": http_api_key_file,
             "--http-user": http_user,
             "--http-cpus": http_cpus,
+            "--http-insecure-no-auth": http_insecure_no_auth,
         }
         for option, value in given.items():
             if value is not None:
@@ -199,6 +210,7 @@ async def _serve(config: Any, gateway: _Gateway | None = None) -> None:
                 api_key=gateway.key,
                 cpus=gateway.cpus,
                 peer=gateway.peer,
+                limits=config.http,
             )
             try:
                 await http.start()
@@ -222,9 +234,12 @@ async def _serve(config: Any, gateway: _Gateway | None = None) -> None:
 _NO_HTTP_EXTRA = "needs the http extra (pip install 'arl-tangram[http]')"
 
 
-def _http_settings(prog: str, listen: str, api_key_file: str | None) -> tuple[str, int, str | None]:
+def _http_settings(
+    prog: str, listen: str, api_key_file: str | None, insecure: bool
+) -> tuple[str, int, str | None]:
     """HOST, PORT and the API key (None: no key) of an HTTP gateway's options; exit 2 with
-    a one-line message on a bad value."""
+    a one-line message on a bad value, or on a non-loopback address without a key (unless
+    ``insecure``), before anything is bound."""
     host, sep, port_text = listen.rpartition(":")
     if not sep or not port_text.isdigit() or not host or int(port_text) > 65535:
         click.echo(f"{prog}: --listen {listen!r}: want HOST:PORT", err=True)
@@ -236,9 +251,46 @@ def _http_settings(prog: str, listen: str, api_key_file: str | None) -> tuple[st
         if not key:
             click.echo(f"{prog}: {api_key_file} is empty", err=True)
             sys.exit(2)
-    elif host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
-        click.echo(f"{prog}: serving {host} without --api-key-file", err=True)
+    elif not _loopback(host.strip("[]")):
+        if not insecure:
+            click.echo(
+                f"{prog}: refusing to serve {host} without an API key: anyone who can reach "
+                f"it could run commands as the daemon's users (give {_key_option(prog)}, "
+                f"listen on 127.0.0.1, or pass {_insecure_option(prog)})",
+                err=True,
+            )
+            sys.exit(2)
+        click.echo(
+            f"{prog}: warning: serving {host} without an API key "
+            f"({_insecure_option(prog)}): anyone who can reach it runs commands",
+            err=True,
+        )
+    else:
+        click.echo(
+            f"{prog}: warning: no API key: any local user can reach {listen} and run "
+            "commands as the gateway's callers, bypassing daemon.allowed_uids "
+            f"(give {_key_option(prog)})",
+            err=True,
+        )
     return host.strip("[]"), int(port_text), key
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine (``localhost`` or a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any address
+        return False
+
+
+def _key_option(prog: str) -> str:
+    return "--http-api-key-file" if prog.startswith("tangramd up") else "--api-key-file"
+
+
+def _insecure_option(prog: str) -> str:
+    return "--http-insecure-no-auth" if prog.startswith("tangramd up") else "--insecure-no-auth"
 
 
 @cli.command()
@@ -270,7 +322,26 @@ def _http_settings(prog: str, listen: str, api_key_file: str | None) -> tuple[st
     metavar="N",
     help="Cores per /run_code.",
 )
-def http(listen: str, socket_path: str | None, api_key_file: str | None, cpus: int) -> None:
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="TOML config file whose [http] section sets the limits (max_body, ...).",
+)
+@click.option(
+    "--insecure-no-auth",
+    is_flag=True,
+    help="Serve a non-loopback address without --api-key-file anyway.",
+)
+def http(
+    listen: str,
+    socket_path: str | None,
+    api_key_file: str | None,
+    cpus: int,
+    config_path: str | None,
+    insecure_no_auth: bool,
+) -> None:
     """Serve SandboxFusion /run_code, SWE-ReX /swerex/ENV and /metrics over HTTP."""
     try:
         import uvicorn
@@ -281,9 +352,20 @@ def http(listen: str, socket_path: str | None, api_key_file: str | None, cpus: i
         sys.exit(2)
     from tangram.protocol import default_socket_path
 
-    host, port, key = _http_settings("tangramd http", listen, api_key_file)
+    host, port, key = _http_settings("tangramd http", listen, api_key_file, insecure_no_auth)
+    try:
+        limits = load_config(config_path, {}).http
+    except ConfigError as exc:
+        click.echo(f"tangramd http: {exc}", err=True)
+        sys.exit(2)
     daemon_socket = socket_path or default_socket_path()
-    app = build_app(daemon_socket, api_key=key, cpus=cpus)
+    app = build_app(
+        daemon_socket,
+        api_key=key,
+        cpus=cpus,
+        max_body=limits.max_body,
+        max_run_timeout_s=limits.max_run_timeout_s,
+    )
     shown = f"[{host}]" if ":" in host else host
     click.echo(
         f"tangramd http: serving http://{shown}:{port} (/run_code, /run_jupyter, "

@@ -112,6 +112,7 @@ def test_shipped_example_documents_every_key() -> None:
         "cpu": config.cpu,
         "sched": config.sched,
         "gpu": config.gpu,
+        "http": config.http,
     }
     for section, value in sections.items():
         assert f"[{section}]" in text

@@ -21,6 +21,12 @@ out of logs you share; the gateway logs no request lines.) Errors never take the
 a malformed body is a 422 with FastAPI's JSON detail, an unexpected exception on a SWE-ReX
 route is SWE-ReX's 511 transfer, a refusal of the daemon elsewhere a 4xx/502 with a JSON
 body (anything else is a bug: a 500, logged with its traceback).
+
+Limits (``[http]`` in the config): a body larger than ``max_body`` is a 413, refused on its
+``Content-Length`` or, for a chunked body, as soon as the bytes received pass the limit,
+never read whole; a ``run_timeout`` (``compile_timeout``, ``cell_timeout``,
+``total_timeout``) above ``max_run_timeout_s`` is a 400 naming the field; JSON nested too
+deep for the parser is a 400.
 """
 
 from __future__ import annotations
@@ -35,8 +41,11 @@ from typing import Any
 
 import structlog
 from fastapi import FastAPI, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tangram.client import AsyncClient, ExecResult
@@ -51,6 +60,14 @@ API_KEY_HEADER = "X-API-Key"
 API_KEY_LOWER = API_KEY_HEADER.lower().encode()  # ASGI header names are lower-case bytes
 KEY_PREFIX = "/k/"  # /k/KEY/run_code: the key in the path, for clients that send no header
 SCRAPE_TIMEOUT_S = 2.0
+MAX_BODY = 16 << 20  # [http] max_body's default
+MAX_RUN_TIMEOUT_S = 3600.0  # [http] max_run_timeout_s's default
+
+
+class Refusal(HTTPException):
+    """A request refused before its route ran (body too large, JSON too deep): raised
+    where the body is read, answered by Gate (or, inside FastAPI, by its handler of
+    HTTPException, which FastAPI's body parsing lets through) as ``{"detail": ...}``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +93,11 @@ class Gate:
         key: bytes | None,
         metrics: Metrics,
         fast: Mapping[str, FastRoute] | None = None,
+        max_body: int = MAX_BODY,
     ) -> None:
         self.app = app
         self.key = key
+        self.max_body = max_body
         self.metrics = metrics
         self.fast = dict(fast or {})
 
@@ -100,12 +119,20 @@ class Gate:
                 )
                 await denied(scope, receive, send)
                 return
+        length = _content_length(scope)
+        if length is not None and length > self.max_body:  # refused before a byte is read
+            too_large = _too_large(self.max_body, f"Content-Length {length}")
+            metrics.request_done("too_large", too_large.status_code)
+            await _answer(too_large, scope, receive, send)
+            return
+        receive = _limited(receive, self.max_body)  # a chunked body: counted as it comes
         status = 500  # an exception before the response started (Starlette answers 500)
+        started = False
 
         async def send_and_note(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
             await send(message)
 
         route_path: str | None = None
@@ -122,12 +149,51 @@ class Gate:
                     return
                 receive = _replay(received, receive)  # FastAPI reads the same messages
             await self.app(scope, receive, send_and_note)
+        except Refusal as refusal:  # from ``receive``, or past FastAPI's own handler
+            if started:  # the response had begun: nothing else can be said
+                raise
+            await _answer(refusal, scope, receive, send_and_note)
         finally:
             metrics.in_flight.dec()
             if route_path is None:
                 route = scope.get("route")  # the router records the matched route in the scope
                 route_path = getattr(route, "path", "unmatched")
             metrics.request_done(route_path, status)
+
+
+def _content_length(scope: Scope) -> int | None:
+    """The request's ``Content-Length``, if it sent one (the server checked its syntax)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.strip().isdigit() else None
+    return None
+
+
+def _too_large(limit: int, what: str) -> Refusal:
+    detail = f"request body too large: {what} is over the gateway's limit of {limit} bytes"
+    return Refusal(413, f"{detail} ([http] max_body)")
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    """``receive`` that raises :class:`Refusal` (413) once the body passes ``limit``
+    bytes: a chunked body is refused as it streams in, never held whole."""
+    seen = 0
+
+    async def limited() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _too_large(limit, f"the body (over {seen} bytes so far)")
+        return message
+
+    return limited
+
+
+async def _answer(refusal: Refusal, scope: Scope, receive: Receive, send: Send) -> None:
+    response = JSONResponse({"detail": refusal.detail}, status_code=refusal.status_code)
+    await response(scope, receive, send)
 
 
 def _key_from_path(scope: Scope, path: str) -> tuple[bytes, Scope]:
@@ -166,6 +232,8 @@ async def _fast_request(
         return fast.model.model_validate(json.loads(b"".join(chunks)))
     except (ValueError, ValidationError):  # JSONDecodeError, UnicodeDecodeError among them
         return None
+    except RecursionError:  # FastAPI would say only "There was an error parsing the body"
+        raise Refusal(400, "request body: JSON nested too deeply to parse") from None
 
 
 async def _serve_fast(fast: FastRoute, request: Any) -> Response:
@@ -187,6 +255,16 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
     return replayed
 
 
+def _over_ceiling(request: BaseModel, names: tuple[str, ...], ceiling: float) -> Response | None:
+    """A 400 naming the first of ``names`` (seconds) above ``ceiling``, else None."""
+    for name in names:
+        value: float = getattr(request, name)
+        if not value <= ceiling:  # NaN too
+            detail = f"{name}: {value:g} s is above the gateway's ceiling of {ceiling:g} s"
+            return JSONResponse({"detail": f"{detail} ([http] max_run_timeout_s)"}, 400)
+    return None
+
+
 def refusal_response(exc: TangramError) -> JSONResponse:
     """A refusal of the daemon outside the SWE-ReX routes, as JSON."""
     status = 404 if exc.code == "not_found" else 400 if exc.code == "bad_request" else 502
@@ -199,10 +277,12 @@ def build_app(
     client: AsyncClient | None = None,
     api_key: str | None = None,
     cpus: int = 1,
+    max_body: int = MAX_BODY,
+    max_run_timeout_s: float = MAX_RUN_TIMEOUT_S,
 ) -> FastAPI:
     """The gateway for the daemon at ``socket``, or through ``client`` (the daemon's own
     :class:`~tangramd.gateway.local.InProcessClient` under ``tangramd up --http``);
-    ``cpus``: cores per ``/run_code``."""
+    ``cpus``: cores per ``/run_code``; ``max_body``, ``max_run_timeout_s``: ``[http]``."""
     if client is None:
         if socket is None:
             raise ValueError("build_app needs a socket or a client")
@@ -222,6 +302,9 @@ def build_app(
         await client.close()
 
     async def serve_run_code(request: sf.RunCodeRequest) -> Response:
+        over = _over_ceiling(request, ("run_timeout", "compile_timeout"), max_run_timeout_s)
+        if over is not None:
+            return over
         response, results = await sf.run_code(client, request, cpus=cpus)
         for result in results:
             metrics.observe(f"run_code/{request.language}", result)
@@ -231,6 +314,9 @@ def build_app(
         return Response(response.model_dump_json(), media_type="application/json")
 
     async def serve_run_jupyter(request: jupyter.RunJupyterRequest) -> Response:
+        over = _over_ceiling(request, ("total_timeout", "cell_timeout"), max_run_timeout_s)
+        if over is not None:
+            return over
         response, result = await jupyter.run_jupyter(client, request, cpus=cpus)
         if result is not None:
             metrics.observe("run_jupyter/python3", result)
@@ -243,11 +329,21 @@ def build_app(
         "/run_code": FastRoute(sf.RunCodeRequest, serve_run_code),
         "/run_jupyter": FastRoute(jupyter.RunJupyterRequest, serve_run_jupyter),
     }
-    app.add_middleware(Gate, key=api_key.encode() if api_key else None, metrics=metrics, fast=fast)
+    key = api_key.encode() if api_key else None
+    app.add_middleware(Gate, key=key, metrics=metrics, fast=fast, max_body=max_body)
 
     @app.exception_handler(swerex.RemoteError)
     async def remote_error(request: Request, exc: swerex.RemoteError) -> JSONResponse:
         return swerex.exception_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        # FastAPI's own 422, but ASCII-escaped: an error echoes its input, and a lone
+        # surrogate in it (JSON's "\ud800") cannot be encoded as UTF-8 (a 500 otherwise)
+        detail = json.dumps(
+            {"detail": jsonable_encoder(exc.errors())}, ensure_ascii=True, separators=(",", ":")
+        )
+        return Response(detail, status_code=422, media_type="application/json")
 
     @app.exception_handler(TangramError)
     async def daemon_refused(request: Request, exc: TangramError) -> JSONResponse:

@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 import uvicorn
 
+from tangramd.config import HttpConfig
 from tangramd.gateway.app import build_app
 from tangramd.gateway.local import InProcessClient
 from tangramd.transport import UnixServer
@@ -63,11 +64,20 @@ class EmbeddedGateway:
         api_key: str | None,
         cpus: int,
         peer: tuple[int, int] | None = None,
+        limits: HttpConfig | None = None,
     ) -> None:
-        """``peer``: the (uid, gid) HTTP callers count as (None: the daemon's own)."""
+        """``peer``: the (uid, gid) HTTP callers count as (None: the daemon's own);
+        ``limits``: the config's ``[http]``."""
         self.sock = sock
         self.client = InProcessClient(server, peer=peer)
-        app = build_app(client=self.client, api_key=api_key, cpus=cpus)
+        limits = limits or HttpConfig()
+        app = build_app(
+            client=self.client,
+            api_key=api_key,
+            cpus=cpus,
+            max_body=limits.max_body,
+            max_run_timeout_s=limits.max_run_timeout_s,
+        )
         config = uvicorn.Config(
             app,
             log_level="warning",

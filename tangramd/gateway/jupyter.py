@@ -27,7 +27,9 @@ from tangram.model import TangramError
 from tangramd.gateway.sandbox_fusion import (
     CommandRunResult,
     CommandRunStatus,
+    MemoryLimitMB,
     RunStatus,
+    Text,
     command_result,
     decode_files,
     encode_files,
@@ -42,13 +44,13 @@ OUTPUT_FILE = ".tangram_cells_out.json"
 
 
 class RunJupyterRequest(BaseModel):
-    cells: list[str] = Field(..., description="list of code blocks to run in jupyter notebook")
+    cells: list[Text] = Field(..., description="list of code blocks to run in jupyter notebook")
     cell_timeout: float = Field(0, description="max run time for each of the cells")
     total_timeout: float = Field(45, description="max run time for all the cells")
-    memory_limit_MB: int = Field(-1, description="maximum memory allowed in megabytes")
+    memory_limit_MB: MemoryLimitMB = -1
     kernel: Literal["python3"] = "python3"
-    files: dict[str, str] = Field({}, description="file path -> base64 content")
-    fetch_files: list[str] = Field([], description="file paths to fetch after execution")
+    files: dict[Text, str] = Field({}, description="file path -> base64 content")
+    fetch_files: list[Text] = Field([], description="file paths to fetch after execution")
 
 
 class CellRunResult(BaseModel):

@@ -28,9 +28,9 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from tangram.client import AsyncClient, ExecResult
 from tangram.model import TangramError
@@ -42,15 +42,35 @@ Language = Literal[
 ]  # fmt: skip
 
 
+MAX_MEMORY_LIMIT_MB = 1 << 30  # 1 PiB: larger is a 422 (the daemon's sizes are 64-bit)
+
+
+def _utf8(text: str) -> str:
+    """``text`` if it can be encoded as UTF-8; JSON's ``"\\ud800"`` (a lone surrogate)
+    cannot, and would fail later, as a 500, where the request is sent to the daemon."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not UTF-8 text: a lone surrogate at index {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+MemoryLimitMB = Annotated[
+    int,
+    Field(le=MAX_MEMORY_LIMIT_MB, description="maximum memory allowed in megabytes"),
+]
+
+
 class RunCodeRequest(BaseModel):
     compile_timeout: float = Field(10, description="compile timeout for compiled languages")
     run_timeout: float = Field(10, description="code run timeout")
-    memory_limit_MB: int = Field(-1, description="maximum memory allowed in megabytes")
-    code: str = Field(..., description="the code to run")
-    stdin: str | None = Field(None, description="optional string to pass into stdin")
+    memory_limit_MB: MemoryLimitMB = -1
+    code: Text = Field(..., description="the code to run")
+    stdin: Text | None = Field(None, description="optional string to pass into stdin")
     language: Language = Field(..., description="the language or execution mode to run the code")
-    files: dict[str, str | None] = Field({}, description="file path -> base64 content")
-    fetch_files: list[str] = Field([], description="file paths to fetch after execution")
+    files: dict[Text, str | None] = Field({}, description="file path -> base64 content")
+    fetch_files: list[Text] = Field([], description="file paths to fetch after execution")
 
 
 class RunStatus(str, Enum):
