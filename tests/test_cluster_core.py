@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tangram.model import TangramError
@@ -189,7 +191,8 @@ def test_restored_environments_wait_for_their_node() -> None:
     assert (running.node, running.env_id) == ("a", "e7")
     (lost,) = core.handle(ev.SubmitExec(spec=ExecSpec(cmd="true", env="e3"), token=3), 1)
     assert lost.error is not None and lost.error[0] == "env_lost"
-    assert open_ready(core, 4).env_id == "e8"
+    fresh = open_ready(core, 4).env_id
+    assert fresh not in ("e7", "e3") and re.fullmatch(r"e[0-9a-f]{32}", fresh), fresh
 
 
 def test_queued_throwaway_work_of_a_lost_node_moves_to_another() -> None:
@@ -263,3 +266,15 @@ def test_a_hellos_gpus_are_kept_as_reported() -> None:
         },
     )
     assert _parse_gpus(None) == ()
+
+
+def test_environment_ids_are_128_random_bits() -> None:
+    """Environment ids are ``e`` and 32 random hex digits (128 bits): no caller can reach
+    another's environment by counting (issue 30, item 4)."""
+    core = cluster_core()
+    join(core, "a")
+    ids = [open_ready(core, token).env_id for token in range(1, 9)]
+    assert len(set(ids)) == len(ids)
+    assert all(re.fullmatch(r"e[0-9a-f]{32}", i) for i in ids), ids
+    digits = {int(i[1:], 16) for i in ids}
+    assert max(abs(a - b) for a in digits for b in digits) > 1 << 64

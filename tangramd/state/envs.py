@@ -11,9 +11,9 @@ the core's queues and scheduler are the coordinator side.
 
 from __future__ import annotations
 
-import itertools
+import os
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -96,6 +96,13 @@ class Gone:
     env: EnvRec
 
 
+def random_env_id() -> EnvId:
+    """``e`` and 128 random bits in hex: an environment id is a capability no caller can
+    guess or enumerate (issue 30: ids were ``e1``, ``e2``, ... and any caller could reach
+    another's environment by counting)."""
+    return EnvId("e" + os.urandom(16).hex())
+
+
 @dataclass(frozen=True, slots=True)
 class EnvDefaults:
     mem: int = 1 << 30
@@ -107,14 +114,21 @@ class EnvDefaults:
 class EnvBook:
     """Environments of the nodes of one ``CpuCluster`` (see the module doc)."""
 
-    def __init__(self, cpu: CpuCluster, defaults: EnvDefaults, stories: Stories) -> None:
+    def __init__(
+        self,
+        cpu: CpuCluster,
+        defaults: EnvDefaults,
+        stories: Stories,
+        new_id: Callable[[], EnvId] | None = None,
+    ) -> None:
+        """``new_id``: where new ids come from (default :func:`random_env_id`)."""
         self.cpu = cpu
         self.defaults = defaults
         self.stories = stories
         self._envs: dict[EnvId, EnvRec] = {}
         self._waitq: deque[EnvId] = deque()  # waiting for memory, FIFO
         self.deadlines = Deadlines()  # env.open waits that give up (its timeout_s)
-        self._ids = itertools.count(1)
+        self._new_id = new_id or random_env_id
 
     # ------------------------------------------------------------------ reads
     def get(self, env_id: str) -> EnvRec | None:
@@ -240,17 +254,7 @@ class EnvBook:
             transition(env, "ready", ENV_EDGES, now, "re-adopted after a daemon restart", cause)
             self._envs[env_id] = env
             adopted.append(env)
-            self._skip_ids_through(env_id)
         return adopted
-
-    def _skip_ids_through(self, env_id: str) -> None:
-        """New ids never reuse an adopted one (``e<hex>``)."""
-        try:
-            used = int(env_id[1:], 16)
-        except ValueError:
-            return
-        nxt = next(self._ids)
-        self._ids = itertools.count(max(nxt, used + 1))
 
     def open(
         self,
@@ -272,7 +276,9 @@ class EnvBook:
 
         Raises ``Unschedulable`` when no node could ever hold it.
         """
-        env_id = EnvId(f"e{next(self._ids):x}")
+        env_id = self._new_id()
+        while env_id in self._envs:  # never reuse a live or restored id
+            env_id = self._new_id()
         traj = TrajectoryId(trajectory or f"traj-{env_id}")
         mem_bytes = self.defaults.mem if mem is None else mem
         placed = self.cpu.place_trajectory(traj, env_id, 0, mem_bytes)
@@ -332,11 +338,6 @@ class EnvBook:
         )
         transition(env, "lost", ENV_EDGES, now, "restored from the coordinator's store", cause)
         self._envs[env.id] = env
-        try:
-            number = int(env_id[1:], 16)  # ids are e<hex>: new ones must not collide
-        except ValueError:
-            number = 0
-        self._ids = itertools.count(max(number + 1, next(self._ids)))
         return env
 
     def reclaim(self, node: str, now: float, cause: int) -> list[EnvRec]:
