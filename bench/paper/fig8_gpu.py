@@ -8,24 +8,64 @@ Usage: python bench/paper/fig8_gpu.py [--gpus 4,8,12,16,24,32,40] [--batches 256
     Paper: the same ACT with 29% of the GPUs (71.2% saved).
 (b) MOPD over batch sizes on 40 GPUs, the three tangram rules vs static-services. Paper: 18.1×
     faster at batch 2048 than the static SGLang deployment.
+(c) ``--baselines`` (issue 33 item 5): the static deployment batching as SGLang does
+    (continuous batching, ``static_max_batch`` calls per replica, per-call time from the same
+    service time model, see ``tangram.sim.baselines``) in three replica shapes of the same
+    40 GPUs (4×1, 2×2, 1×4 GPUs per service), at teacher popularity skews 1×, 10×, 1000×
+    (MOPD+Search, batch 1024): the fewest GPUs on which ``tangram`` (which does not batch)
+    reaches the baseline's GPU-action ACT, and the saving. Writes
+    ``bench/paper/out/fig8_gpu_baselines.json``; ``--baselines-only`` skips (a) and (b).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
+from typing import Any
 
 from common import IMG, paper_cluster, ratio, run, save, summaries, tag_act
 
+from tangram.sim import generate, parse_policy, simulate
+from tangram.sim.cluster import ClusterSpec
+
 GPU_TAGS = ("teacher", "reward")
 TANGRAMS = ("tangram", "tangram-wait", "tangram-paper")
+SHAPES = {"4x1": (4, 1), "2x2": (2, 2), "1x4": (1, 4)}  # replicas x GPUs per service
+SKEWS = (1.0, 10.0, 1000.0)
+MAX_BATCH = 64  # calls one replica batches (SGLang's running requests, assumed for prefill)
+# a full batch's throughput per GPU over one call alone on one GPU: 1 = the service time
+# model's own (batching only removes the multi-GPU loss E(g)); 2 = assumed batching gain
+BATCH_GAINS = (1.0, 2.0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", default="4,8,12,16,24,32,40")
     ap.add_argument("--batches", default="256,512,1024,2048")
+    ap.add_argument("--baselines", action="store_true", help="add table (c)")
+    ap.add_argument("--baselines-only", action="store_true", help="only table (c)")
+    ap.add_argument("--skews", default=",".join(f"{s:g}" for s in SKEWS))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--sweep", default=",".join(str(g) for g in range(4, 41, 4)))
+    ap.add_argument("--batch", type=int, default=1024, help="(c): RL batch size")
+    ap.add_argument("--max-batch", type=int, default=MAX_BATCH)
+    ap.add_argument("--batch-gains", default=",".join(f"{g:g}" for g in BATCH_GAINS))
+    ap.add_argument("--out", default="fig8_gpu_baselines", help="(c): JSON name in out/")
     args = ap.parse_args()
+    if args.baselines or args.baselines_only:
+        started = time.perf_counter()
+        doc = baselines_table(
+            [float(x) for x in args.skews.split(",")],
+            args.shapes.split(","),
+            [int(x) for x in args.sweep.split(",")],
+            args.batch,
+            args.max_batch,
+            [float(x) for x in args.batch_gains.split(",")],
+        )
+        save(args.out, doc, started)
+        if args.baselines_only:
+            return
     started = time.perf_counter()
     base = paper_cluster()
     doc: dict[str, object] = {"sweep": {}, "scalability": {}}
@@ -81,6 +121,92 @@ def main() -> None:
         )
     _plot(sweep, target, scal)
     save("fig8_gpu", doc, started)
+
+
+def shaped(base: ClusterSpec, shape: str, max_batch: int, gain: float) -> ClusterSpec:
+    """Every service deployed as ``replicas x gpus`` static replicas, batching ``max_batch``."""
+    replicas, gpus = SHAPES[shape]
+    services = tuple(replace(s, static_gpus=gpus, static_replicas=replicas) for s in base.services)
+    rules = replace(base.baselines, static_max_batch=max_batch, static_batch_gain=gain)
+    return replace(base, services=services, baselines=rules)
+
+
+def fewest_gpus(acts: dict[int, float], target: float) -> int | None:
+    """The fewest GPUs of the sweep whose ACT is at most ``target`` (None: no count)."""
+    enough = [g for g, act in acts.items() if act <= target]
+    return min(enough) if enough else None
+
+
+def _tangram_act(base: ClusterSpec, trace: list[Any], g: int) -> float:
+    """tangram's GPU-action ACT on ``g`` GPUs (a sweep point: whole nodes plus 1, 2 or 4)."""
+    return tag_act(simulate(base.with_gpus(g), trace, parse_policy("tangram")), GPU_TAGS)
+
+
+def baselines_table(
+    skews: list[float],
+    shapes: list[str],
+    sweep: list[int],
+    batch: int,
+    max_batch: int,
+    gains: list[float],
+) -> dict[str, Any]:
+    """Table (c): per skew, tangram's ACT over the GPU sweep; per shape, the static
+    deployment's ACT one call at a time and batching (one column per batch gain), and the
+    fewest GPUs of the sweep on which tangram's ACT is no worse."""
+    base = paper_cluster()
+    total = 4 * len(base.services)  # every shape: 4 GPUs per service
+    modes = [("serial", 1, 1.0)] + [(f"batching-gain{g:g}", max_batch, g) for g in gains]
+    doc: dict[str, Any] = {
+        "workload": "mopd+search",
+        "batch": batch,
+        "static_gpus": total,
+        "max_batch": max_batch,
+        "batch_gains": gains,
+        "modes": [m for m, _, _ in modes],
+        "sweep": sweep,
+        "rows": [],
+        "tangram_act": {},
+    }
+    names = " / ".join(m for m, _, _ in modes)
+    print(
+        f"(c) MOPD+Search b={batch}: static deployments of {total} GPUs vs tangram on "
+        f"{','.join(map(str, sweep))} GPUs; batching: continuous, at most {max_batch} calls "
+        "per replica\n"
+    )
+    print(
+        f"| skew | shape | static GPU-action ACT (s) {names} | tangram GPUs at equal ACT "
+        f"| GPU saving |"
+    )
+    print("|---|---|---|---|---|")
+    for skew in skews:
+        trace = generate("mopd+search", base, batch, seed=0, teacher_skew=skew)
+        acts = {g: _tangram_act(base, trace, g) for g in sweep}
+        doc["tangram_act"][f"{skew:g}"] = {str(g): round(a, 3) for g, a in sorted(acts.items())}
+        for shape in shapes:
+            entry: dict[str, Any] = {"skew": skew, "shape": shape}
+            for mode, mb, gain in modes:
+                cluster = shaped(base, shape, mb, gain)
+                static = simulate(cluster, trace, parse_policy("static-services"))
+                target = tag_act(static, GPU_TAGS)
+                need = fewest_gpus(acts, target)
+                entry[mode] = {
+                    "static_act_s": round(target, 3),
+                    "static_summary": static.summary,
+                    "tangram_gpus": need,
+                    "saving": None if need is None else round(1 - need / total, 3),
+                }
+            doc["rows"].append(entry)
+            cells = [entry[m] for m, _, _ in modes]
+            gpus = " / ".join(
+                f"> {max(sweep)}" if c["tangram_gpus"] is None else str(c["tangram_gpus"])
+                for c in cells
+            )
+            saved = " / ".join(
+                "< 0%" if c["saving"] is None else f"{c['saving']:.0%}" for c in cells
+            )
+            act = " / ".join(f"{c['static_act_s']:.1f}" for c in cells)
+            print(f"| {skew:g}x | {shape} | {act} | {gpus} | {saved} |", flush=True)
+    return doc
 
 
 def _plot(

@@ -8,7 +8,16 @@ resource kind.
   kube-scheduler binds at most ``k8s_sched_pods_per_s`` pods a second (0: unlimited), and
   every exec pays ``k8s_exec_overhead_s`` (the ``kubectl exec`` round trip) before it runs.
 - ``StaticServices`` (GPU): ``static_replicas`` replicas of ``static_gpus`` GPUs per used
-  service, deployed first-fit decreasing at start, each serving one call at a time (FCFS).
+  service, deployed first-fit decreasing at start. With ``static_max_batch = 1`` each serves
+  one call at a time (FCFS). With ``B > 1`` each batches continuously, as SGLang does: a
+  call joins its replica's running batch as soon as fewer than ``B`` calls run there (FCFS
+  over the service's replicas, the least loaded first) and leaves when it is done. The
+  per-call time comes from the same service time model as tangram's: a call alone on the
+  ``g``-GPU replica takes ``t(g)`` (the trace's duration at ``g`` GPUs); with ``n`` calls in
+  the batch every call progresses ``1 + rho (n - 1)`` times slower, with
+  ``rho = E(g) / static_batch_gain`` (``E(g) = t(1) / (g t(g))``), so a full batch's
+  throughput per GPU approaches ``static_batch_gain`` times one call alone on one GPU
+  (processor sharing, recomputed at every arrival and departure).
 - ``ApiRetry`` (API): each call tries to take a lease; a refused call backs off
   ``api_retry_backoff_s`` doubling up to ``MAX_BACKOFF_S`` and tries again.
 
@@ -53,6 +62,10 @@ class Host(Protocol):
     def push(self, time: float, kind: int, obj: object) -> None: ...
 
     def add_reserved(self, resource: str, unit_seconds: float) -> None: ...
+
+    def add_busy(self, resource: str, unit_seconds: float) -> None: ...
+
+    def finish_run(self, run: Run, now: float) -> None: ...
 
 
 class K8sPods:
@@ -150,20 +163,63 @@ class K8sPods:
 
 @dataclass(slots=True)
 class _Replicas:
-    """``free`` idle replicas of ``gpus`` GPUs each, FCFS queue."""
+    """``free`` idle replicas of ``gpus`` GPUs each, FCFS queue; with batching, the calls
+    in each replica's batch."""
 
     gpus: int
     replicas: int
     free: int
     queue: deque[Run] = field(default_factory=deque)
+    batches: list[_Batch] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """One continuously batching replica: each running call's remaining solo seconds."""
+
+    gpus: int
+    runs: dict[ActionId, Run] = field(default_factory=dict)
+    left: dict[ActionId, float] = field(default_factory=dict)
+    rho: dict[ActionId, float] = field(default_factory=dict)  # the call's E(g) / batch gain
+    since: float = 0.0  # when ``left`` was last brought up to date
+    version: int = 0  # a completion event carries it; a stale one is ignored
+
+    def slowdown(self) -> float:
+        """How many times slower than alone each call runs now (the batch's mean rho)."""
+        n = len(self.left)
+        if n <= 1:
+            return 1.0
+        return 1.0 + (n - 1) * sum(self.rho.values()) / n
+
+    def advance(self, now: float) -> float:
+        """Bring ``left`` up to ``now``; the seconds the replica was busy meanwhile."""
+        busy = 0.0
+        if self.left:
+            busy = now - self.since
+            done = busy / self.slowdown()
+            for aid in self.left:
+                self.left[aid] -= done
+        self.since = now
+        return busy
+
+    def next_done(self) -> tuple[float, ActionId] | None:
+        if not self.left:
+            return None
+        aid = min(self.left, key=lambda a: (self.left[a], self.runs[a].action.seq))
+        return self.since + max(self.left[aid], 0.0) * self.slowdown(), aid
 
 
 class StaticServices:
     """Fixed service replicas on the GPU nodes (see module doc)."""
 
-    def __init__(self, host: Host, trajectories: Sequence[Trajectory]) -> None:
+    def __init__(
+        self, host: Host, trajectories: Sequence[Trajectory], batch_kind: int = -1
+    ) -> None:
         self.host = host
         cluster = host.cluster
+        self.max_batch = cluster.baselines.static_max_batch
+        self.gain = cluster.baselines.static_batch_gain
+        self.batch_kind = batch_kind  # event kind of a batched call's completion
         used = sorted({a.template.service or "" for t in trajectories for a in t.actions()} - {""})
         free = [g.gpus for g in cluster.gpu_nodes for _ in range(g.count)]
         self.services: dict[str, _Replicas] = {}
@@ -173,7 +229,10 @@ class StaticServices:
             assert spec is not None  # the engine checked the trace's names
             demands += [(spec.static_gpus, name)] * spec.static_replicas
             self.services[name] = _Replicas(
-                spec.static_gpus, spec.static_replicas, spec.static_replicas
+                spec.static_gpus,
+                spec.static_replicas,
+                spec.static_replicas,
+                batches=[_Batch(spec.static_gpus) for _ in range(spec.static_replicas)],
             )
         need = sum(g for g, _ in demands)
         for gpus, name in sorted(demands, key=lambda d: -d[0]):  # first fit decreasing
@@ -194,18 +253,75 @@ class StaticServices:
 
     def done(self, run: Run, now: float) -> None:
         svc = self.services[run.action.service or ""]
-        svc.free += 1
+        if self.max_batch == 1:
+            svc.free += 1
         self._dispatch(svc, now)
 
     def _dispatch(self, svc: _Replicas, now: float) -> None:
+        if self.max_batch > 1:
+            self._join(svc, now)
+            return
         while svc.free and svc.queue:
             run = svc.queue.popleft()
             svc.free -= 1
             self.host.start_run(run, now, svc.gpus, 0.0, "gpu")
 
+    # ------------------------------------------------------------------ continuous batching
+
+    def _join(self, svc: _Replicas, now: float) -> None:
+        """Queued calls join the least loaded replica's batch while one has room."""
+        touched: set[int] = set()
+        while svc.queue:
+            i, batch = min(enumerate(svc.batches), key=lambda ib: (len(ib[1].left), ib[0]))
+            if len(batch.left) >= self.max_batch:
+                break
+            run = svc.queue.popleft()
+            if i not in touched:
+                self._advance(batch, now)
+                touched.add(i)
+            alone = run.ta.true_duration(svc.gpus)
+            eff = run.ta.true_duration(1) / (svc.gpus * alone) if alone > 0 else 1.0
+            run.start, run.units, run.restore = now, svc.gpus, 0.0
+            aid = run.action.id
+            batch.runs[aid], batch.left[aid] = run, alone
+            batch.rho[aid] = min(eff / self.gain, 1.0)
+        self._reschedule(svc, touched)
+
+    def _advance(self, batch: _Batch, now: float) -> None:
+        busy = batch.advance(now)
+        if busy > 0:
+            self.host.add_busy("gpu", batch.gpus * busy)
+
+    def _reschedule(self, svc: _Replicas, touched: set[int]) -> None:
+        for i in sorted(touched):
+            batch = svc.batches[i]
+            batch.version += 1
+            nxt = batch.next_done()
+            if nxt is not None:
+                self.host.push(nxt[0], self.batch_kind, (svc, i, batch.version))
+
+    def on_batch_done(self, event: tuple[_Replicas, int, int], now: float) -> None:
+        """The next call of a replica's batch is done (unless the batch changed since):
+        it leaves the batch and the engine ends it (``done`` then lets a queued call in)."""
+        svc, i, version = event
+        batch = svc.batches[i]
+        if version != batch.version:
+            return
+        self._advance(batch, now)
+        nxt = batch.next_done()
+        assert nxt is not None, "a current completion event implies a running call"
+        aid = nxt[1]
+        run = batch.runs.pop(aid)
+        del batch.left[aid], batch.rho[aid]
+        run.exec = now - run.start
+        self._reschedule(svc, {i})
+        self.host.finish_run(run, now)
+
     def validate(self) -> None:
         for svc in self.services.values():
             assert 0 <= svc.free <= svc.replicas, "static replicas over-used"
+            for batch in svc.batches:
+                assert len(batch.left) <= self.max_batch, "a batch over its size"
 
 
 class ApiRetry:

@@ -66,6 +66,11 @@ class Baselines:
     k8s_sched_pods_per_s: float = 0.0  # kube-scheduler binding rate; 0 = unlimited
     k8s_exec_overhead_s: float = 0.0  # per-exec round trip (kubectl exec) before it runs
     api_retry_backoff_s: float = 1.0
+    # static-services replicas: calls one replica runs at once (1: one at a time; > 1:
+    # continuous batching, as SGLang does) and, at a full batch, the replica's throughput
+    # per GPU relative to one call alone on one GPU (see tangram.sim.baselines)
+    static_max_batch: int = 1
+    static_batch_gain: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +115,16 @@ _SECTIONS: dict[str, tuple[type, set[str]]] = {
     "service": (SimService, {"name", "mem_gb", "static_gpus", "static_replicas"}),
     "api": (ApiSpec, {"name", "concurrency", "quota", "period_s"}),
 }
-_INT_KEYS = {"count", "cores", "numa", "gpus", "static_gpus", "static_replicas", "concurrency"}
+_INT_KEYS = {
+    "count",
+    "cores",
+    "numa",
+    "gpus",
+    "static_gpus",
+    "static_replicas",
+    "concurrency",
+    "static_max_batch",
+}
 _INT_KEYS |= {"quota", "k8s_pod_cores"}
 _POSITIVE = {"count", "cores", "numa", "gpus", "static_gpus", "static_replicas", "period_s"}
 _POSITIVE |= {"k8s_pod_cores", "gpu_mem_gb", "h2d_gbps"}
@@ -175,8 +189,14 @@ def parse_cluster(doc: Mapping[str, Any], source: str = "<cluster>") -> ClusterS
             "k8s_sched_pods_per_s",
             "k8s_exec_overhead_s",
             "api_retry_backoff_s",
+            "static_max_batch",
+            "static_batch_gain",
         },
     )
+    if baselines.static_max_batch < 1 or baselines.static_batch_gain <= 0:
+        raise ClusterError(
+            f"{source}: baselines: static_max_batch must be >= 1 and static_batch_gain > 0"
+        )
     step_train = _value(source, "step_train_s", doc.get("step_train_s", 60.0))
     return ClusterSpec(
         step_train_s=step_train,

@@ -42,7 +42,7 @@ from tangram.sim.runs import Run, Traj
 from tangram.sim.trace import TraceAction, Trajectory
 
 # event kinds, in the order they are handled within one timestamp
-DONE, POD_READY, RETRY, GEN_DONE, ARRIVE, WAKE, POD_BIND = range(7)
+DONE, POD_READY, RETRY, GEN_DONE, ARRIVE, WAKE, POD_BIND, BATCH_DONE = range(8)
 
 _SEQ = operator.attrgetter("seq")
 
@@ -152,7 +152,7 @@ class Engine:
                 self._next_step[(task, a)] = None if b is None else (task, b)
         self._step_start: dict[tuple[str, int], float] = {}
         if self.policy.gpu == "static":
-            self.static = StaticServices(self, trajectories)
+            self.static = StaticServices(self, trajectories, BATCH_DONE)
         for task, steps in by_task.items():
             self._start_step((task, steps[0]), 0.0)
 
@@ -172,6 +172,7 @@ class Engine:
             ARRIVE: self._on_gen_done,
             WAKE: self._on_wake,
             POD_BIND: self.k8s.on_bind_free,
+            BATCH_DONE: self._on_batch_done,
         }
         events = 0
         while heap:
@@ -293,6 +294,14 @@ class Engine:
         run.exec = run.ta.true_duration(units)
         self.add_busy(resource, units * run.exec)
         self.push(run.start + restore + run.exec, DONE, run)
+
+    def finish_run(self, run: Run, now: float) -> None:
+        """A baseline ends ``run`` now (its times are set): handled as its ``DONE``."""
+        self.push(now, DONE, run)
+
+    def _on_batch_done(self, event: Any, now: float) -> None:
+        assert self.static is not None, "batched calls imply static-services"
+        self.static.on_batch_done(event, now)
 
     def _on_done(self, run: Run, now: float) -> None:
         action = run.action

@@ -25,7 +25,8 @@ DeepSearch (BrowseComp-like, paper §6 "DeepSearch")
     ``[[service]]``), GPUs {1, 2, 4, 8}, ``t1`` median 6 s, sigma 0.3, E = 1, .9, .75, .55.
 MOPD (multi-teacher on-policy distillation, paper §2.2, §6 "MOPD")
   - teachers = every ``[[service]]`` except ``judge``; the paper has 9 to 12. Call volume of
-    teacher ``i`` of ``n`` ∝ ``1000^(-i / (n - 1))``: three orders of magnitude (Fig. 3(d)).
+    teacher ``i`` of ``n`` ∝ ``skew^(-i / (n - 1))``, ``skew = 1000`` by default: three
+    orders of magnitude (Fig. 3(d)); ``generate(..., teacher_skew=S)`` sets it (1: uniform).
   - turns ~ U{1..4}, generation median 15 s, sigma 0.7 (long reasoning, assumed); at the end
     one teacher log-prob call, GPUs {1, 2, 4, 8} (amounts whose shard fits a GPU),
     ``t1`` median 3 s, sigma 0.5, E = 1, .9, .75, .55 (assumed prefill scaling).
@@ -36,6 +37,7 @@ likewise: CPU test runs and tool calls next to search calls, judge and teacher c
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Callable
@@ -161,10 +163,15 @@ def _teachers(cluster: ClusterSpec) -> list[str]:
     return names
 
 
-def mopd(rng: random.Random, i: int, step: int, cluster: ClusterSpec) -> dict[str, Any]:
+TEACHER_SKEW = 1000.0  # the most called teacher over the least called one (Fig. 3(d))
+
+
+def mopd(
+    rng: random.Random, i: int, step: int, cluster: ClusterSpec, skew: float = TEACHER_SKEW
+) -> dict[str, Any]:
     teachers = _teachers(cluster)
     n = len(teachers)
-    weights = [1000.0 ** (-k / (n - 1)) if n > 1 else 1.0 for k in range(n)]
+    weights = [skew ** (-k / (n - 1)) if n > 1 else 1.0 for k in range(n)]
     teacher = rng.choices(teachers, weights)[0]
     steps: list[dict[str, Any]] = []
     for _ in range(rng.randint(1, 4)):
@@ -191,15 +198,26 @@ GENERATORS: dict[str, list[Callable[[random.Random, int, int, ClusterSpec], dict
 
 
 def generate(
-    name: str, cluster: ClusterSpec, batch: int, seed: int = 0, steps: int = 1
+    name: str,
+    cluster: ClusterSpec,
+    batch: int,
+    seed: int = 0,
+    steps: int = 1,
+    *,
+    teacher_skew: float = TEACHER_SKEW,
 ) -> list[Trajectory]:
-    """``batch`` trajectories per RL step (per task for combined workloads), ``steps`` steps."""
+    """``batch`` trajectories per RL step (per task for combined workloads), ``steps`` steps;
+    ``teacher_skew``: MOPD's popularity skew across teachers (see the module doc)."""
     if name not in GENERATORS:
         raise WorkloadError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
     if batch < 1 or steps < 1:
         raise WorkloadError("--batch and --steps must be >= 1")
+    if not teacher_skew >= 1.0:
+        raise WorkloadError("the teacher skew must be >= 1")
     out: list[Trajectory] = []
     for g, gen in enumerate(GENERATORS[name]):
+        if gen is mopd and teacher_skew != TEACHER_SKEW:
+            gen = functools.partial(mopd, skew=teacher_skew)
         rng = random.Random(f"{name}/{g}/{seed}")
         for step in range(steps):
             for i in range(batch):
