@@ -12,8 +12,9 @@ Usage: python bench/paper/fig8_gpu.py [--gpus 4,8,12,16,24,32,40] [--batches 256
     (continuous batching, ``static_max_batch`` calls per replica, per-call time from the same
     service time model, see ``tangram.sim.baselines``) in three replica shapes of the same
     40 GPUs (4×1, 2×2, 1×4 GPUs per service), at teacher popularity skews 1×, 10×, 1000×
-    (MOPD+Search, batch 1024): the fewest GPUs on which ``tangram`` (which does not batch)
-    reaches the baseline's GPU-action ACT, and the saving. Writes
+    (MOPD+Search, batch 1024; ``--workload mopd``: the teachers alone): the fewest GPUs on
+    which ``tangram`` (which does not batch) reaches the baseline's GPU-action ACT, and the
+    saving. Writes
     ``bench/paper/out/fig8_gpu_baselines.json``; ``--baselines-only`` skips (a) and (b).
 """
 
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep", default=",".join(str(g) for g in range(4, 41, 4)))
     ap.add_argument("--batch", type=int, default=1024, help="(c): RL batch size")
+    ap.add_argument("--workload", default="mopd+search", help="(c): mopd+search or mopd")
     ap.add_argument("--max-batch", type=int, default=MAX_BATCH)
     ap.add_argument("--batch-gains", default=",".join(f"{g:g}" for g in BATCH_GAINS))
     ap.add_argument("--out", default="fig8_gpu_baselines", help="(c): JSON name in out/")
@@ -62,6 +64,7 @@ def main() -> None:
             args.batch,
             args.max_batch,
             [float(x) for x in args.batch_gains.split(",")],
+            args.workload,
         )
         save(args.out, doc, started)
         if args.baselines_only:
@@ -149,6 +152,7 @@ def baselines_table(
     batch: int,
     max_batch: int,
     gains: list[float],
+    workload: str = "mopd+search",
 ) -> dict[str, Any]:
     """Table (c): per skew, tangram's ACT over the GPU sweep; per shape, the static
     deployment's ACT one call at a time and batching (one column per batch gain), and the
@@ -157,7 +161,7 @@ def baselines_table(
     total = 4 * len(base.services)  # every shape: 4 GPUs per service
     modes = [("serial", 1, 1.0)] + [(f"batching-gain{g:g}", max_batch, g) for g in gains]
     doc: dict[str, Any] = {
-        "workload": "mopd+search",
+        "workload": workload,
         "batch": batch,
         "static_gpus": total,
         "max_batch": max_batch,
@@ -169,7 +173,7 @@ def baselines_table(
     }
     names = " / ".join(m for m, _, _ in modes)
     print(
-        f"(c) MOPD+Search b={batch}: static deployments of {total} GPUs vs tangram on "
+        f"(c) {workload} b={batch}: static deployments of {total} GPUs vs tangram on "
         f"{','.join(map(str, sweep))} GPUs; batching: continuous, at most {max_batch} calls "
         "per replica\n"
     )
@@ -179,7 +183,7 @@ def baselines_table(
     )
     print("|---|---|---|---|---|")
     for skew in skews:
-        trace = generate("mopd+search", base, batch, seed=0, teacher_skew=skew)
+        trace = generate(workload, base, batch, seed=0, teacher_skew=skew)
         acts = {g: _tangram_act(base, trace, g) for g in sweep}
         doc["tangram_act"][f"{skew:g}"] = {str(g): round(a, 3) for g, a in sorted(acts.items())}
         for shape in shapes:
