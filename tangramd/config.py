@@ -269,6 +269,11 @@ def _opt_text(value: Any) -> str | None:
     return None if value is None else _text(value)
 
 
+def _opt_path(value: Any) -> str | None:
+    """A path, or None for ``""`` (so the shipped example can show the key unset)."""
+    return None if value is None or value == "" else _text(value)
+
+
 def _key(parse: Callable[[Any], Any], default: Any = MISSING, *, factory: Any = MISSING) -> Any:
     """A dataclass field whose raw TOML value goes through ``parse``; no default = required."""
     meta = {"parse": parse}
@@ -440,6 +445,7 @@ class HttpConfig:
 
     max_body: int = _key(_size(1024), 16 * MIB)  # larger request bodies: 413, unread
     max_run_timeout_s: float = _key(_number(0.0, exclusive=True), 3600.0)  # above: 400
+    keys: str | None = _key(_opt_path, None)  # file of "KEY [USER]" lines ("": none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -101,34 +101,6 @@ def up(
     http_insecure_no_auth: bool | None,
 ) -> None:
     """Run coordinator + node + local socket in one process until SIGTERM/SIGINT."""
-    gateway = None
-    if http_listen is not None:
-        try:
-            from tangramd.gateway import embedded
-        except ImportError as exc:
-            click.echo(f"tangramd up --http: {_NO_HTTP_EXTRA}: {exc}", err=True)
-            sys.exit(2)
-        host, port, key = _http_settings(
-            "tangramd up --http", http_listen, http_api_key_file, bool(http_insecure_no_auth)
-        )
-        peer = None
-        if http_user is not None:
-            peer = resolve_user(http_user)
-            if peer is None:
-                click.echo(f"tangramd up: --http-user {http_user!r}: no such user", err=True)
-                sys.exit(2)
-        gateway = _Gateway(embedded, host, port, key, peer, http_cpus or 1)
-    else:
-        given: dict[str, object] = {
-            "--http-api-key-file": http_api_key_file,
-            "--http-user": http_user,
-            "--http-cpus": http_cpus,
-            "--http-insecure-no-auth": http_insecure_no_auth,
-        }
-        for option, value in given.items():
-            if value is not None:
-                click.echo(f"tangramd up: {option} needs --http HOST:PORT", err=True)
-                sys.exit(2)
     try:
         config = load_config(
             config_path,
@@ -141,6 +113,39 @@ def up(
     except ConfigError as exc:
         click.echo(f"tangramd: {exc}", err=True)
         sys.exit(2)
+    gateway = None
+    if http_listen is not None:
+        try:
+            from tangramd.gateway import embedded
+        except ImportError as exc:
+            click.echo(f"tangramd up --http: {_NO_HTTP_EXTRA}: {exc}", err=True)
+            sys.exit(2)
+        keys = _http_keys("tangramd up --http", config.http.keys, own_process=True)
+        host, port, key = _http_settings(
+            "tangramd up --http",
+            http_listen,
+            http_api_key_file,
+            bool(http_insecure_no_auth),
+            keyed=bool(keys),
+        )
+        peer = None
+        if http_user is not None:
+            peer = resolve_user(http_user)
+            if peer is None:
+                click.echo(f"tangramd up: --http-user {http_user!r}: no such user", err=True)
+                sys.exit(2)
+        gateway = _Gateway(embedded, host, port, key, peer, http_cpus or 1, keys)
+    else:
+        given: dict[str, object] = {
+            "--http-api-key-file": http_api_key_file,
+            "--http-user": http_user,
+            "--http-cpus": http_cpus,
+            "--http-insecure-no-auth": http_insecure_no_auth,
+        }
+        for option, value in given.items():
+            if value is not None:
+                click.echo(f"tangramd up: {option} needs --http HOST:PORT", err=True)
+                sys.exit(2)
     configure_logging(config.daemon.log_format, config.daemon.log_level)
     # Files the daemon writes (registry, profiles, environments) are private: 0600/0700.
     os.umask(0o077)
@@ -189,6 +194,7 @@ class _Gateway:
     key: str | None
     peer: tuple[int, int] | None
     cpus: int
+    keys: list[tuple[str, tuple[int, int] | None]]  # [http] keys: key, its user (or None)
     sock: socket.socket | None = None
 
 
@@ -211,6 +217,7 @@ async def _serve(config: Any, gateway: _Gateway | None = None) -> None:
                 cpus=gateway.cpus,
                 peer=gateway.peer,
                 limits=config.http,
+                keys=gateway.keys,
             )
             try:
                 await http.start()
@@ -234,8 +241,41 @@ async def _serve(config: Any, gateway: _Gateway | None = None) -> None:
 _NO_HTTP_EXTRA = "needs the http extra (pip install 'arl-tangram[http]')"
 
 
+def _http_keys(
+    prog: str, path: str | None, *, own_process: bool
+) -> list[tuple[str, tuple[int, int] | None]]:
+    """``[http] keys``: each key and the (uid, gid) its requests run as (None: the
+    gateway's callers' user); exit 2 naming the line on a bad file or unknown user, or on
+    a per-key user a separate ``tangramd http`` cannot speak for (the daemon sees its
+    socket's uid only)."""
+    if path is None:
+        return []
+    from tangramd.gateway.callers import read_keys
+
+    try:
+        entries = read_keys(path)
+    except (OSError, ValueError) as exc:
+        click.echo(f"{prog}: [http] keys: {exc}", err=True)
+        sys.exit(2)
+    keys: list[tuple[str, tuple[int, int] | None]] = []
+    for entry in entries:
+        user = None if entry.user is None else resolve_user(entry.user)
+        if entry.user is not None and user is None:
+            click.echo(f"{prog}: [http] keys {path}: {entry.user!r}: no such user", err=True)
+            sys.exit(2)
+        if user is not None and not own_process and user[0] != os.geteuid():
+            click.echo(
+                f"{prog}: [http] keys {path}: user {entry.user!r}: a separate gateway runs "
+                "every command as its own user; per-key users need `tangramd up --http`",
+                err=True,
+            )
+            sys.exit(2)
+        keys.append((entry.key, user if own_process else None))
+    return keys
+
+
 def _http_settings(
-    prog: str, listen: str, api_key_file: str | None, insecure: bool
+    prog: str, listen: str, api_key_file: str | None, insecure: bool, *, keyed: bool = False
 ) -> tuple[str, int, str | None]:
     """HOST, PORT and the API key (None: no key) of an HTTP gateway's options; exit 2 with
     a one-line message on a bad value, or on a non-loopback address without a key (unless
@@ -251,6 +291,8 @@ def _http_settings(
         if not key:
             click.echo(f"{prog}: {api_key_file} is empty", err=True)
             sys.exit(2)
+    elif keyed:
+        pass  # [http] keys
     elif not _loopback(host.strip("[]")):
         if not insecure:
             click.echo(
@@ -352,16 +394,20 @@ def http(
         sys.exit(2)
     from tangram.protocol import default_socket_path
 
-    host, port, key = _http_settings("tangramd http", listen, api_key_file, insecure_no_auth)
     try:
         limits = load_config(config_path, {}).http
     except ConfigError as exc:
         click.echo(f"tangramd http: {exc}", err=True)
         sys.exit(2)
+    keys = _http_keys("tangramd http", limits.keys, own_process=False)
+    host, port, key = _http_settings(
+        "tangramd http", listen, api_key_file, insecure_no_auth, keyed=bool(keys)
+    )
     daemon_socket = socket_path or default_socket_path()
     app = build_app(
         daemon_socket,
         api_key=key,
+        keys=[(k, None) for k, _ in keys],
         cpus=cpus,
         max_body=limits.max_body,
         max_run_timeout_s=limits.max_run_timeout_s,
@@ -370,7 +416,7 @@ def http(
     click.echo(
         f"tangramd http: serving http://{shown}:{port} (/run_code, /run_jupyter, "
         f"/swerex/ENV, /envs, /metrics, /health) for the daemon at {daemon_socket}"
-        + ("" if key is None else "; every request must send X-API-Key"),
+        + ("" if key is None and not keys else "; every request must send X-API-Key"),
         err=True,
     )
     problem = _daemon_problem(daemon_socket)

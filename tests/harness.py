@@ -79,13 +79,17 @@ class Stack:
 
 
 @contextlib.contextmanager
-def running_stack(tmp: Path, *gateway_args: str, in_process: bool = False) -> Iterator[Stack]:
+def running_stack(
+    tmp: Path, *gateway_args: str, in_process: bool = False, config: str = ""
+) -> Iterator[Stack]:
     """Daemon and gateway; the gateway's log must stay free of tracebacks. ``in_process``:
     the daemon serves the gateway itself (``tangramd up --http``; ``gateway_args`` are its
-    ``--http-*`` options), and ``Stack.gateway`` is the daemon's process and log."""
+    ``--http-*`` options, ``config`` more of its TOML), and ``Stack.gateway`` is the
+    daemon's process and log."""
     if in_process:
         port = free_port()
-        with running_daemon(tmp, "--http", f"127.0.0.1:{port}", *gateway_args) as daemon:
+        address = f"127.0.0.1:{port}"
+        with running_daemon(tmp, "--http", address, *gateway_args, config=config) as daemon:
             gw = SpawnedGateway(daemon.proc, f"http://127.0.0.1:{port}", daemon.log_path)
             wait_http(gw.url, daemon.proc, daemon.log_path)
             yield Stack(daemon, gw)

@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import hmac
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,7 @@ from tangram.client import AsyncClient, ExecResult
 from tangram.model import TangramError
 from tangramd.gateway import jupyter, swerex
 from tangramd.gateway import sandbox_fusion as sf
+from tangramd.gateway.callers import CALLER, Caller
 from tangramd.gateway.metrics import Metrics
 
 log = structlog.get_logger("tangramd.gateway")
@@ -90,13 +91,17 @@ class Gate:
         self,
         app: ASGIApp,
         *,
-        key: bytes | None,
+        keys: Mapping[bytes, Caller],
+        anyone: Caller,
         metrics: Metrics,
         fast: Mapping[str, FastRoute] | None = None,
         max_body: int = MAX_BODY,
     ) -> None:
+        """``keys``: each accepted API key and its caller (empty: no key needed, and every
+        request is ``anyone``)."""
         self.app = app
-        self.key = key
+        self.keys = dict(keys)
+        self.anyone = anyone
         self.max_body = max_body
         self.metrics = metrics
         self.fast = dict(fast or {})
@@ -106,12 +111,14 @@ class Gate:
             await self.app(scope, receive, send)
             return
         metrics = self.metrics
-        if self.key is not None:
+        caller: Caller | None = self.anyone
+        if self.keys:
             given = next((v for k, v in scope["headers"] if k == API_KEY_LOWER), None)
             path: str = scope["path"]
             if given is None and path.startswith(KEY_PREFIX):
                 given, scope = _key_from_path(scope, path)
-            if not hmac.compare_digest(given or b"", self.key):
+            caller = _match(self.keys, given or b"")
+            if caller is None:
                 metrics.request_done("unauthorized", 401)
                 denied = JSONResponse(
                     {"detail": f"missing or wrong {API_KEY_HEADER} (or /k/KEY/ path prefix)"},
@@ -137,6 +144,7 @@ class Gate:
 
         route_path: str | None = None
         metrics.in_flight.inc()
+        token = CALLER.set(caller)
         try:
             fast = self.fast.get(scope["path"]) if scope["method"] == "POST" else None
             if fast is not None and not scope.get("root_path"):
@@ -154,11 +162,22 @@ class Gate:
                 raise
             await _answer(refusal, scope, receive, send_and_note)
         finally:
+            CALLER.reset(token)
             metrics.in_flight.dec()
             if route_path is None:
                 route = scope.get("route")  # the router records the matched route in the scope
                 route_path = getattr(route, "path", "unmatched")
             metrics.request_done(route_path, status)
+
+
+def _match(keys: Mapping[bytes, Caller], given: bytes) -> Caller | None:
+    """The caller whose key is ``given``: every key is compared, in constant time each,
+    so the time taken says nothing about which key nearly matched."""
+    found = None
+    for key, caller in keys.items():
+        if hmac.compare_digest(given, key):
+            found = caller
+    return found
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -265,6 +284,12 @@ def _over_ceiling(request: BaseModel, names: tuple[str, ...], ceiling: float) ->
     return None
 
 
+def _client(default: AsyncClient) -> AsyncClient:
+    """The request's caller's client (its key's user), else ``default``."""
+    caller = CALLER.get()
+    return default if caller is None else caller.client
+
+
 def refusal_response(exc: TangramError) -> JSONResponse:
     """A refusal of the daemon outside the SWE-ReX routes, as JSON."""
     status = 404 if exc.code == "not_found" else 400 if exc.code == "bad_request" else 502
@@ -276,13 +301,16 @@ def build_app(
     *,
     client: AsyncClient | None = None,
     api_key: str | None = None,
+    keys: Sequence[tuple[str, AsyncClient | None]] = (),
     cpus: int = 1,
     max_body: int = MAX_BODY,
     max_run_timeout_s: float = MAX_RUN_TIMEOUT_S,
 ) -> FastAPI:
     """The gateway for the daemon at ``socket``, or through ``client`` (the daemon's own
     :class:`~tangramd.gateway.local.InProcessClient` under ``tangramd up --http``);
-    ``cpus``: cores per ``/run_code``; ``max_body``, ``max_run_timeout_s``: ``[http]``."""
+    ``keys``: more API keys (``[http] keys``), each with the client its requests go
+    through (None: ``client``; another: its own user); ``cpus``: cores per ``/run_code``;
+    ``max_body``, ``max_run_timeout_s``: ``[http]``."""
     if client is None:
         if socket is None:
             raise ValueError("build_app needs a socket or a client")
@@ -290,6 +318,15 @@ def build_app(
         # daemon's process (whose InProcessClient sends no cancel either)
         client = AsyncClient(socket, cancel_abandoned=False)
     metrics = Metrics()
+    anyone = Caller("", client)
+    callers: dict[bytes, Caller] = {}
+    if api_key:
+        callers[api_key.encode()] = Caller("key", client)
+    for number, (key, own) in enumerate(keys, 1):
+        if key.encode() in callers:
+            raise ValueError("an API key given twice")
+        callers[key.encode()] = Caller(f"key{number}", own or client)
+    others = {id(c.client): c.client for c in callers.values() if c.client is not client}
 
     def observe(kind: str, result: ExecResult) -> None:
         metrics.observe(kind, result)
@@ -299,13 +336,15 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        for other in others.values():
+            await other.close()
         await client.close()
 
     async def serve_run_code(request: sf.RunCodeRequest) -> Response:
         over = _over_ceiling(request, ("run_timeout", "compile_timeout"), max_run_timeout_s)
         if over is not None:
             return over
-        response, results = await sf.run_code(client, request, cpus=cpus)
+        response, results = await sf.run_code(_client(client), request, cpus=cpus)
         for result in results:
             metrics.observe(f"run_code/{request.language}", result)
         if response.status == sf.RunStatus.SandboxError and not results:
@@ -317,7 +356,7 @@ def build_app(
         over = _over_ceiling(request, ("total_timeout", "cell_timeout"), max_run_timeout_s)
         if over is not None:
             return over
-        response, result = await jupyter.run_jupyter(client, request, cpus=cpus)
+        response, result = await jupyter.run_jupyter(_client(client), request, cpus=cpus)
         if result is not None:
             metrics.observe("run_jupyter/python3", result)
         elif response.status == sf.RunStatus.SandboxError:
@@ -329,8 +368,9 @@ def build_app(
         "/run_code": FastRoute(sf.RunCodeRequest, serve_run_code),
         "/run_jupyter": FastRoute(jupyter.RunJupyterRequest, serve_run_jupyter),
     }
-    key = api_key.encode() if api_key else None
-    app.add_middleware(Gate, key=key, metrics=metrics, fast=fast, max_body=max_body)
+    app.add_middleware(
+        Gate, keys=callers, anyone=anyone, metrics=metrics, fast=fast, max_body=max_body
+    )
 
     @app.exception_handler(swerex.RemoteError)
     async def remote_error(request: Request, exc: swerex.RemoteError) -> JSONResponse:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import structlog
 import uvicorn
 
+from tangram.client import AsyncClient
 from tangramd.config import HttpConfig
 from tangramd.gateway.app import build_app
 from tangramd.gateway.local import InProcessClient
@@ -65,15 +66,22 @@ class EmbeddedGateway:
         cpus: int,
         peer: tuple[int, int] | None = None,
         limits: HttpConfig | None = None,
+        keys: Sequence[tuple[str, tuple[int, int] | None]] = (),
     ) -> None:
         """``peer``: the (uid, gid) HTTP callers count as (None: the daemon's own);
-        ``limits``: the config's ``[http]``."""
+        ``limits``: the config's ``[http]``; ``keys``: ``[http] keys``, each key with the
+        (uid, gid) its requests count as (None: ``peer``)."""
         self.sock = sock
         self.client = InProcessClient(server, peer=peer)
         limits = limits or HttpConfig()
+        own: list[tuple[str, AsyncClient | None]] = [
+            (key, None if user is None else InProcessClient(server, peer=user))
+            for key, user in keys
+        ]
         app = build_app(
             client=self.client,
             api_key=api_key,
+            keys=own,
             cpus=cpus,
             max_body=limits.max_body,
             max_run_timeout_s=limits.max_run_timeout_s,

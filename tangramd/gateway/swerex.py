@@ -42,13 +42,14 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, Literal
 
-from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from tangram.client import AsyncClient, ExecResult
 from tangram.model import TangramError
 from tangram.protocol.errors import BadRequest, NotFound
+from tangramd.gateway.callers import CALLER, caller_label
 
 EXC = "swerex.exceptions."
 PS1 = "SHELLPS1PREFIX"  # SWE-ReX's prompt: the expect_string of a command that ran to its end
@@ -170,11 +171,25 @@ class Runtimes:
     those (see :meth:`close`)."""
 
     def __init__(self, client: AsyncClient, observe: Any) -> None:
-        self.client: Any = client  # the shared op methods return coroutines here
+        self.default_client: Any = client  # the shared op methods return coroutines here
         self.observe = observe  # (kind, ExecResult) -> None: the gateway's metrics
         self.sessions: dict[tuple[str, str], str] = {}
         self.opened: set[str] = set()
+        self.owners: dict[str, str] = {}  # env -> the label of the key that opened it
         self.interactive: set[tuple[str, str]] = set()  # sessions with a program on a pty
+
+    @property
+    def client(self) -> Any:
+        """The daemon client of the request's caller (its key's user)."""
+        caller = CALLER.get()
+        return self.default_client if caller is None else caller.client
+
+    def check_owner(self, env: str) -> None:
+        """Raise ``not_found`` when ``env`` was opened here by another key: to any other
+        key it does not exist (issue 30, item 4)."""
+        owner = self.owners.get(env)
+        if owner is not None and owner != caller_label():
+            raise NotFound(f"no environment {env!r}")
 
     async def exec(self, kind: str, cmd: Any, **kw: Any) -> ExecResult:
         result: ExecResult = await self.client.exec(cmd, task=f"swerex/{kind}", **kw)
@@ -414,6 +429,7 @@ class Runtimes:
             self.opened.discard(env)
             with contextlib.suppress(NotFound):
                 await self.client.env_close(env)
+            self.owners.pop(env, None)
         return {}
 
     async def close_sessions(self, env: str) -> None:
@@ -508,8 +524,15 @@ async def guard(call: Awaitable[Any]) -> Any:
 
 
 def router(runtimes: Runtimes) -> APIRouter:
-    """The ``/swerex/{env}`` routes and ``POST /envs``."""
-    api = APIRouter()
+    """The ``/swerex/{env}`` routes and ``POST /envs``; a route naming an environment
+    another key opened answers 404 ``not_found``."""
+
+    async def owned(request: Request) -> None:
+        env = request.path_params.get("env")
+        if env is not None:
+            runtimes.check_owner(env)
+
+    api = APIRouter(dependencies=[Depends(owned)])
 
     @api.post("/envs")
     async def open_env(request: Request, body: OpenEnvRequest | None = None) -> Any:
@@ -518,6 +541,7 @@ def router(runtimes: Runtimes) -> APIRouter:
             image=body.image, mem=body.mem, trajectory=body.trajectory, timeout_s=body.timeout
         )
         runtimes.opened.add(env_id)
+        runtimes.owners[env_id] = caller_label()
         base = str(request.base_url).rstrip("/")
         return {"id": env_id, "swerex_url": f"{base}/swerex/{env_id}"}
 
@@ -526,6 +550,7 @@ def router(runtimes: Runtimes) -> APIRouter:
         await runtimes.close_sessions(env)
         runtimes.opened.discard(env)
         await runtimes.client.env_close(env)
+        runtimes.owners.pop(env, None)
         return {"id": env, "closed": True}
 
     @api.get("/swerex/{env}/is_alive")
