@@ -446,6 +446,8 @@ class HttpConfig:
     max_body: int = _key(_size(1024), 16 * MIB)  # larger request bodies: 413, unread
     max_run_timeout_s: float = _key(_number(0.0, exclusive=True), 3600.0)  # above: 400
     keys: str | None = _key(_opt_path, None)  # file of "KEY [USER]" lines ("": none)
+    max_connections: int = _key(_int(1), 1024)  # open at once (fewer if descriptors are short)
+    read_timeout_s: float = _key(_number(0.0, exclusive=True), 30.0)  # headers, then body
 
 
 @dataclass(frozen=True, slots=True)

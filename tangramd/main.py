@@ -434,6 +434,8 @@ def http(
             "tangramd http`), or use `tangramd up --http ... --http-user USER`",
             err=True,
         )
+    from tangramd.gateway.conns import uvicorn_limits
+
     uvicorn.run(
         app,
         host=host,
@@ -441,6 +443,7 @@ def http(
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,
+        **uvicorn_limits(limits),
     )
 
 

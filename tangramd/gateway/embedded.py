@@ -21,6 +21,7 @@ import uvicorn
 from tangram.client import AsyncClient
 from tangramd.config import HttpConfig
 from tangramd.gateway.app import build_app
+from tangramd.gateway.conns import uvicorn_limits
 from tangramd.gateway.local import InProcessClient
 from tangramd.transport import UnixServer
 
@@ -90,6 +91,7 @@ class EmbeddedGateway:
             app,
             log_level="warning",
             access_log=False,
+            **uvicorn_limits(limits),
             timeout_graceful_shutdown=int(GRACE_S),
             lifespan="on",
         )
