@@ -65,6 +65,13 @@ def cli() -> None:
     help="Also serve the HTTP gateway (as `tangramd http`) in this process.",
 )
 @click.option(
+    "--http-unix",
+    default=None,
+    metavar="PATH",
+    help="Also (or only) serve the HTTP gateway on a Unix socket: its peers pass "
+    "daemon.allowed_uids and run as their own uid, no API key needed.",
+)
+@click.option(
     "--http-api-key-file",
     type=click.Path(dir_okay=False, exists=True),
     default=None,
@@ -95,6 +102,7 @@ def up(
     state_dir: str | None,
     cpu_backend: str | None,
     http_listen: str | None,
+    http_unix: str | None,
     http_api_key_file: str | None,
     http_user: str | None,
     http_cpus: int | None,
@@ -114,27 +122,29 @@ def up(
         click.echo(f"tangramd: {exc}", err=True)
         sys.exit(2)
     gateway = None
-    if http_listen is not None:
+    if http_listen is not None or http_unix is not None:
         try:
             from tangramd.gateway import embedded
         except ImportError as exc:
             click.echo(f"tangramd up --http: {_NO_HTTP_EXTRA}: {exc}", err=True)
             sys.exit(2)
         keys = _http_keys("tangramd up --http", config.http.keys, own_process=True)
-        host, port, key = _http_settings(
-            "tangramd up --http",
-            http_listen,
-            http_api_key_file,
-            bool(http_insecure_no_auth),
-            keyed=bool(keys),
-        )
+        host, port, key = "", 0, None
+        if http_listen is not None:
+            host, port, key = _http_settings(
+                "tangramd up --http",
+                http_listen,
+                http_api_key_file,
+                bool(http_insecure_no_auth),
+                keyed=bool(keys),
+            )
         peer = None
         if http_user is not None:
             peer = resolve_user(http_user)
             if peer is None:
                 click.echo(f"tangramd up: --http-user {http_user!r}: no such user", err=True)
                 sys.exit(2)
-        gateway = _Gateway(embedded, host, port, key, peer, http_cpus or 1, keys)
+        gateway = _Gateway(embedded, host, port, key, peer, http_cpus or 1, keys, http_unix)
     else:
         given: dict[str, object] = {
             "--http-api-key-file": http_api_key_file,
@@ -160,17 +170,26 @@ def up(
     try:
         check_socket_free(config.daemon.socket)  # fail before touching any state
         if gateway is not None:
-            if gateway.peer is None and os.geteuid() == 0 and config.cpu.exec_user == "peer":
+            runs_as_root = gateway.peer is None and os.geteuid() == 0
+            if runs_as_root and gateway.host and config.cpu.exec_user == "peer":
                 click.echo(
                     "tangramd up: HTTP callers' commands run as root (cpu.exec_user = "
                     '"peer"); pass --http-user to run them as an unprivileged user',
                     err=True,
                 )
             try:  # bound before anything starts: an address in use changes nothing
-                gateway.sock = gateway.module.bind(gateway.host, gateway.port)
+                if gateway.host:
+                    gateway.sock = gateway.module.bind(gateway.host, gateway.port)
             except OSError as exc:
                 why = exc.strerror or exc
                 click.echo(f"tangramd up: cannot serve HTTP on {http_listen}: {why}", err=True)
+                sys.exit(1)
+            try:
+                if gateway.unix is not None:
+                    gateway.unix_sock = gateway.module.bind_unix(gateway.unix)
+            except OSError as exc:
+                why = exc.strerror or exc
+                click.echo(f"tangramd up: cannot serve HTTP on {gateway.unix}: {why}", err=True)
                 sys.exit(1)
         run_loop(_serve(config, gateway), config.daemon.event_loop)
     except TangramError as exc:
@@ -195,7 +214,9 @@ class _Gateway:
     peer: tuple[int, int] | None
     cpus: int
     keys: list[tuple[str, tuple[int, int] | None]]  # [http] keys: key, its user (or None)
+    unix: str | None = None  # --http-unix PATH
     sock: socket.socket | None = None
+    unix_sock: socket.socket | None = None
 
 
 async def _serve(config: Any, gateway: _Gateway | None = None) -> None:
@@ -209,10 +230,11 @@ async def _serve(config: Any, gateway: _Gateway | None = None) -> None:
     http = None
     try:
         await runtime.start()
-        if gateway is not None and gateway.sock is not None:
+        if gateway is not None and (gateway.sock or gateway.unix_sock) is not None:
             http = gateway.module.EmbeddedGateway(
                 runtime.server,
                 gateway.sock,
+                unix_sock=gateway.unix_sock,
                 api_key=gateway.key,
                 cpus=gateway.cpus,
                 peer=gateway.peer,

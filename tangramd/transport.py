@@ -556,6 +556,18 @@ class UnixServer:
         """Bytes of unfinished frames held across all connections."""
         return self._buffered
 
+    def peer_refusal(self, pid: int, uid: int, gid: int) -> str:
+        """Why a peer with these credentials is refused by ``daemon.allowed_uids`` /
+        ``allowed_gids`` ('' if allowed): the rule of this socket's accept, for the HTTP
+        gateway's Unix socket (``tangramd up --http-unix``)."""
+        if not self.allowed_uids and not self.allowed_gids:
+            return ""
+        if uid in (0, os.geteuid()) or uid in self.allowed_uids:
+            return ""
+        if self.allowed_gids & peer_groups(ConnInfo(0, pid=pid, uid=uid, gid=gid)):
+            return ""
+        return f"uid {uid} is not allowed (daemon.allowed_uids / daemon.allowed_gids)"
+
     def _refusal(self, info: ConnInfo) -> str:
         """Why a new connection is refused ('' if it is served)."""
         if len(self._connections) > self.max_connections:

@@ -52,7 +52,7 @@ from tangram.client import AsyncClient, ExecResult
 from tangram.model import TangramError
 from tangramd.gateway import jupyter, swerex
 from tangramd.gateway import sandbox_fusion as sf
-from tangramd.gateway.callers import CALLER, Caller
+from tangramd.gateway.callers import CALLER, PEER_STATE, Caller
 from tangramd.gateway.metrics import Metrics
 
 log = structlog.get_logger("tangramd.gateway")
@@ -93,6 +93,7 @@ class Gate:
         *,
         keys: Mapping[bytes, Caller],
         anyone: Caller,
+        by_peer: Callable[[tuple[int, int]], Caller] | None = None,
         metrics: Metrics,
         fast: Mapping[str, FastRoute] | None = None,
         max_body: int = MAX_BODY,
@@ -102,6 +103,7 @@ class Gate:
         self.app = app
         self.keys = dict(keys)
         self.anyone = anyone
+        self.by_peer = by_peer  # a Unix socket's peer (tangramd up --http-unix) -> caller
         self.max_body = max_body
         self.metrics = metrics
         self.fast = dict(fast or {})
@@ -112,7 +114,10 @@ class Gate:
             return
         metrics = self.metrics
         caller: Caller | None = self.anyone
-        if self.keys:
+        peer = scope.get("state", {}).get(PEER_STATE)
+        if peer is not None and self.by_peer is not None:
+            caller = self.by_peer(peer)  # the socket's peer check stood for the key
+        elif self.keys:
             given = next((v for k, v in scope["headers"] if k == API_KEY_LOWER), None)
             path: str = scope["path"]
             if given is None and path.startswith(KEY_PREFIX):
@@ -302,6 +307,7 @@ def build_app(
     client: AsyncClient | None = None,
     api_key: str | None = None,
     keys: Sequence[tuple[str, AsyncClient | None]] = (),
+    peer_client: Callable[[int, int], AsyncClient] | None = None,
     cpus: int = 1,
     max_body: int = MAX_BODY,
     max_run_timeout_s: float = MAX_RUN_TIMEOUT_S,
@@ -309,7 +315,8 @@ def build_app(
     """The gateway for the daemon at ``socket``, or through ``client`` (the daemon's own
     :class:`~tangramd.gateway.local.InProcessClient` under ``tangramd up --http``);
     ``keys``: more API keys (``[http] keys``), each with the client its requests go
-    through (None: ``client``; another: its own user); ``cpus``: cores per ``/run_code``;
+    through (None: ``client``; another: its own user); ``peer_client``: the client for a
+    Unix socket peer's (uid, gid) (``--http-unix``); ``cpus``: cores per ``/run_code``;
     ``max_body``, ``max_run_timeout_s``: ``[http]``."""
     if client is None:
         if socket is None:
@@ -327,6 +334,16 @@ def build_app(
             raise ValueError("an API key given twice")
         callers[key.encode()] = Caller(f"key{number}", own or client)
     others = {id(c.client): c.client for c in callers.values() if c.client is not client}
+    peers: dict[tuple[int, int], Caller] = {}
+
+    def by_peer(ids: tuple[int, int]) -> Caller:
+        found = peers.get(ids)
+        if found is None:
+            assert peer_client is not None
+            own = peer_client(*ids)
+            found = peers[ids] = Caller(f"uid{ids[0]}", own)
+            others[id(own)] = own
+        return found
 
     def observe(kind: str, result: ExecResult) -> None:
         metrics.observe(kind, result)
@@ -369,7 +386,13 @@ def build_app(
         "/run_jupyter": FastRoute(jupyter.RunJupyterRequest, serve_run_jupyter),
     }
     app.add_middleware(
-        Gate, keys=callers, anyone=anyone, metrics=metrics, fast=fast, max_body=max_body
+        Gate,
+        keys=callers,
+        anyone=anyone,
+        by_peer=by_peer if peer_client is not None else None,
+        metrics=metrics,
+        fast=fast,
+        max_body=max_body,
     )
 
     @app.exception_handler(swerex.RemoteError)

@@ -28,6 +28,7 @@ class Caller:
     client: Any  # an AsyncClient (InProcessClient under tangramd up --http)
 
 
+PEER_STATE = "tangram_peer"  # scope["state"] key: (uid, gid) of a Unix socket's peer
 CALLER: ContextVar[Caller | None] = ContextVar("tangram_gateway_caller", default=None)
 
 

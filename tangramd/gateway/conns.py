@@ -22,18 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import socket
+import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tangramd.config import HttpConfig
+from tangramd.gateway.callers import PEER_STATE
 
 log = structlog.get_logger("tangramd.gateway")
 
 FD_RESERVE = 256  # descriptors the cap leaves to the daemon (socket, environments, files)
 LOG_EVERY_S = 10.0
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long
 MAX_HEADERS = 64 * 1024  # bytes of a request's line and headers (h11; httptools: its own)
 
@@ -73,7 +78,7 @@ class _Throttled:
             self.count, self.last = 0, now
 
 
-def uvicorn_limits(limits: HttpConfig) -> dict[str, Any]:
+def uvicorn_limits(limits: HttpConfig, peer_check: PeerCheck | None = None) -> dict[str, Any]:
     """uvicorn's options for ``[http]``: the guarded protocol, the cap as its concurrency
     limit too (503 past it), keep-alive and header-size limits; logs the cap when the
     descriptor limit lowered it."""
@@ -82,7 +87,7 @@ def uvicorn_limits(limits: HttpConfig) -> dict[str, Any]:
     if cap < limits.max_connections:
         log.warning("http_connection_cap_lowered", cap=cap, fd_limit=fd_limit, reserve=FD_RESERVE)
     return {
-        "http": guarded_protocol(cap, limits.read_timeout_s),
+        "http": guarded_protocol(cap, limits.read_timeout_s, peer_check),
         "limit_concurrency": cap,
         "timeout_keep_alive": KEEP_ALIVE_S,
         "h11_max_incomplete_event_size": MAX_HEADERS,
@@ -90,13 +95,31 @@ def uvicorn_limits(limits: HttpConfig) -> dict[str, Any]:
     }
 
 
-def guarded_protocol(cap: int, read_timeout_s: float) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with a connection cap and read deadlines."""
+PeerCheck = Callable[[int, int, int], str]  # (pid, uid, gid) -> why refused, '' if served
+
+
+def _peer(transport: asyncio.Transport) -> tuple[int, int, int] | None:
+    """(pid, uid, gid) of a Unix socket connection's peer (SO_PEERCRED), else None."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family != socket.AF_UNIX or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return pid, uid, gid
+
+
+def guarded_protocol(
+    cap: int, read_timeout_s: float, peer_check: PeerCheck | None = None
+) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with a connection cap and read deadlines; on a Unix
+    socket each connection's peer must pass ``peer_check`` and its requests carry the
+    peer's (uid, gid) in ``scope["state"][PEER_STATE]``."""
     refused = _Throttled("http_connection_refused")
     slow = _Throttled("http_read_timeout")
 
     class Guarded(HttpToolsProtocol):
         _deadline: asyncio.TimerHandle | None = None
+        _peer_ids: tuple[int, int] | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -104,6 +127,14 @@ def guarded_protocol(cap: int, read_timeout_s: float) -> type[HttpToolsProtocol]
                 refused.note(reason="max_connections", cap=cap)
                 transport.abort()
                 return
+            peer = _peer(transport)
+            if peer is not None:
+                why = "" if peer_check is None else peer_check(*peer)
+                if why:
+                    log.warning("http_peer_refused", reason=why, pid=peer[0], uid=peer[1])
+                    transport.abort()
+                    return
+                self._peer_ids = (peer[1], peer[2])
             self._arm("headers")
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -114,6 +145,8 @@ def guarded_protocol(cap: int, read_timeout_s: float) -> type[HttpToolsProtocol]
             if self._deadline is None:
                 self._arm("headers")
             super().on_message_begin()
+            if self._peer_ids is not None:
+                self.scope["state"][PEER_STATE] = self._peer_ids
 
         def on_headers_complete(self) -> None:
             self._arm("body")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -23,11 +24,27 @@ from tangramd.config import HttpConfig
 from tangramd.gateway.app import build_app
 from tangramd.gateway.conns import uvicorn_limits
 from tangramd.gateway.local import InProcessClient
-from tangramd.transport import UnixServer
+from tangramd.transport import SOCKET_MODE, UnixServer, check_socket_free
 
 log = structlog.get_logger("tangramd.gateway")
 
 GRACE_S = 5.0
+
+
+def bind_unix(path: str) -> socket.socket:
+    """A listening Unix socket at ``path``, mode 0660 as the daemon's own (a stale socket
+    file is replaced; raise OSError if a server answers there or it is not a socket)."""
+    check_socket_free(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, SOCKET_MODE)  # before listen(): nobody could connect yet
+        sock.listen(2048)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -61,8 +78,9 @@ class EmbeddedGateway:
     def __init__(
         self,
         server: UnixServer,
-        sock: socket.socket,
+        sock: socket.socket | None,
         *,
+        unix_sock: socket.socket | None = None,
         api_key: str | None,
         cpus: int,
         peer: tuple[int, int] | None = None,
@@ -71,8 +89,13 @@ class EmbeddedGateway:
     ) -> None:
         """``peer``: the (uid, gid) HTTP callers count as (None: the daemon's own);
         ``limits``: the config's ``[http]``; ``keys``: ``[http] keys``, each key with the
-        (uid, gid) its requests count as (None: ``peer``)."""
+        (uid, gid) its requests count as (None: ``peer``); ``unix_sock``: a Unix socket
+        (``--http-unix``) whose peers pass ``daemon.allowed_uids`` as on the daemon's
+        socket and are each served as their own uid, without an API key."""
         self.sock = sock
+        self.unix_sock = unix_sock
+        self.unix_path = unix_sock.getsockname() if unix_sock is not None else ""
+        self.sockets = [s for s in (sock, unix_sock) if s is not None]
         self.client = InProcessClient(server, peer=peer)
         limits = limits or HttpConfig()
         own: list[tuple[str, AsyncClient | None]] = [
@@ -83,6 +106,7 @@ class EmbeddedGateway:
             client=self.client,
             api_key=api_key,
             keys=own,
+            peer_client=lambda uid, gid: InProcessClient(server, peer=(uid, gid)),
             cpus=cpus,
             max_body=limits.max_body,
             max_run_timeout_s=limits.max_run_timeout_s,
@@ -91,7 +115,7 @@ class EmbeddedGateway:
             app,
             log_level="warning",
             access_log=False,
-            **uvicorn_limits(limits),
+            **uvicorn_limits(limits, server.peer_refusal),
             timeout_graceful_shutdown=int(GRACE_S),
             lifespan="on",
         )
@@ -100,8 +124,13 @@ class EmbeddedGateway:
 
     @property
     def address(self) -> str:
-        host, port = self.sock.getsockname()[:2]
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        where = []
+        if self.sock is not None:
+            host, port = self.sock.getsockname()[:2]
+            where.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        if self.unix_sock is not None:
+            where.append(f"unix:{self.unix_sock.getsockname()}")
+        return " ".join(where)
 
     async def start(self) -> None:
         """Serve; return once uvicorn listens (raise if it failed to start)."""
@@ -115,7 +144,7 @@ class EmbeddedGateway:
 
     async def _serve(self) -> None:
         try:
-            await self._uvicorn.serve(sockets=[self.sock])
+            await self._uvicorn.serve(sockets=self.sockets)
         except SystemExit as exc:  # uvicorn exits on a start-up failure: not the daemon
             why = f"the HTTP gateway failed to start (uvicorn exit {exc.code})"
             raise RuntimeError(why) from None
@@ -127,4 +156,8 @@ class EmbeddedGateway:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._task), GRACE_S + 2.0)
         await self.client.close()
-        self.sock.close()
+        for sock in self.sockets:
+            sock.close()
+        if self.unix_sock is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.unix_path)
