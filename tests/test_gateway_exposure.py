@@ -4,6 +4,7 @@ deployments (`tangramd http`, `tangramd up --http`)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -20,19 +21,23 @@ def gateway_in_process(request: pytest.FixtureRequest) -> bool:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["http", "--listen", "0.0.0.0:1"],
-        ["up", "--http", "0.0.0.0:1"],
+        ["http", "--listen", "0.0.0.0:{port}"],
+        ["up", "--http", "0.0.0.0:{port}"],
     ],
 )
 def test_non_loopback_without_a_key_is_refused_before_binding(argv, tmp_path):
     """A keyless gateway on a non-loopback address exits 2 at start-up, naming the way out
-    (port 1 is never bound: the refusal comes first)."""
-    cmd = [sys.executable, "-m", "tangramd.main", *argv]
-    if argv[0] == "up":
-        cmd += ["--socket", str(tmp_path / "s.sock"), "--state-dir", str(tmp_path / "st")]
-    else:
-        cmd += ["--socket", str(tmp_path / "none.sock")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    (the port is held bound, not listening and without SO_REUSEADDR, so a gateway that
+    failed to refuse could not bind it: the test never opens a network listener)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))  # a wildcard bind of this port now fails
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", "tangramd.main", *(a.format(port=port) for a in argv)]
+        if argv[0] == "up":
+            cmd += ["--socket", str(tmp_path / "s.sock"), "--state-dir", str(tmp_path / "st")]
+        else:
+            cmd += ["--socket", str(tmp_path / "none.sock")]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "refusing to serve 0.0.0.0 without an API key" in done.stderr
     assert "insecure-no-auth" in done.stderr
