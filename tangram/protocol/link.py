@@ -224,6 +224,13 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
                 Arg("op", Str(), True, "the op (docs: Ops)"),
                 Arg("args", MAP, True, "its args"),
                 Arg(
+                    "peer",
+                    UID_GID,
+                    doc="[uid, gid] of the client, as the node's socket saw it (SO_PEERCRED);"
+                    " the node is the authority on it: the coordinator runs the request as"
+                    ' that caller (`cpu.exec_user = "peer"`), as `tangramd up` does',
+                ),
+                Arg(
                     "held",
                     Bool(),
                     doc="an `exec` whose stdin and files the node keeps until its placement"

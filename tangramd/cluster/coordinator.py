@@ -46,6 +46,7 @@ from tangramd.cluster.registry import NodeRecord, NodeRegistry, Refused
 from tangramd.cluster.store import Store, StoreEnvRecords
 from tangramd.executor import Executor, OpHandlers
 from tangramd.lifecycle import loop_name
+from tangramd.run.local import owner_of
 from tangramd.run.remote import OnNode, PutOnNode, RemoteEffects
 from tangramd.state import Core
 from tangramd.transport import NOT_SYNC, ConnInfo, Later
@@ -470,7 +471,7 @@ class CoordinatorExecutor(Executor):
             return False
         request_id = msg.get("id")
         try:
-            conn = self._remote_conn(rec, int(msg["conn"]))
+            conn = self._remote_conn(rec, msg)
             self._forwarding = _Forwarded(
                 link,
                 request_id,
@@ -563,7 +564,7 @@ class CoordinatorExecutor(Executor):
                 raise UnknownOp("malformed forwarded request")
             if op in LOCAL_ONLY_OPS:
                 raise UnknownOp(f"{op} is served on the coordinator's own socket only")
-            conn = self._remote_conn(rec, int(msg["conn"]))
+            conn = self._remote_conn(rec, msg)
             if msg.get("withheld") is True:  # read by request() before this task yields
                 fetch = _fetch_from(rec, msg)
                 self._serving = _Forwarded(link, request_id, held=True, withheld=True, fetch=fetch)
@@ -576,10 +577,15 @@ class CoordinatorExecutor(Executor):
             reply = make_message("resp", id=request_id, ok=False, error=error_to_wire(exc))
         link.send(reply)
 
-    def _remote_conn(self, rec: NodeRecord, conn_id: int) -> ConnInfo:
+    def _remote_conn(self, rec: NodeRecord, msg: dict[str, Any]) -> ConnInfo:
+        """The coordinator's stand-in for a client of a node's socket: who it is is what
+        that node saw (``req``'s ``peer``), so its commands run as that caller, as on
+        ``tangramd up``; a client with no known uid (an older node) stays as it was."""
+        conn_id, peer = int(msg["conn"]), owner_of(msg.get("peer"))
         conn = rec.remote_conns.get(conn_id)
-        if conn is None:
-            conn = rec.remote_conns[conn_id] = ConnInfo(id=next(self._remote_ids))
+        if conn is None:  # (one connection of the node's socket: one peer throughout)
+            uid, gid = peer if peer is not None else (None, None)
+            conn = rec.remote_conns[conn_id] = ConnInfo(id=next(self._remote_ids), uid=uid, gid=gid)
         return conn
 
     def _drop_remote_conns(self, rec: NodeRecord) -> None:

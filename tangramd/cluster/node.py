@@ -893,6 +893,7 @@ class NodeAgent:
             conn=conn.id,
             op=op,
             args=args,
+            peer=list(conn.peer) if conn.peer is not None else None,
             held=True if holds else None,
             withheld=True if withheld else None,
             ticket=ticket,

@@ -1,0 +1,95 @@
+"""Who a client of a node's socket is, across the link (issue 31, item 1): the node carries
+the uid/gid its socket saw to the coordinator, which runs the client's commands as that
+user (``cpu.exec_user = "peer"``) exactly as ``tangramd up`` does, and the node's
+``daemon.allowed_uids`` is enforced at its socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+
+from cluster_harness import spawn_coordinator, spawn_node, stop_all
+from hostile_user import in_child_as, local_user
+
+from tangram.client import Client
+from tangram.protocol.codec import FrameDecoder
+
+
+def _whoami_as(path: str, uid: int, gid: int) -> dict:
+    """Open an environment through the node's socket as uid/gid and run ``id -u`` and a read
+    of /etc/shadow there; what each printed and its exit code."""
+
+    def work() -> bytes:
+        try:
+            return attempt()
+        except Exception as exc:  # reported to the test, which shows it
+            return json.dumps({"error": repr(exc)}).encode()
+
+    def attempt() -> bytes:
+        with Client(path) as c:
+            env = c.env_open(trajectory="identity")
+            try:
+                me = c.exec("id -u; id -g", env=env)
+                shadow = c.exec("cat /etc/shadow", env=env)
+            finally:
+                c.env_close(env)
+        return json.dumps(
+            {
+                "ids": me.stdout.split(),
+                "shadow_exit": shadow.exit_code,
+                "shadow_out": shadow.stdout,
+            }
+        ).encode()
+
+    return json.loads(in_child_as(uid, gid, work))
+
+
+def test_a_node_client_runs_as_itself_not_as_the_node_daemon():
+    """A non-root client of a node's socket gets its own uid from `id -u` and cannot read
+    /etc/shadow (before, the coordinator saw no uid and the command ran as root)."""
+    with local_user() as user, tempfile.TemporaryDirectory(prefix="tgi-", dir="/tmp") as tmp:
+        os.chmod(tmp, 0o755)
+        coord = spawn_coordinator(f"{tmp}/c")
+        node = None
+        try:
+            # no user namespace: `id -u` is the host uid (an isolated environment's commands
+            # are root inside one mapped to the owner's uid, whom the coordinator now knows)
+            config = f'[daemon]\nallowed_uids = [{user.uid}]\n[cpu]\nisolation = "none"\n'
+            node = spawn_node(tmp, coord, "n1", config=config)
+            os.chmod(f"{tmp}/n1", 0o755)
+            os.chown(node.socket, 0, user.gid)  # the operator's chgrp: the socket opens
+            seen = _whoami_as(node.socket, user.uid, user.gid)
+            assert seen.get("ids") == [str(user.uid), str(user.gid)], seen
+            assert seen["shadow_exit"] != 0 and not seen["shadow_out"], seen
+        finally:
+            stop_all([d for d in (node, coord) if d is not None])
+
+
+def test_a_node_refuses_a_client_outside_its_allowlist():
+    """The node applies `daemon.allowed_uids` at its socket, as `tangramd up` does."""
+    with local_user() as user, tempfile.TemporaryDirectory(prefix="tgi-", dir="/tmp") as tmp:
+        os.chmod(tmp, 0o755)
+        coord = spawn_coordinator(f"{tmp}/c")
+        node = None
+        try:
+            config = f"[daemon]\nallowed_uids = [{user.uid + 1}]\n"
+            node = spawn_node(tmp, coord, "n1", config=config)
+            os.chmod(f"{tmp}/n1", 0o755)
+            os.chown(node.socket, 0, user.gid)
+
+            def refusal() -> bytes:
+                """What the node's socket says to this peer before any request."""
+                dec = FrameDecoder()
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(10.0)
+                    s.connect(node.socket)
+                    while (msg := dec.next_message()) is None and (data := s.recv(65536)):
+                        dec.feed(data)
+                return repr(msg).encode()
+
+            answer = in_child_as(user.uid, user.gid, refusal).decode()
+            assert f"uid {user.uid} is not allowed" in answer, answer
+        finally:
+            stop_all([d for d in (node, coord) if d is not None])
