@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -131,3 +133,17 @@ def test_throwaway_run_code_shares_no_temp(keyed):
     assert outs[1][0] == "False False", outs
     assert outs[0][-1] != outs[1][-1], outs  # each run its own TMPDIR
     assert not Path(f"/tmp/{name}").exists()  # not the host's /tmp either
+
+
+def test_separate_gateway_refuses_per_key_users(tmp_path, user):
+    """A separate `tangramd http` cannot speak for another uid: a per-key user in
+    [http] keys exits 2 at start-up naming it, before anything is bound."""
+    keys = tmp_path / "http-keys"
+    keys.write_text(f"{uuid.uuid4().hex} {user.name}\n")
+    config = tmp_path / "http.toml"
+    config.write_text(f'[http]\nkeys = "{keys}"\n')
+    cmd = [sys.executable, "-m", "tangramd.main", "http", "--listen", "127.0.0.1:1"]
+    cmd += ["--socket", str(tmp_path / "none.sock"), "--config", str(config)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"user {user.name!r}" in done.stderr and "tangramd up --http" in done.stderr
