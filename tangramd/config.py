@@ -338,6 +338,7 @@ class DaemonConfig:
     max_buffered_bytes: int = _key(_size(1024), 256 * MIB)
     allowed_uids: tuple[int, ...] = _key(_id_list, ())
     allowed_gids: tuple[int, ...] = _key(_id_list, ())
+    operator_uids: tuple[int, ...] = _key(_id_list, ())
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,12 +77,15 @@ class Executor:
         clock: Callable[[], float] = time.monotonic,
         handlers: OpHandlers,
         env_records: EnvRecords | None = None,
+        operator_uids: Iterable[int] = (),
         **server_options: Any,
     ) -> None:
         """``server_options`` go to the ``UnixServer`` (frame and connection limits, the
         peer allowlist); ``env_records`` defaults to the state dir's journal."""
         self.core = core
         self.effects = effects
+        # who may run the operator-only ops, besides root and the daemon's user
+        self.operator_uids = frozenset(operator_uids)
         self.socket_path = socket_path
         self.state_dir = Path(state_dir)
         self.clock = clock

@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from tangram import _native
-from tangram.protocol.errors import BadRequest, UnknownOp
-from tangram.protocol.ops import validate_args
+from tangram.protocol.errors import Forbidden, UnknownOp
+from tangram.protocol.ops import OPS, validate_args
 from tangram.protocol.results import CallSpec, ExecSpec
 from tangram.version import __version__
 from tangramd import events as ev
@@ -33,6 +33,7 @@ def handle_sync(ex: Executor, op: str, args: Args, conn: ConnInfo) -> Any:
     if fn is None:
         return NOT_SYNC
     validate_args(op, args)
+    admit(ex, op, conn)
     return fn(ex, args, conn)
 
 
@@ -49,6 +50,7 @@ def handle_inline(ex: Executor, op: str, args: Args, conn: ConnInfo) -> Any:
 
 async def handle(ex: Executor, op: str, args: Args, conn: ConnInfo) -> Any:
     validate_args(op, args)
+    admit(ex, op, conn)
     sync = SYNC_OPS.get(op)
     if sync is not None:  # the transport's inline path was skipped (slow reader)
         return sync(ex, args, conn)
@@ -57,6 +59,24 @@ async def handle(ex: Executor, op: str, args: Args, conn: ConnInfo) -> Any:
         raise UnknownOp(f"op {op!r} is not served by tangramd up")
     ex.watch(conn)
     return await fn(ex, args, conn)
+
+
+def is_operator(ex: Executor, conn: ConnInfo) -> bool:
+    """Operators are root, the daemon's user and ``daemon.operator_uids`` (a caller of a
+    node's socket as that node saw it); a connection with no known uid (no SO_PEERCRED) is
+    the daemon's own."""
+    peer = conn.peer
+    return peer is None or peer[0] in (0, os.geteuid()) or peer[0] in ex.operator_uids
+
+
+def admit(ex: Executor, op: str, conn: ConnInfo) -> None:
+    """Refuse an operator-only op (``OPS[op].operator_only``) to anyone else."""
+    spec = OPS.get(op)
+    if spec is not None and spec.operator_only and not is_operator(ex, conn):
+        raise Forbidden(
+            f"{op}: operators only (root, the daemon's user, uid {os.geteuid()}, and "
+            f"daemon.operator_uids); uid {conn.uid} is not one"
+        )
 
 
 # -------------------------------------------------------------------------- views
@@ -234,25 +254,12 @@ async def _lease_release(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return await ex.request(lambda tok: ev.ReleaseLease(token=tok, lease_id=args["lease_id"]))
 
 
-def _operator_only(op: str, conn: ConnInfo) -> None:
-    """Service workers run the registered code as the daemon's user, so only that user (or
-    root) may add or remove services; every allowed peer may call them."""
-    peer, me = conn.peer, os.geteuid()
-    if peer is not None and peer[0] not in (0, me):
-        raise BadRequest(
-            f"{op}: only root or the daemon's user (uid {me}) may register or remove services "
-            f"(their code runs as that user); uid {peer[0]} may call them"
-        )
-
-
 async def _service_register(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    _operator_only("service.register", conn)
     spec = {key: value for key, value in args.items() if value is not None}
     return await ex.request(lambda tok: ev.RegisterService(args=spec, token=tok))
 
 
 async def _service_remove(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    _operator_only("service.remove", conn)
     return await ex.request(lambda tok: ev.RemoveService(name=args["name"], token=tok))
 
 

@@ -76,6 +76,7 @@ def build_runtime(config: Any) -> Executor:
         config.daemon.socket,
         state_dir=state_dir,
         handlers=ops,
+        operator_uids=config.daemon.operator_uids,
         **server_options(config),
     )
 

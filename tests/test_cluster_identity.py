@@ -14,6 +14,7 @@ from cluster_harness import spawn_coordinator, spawn_node, stop_all
 from hostile_user import in_child_as, local_user
 
 from tangram.client import Client
+from tangram.model import TangramError
 from tangram.protocol.codec import FrameDecoder
 
 
@@ -91,5 +92,59 @@ def test_a_node_refuses_a_client_outside_its_allowlist():
 
             answer = in_child_as(user.uid, user.gid, refusal).decode()
             assert f"uid {user.uid} is not allowed" in answer, answer
+        finally:
+            stop_all([d for d in (node, coord) if d is not None])
+
+
+def _errors_as(path: str, uid: int, gid: int, requests: list[tuple[str, dict]]) -> list[str]:
+    """Send each request as uid/gid; ``code`` of each error, "ok" for an answer."""
+
+    def ask() -> bytes:
+        codes = []
+        with Client(path) as c:
+            for op, args in requests:
+                try:
+                    c.request(op, args)
+                    codes.append("ok")
+                except TangramError as exc:
+                    codes.append(exc.code)
+        return json.dumps(codes).encode()
+
+    return json.loads(in_child_as(uid, gid, ask))
+
+
+OPERATOR_OPS = [
+    ("node.drain", {"name": "n1"}),
+    ("node.undrain", {"name": "n1"}),
+    ("profile.save", {"name": "p", "dop": {"1": 1.0}, "t1_s": 1.0, "eff": {"1": 1.0},
+                      "speedup": {"1": 1.0}, "elastic": False}),
+]  # fmt: skip
+
+
+def test_operator_ops_are_refused_to_other_users_through_a_node():
+    """Drain, undrain and profile.save from an allowed non-operator through a node's socket
+    get `forbidden` and change nothing; a uid in daemon.operator_uids may run them."""
+    with (
+        local_user() as user,
+        local_user() as operator,
+        tempfile.TemporaryDirectory(prefix="tgi-", dir="/tmp") as tmp,
+    ):
+        os.chmod(tmp, 0o755)
+        coord = spawn_coordinator(f"{tmp}/c", f"[daemon]\noperator_uids = [{operator.uid}]\n")
+        node = None
+        try:
+            uids = [user.uid, operator.uid]
+            node = spawn_node(tmp, coord, "n1", config=f"[daemon]\nallowed_uids = {uids}\n")
+            os.chmod(f"{tmp}/n1", 0o755)
+            os.chmod(node.socket, 0o666)  # the allowlist is the guard
+            refused = _errors_as(node.socket, user.uid, user.gid, OPERATOR_OPS)
+            assert refused == ["forbidden"] * len(OPERATOR_OPS), refused
+            with Client(coord.socket) as c:
+                assert c.request("profile.list", {})["profiles"] == []
+                assert [r["state"] for r in c.nodes() if r["name"] == "n1"] == ["ready"]
+            served = _errors_as(node.socket, operator.uid, operator.gid, OPERATOR_OPS)
+            assert served == ["ok"] * len(OPERATOR_OPS), served
+            with Client(coord.socket) as c:
+                assert [p["name"] for p in c.request("profile.list", {})["profiles"]] == ["p"]
         finally:
             stop_all([d for d in (node, coord) if d is not None])

@@ -351,7 +351,7 @@ def test_remove_ends_queued_calls_rejected(gpu_daemon: GpuDaemon) -> None:
 
 def test_only_the_operator_registers_services(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Registered code runs as the daemon's user: another local user may not register or
-    remove services (a clear bad_request), though its calls are served as usual."""
+    remove services (`forbidden`), though its calls are served as usual."""
     from hostile_user import local_user
 
     with local_user() as user, tempfile.TemporaryDirectory(prefix="tgs-", dir="/tmp") as tmp:
@@ -364,8 +364,8 @@ def test_only_the_operator_registers_services(tmp_path_factory: pytest.TempPathF
                 ("service.register", register), ("service.remove", {"name": "s"}),
                 ("call", {"name": "s", "payload": {}}),
             ])  # fmt: skip
-            assert "only root or the daemon's user" in errors[0]
-            assert "only root or the daemon's user" in errors[1]
+            assert errors[0].startswith("forbidden: service.register: operators only")
+            assert errors[1].startswith("forbidden: service.remove: operators only")
             assert errors[2].startswith("not_found")  # calls pass the check
             with Client(d.socket) as c, pytest.raises(BadRequest, match="no GPUs"):
                 c.request("service.register", register)  # the operator gets past it

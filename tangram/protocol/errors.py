@@ -23,6 +23,7 @@ INFRA_ERROR: Final = "infra_error"
 INTERNAL: Final = "internal"
 SHUTTING_DOWN: Final = "shutting_down"
 ENV_LOST: Final = "env_lost"
+FORBIDDEN: Final = "forbidden"
 
 ERROR_CODES: Final[tuple[str, ...]] = (
     BAD_REQUEST,
@@ -35,6 +36,7 @@ ERROR_CODES: Final[tuple[str, ...]] = (
     INTERNAL,
     SHUTTING_DOWN,
     ENV_LOST,
+    FORBIDDEN,
 )
 
 
@@ -104,6 +106,13 @@ class EnvLost(TangramError):
     code = ENV_LOST
 
 
+class Forbidden(TangramError):
+    """An operator-only op (drain, profile save, service register, join tokens, ...) from a
+    caller that is not an operator (root, the daemon's user, ``daemon.operator_uids``)."""
+
+    code = FORBIDDEN
+
+
 ERROR_CLASSES: Final[dict[str, type[TangramError]]] = {
     BAD_REQUEST: BadRequest,
     UNKNOWN_OP: UnknownOp,
@@ -115,6 +124,7 @@ ERROR_CLASSES: Final[dict[str, type[TangramError]]] = {
     INTERNAL: InternalError,
     SHUTTING_DOWN: ShuttingDown,
     ENV_LOST: EnvLost,
+    FORBIDDEN: Forbidden,
 }
 
 

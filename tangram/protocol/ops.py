@@ -285,6 +285,7 @@ class Op:
     args: tuple[Arg, ...] = ()
     result: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()
+    operator_only: bool = False  # others get `forbidden` (docs/protocol.md, Roles)
     check: Callable[[Mapping[str, Any]], None] | None = None
     by_name: dict[str, Arg] = field(init=False, repr=False, compare=False)
 
@@ -452,6 +453,7 @@ OPS: Final[dict[str, Op]] = {
             (Arg("name", NAME, True),),
             result=("name: str", "draining: bool"),
             errors=("not_found",),
+            operator_only=True,
         ),
         Op(
             "node.undrain",
@@ -459,6 +461,7 @@ OPS: Final[dict[str, Op]] = {
             (Arg("name", NAME, True),),
             result=("name: str", "draining: bool"),
             errors=("not_found",),
+            operator_only=True,
         ),
         Op(
             "node.lost",
@@ -472,6 +475,7 @@ OPS: Final[dict[str, Op]] = {
             ),
             result=("name: str", "already_lost: bool"),
             errors=("not_found", "unknown_op"),
+            operator_only=True,
         ),
         Op(
             "cluster.join",
@@ -479,6 +483,7 @@ OPS: Final[dict[str, Op]] = {
             (Arg("rotate", Bool(), doc="replace the join token first (joined nodes stay)"),),
             result=("coordinator: str", "token: str", "ca_sha256: str"),
             errors=("unknown_op",),
+            operator_only=True,
         ),
         Op(
             "queue",
@@ -652,6 +657,7 @@ OPS: Final[dict[str, Op]] = {
             ),
             result=("name: str", "saved: bool"),
             errors=("bad_request",),
+            operator_only=True,
         ),
         Op(
             "profile.get",
@@ -667,6 +673,7 @@ OPS: Final[dict[str, Op]] = {
             _SERVICE_ARGS,
             result=SERVICE_FIELDS,
             errors=("bad_request", "infra_error", "shutting_down"),
+            operator_only=True,
         ),
         Op(
             "service.list",
@@ -679,6 +686,7 @@ OPS: Final[dict[str, Op]] = {
             (Arg("name", NAME, True),),
             result=("name: str", "removed: bool", "rejected: int"),
             errors=("not_found",),
+            operator_only=True,
         ),
         Op(
             "call",
@@ -776,6 +784,9 @@ def render_markdown() -> str:
         else:
             lines.append("Args: none.")
         lines += ["", f"Result: `{op.result_doc}`", ""]
-        errors = ", ".join(f"`{code}`" for code in op.errors) or "none beyond the common ones"
+        codes = (*op.errors, "forbidden") if op.operator_only else op.errors
+        errors = ", ".join(f"`{code}`" for code in codes) or "none beyond the common ones"
         lines += [f"Errors: {errors}.", ""]
+        if op.operator_only:
+            lines += ["Operators only (see Roles).", ""]
     return "\n".join(lines)

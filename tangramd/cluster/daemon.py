@@ -115,6 +115,7 @@ def build_coordinator(
         cluster=cluster,
         pki=pki,
         handlers=ops,
+        operator_uids=config.daemon.operator_uids,
         **server_options(config),
     )
 
