@@ -4,9 +4,11 @@ From 16 nodes on it keeps the nodes ranked by memory load instead of scanning ev
 for every action (the scan was the part of a pass growing with queue x nodes:
 docs/results.md, ``bench/sched.py --curve``). The rule is unchanged: the node with room
 with the lowest memory load, ties to the first in pool id order; none with room: the action
-waits, or when starving, goes to the least loaded node it can ever fit. ``reference``
-below is that rule as the scan wrote it; the property test holds both ways to it, decision
-for decision, on random clusters where memory, cores, node sizes and starvation all bind.
+waits, or when starving, goes to the least loaded node with its memory free (its cores may
+be busy: it queues there in FCFS order); none with its memory free: it waits node-less.
+``reference`` below is that rule as the scan wrote it; the property test holds both ways to
+it, decision for decision, on random clusters where memory, cores, node sizes and
+starvation all bind.
 """
 
 from __future__ import annotations
@@ -54,16 +56,13 @@ def reference(
         room = [i for i in fits if mem_free[i] >= need_mem and cores_free[i] >= need]
         if room:
             k = min(room, key=lambda i: (load(i), i))
-        elif starving:
-            k = min(fits, key=lambda i: (load(i), i))
+        elif starving and (mem_room := [i for i in fits if mem_free[i] >= need_mem]):
+            k = min(mem_room, key=lambda i: (load(i), i))  # memory free, cores busy
         else:
-            continue
-        if mem_free[k] >= need_mem:
-            mem_free[k] -= need_mem
-            mem_used[k] += need_mem
-            cores_free[k] = max(cores_free[k] - need, 0)
-        elif not starving:
-            continue
+            continue  # no room (starving: no node with its memory free): waits node-less
+        mem_free[k] -= need_mem
+        mem_used[k] += need_mem
+        cores_free[k] = max(cores_free[k] - need, 0)
         out.append((action.id, nodes[k].pool_id))
     return out
 
@@ -139,3 +138,46 @@ def test_balanced_by_memory_round_robin_on_equal_nodes() -> None:
     d = schedule(snap, 0.0, SchedConfig())
     assert sorted(p.pool_id for p in d.placements) == sorted(nodes)
     assert all(p.new_node for p in d.placements) and len(d.waiting) == 2
+
+
+def test_starving_action_without_free_memory_waits_and_is_never_placed() -> None:
+    """A starving first action whose node has free cores but no free memory waits node-less:
+    it is not placed there (the driver could not reserve its memory), and the actions of the
+    trajectories that hold the memory still get the cores (with one node, placing it held
+    every free core and nothing ran: the simulation stalled)."""
+    pool = CpuNodePool("n0", [[0, 1, 2, 3]], 8 * GIB)
+    for held in ("old0", "old1"):
+        assert pool.reserve_mem(EnvId(held), 4 * GIB)
+    new = make_action("new", "exec", "tnew", {"cpu": 1}, seq=0, dur_s=1.0, submitted_at=0.0)
+    olds = [
+        make_action(f"a{i}", "exec", f"old{i}", {"cpu": 1}, seq=1 + i, dur_s=1.0, submitted_at=90.0)
+        for i in range(2)
+    ]
+    snap = Snapshot(
+        waiting=[new, *olds],
+        pools={pool.pool_id: pool},
+        affinity={a.trajectory: pool.pool_id for a in olds},
+        env_mem=lambda a: 4 * GIB,
+    )
+    d = schedule(snap, 100.0, SchedConfig(starvation_s=30.0))  # new has waited 100 s
+    assert sorted(p.action_id for p in d.placements) == ["a0", "a1"]
+    assert d.waiting == ("new",) and not d.infeasible
+    got, _ = _assign_nodes([new], snap, 100.0, SchedConfig(starvation_s=30.0))
+    assert got == []
+
+
+def test_starving_action_with_free_memory_is_pinned_though_cores_are_busy() -> None:
+    """A starving first action goes to the node with its memory free even when no core is
+    free there, and queues first in line (FCFS) for that node's cores."""
+    pools = {}
+    for n, busy in ((0, 4), (1, 4)):
+        pool = CpuNodePool(f"n{n}", [[0, 1, 2, 3]], 8 * GIB)
+        pool.allocate(ActionId(f"busy{n}"), tuple(range(busy)))
+        pools[pool.pool_id] = pool
+    assert pools["cpu:n0"].reserve_mem(EnvId("full"), 8 * GIB)  # n0: no memory
+    new = make_action("new", "exec", "tnew", {"cpu": 1}, seq=0, dur_s=1.0, submitted_at=0.0)
+    snap = Snapshot(waiting=[new], pools=pools, env_mem=lambda a: 4 * GIB)
+    got, _ = _assign_nodes([new], snap, 100.0, SchedConfig(starvation_s=30.0))
+    assert [(a.id, pid) for a, pid in got] == [("new", "cpu:n1")]
+    d = schedule(snap, 100.0, SchedConfig(starvation_s=30.0))
+    assert not d.placements and d.waiting == ("new",)

@@ -33,8 +33,11 @@ Algorithm, per pool (one CPU pool per node, one GPU pool, one pool per API endpo
    service is not resident (``SchedPool.extra_cost``).
 
 Trajectories without a node yet (first exec action) are given the memory-balanced node
-with room; one that has waited ``starvation_s`` is pinned to a node and queued there in
-FCFS order, so it cannot be starved by other trajectories' actions.
+with room; one that has waited ``starvation_s`` is pinned to the least-loaded node with its
+memory free even without free cores, and queued there in FCFS order, so it cannot be
+starved by other trajectories' actions. Where no node has its memory free it waits
+node-less (never queued on a node the driver could not reserve its memory on), first in
+line for the memory that frees.
 
 Complexity
 ----------
@@ -377,11 +380,14 @@ def _assign_nodes(
             if k < 0:
                 if not starving:
                     continue  # waits; no node has room now
-                for i in fits_ever:
-                    total = mem_total[i]
-                    load = mem_used[i] / total if total else 1.0
-                    if k < 0 or load < best:
-                        k, best = i, load
+                for i in fits_ever:  # the least loaded with its memory free (cores busy)
+                    if mem_free[i] >= need_mem:
+                        total = mem_total[i]
+                        load = mem_used[i] / total if total else 1.0
+                        if k < 0 or load < best:
+                            k, best = i, load
+                if k < 0:
+                    continue  # no node has its memory free: it waits node-less (below)
         if mem_free[k] >= need_mem:
             total = mem_total[k]
             if rank and cores_free[k] > 0 and at < 0:  # in the ranking, chosen without it
@@ -410,9 +416,13 @@ def _assign_nodes(
                         most_free = max(cores_free)
                         at_most = cores_free.count(most_free)
             assigned.append((action, pids[k]))
-        elif starving:
-            # pinned but memory not free yet: queue it there so it blocks later work (FCFS)
-            assigned.append((action, pids[k]))
+        # else: no node has its memory free, starving or not. It waits node-less (not in
+        # any pool's queue, so it is never placed where the driver cannot reserve its
+        # memory) and is the first to be given a node when memory frees (FCFS order here).
+        # Queueing it on a node without memory let the pool place it on that node's free
+        # cores ("phantom" placements the driver refuses): it held those cores in every
+        # pass, and with one node it blocked the actions of the trajectories that hold
+        # the memory, so nothing ran and nothing freed it.
     return assigned, never
 
 
