@@ -119,6 +119,11 @@ class Engine:
         # scheduler-side state
         self.queues: dict[str, dict[ActionId, Run]] = {pid: {} for pid in self.pools}
         self.unassigned: dict[ActionId, Run] = {}
+        # unassigned actions by environment memory (bytes -> how many), and those submitted
+        # since the last pass: while no node has the memory free for the smallest of them,
+        # the pass leaves out all but the new ones (see _pass)
+        self._unassigned_mem: dict[int, int] = {}
+        self._fresh: list[Run] = []
         self.running: dict[str, dict[ActionId, tuple[float, int]]] = {p: {} for p in self.pools}
         self.affinity: dict[Any, str] = {}
         self.envs_on: dict[str, int] = {}  # CPU node -> trajectories living there (envs)
@@ -265,6 +270,9 @@ class Engine:
             pid = self.affinity.get(st.spec.id)
             if pid is None:
                 self.unassigned[action.id] = run
+                self._fresh.append(run)
+                need = self.env_bytes.get(st.spec.id, 0)
+                self._unassigned_mem[need] = self._unassigned_mem.get(need, 0) + 1
             else:
                 self.queues[pid][action.id] = run
                 self.dirty.add(pid)
@@ -353,18 +361,32 @@ class Engine:
         waiting: list[Action] = []
         unassigned = self.unassigned
         dirty = self.dirty
+        apis, queues, all_pools, cpu = self.apis, self.queues, self.pools, self.cpu
+        # whether the unassigned actions take part in the node choice (all CPU nodes in)
+        nodeless = bool(unassigned)
         if unassigned:
             dirty = dirty | self._cpu_ids
-            waiting.extend([r.action for r in unassigned.values()])
-        apis, queues, all_pools, cpu = self.apis, self.queues, self.pools, self.cpu
+            if min(self._unassigned_mem) > max(n.mem_free for n in cpu.values()):
+                # No node has the memory free for any of them: the scheduler gives none a
+                # node (tangram.sched.schedule._assign_nodes), so only those new since the
+                # last pass go in, for its never-fits check (a cluster's capacities do not
+                # change: one that passed it once passes it again). Same decisions; the
+                # pass no longer reads every node-less trajectory (~15,000 at 10x).
+                fresh = self._fresh
+                if fresh:
+                    waiting.extend([r.action for r in fresh if r.action.id in unassigned])
+                nodeless = bool(waiting)
+            else:
+                waiting.extend([r.action for r in unassigned.values()])
+        self._fresh = []
         for pid in sorted(dirty):
             pool = all_pools[pid]
             if pid in apis:
                 pool.advance(now)
             queue = queues[pid]
-            if not queue and not unassigned:
+            if not queue and not nodeless:
                 continue
-            if pool.free_units() == 0 and not (unassigned and pid in cpu):
+            if pool.free_units() == 0 and not (nodeless and pid in cpu):
                 continue  # nothing can start here until something is released
             pools[pid] = pool
             waiting.extend([r.action for r in queue.values()])
@@ -407,6 +429,7 @@ class Engine:
                 self.affinity[tid] = pid
                 self.envs_on[pid] = self.envs_on.get(pid, 0) + 1
                 del unassigned[action.id]
+                self._forget_unassigned(need)
                 self.meter.submitted(pid, run.submit, action.elastic)
             else:
                 run = queues[pid].pop(p.action_id)
@@ -428,10 +451,19 @@ class Engine:
             failed = unassigned.pop(inf.action_id, None)
             if failed is None:
                 failed = self._pop_queued(inf.action_id)
+            else:
+                self._forget_unassigned(self.env_bytes.get(failed.action.trajectory, 0))
             self.fail_run(failed, now)
         for pid in apis:
             if queues[pid]:
                 self._api_wake(pid, now)
+
+    def _forget_unassigned(self, need: int) -> None:
+        left = self._unassigned_mem[need] - 1
+        if left:
+            self._unassigned_mem[need] = left
+        else:
+            del self._unassigned_mem[need]
 
     def _pop_queued(self, aid: ActionId) -> Run:
         """Remove a queued (not unassigned) action's run from its pool's queue."""
