@@ -69,6 +69,11 @@ def is_operator(ex: Executor, conn: ConnInfo) -> bool:
     return peer is None or peer[0] in (0, os.geteuid()) or peer[0] in ex.operator_uids
 
 
+def _viewer(ex: Executor, conn: ConnInfo) -> int | None:
+    """Whose records a view shows: None (all) to an operator, else the caller's uid."""
+    return None if is_operator(ex, conn) else conn.uid
+
+
 def admit(ex: Executor, op: str, conn: ConnInfo) -> None:
     """Refuse an operator-only op (``OPS[op].operator_only``) to anyone else."""
     spec = OPS.get(op)
@@ -126,15 +131,18 @@ def _node_lost(ex: Executor, args: Args, conn: ConnInfo) -> Any:
 
 
 def _queue(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return ex.core.read.queue_view(ex.clock())
+    return ex.core.read.queue_view(ex.clock(), _viewer(ex, conn))
 
 
 def _story(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return ex.core.read.story(args["action_id"], origin=ex.started)
+    return ex.core.read.story(args["action_id"], origin=ex.started, viewer=_viewer(ex, conn))
 
 
 def _env_list(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    return {"envs": ex.core.read.env_rows(ex.clock())}
+    viewer = _viewer(ex, conn)
+    rows = ex.core.read.env_rows(ex.clock(), viewer)
+    others = 0 if viewer is None else len(ex.core.read.env_rows(ex.clock())) - len(rows)
+    return {"envs": rows, "others": others}
 
 
 def _api_list(ex: Executor, args: Args, conn: ConnInfo) -> Any:

@@ -107,7 +107,7 @@ def test_profile_save_and_use(sock):
 def test_queue_and_story(sock):
     """`queue --json` has waiting/running lists; `story` tells an action's events."""
     q = json.loads(ctl(sock, "queue", "--json").output)
-    assert set(q) == {"waiting", "running", "envs"}  # envs: those waiting for memory
+    assert set(q) == {"waiting", "running", "envs", "others"}  # envs: waiting for memory
     aid = json.loads(ctl(sock, "exec", "--json", "--", "true").output)["action_id"]
     r = ctl(sock, "story", aid, "--json")
     assert [e["event"] for e in json.loads(r.output)["events"]][-1] == "finished"

@@ -148,3 +148,63 @@ def test_operator_ops_are_refused_to_other_users_through_a_node():
                 assert [p["name"] for p in c.request("profile.list", {})["profiles"]] == ["p"]
         finally:
             stop_all([d for d in (node, coord) if d is not None])
+
+
+def test_non_operators_see_their_own_actions_and_counts_of_the_rest():
+    """Through a node's socket, queue, story and env.list show a non-operator its own
+    environments and actions, and only counts of another user's (whose story is not found);
+    an operator on the coordinator sees both."""
+    with (
+        local_user() as alice,
+        local_user() as bob,
+        tempfile.TemporaryDirectory(prefix="tgi-", dir="/tmp") as tmp,
+    ):
+        os.chmod(tmp, 0o755)
+        coord = spawn_coordinator(f"{tmp}/c")
+        node = None
+        try:
+            uids = [alice.uid, bob.uid]
+            config = f'[daemon]\nallowed_uids = {uids}\n[cpu]\nisolation = "none"\n'
+            node = spawn_node(tmp, coord, "n1", config=config)
+            os.chmod(f"{tmp}/n1", 0o755)
+            os.chmod(node.socket, 0o666)  # the allowlist is the guard
+
+            def open_one() -> bytes:
+                with Client(node.socket) as c:
+                    env = c.env_open(trajectory="secret-trajectory")
+                    return env.encode()
+
+            env_a = in_child_as(alice.uid, alice.gid, open_one).decode()
+            env_b = in_child_as(bob.uid, bob.gid, open_one).decode()
+
+            def views() -> bytes:
+                with Client(node.socket) as c:
+                    listed = c.request("env.list", {})
+                    try:
+                        c.request("story", {"action_id": env_a})
+                        story_a = "shown"
+                    except TangramError as exc:
+                        story_a = exc.code
+                    own = c.request("story", {"action_id": env_b})["kind"]
+                    queue = c.request("queue", {})
+                return json.dumps(
+                    {
+                        "ids": [r["id"] for r in listed["envs"]],
+                        "others": listed["others"],
+                        "story_a": story_a,
+                        "own_story": own,
+                        "queue_others": queue["others"],
+                    }
+                ).encode()
+
+            seen = json.loads(in_child_as(bob.uid, bob.gid, views))
+            assert seen["ids"] == [env_b] and seen["others"] == 1, seen
+            assert seen["story_a"] == "not_found" and seen["own_story"] == "environment", seen
+            assert set(seen["queue_others"]) == {"waiting", "running", "envs"}, seen
+            with Client(coord.socket) as c:  # root: an operator
+                listed = c.request("env.list", {})
+                assert sorted(r["id"] for r in listed["envs"]) == sorted([env_a, env_b])
+                assert listed["others"] == 0
+                assert c.request("story", {"action_id": env_a})["kind"] == "environment"
+        finally:
+            stop_all([d for d in (node, coord) if d is not None])

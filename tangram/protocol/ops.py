@@ -488,8 +488,9 @@ OPS: Final[dict[str, Op]] = {
         Op(
             "queue",
             "waiting and running actions (a waiting one says what it waits for), and the "
-            "environments waiting for memory",
-            result=("waiting: [map]", "running: [map]", "envs: [map]"),
+            "environments waiting for memory; a non-operator sees its own, and in `others` "
+            "how many of each it does not",
+            result=("waiting: [map]", "running: [map]", "envs: [map]", "others: map"),
         ),
         Op(
             "story",
@@ -537,7 +538,11 @@ OPS: Final[dict[str, Op]] = {
             result=("closed: bool",),
             errors=("not_found", "infra_error"),
         ),
-        Op("env.list", "open environments", result=("envs: [map]",)),
+        Op(
+            "env.list",
+            "open environments (a non-operator's own; `others` counts the rest)",
+            result=("envs: [map]", "others: int"),
+        ),
         Op(
             "env.put",
             "write a file into an environment (with tar: extract a tar stream into a directory)",

@@ -51,11 +51,13 @@ class ReadModel:
             },
         }
 
-    def queue_view(self, now: float) -> dict[str, list[dict[str, Any]]]:
+    def queue_view(self, now: float, viewer: int | None = None) -> dict[str, Any]:
         """Waiting and running actions, and the environments waiting for memory
         (``envs``). A waiting row's ``waiting_for`` names what it waits for (cores,
-        memory and how much, its environment being created)."""
+        memory and how much, its environment being created). A ``viewer`` uid (not an
+        operator) gets only its own rows, and in ``others`` how many it does not see."""
         core = self.core
+        mine = _visible_to(viewer)
 
         def row(rec: ActionRec) -> dict[str, Any]:
             a = rec.action
@@ -75,9 +77,17 @@ class ReadModel:
                 "deadline_s": _left(core.actions.deadlines.get(a.id), now),
             }
 
-        waiting = [row(r) for r in core.actions.queue.values()]
-        waiting += [row(r) for r in core.actions.live.values() if r.state == "waiting_env"]
-        running = [row(r) for r in core.actions.live.values() if r.state == "running"]
+        queued = [*core.actions.queue.values()]
+        queued += [r for r in core.actions.live.values() if r.state == "waiting_env"]
+        live = [r for r in core.actions.live.values() if r.state == "running"]
+        held = list(core.envs.waiting_mem())
+        others = {
+            "waiting": sum(not mine(r.owner) for r in queued),
+            "running": sum(not mine(r.owner) for r in live),
+            "envs": sum(not mine(e.owner) for e in held),
+        }
+        waiting = [row(r) for r in queued if mine(r.owner)]
+        running = [row(r) for r in live if mine(r.owner)]
         envs = [
             {
                 "env_id": env.id,
@@ -89,16 +99,18 @@ class ReadModel:
                 "waiting_for": core.envs.mem_wait(env),
                 "deadline_s": _left(core.envs.deadlines.get(env.id), now),
             }
-            for env in core.envs.waiting_mem()
+            for env in held
+            if mine(env.owner)
         ]
-        return {"waiting": waiting, "running": running, "envs": envs}
+        return {"waiting": waiting, "running": running, "envs": envs, "others": others}
 
-    def story(self, record_id: str, origin: float) -> dict[str, Any]:
+    def story(self, record_id: str, origin: float, viewer: int | None = None) -> dict[str, Any]:
         """Every transition of one record (an action, environment, session or lease), with
-        times relative to ``origin``; ``kind`` says which it is."""
+        times relative to ``origin``; ``kind`` says which it is. A ``viewer`` uid (not an
+        operator) is told only its own records' stories: another's is not found."""
         core = self.core
         log = core.stories.get(record_id)
-        if log is None:
+        if log is None or not _visible_to(viewer)(self._owner_of(record_id)):
             raise NotFound(
                 f"no story for {record_id!r}: not an action, environment, session or lease "
                 "id this daemon knows (or too old)"
@@ -146,8 +158,23 @@ class ReadModel:
     def session_rows(self) -> list[dict[str, Any]]:
         return self.core.sessions.rows()
 
-    def env_rows(self, now: float) -> list[dict[str, Any]]:
-        return self.core.envs.rows(now)
+    def _owner_of(self, record_id: str) -> tuple[int, int] | None:
+        """Who submitted an action or opened an environment or session (None: unknown)."""
+        core = self.core
+        rec = core.actions.get(record_id)
+        if rec is not None:
+            return rec.owner
+        if (owner := core.actions.owners.get(ActionId(record_id))) is not None:
+            return owner
+        env = core.envs.get(record_id)
+        if env is None and (session := core.sessions.get(record_id)) is not None:
+            env = core.envs.get(session.env)
+        return env.owner if env is not None else None
+
+    def env_rows(self, now: float, viewer: int | None = None) -> list[dict[str, Any]]:
+        """``env.list``'s rows: a ``viewer`` uid (not an operator) gets its own."""
+        mine = _visible_to(viewer)
+        return [row for row in self.core.envs.rows(now) if mine(self._owner_of(row["id"]))]
 
     def api_rows(self) -> list[dict[str, Any]]:
         waiting: dict[str, int] = {}
@@ -302,3 +329,9 @@ def recent_summary(finished: deque[tuple[str, float, float]]) -> dict[str, dict[
         kind: {"count": int(n), "queue_s": q / n, "exec_s": x / n, "act_s": (q + x) / n}
         for kind, (n, q, x) in acc.items()
     }
+
+
+def _visible_to(viewer: int | None) -> Any:
+    """Whether a record with this owner shows to ``viewer`` (None: an operator, who sees
+    every record; a uid sees those it owns, never one whose owner is unknown)."""
+    return lambda owner: viewer is None or (owner is not None and owner[0] == viewer)
