@@ -135,6 +135,8 @@ class ServiceHost:
         self.restore_timeout_s = restore_timeout_s
         self._services: dict[str, Hosted] = {}
         self._watchers: set[asyncio.Task[None]] = set()
+        # gpu -> evictions under way that free it (``apply`` waits for them before a restore)
+        self._leaving: dict[int, set[asyncio.Task[Moved]]] = {}
 
     # ------------------------------------------------------------------ registrations
 
@@ -204,13 +206,42 @@ class ServiceHost:
     async def apply(
         self, name: str, gpus: Sequence[int], evicted: Iterable[EvictionLike] = ()
     ) -> Restored:
-        """Carry out ``GpuNodePool.restore``'s plan: the evictions, then the restore."""
+        """Carry out ``GpuNodePool.restore``'s plan: the evictions, then the restore.
+
+        The pool counts a victim's memory free as soon as it plans the eviction, and a
+        multi-GPU victim also leaves GPUs outside this chunk, where the next call may be
+        placed before the copy has left. So every eviction is started and recorded on each
+        GPU it frees before the first ``await``, and a restore first waits for all the
+        evictions still leaving its GPUs: its own plan's and earlier plans'.
+        """
         # One eviction per (service, chunk): a multi-GPU variant is listed once per GPU it
         # leaves, and one chunk can hold several services (keyed by the chunk alone, all
         # but one victim of a shared GPU stayed resident here while the pool freed them).
         victims = {(ev.service, _chunk_of(ev.gpu, ev.dop)) for ev in evicted}
-        await asyncio.gather(*(self.evict(svc, chunk) for svc, chunk in sorted(victims)))
+        mine = [self._start_eviction(svc, chunk) for svc, chunk in sorted(victims)]
+        leaving = {task for gpu in gpus for task in self._leaving.get(gpu, ())}
+        if mine or leaving:
+            await asyncio.wait({*mine, *leaving})
+        for task in mine:
+            task.result()  # an eviction that failed unexpectedly fails this call, as before
         return await self.ensure_resident(name, gpus)
+
+    def _start_eviction(self, name: str, chunk: tuple[int, ...]) -> asyncio.Task[Moved]:
+        """``evict`` as a task, recorded on the GPUs it frees until it has finished."""
+        task = asyncio.get_running_loop().create_task(self.evict(name, chunk))
+        for gpu in chunk:
+            self._leaving.setdefault(gpu, set()).add(task)
+
+        def left(done: asyncio.Task[Moved]) -> None:
+            for gpu in chunk:
+                tasks = self._leaving.get(gpu)
+                if tasks is not None:
+                    tasks.discard(done)
+                    if not tasks:
+                        del self._leaving[gpu]
+
+        task.add_done_callback(left)
+        return task
 
     async def ensure_resident(self, name: str, gpus: Sequence[int]) -> Restored:
         """Make ``name`` resident on exactly ``gpus`` (restart a crashed replica if needed)."""
