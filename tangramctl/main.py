@@ -224,7 +224,7 @@ def nodes(ctl: Ctl, as_json: bool) -> None:
 
 @cli.group()
 def node() -> None:
-    """Drain and undrain cluster nodes."""
+    """Drain, undrain and forget cluster nodes."""
 
 
 @node.command("drain")
@@ -235,6 +235,16 @@ def node_drain(ctl: Ctl, name: str, as_json: bool) -> None:
     """Stop placing new trajectories on NAME (its environments keep working)."""
     result = ctl.client.node_drain(name)
     emit(as_json, result, lambda: f"node {name} draining")
+
+
+@node.command("forget")
+@click.argument("name")
+@json_option
+@pass_ctl
+def node_forget(ctl: Ctl, name: str, as_json: bool) -> None:
+    """Forget NAME's credential, so that a join token may join that name again."""
+    result = ctl.client.request("node.forget", {"name": name})
+    emit(as_json, result, lambda: f"node {name} forgotten")
 
 
 @node.command("undrain")

@@ -130,6 +130,13 @@ def _node_lost(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return lose(args["name"], args.get("why") or "declared lost by an operator")
 
 
+def _node_forget(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    forget = getattr(ex, "forget_node", None)
+    if forget is None:
+        raise UnknownOp("node.forget is served by `tangramd coordinator`, not `tangramd up`")
+    return forget(args["name"])
+
+
 def _queue(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return ex.core.read.queue_view(ex.clock(), _viewer(ex, conn))
 
@@ -300,6 +307,7 @@ SYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Any]] = {
     "node.drain": _node_drain,
     "node.undrain": _node_undrain,
     "node.lost": _node_lost,
+    "node.forget": _node_forget,
     "cluster.join": _cluster_join,
     "queue": _queue,
     "story": _story,

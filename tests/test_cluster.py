@@ -234,7 +234,7 @@ def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, InProc
         with pytest.raises(NotFound, match="not registered"):
             c.request("service.remove", {"name": "s"})
         gpu_ops = ("service.register", "call", "service.remove")
-        local_only = ("cluster.join", "node.lost")
+        local_only = ("cluster.join", "node.lost", "node.forget")
         for op in [o for o in OPS if o not in answers and o not in local_only + gpu_ops]:
             answers[op] = c.request(op, args.get(op, {}))
         assert answers["service.list"] == {"services": []}
@@ -242,8 +242,11 @@ def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, InProc
             c.cluster_join()
         with pytest.raises(UnknownOp, match="coordinator's own socket"):
             c.node_lost("a")
+        with pytest.raises(UnknownOp, match="coordinator's own socket"):
+            c.request("node.forget", {"name": "a"})
     with cluster["coordinator"].client() as c:
         answers["cluster.join"] = c.request("cluster.join", {})
+        answers["node.forget"] = c.request("node.forget", {"name": "never-joined"})
     # node.lost would take node a down under the other tests: tests/test_ray.py checks it
     assert set(answers) | {"node.lost", *gpu_ops} == set(OPS)
     for op, answer in answers.items():

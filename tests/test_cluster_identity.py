@@ -10,7 +10,7 @@ import os
 import socket
 import tempfile
 
-from cluster_harness import spawn_coordinator, spawn_node, stop_all
+from cluster_harness import node_row, spawn_coordinator, spawn_node, stop_all, wait_node_state
 from hostile_user import in_child_as, local_user
 
 from tangram.client import Client
@@ -208,3 +208,27 @@ def test_non_operators_see_their_own_actions_and_counts_of_the_rest():
                 assert c.request("story", {"action_id": env_a})["kind"] == "environment"
         finally:
             stop_all([d for d in (node, coord) if d is not None])
+
+
+def test_a_joined_name_belongs_to_its_credential(tmp_path):
+    """After node n1 stops, a token holder cannot join as n1 (the real n1 would be refused
+    on return); `tangramctl node forget n1` by an operator frees the name."""
+    coord = spawn_coordinator(tmp_path / "c")
+    daemons = [coord]
+    try:
+        real = spawn_node(tmp_path / "real", coord, "n1")
+        daemons.append(real)
+        real.stop()
+        wait_node_state(coord, "n1", "lost", 30)
+        impostor = spawn_node(tmp_path / "impostor", coord, "n1", wait_ready=False)
+        daemons.append(impostor)
+        impostor.proc.wait(30)  # refused for good: it gives up
+        assert "belongs to its credential" in impostor.log(), impostor.log()
+        assert node_row(coord, "n1")["state"] == "lost"
+        with Client(coord.socket) as c:
+            assert c.request("node.forget", {"name": "n1"}) == {"name": "n1", "forgotten": True}
+        again = spawn_node(tmp_path / "again", coord, "n1")
+        daemons.append(again)
+        assert node_row(coord, "n1")["state"] == "ready"
+    finally:
+        stop_all([d for d in reversed(daemons) if d.proc.poll() is None])

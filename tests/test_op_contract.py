@@ -28,7 +28,7 @@ PROFILE = {
 
 # Served by `tangramd coordinator` only (tests/test_cluster.py and tests/test_ray.py hold
 # them to their docs there).
-COORDINATOR_ONLY = {"cluster.join", "node.lost"}
+COORDINATOR_ONLY = {"cluster.join", "node.lost", "node.forget"}
 
 
 def test_every_documented_result_is_what_the_daemon_sends(tmp_path) -> None:

@@ -478,6 +478,16 @@ OPS: Final[dict[str, Op]] = {
             operator_only=True,
         ),
         Op(
+            "node.forget",
+            "forget a node name's credential, so that a join token may join that name "
+            "again (a reinstalled host); a node connected under it is declared lost first "
+            "(served on the coordinator's own socket only)",
+            (Arg("name", NAME, True),),
+            result=("name: str", "forgotten: bool"),
+            errors=("unknown_op",),
+            operator_only=True,
+        ),
+        Op(
             "cluster.join",
             "what a new host needs to join this coordinator (served by the coordinator)",
             (Arg("rotate", Bool(), doc="replace the join token first (joined nodes stay)"),),

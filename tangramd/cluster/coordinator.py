@@ -57,7 +57,7 @@ HELLO_TIMEOUT_S = 10.0
 REMOTE_CONN_BASE = 1 << 40  # ids of clients on node sockets, apart from local connections
 # cluster.join hands out secrets; node.lost could take any node down: neither is served
 # to clients on a node's socket, only on the coordinator's own.
-LOCAL_ONLY_OPS = frozenset({"cluster.join", "node.lost"})
+LOCAL_ONLY_OPS = frozenset({"cluster.join", "node.lost", "node.forget"})
 
 
 class _Forwarded(NamedTuple):
@@ -226,6 +226,14 @@ class CoordinatorExecutor(Executor):
             "token": self.registry.token,
             "ca_sha256": self.pki.ca_sha256() if self.pki is not None else "",
         }
+
+    def forget_node(self, name: str) -> dict[str, Any]:
+        """``node.forget``: the name's credential is dropped (a token may join it again);
+        a node connected under it is declared lost first."""
+        rec = self.registry.nodes.get(name)
+        if rec is not None and not rec.lost:
+            self._lose(rec, "forgotten by an operator")
+        return {"name": name, "forgotten": self.registry.forget(name)}
 
     def lose_node(self, name: str, why: str) -> dict[str, Any]:
         """``node.lost``: what the heartbeat timeout does, now (an outside monitor such as

@@ -96,13 +96,24 @@ class NodeRegistry:
             raise Refused("no join token or credential")
         if not hmac.compare_digest(token.encode(), self.token.encode()):
             raise Refused("wrong join token (see `tangramctl cluster join`)")
-        rec = self.nodes.get(name)
-        if rec is not None and rec.link is not None and not rec.link.closed:
-            raise Refused(f"node name {name!r} is already joined and connected", retry=True)
+        if name in self._credentials:  # a name once joined belongs to its credential
+            raise Refused(
+                f"node name {name!r} was joined before and belongs to its credential: rejoin "
+                f"with it (the node's state dir), or an operator runs "
+                f"`tangramctl node forget {name}` first"
+            )
         issued = secrets.token_urlsafe(32)
         self._credentials[name] = _digest(issued)
         self.store.set_credential(name, self._credentials[name])
         return issued
+
+    def forget(self, name: str) -> bool:
+        """``node.forget``: drop a name's credential, so that a token may join it afresh
+        (the host was reinstalled); whether it had one."""
+        known = self._credentials.pop(name, None) is not None
+        if known:
+            self.store.set_credential(name, None)
+        return known
 
     # ------------------------------------------------------------------ links
     def attach(

@@ -90,7 +90,7 @@ class Store:
             for name, cred, numa, mem in rows
         ]
 
-    def set_credential(self, name: str, digest: str) -> None:
+    def set_credential(self, name: str, digest: str | None) -> None:
         self.db.execute(
             "INSERT INTO nodes (name, credential_sha256) VALUES (?, ?) "
             "ON CONFLICT(name) DO UPDATE SET credential_sha256 = excluded.credential_sha256",
