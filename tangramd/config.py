@@ -682,6 +682,16 @@ def number(minimum: float = 0.0, *, exclusive: bool = False) -> Callable[[Any], 
     return _number(minimum, exclusive=exclusive)
 
 
+def integer(minimum: int = 0) -> Callable[[Any], int]:
+    """The parser of an integer ``>= minimum``."""
+    return _int(minimum)
+
+
+def size(minimum: int = 0) -> Callable[[Any], int]:
+    """The parser of a size (bytes, or a string such as ``"64GiB"``) ``>= minimum``."""
+    return _size(minimum)
+
+
 def cli_overrides(
     *, socket: str | None = None, state_dir: str | None = None, cpu_backend: str | None = None
 ) -> dict[str, Any]:
@@ -704,6 +714,7 @@ __all__ = [
     "default_socket",
     "default_state_dir",
     "format_cores",
+    "integer",
     "load_config",
     "load_config_with",
     "number",
@@ -711,4 +722,5 @@ __all__ = [
     "parse_size",
     "resolve_user",
     "setting",
+    "size",
 ]

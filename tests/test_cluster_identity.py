@@ -232,3 +232,32 @@ def test_a_joined_name_belongs_to_its_credential(tmp_path):
         assert node_row(coord, "n1")["state"] == "ready"
     finally:
         stop_all([d for d in reversed(daemons) if d.proc.poll() is None])
+
+
+def test_a_node_claiming_more_than_the_bounds_is_refused(tmp_path):
+    """A hello past `[cluster] max_node_cores` or `max_node_mem` is refused (the node gives
+    up), and a node within them joins."""
+    coord = spawn_coordinator(tmp_path / "c", "[cluster]\nmax_node_cores = 1\n")
+    daemons = [coord]
+    try:
+        greedy = spawn_node(tmp_path, coord, "greedy", cpus="0-1", wait_ready=False)
+        daemons.append(greedy)
+        greedy.proc.wait(30)
+        assert "max_node_cores (1)" in greedy.log(), greedy.log()
+        daemons.append(spawn_node(tmp_path, coord, "modest", cpus="0"))
+        assert node_row(coord, "modest")["state"] == "ready"
+        assert [r["name"] for r in _nodes(coord)] == ["modest"]
+    finally:
+        stop_all([d for d in reversed(daemons) if d.proc.poll() is None])
+    coord = spawn_coordinator(tmp_path / "c2", '[cluster]\nmax_node_mem = "1MiB"\n')
+    try:
+        node = spawn_node(tmp_path / "m", coord, "big", cpus="0", wait_ready=False)
+        node.proc.wait(30)
+        assert "max_node_mem (1048576)" in node.log(), node.log()
+    finally:
+        stop_all([coord])
+
+
+def _nodes(coord) -> list[dict]:
+    with Client(coord.socket) as c:
+        return c.nodes()

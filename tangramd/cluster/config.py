@@ -13,15 +13,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tangramd.config import COMMAND_LINE, Config, ConfigError, load_config_with, number, setting
+from tangramd.config import (
+    COMMAND_LINE,
+    Config,
+    ConfigError,
+    integer,
+    load_config_with,
+    number,
+    setting,
+    size,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """``[cluster]``: heartbeats between nodes and the coordinator (seconds)."""
+    """``[cluster]``: heartbeats between nodes and the coordinator (seconds), and the most
+    capacity one node may claim when it joins."""
 
     heartbeat_s: float = setting(number(0.0, exclusive=True), 1.0)
     heartbeat_timeout_s: float = setting(number(0.0, exclusive=True), 10.0)
+    max_node_cores: int = setting(integer(1), 4096)
+    max_node_mem: int = setting(size(1), 64 << 40)
 
 
 def load(

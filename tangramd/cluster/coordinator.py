@@ -323,6 +323,7 @@ class CoordinatorExecutor(Executor):
             )
             raise LinkClosed("the node rejected this coordinator")
         name, cores, mem, backend = _parse_hello(hello)
+        _check_claim(self.cluster, cores, mem)
         gpus = _parse_gpus(hello.get("gpus"))
         credential = self.registry.authenticate(
             name, _opt_str(hello, "token"), _opt_str(hello, "credential")
@@ -651,6 +652,21 @@ RECEIVES: Final[Mapping[str, Handler]] = MappingProxyType(
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _check_claim(cluster: ClusterConfig, cores: tuple[tuple[int, ...], ...], mem: int) -> None:
+    """A node's hello claims no more than ``[cluster] max_node_cores`` / ``max_node_mem``
+    (a rogue node cannot make the scheduler plan on capacity it made up)."""
+    count = sum(len(group) for group in cores)
+    if count > cluster.max_node_cores:
+        raise Refused(
+            f"hello: {count} cores is more than [cluster] max_node_cores ({cluster.max_node_cores})"
+        )
+    if mem > cluster.max_node_mem:
+        raise Refused(
+            f"hello: {mem} bytes of memory is more than [cluster] max_node_mem "
+            f"({cluster.max_node_mem})"
+        )
 
 
 def _parse_hello(
