@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import tempfile
+import time
 
+import pytest
 from cluster_harness import node_row, spawn_coordinator, spawn_node, stop_all, wait_node_state
 from hostile_user import in_child_as, local_user
 
 from tangram.client import Client
 from tangram.model import TangramError
 from tangram.protocol.codec import FrameDecoder
+from tangram.protocol.errors import InfraError
 
 
 def _whoami_as(path: str, uid: int, gid: int) -> dict:
@@ -261,3 +265,26 @@ def test_a_node_claiming_more_than_the_bounds_is_refused(tmp_path):
 def _nodes(coord) -> list[dict]:
     with Client(coord.socket) as c:
         return c.nodes()
+
+
+def test_a_node_that_never_answers_create_env_fails_it_and_is_drained(tmp_path):
+    """A node that does not answer create_env (stopped) fails env.open with infra_error at
+    `[cluster] node_request_timeout_s`, instead of hanging, and is drained as suspect."""
+    config = "[cluster]\nnode_request_timeout_s = 1.0\nheartbeat_timeout_s = 60.0\n"
+    coord = spawn_coordinator(tmp_path / "c", config)
+    node = None
+    try:
+        node = spawn_node(tmp_path, coord, "n1", cpus="0")
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        try:
+            with Client(coord.socket) as c:
+                started = time.monotonic()
+                with pytest.raises(InfraError, match="did not answer create_env within 1 s"):
+                    c.env_open(trajectory="t")
+                assert time.monotonic() - started < 30
+            assert node_row(coord, "n1")["state"] == "draining"
+            assert "node_suspect" in coord.log()
+        finally:
+            os.kill(node.proc.pid, signal.SIGCONT)
+    finally:
+        stop_all([d for d in (node, coord) if d is not None])

@@ -34,6 +34,7 @@ class ClusterConfig:
     heartbeat_timeout_s: float = setting(number(0.0, exclusive=True), 10.0)
     max_node_cores: int = setting(integer(1), 4096)
     max_node_mem: int = setting(size(1), 64 << 40)
+    node_request_timeout_s: float = setting(number(0.0, exclusive=True), 60.0)
 
 
 def load(

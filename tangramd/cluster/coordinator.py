@@ -92,6 +92,8 @@ class CoordinatorExecutor(Executor):
             lambda node, msg: self._send(node, msg),
             lambda cmd: self._reply_on_node(cmd),
             lambda cmd: self._put_on_node(cmd),
+            request_timeout_s=cluster.node_request_timeout_s,
+            overdue=lambda node, why: self._suspect(node, why),
         )
         super().__init__(
             core,
@@ -234,6 +236,12 @@ class CoordinatorExecutor(Executor):
         if rec is not None and not rec.lost:
             self._lose(rec, "forgotten by an operator")
         return {"name": name, "forgotten": self.registry.forget(name)}
+
+    def _suspect(self, node: str, why: str) -> None:
+        """A node missed a request's deadline: it is drained (no new trajectories go
+        there; an operator undrains it) and logged."""
+        log.warning("node_suspect", node=node, reason=why)
+        self.feed(ev.DrainNode(node=node, drain=True))
 
     def lose_node(self, name: str, why: str) -> dict[str, Any]:
         """``node.lost``: what the heartbeat timeout does, now (an outside monitor such as
@@ -433,7 +441,10 @@ class CoordinatorExecutor(Executor):
 
     def _on_env_created(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         env_id = str(msg["env_id"])
-        if self.core.read.env_node(env_id) == rec.name:
+        if not self.remote.env_answered(env_id):  # too late: it failed at its deadline
+            if msg.get("error") is None:
+                link.send(make_message("remove_env", env_id=env_id))
+        elif self.core.read.env_node(env_id) == rec.name:
             error = msg.get("error")
             self.feed(ev.EnvCreated(env_id=env_id, error=None if error is None else str(error)))
         link.send(make_message("ack", key=str(msg["key"])))

@@ -63,8 +63,22 @@ class RemoteEffects:
     services: ServiceHost | None = None  # no GPUs of its own (see the module doc)
     runs_execs_here = False  # the nodes run them and log their ends
 
-    def __init__(self, send: Send, reply_on_node: ReplyOnNode, put_on_node: PutsOnNode) -> None:
+    def __init__(
+        self,
+        send: Send,
+        reply_on_node: ReplyOnNode,
+        put_on_node: PutsOnNode,
+        *,
+        request_timeout_s: float = 60.0,
+        overdue: Callable[[str, str], None] = lambda node, why: None,
+    ) -> None:
+        """A ``create_env`` its node has not answered within ``request_timeout_s`` fails
+        (``infra_error``), and ``overdue(node, why)`` is told (the coordinator drains it)."""
         self._send = send
+        self.request_timeout_s = request_timeout_s
+        self._overdue = overdue
+        self._creating: dict[str, asyncio.TimerHandle] = {}  # env id: its deadline
+        self._expired: set[str] = set()  # env ids failed at their deadline
         self._reply_on_node = reply_on_node
         self._put_on_node = put_on_node
         self._report: Report = _unbound
@@ -104,6 +118,29 @@ class RemoteEffects:
         )
         if not self._send(cmd.node, msg):
             self._fail(ev.EnvCreated(env_id=cmd.env_id, error=self._unreachable(cmd.node)))
+            return
+        loop = asyncio.get_running_loop()
+        self._creating[cmd.env_id] = loop.call_later(
+            self.request_timeout_s, self._create_overdue, cmd
+        )
+
+    def _create_overdue(self, cmd: ev.CreateEnv) -> None:
+        self._creating.pop(cmd.env_id, None)
+        self._expired.add(cmd.env_id)
+        why = f"node {cmd.node} did not answer create_env within {self.request_timeout_s:g} s"
+        self._report(ev.EnvCreated(env_id=cmd.env_id, error=why))
+        self._overdue(cmd.node, why)
+
+    def env_answered(self, env_id: str) -> bool:
+        """A node answered ``create_env``: False when it came after its deadline (the
+        environment failed then; the caller removes what the node made late)."""
+        timer = self._creating.pop(env_id, None)
+        if timer is not None:
+            timer.cancel()
+        if env_id in self._expired:
+            self._expired.discard(env_id)
+            return False
+        return True
 
     def remove_env(self, cmd: ev.RemoveEnv) -> None:
         if not self._send(cmd.node, make_message("remove_env", env_id=cmd.env_id)):
