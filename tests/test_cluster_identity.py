@@ -268,13 +268,16 @@ def _nodes(coord) -> list[dict]:
 
 
 def test_a_node_that_never_answers_create_env_fails_it_and_is_drained(tmp_path):
-    """A node that does not answer create_env (stopped) fails env.open with infra_error at
-    `[cluster] node_request_timeout_s`, instead of hanging, and is drained as suspect."""
+    """A node that does not answer create_env or a transfer (stopped) fails env.open and
+    env.put with infra_error at `[cluster] node_request_timeout_s`, instead of hanging, and is
+    drained as suspect."""
     config = "[cluster]\nnode_request_timeout_s = 1.0\nheartbeat_timeout_s = 60.0\n"
     coord = spawn_coordinator(tmp_path / "c", config)
     node = None
     try:
         node = spawn_node(tmp_path, coord, "n1", cpus="0")
+        with Client(coord.socket) as c:
+            env = c.env_open(trajectory="before")
         os.kill(node.proc.pid, signal.SIGSTOP)
         try:
             with Client(coord.socket) as c:
@@ -284,6 +287,9 @@ def test_a_node_that_never_answers_create_env_fails_it_and_is_drained(tmp_path):
                 assert time.monotonic() - started < 30
             assert node_row(coord, "n1")["state"] == "draining"
             assert "node_suspect" in coord.log()
+            late = pytest.raises(InfraError, match="did not answer a transfer within 1 s")
+            with Client(coord.socket) as c, late:
+                c.request("env.put", {"id": env, "path": "f", "data": b"x"})
         finally:
             os.kill(node.proc.pid, signal.SIGCONT)
     finally:

@@ -72,8 +72,9 @@ class RemoteEffects:
         request_timeout_s: float = 60.0,
         overdue: Callable[[str, str], None] = lambda node, why: None,
     ) -> None:
-        """A ``create_env`` its node has not answered within ``request_timeout_s`` fails
-        (``infra_error``), and ``overdue(node, why)`` is told (the coordinator drains it)."""
+        """A ``create_env`` or ``transfer`` its node has not answered within
+        ``request_timeout_s`` fails (``infra_error``), and ``overdue(node, why)`` is told (the
+        coordinator drains it); a late answer to a transfer is dropped (``transfer_done``)."""
         self._send = send
         self.request_timeout_s = request_timeout_s
         self._overdue = overdue
@@ -195,6 +196,18 @@ class RemoteEffects:
             self._transfers.pop(key, None)
             error = ("infra_error", self._unreachable(cmd.node))
             self._fail(ev.TransferDone(token=cmd.token, env_id=cmd.env_id, error=error))
+            return
+        asyncio.get_running_loop().call_later(self.request_timeout_s, self._transfer_overdue, key)
+
+    def _transfer_overdue(self, key: str) -> None:
+        cmd = self._transfers.pop(key, None)  # None: answered in time
+        if cmd is None:
+            return
+        why = f"node {cmd.node} did not answer a transfer within {self.request_timeout_s:g} s"
+        self._report(
+            ev.TransferDone(token=cmd.token, env_id=cmd.env_id, error=("infra_error", why))
+        )
+        self._overdue(cmd.node, why)
 
     def transfer_done(self, tid: str) -> ev.RunTransfer | None:
         """The transfer a node's ``transfer_done`` answers (None: unknown or answered)."""
