@@ -154,13 +154,22 @@ def _int(minimum: int = 0) -> Callable[[Any], int]:
     return parse
 
 
-def _number(minimum: float = 0.0, *, exclusive: bool = False) -> Callable[[Any], float]:
+MAX_MEM_GB = 1e6  # a GPU's (or service's) memory in GB: a petabyte is past any real one
+
+
+def _number(
+    minimum: float = 0.0, *, exclusive: bool = False, maximum: float = math.inf
+) -> Callable[[Any], float]:
     allowed = f"numbers {'>' if exclusive else '>='} {minimum:g}"
+    if maximum < math.inf:
+        allowed += f" and <= {maximum:g}"
 
     def parse(value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise _Bad(f"expected a number, got {value!r}", allowed)
         if not math.isfinite(value) or value < minimum or (exclusive and value == minimum):
+            raise _Bad(f"got {value}", allowed)
+        if value > maximum:
             raise _Bad(f"got {value}", allowed)
         return float(value)
 
@@ -415,7 +424,7 @@ def _simulated(value: Any) -> SimulatedGpuConfig:
     count = _sub("count", _int(0), value["count"])
     if count not in (0, *GPU_DOPS):
         raise _Bad(f"count: got {count}", "0, 1, 2, 4, 8 (a node's GPUs form buddy chunks)")
-    mem_gb = _sub("mem_gb", positive, value["mem_gb"])
+    mem_gb = _sub("mem_gb", _number(0.0, exclusive=True, maximum=MAX_MEM_GB), value["mem_gb"])
     h2d = _sub("h2d_gbps", positive, value.get("h2d_gbps", 25.0))
     return SimulatedGpuConfig(count, mem_gb, h2d)
 
@@ -456,7 +465,7 @@ class ServiceConfig:
     """One ``[[service]]``: a GPU model service and its DoP variants."""
 
     name: str = _key(_name)
-    mem_gb: float = _key(_number(0.0, exclusive=True))
+    mem_gb: float = _key(_number(0.0, exclusive=True, maximum=MAX_MEM_GB))
     runtime: str = _key(_choice(*SERVICE_RUNTIMES), "simulated")
     dop: tuple[int, ...] = _key(_dops, (1,))
     entry: str | None = _key(_opt_text, None)  # torch: "module:factory"
@@ -510,6 +519,8 @@ def _read_toml(path: str | None) -> dict[str, Any]:
         raise ConfigError(path, "", f"cannot read: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(path, "", f"invalid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # (tomllib decodes the whole file first)
+        raise ConfigError(path, "", f"not UTF-8 (byte {exc.start}): a TOML file is UTF-8") from None
 
 
 # --------------------------------------------------------------------------- step 2: build

@@ -54,3 +54,19 @@ def test_bad_values_name_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, text), {})
     assert info.value.key == key
+
+
+def test_a_non_utf8_config_is_one_line_naming_the_file(tmp_path):
+    """A config file that is not UTF-8 is a ConfigError saying so, never a traceback."""
+    path = tmp_path / "bad.toml"
+    path.write_bytes(b'[daemon]\nsocket = "\xff\xfe"\n')
+    with pytest.raises(ConfigError, match="not UTF-8 \\(byte 19\\)"):
+        load_config(str(path), {})
+
+
+def test_a_huge_gpu_memory_names_its_key(tmp_path):
+    """`mem_gb = 1e308` (finite, but infinite in bytes) is a ConfigError on its key."""
+    text = "[gpu.simulated]\ncount = 1\nmem_gb = 1e308\n"
+    with pytest.raises(ConfigError, match="mem_gb: got 1e\\+308") as info:
+        load_config(write(tmp_path, text), {})
+    assert info.value.key == "gpu.simulated"
