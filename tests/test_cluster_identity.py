@@ -13,13 +13,20 @@ import tempfile
 import time
 
 import pytest
-from cluster_harness import node_row, spawn_coordinator, spawn_node, stop_all, wait_node_state
+from cluster_harness import (
+    node_row,
+    spawn_coordinator,
+    spawn_node,
+    stop_all,
+    wait_for,
+    wait_node_state,
+)
 from hostile_user import in_child_as, local_user
 
 from tangram.client import Client
 from tangram.model import TangramError
 from tangram.protocol.codec import FrameDecoder
-from tangram.protocol.errors import InfraError
+from tangram.protocol.errors import EnvLost, InfraError
 
 
 def _whoami_as(path: str, uid: int, gid: int) -> dict:
@@ -292,5 +299,35 @@ def test_a_node_that_never_answers_create_env_fails_it_and_is_drained(tmp_path):
                 c.request("env.put", {"id": env, "path": "f", "data": b"x"})
         finally:
             os.kill(node.proc.pid, signal.SIGCONT)
+    finally:
+        stop_all([d for d in (node, coord) if d is not None])
+
+
+def test_an_environment_lost_with_a_stopped_node_stays_env_lost_after_it_returns(tmp_path):
+    """A node stopped (SIGSTOP) past the heartbeat timeout loses its environments; once it
+    is resumed and rejoins (dropping them), their next use is still `env_lost`, as
+    docs/design.md promises, not `not_found`."""
+    config = "[cluster]\nheartbeat_s = 0.3\nheartbeat_timeout_s = 1.5\n"
+    coord = spawn_coordinator(tmp_path / "c", config)
+    node = None
+    try:
+        node = spawn_node(tmp_path, coord, "n1", cpus="0")
+        with Client(coord.socket) as c:
+            env = c.env_open(trajectory="t")
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        try:
+            wait_node_state(coord, "n1", "lost", 20)
+        finally:
+            os.kill(node.proc.pid, signal.SIGCONT)
+        wait_node_state(coord, "n1", "ready", 20)
+
+        def dropped() -> bool:
+            with Client(coord.socket) as c:
+                return c.request("story", {"action_id": env})["state"] == "closed"
+
+        wait_for(dropped, 10, "the node dropped it and the coordinator forgot it")
+        for sock in (coord.socket, node.socket):
+            with Client(sock) as c, pytest.raises(EnvLost, match="lost with node n1"):
+                c.exec("true", env=env)
     finally:
         stop_all([d for d in (node, coord) if d is not None])

@@ -44,7 +44,7 @@ from tangram.model import HistoryEstimator, TangramError
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster
 from tangram.pools.gpu import GpuCluster
-from tangram.protocol.errors import InfraError, NotFound
+from tangram.protocol.errors import EnvLost, InfraError, NotFound
 from tangram.sched import LoadMeter
 from tangramd import events as ev
 from tangramd.state.actions import ActionBook, ActionRec
@@ -185,6 +185,8 @@ class Core:
         """An environment ``peer`` may use and that is ready (else a typed error)."""
         env = self.envs.open_env(env_id, peer)
         if env is None:
+            if (lost := self.envs.lost_error(env_id, peer)) is not None:
+                raise EnvLost(lost)
             raise NotFound(f"environment {env_id!r} not found")
         if env.state != "ready":
             raise InfraError(f"environment {env_id} is {env.state}, not ready")

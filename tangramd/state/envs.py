@@ -23,6 +23,8 @@ from tangramd import events as ev
 from tangramd.state.deadlines import Deadlines
 from tangramd.state.story import Stories, StoryLog, transition
 
+LOST_GONE_KEPT = 4096  # ids of environments lost with their node, remembered after removal
+
 if TYPE_CHECKING:
     pass
 
@@ -127,6 +129,9 @@ class EnvBook:
         self.stories = stories
         self._envs: dict[EnvId, EnvRec] = {}
         self._waitq: deque[EnvId] = deque()  # waiting for memory, FIFO
+        # removed after being lost with their node (it came back and dropped them): id ->
+        # (node, owner), so that their next use is still env_lost, not not_found (bounded)
+        self.lost_gone: dict[EnvId, tuple[str, tuple[int, int] | None]] = {}
         self.deadlines = Deadlines()  # env.open waits that give up (its timeout_s)
         self._new_id = new_id or random_env_id
 
@@ -431,9 +436,23 @@ class EnvBook:
             return None
         if env.state == "closing":
             transition(env, "closed", ENV_EDGES, now, "backend removed it", cause)
+        if env.lost_node and env.state == "lost":
+            self.lost_gone[env.id] = (env.lost_node, env.owner)
+            if len(self.lost_gone) > LOST_GONE_KEPT:
+                del self.lost_gone[next(iter(self.lost_gone))]
         self.cpu.forget_trajectory(env.trajectory)
         self._place_waiting(now, out, cause)
         return Gone(env)
+
+    def lost_error(self, env_id: str, peer: tuple[int, int] | None) -> str | None:
+        """Why ``env_id``, not found now, is ``env_lost`` (None: it is not)."""
+        gone = self.lost_gone.get(EnvId(env_id))
+        if gone is None:
+            return None
+        node, owner = gone
+        if peer is not None and owner is not None and peer[0] not in (0, owner[0]):
+            return None  # (another user's: not found, as for a live one)
+        return f"environment {env_id} was lost with node {node}; open a new one"
 
     def give_up_waiting(self, now: float) -> list[EnvRec]:
         """Environments whose ``env.open`` deadline passed while they wait for memory."""

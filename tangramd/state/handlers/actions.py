@@ -115,6 +115,8 @@ def submit_exec(core: Core, e: ev.SubmitExec, now: float, out: list[ev.Command])
     elif spec.env is not None:
         opened = core.envs.open_env(spec.env, e.peer)
         if opened is None:
+            if (lost := core.envs.lost_error(spec.env, e.peer)) is not None:
+                raise EnvLost(lost)
             raise NotFound(f"environment {spec.env!r} not found")
         env = opened
         if env.awaiting_node:
