@@ -8,10 +8,13 @@ short-cut path must actually have been taken.
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Callable
 
 import pytest
 
+from tangram.model import EnvId
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster, CpuNodePool
 from tangram.protocol.results import ExecResult, ExecSpec
@@ -21,12 +24,18 @@ from tangramd.state import Core, CoreConfig
 GIB = 1 << 30
 
 
+def counting_env_ids() -> Callable[[], EnvId]:
+    """``e1``, ``e2``, ...: both cores of a comparison mint the same ids (not random ones)."""
+    ids = itertools.count(1)
+    return lambda: EnvId(f"e{next(ids)}")
+
+
 def make_core(short: bool) -> Core:
     cluster = CpuCluster(
         [CpuNodePool("n1", [[0, 1, 2]], 4 * GIB), CpuNodePool("n2", [[0, 1], [2, 3]], 4 * GIB)]
     )
     apis = {"search": ApiPool("search", concurrency=2, quota=0, period_s=60.0)}
-    return Core(cluster, apis, CoreConfig(short_passes=short))
+    return Core(cluster, apis, CoreConfig(short_passes=short), new_env_id=counting_env_ids())
 
 
 class World:
@@ -178,6 +187,7 @@ def test_arrivals_at_full_nodes_run_no_scheduler_and_decide_the_same() -> None:
             ),
             {},
             CoreConfig(short_passes=short),
+            new_env_id=counting_env_ids(),
         )
         for short in (True, False)
     }

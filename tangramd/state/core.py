@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from tangram.model import HistoryEstimator, TangramError
+from tangram.model import EnvId, HistoryEstimator, TangramError
 from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuCluster
 from tangram.pools.gpu import GpuCluster
@@ -80,7 +80,11 @@ class Core:
         config: CoreConfig | None = None,
         history: HistoryEstimator | None = None,
         gpu: GpuCluster | None = None,
+        new_env_id: Callable[[], EnvId] | None = None,
     ) -> None:
+        """``new_env_id``: where environment ids come from (default: 128 random bits each,
+        ``envs.random_env_id``); a test that runs two cores side by side gives both the same
+        deterministic source."""
         self.cfg = config or CoreConfig()
         self.cpu = cpu
         self.apis = dict(apis)
@@ -100,7 +104,7 @@ class Core:
         )
         # the books
         self.actions = ActionBook(self.stories)
-        self.envs = EnvBook(cpu, defaults, self.stories)
+        self.envs = EnvBook(cpu, defaults, self.stories, new_env_id)
         self.sessions = SessionBook(self.envs, self.stories)
         self.leases = LeaseBook()
         self.services = ServiceBook()
