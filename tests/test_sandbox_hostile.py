@@ -460,3 +460,25 @@ def test_closing_an_environment_ends_its_lodger(backend):
         return lodgers
 
     assert all(wait_gone_pid(pid) for pid in asyncio.run(scenario()))
+
+
+def test_the_daemons_own_interpreter_and_code_under_tmp_stay_visible(tmp_path, monkeypatch):
+    """A venv or checkout under /tmp (CI clones there) is bound back read-only at its path:
+    its files read inside, nothing can be written there, and the rest of the host's /tmp
+    stays out of sight."""
+    venv = tmp_path / "venv"  # (pytest's tmp_path lies under /tmp)
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "marker").write_text("from-the-venv\n")
+    (tmp_path / "beside").write_text("not-for-you\n")
+    monkeypatch.setattr("sys.prefix", str(venv))
+    b = default_backend(tmp_path / "state")
+    try:
+        assert str(venv.resolve()) in b.boxes.binds  # type: ignore[union-attr]
+        env = new_env(b)
+        r = ex(
+            b, env, f"cat {venv}/bin/marker; cat {tmp_path}/beside 2>/dev/null; echo x > {venv}/w"
+        )
+        assert r.stdout == "from-the-venv\n", r
+        assert r.outcome == "failed" and not (venv / "w").exists(), r
+    finally:
+        asyncio.run(b.shutdown())

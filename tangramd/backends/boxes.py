@@ -27,6 +27,7 @@ from typing import Any
 
 import structlog
 
+import tangramd
 from tangramd.backends import cgroups as cg
 from tangramd.backends import nsbox
 from tangramd.backends.base import EnvError, check_env_id
@@ -89,6 +90,20 @@ def _make_layers(path: str) -> None:
         os.makedirs(os.path.join(path, sub), 0o700, exist_ok=True)
 
 
+def own_code_binds() -> list[str]:
+    """The daemon's interpreter (its venv and base prefix) and the tree its ``tangramd``
+    package comes from, where they lie under a directory an environment gets empty of its
+    own (``/tmp``, ``/var/tmp``, ``/run``): bound back read-only at their paths, so that
+    ``sys.executable`` and a checkout's files (a project cloned under ``/tmp``) work inside
+    as they do outside. Anywhere else the read-only lower layer already shows them."""
+    code = os.path.dirname(os.path.dirname(os.path.abspath(tangramd.__file__)))
+    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, code)}
+    private = tuple(os.path.realpath(d) for d in nsbox.PRIVATE_DIRS)
+    under = [p for p in paths if any(p == d or p.startswith(d + "/") for d in private)]
+    # a path inside another one listed is bound with it
+    return sorted(p for p in under if not any(p != q and p.startswith(q + "/") for q in under))
+
+
 class Boxes:
     """The keepers, host uids, cgroups and layers of a backend's isolated environments."""
 
@@ -114,6 +129,7 @@ class Boxes:
         self.hide = sorted({os.path.realpath(p) for p in (*hide, os.fspath(root))})
         # (the way to the interpreter, and to the homes: a state dir under /root)
         self.traverse = traversable([sys.executable, sys.prefix, sys.base_prefix, envs_path])
+        self.binds = own_code_binds()
         self.keepers: dict[str, int] = {}  # env id -> its keeper's pid (nsbox.py)
         self.joins: dict[str, list[str]] = {}  # env id -> cgroup tasks files to join
         self.ids: dict[str, tuple[int, int]] = {}  # env id -> host (uid, gid) of root inside
@@ -202,6 +218,7 @@ class Boxes:
             "net": self.network,
             "hostname": env_id[:64],
             "traverse": self.traverse,
+            "binds": self.binds,
             "cgroups": joins,
         }
         try:

@@ -274,6 +274,14 @@ def build_root(box: dict[str, Any]) -> None:
             _read_only(target, recursive=False)
         except OSError:
             continue  # (a mount point the lower layer does not show, or one hidden meanwhile)
+    for path in box.get("binds", ()):  # the daemon's own interpreter and code, read-only,
+        target = new + path  # where a private /tmp would hide them (hidden dirs stay hidden)
+        try:
+            os.makedirs(target, exist_ok=True)
+            _mount(path, target, None, MS_BIND | MS_REC)
+            _read_only(target, recursive=True)
+        except OSError:
+            continue
     _mount("proc", f"{new}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     _mount("/sys", f"{new}/sys", None, MS_BIND | MS_REC)
     _read_only(f"{new}/sys", recursive=True)
