@@ -358,13 +358,7 @@ class _Helper:
         back = self._home(home)
         if msg.get("sandbox"):
             self.boxed.add(pid)
-        try:
-            pidfd = os.pidfd_open(pid)
-        except OSError:  # no pidfd (Linux < 5.3): a thread waits for this child
-            threading.Thread(target=self._wait, args=(pid, popen), daemon=True).start()
-        else:
-            self.children[pidfd] = (pid, popen)
-            self.sel.register(pidfd, selectors.EVENT_READ)
+        self._watch(pid, popen)
         return {"id": rid, "pid": pid, **back}
 
     def _quick_exit(self, reply: dict[str, Any]) -> None:
@@ -395,13 +389,7 @@ class _Helper:
             pid = _load_nsbox().open_keeper(msg["box"])
         except OSError as e:
             return {"id": msg["id"], "error": f"cannot build the environment: {e.strerror or e}"}
-        try:
-            pidfd = os.pidfd_open(pid)
-        except OSError:
-            threading.Thread(target=self._wait, args=(pid, None), daemon=True).start()
-        else:
-            self.children[pidfd] = (pid, None)
-            self.sel.register(pidfd, selectors.EVENT_READ)
+        self._watch(pid, None)
         return {"id": msg["id"], "pid": pid}
 
     def _home(self, home: str | None) -> dict[str, Any]:
@@ -452,13 +440,7 @@ class _Helper:
             self._send({"id": msg["id"], "lodger": pid}, (theirs.fileno(),))
         finally:
             theirs.close()
-        try:
-            pidfd = os.pidfd_open(pid)
-        except OSError:
-            threading.Thread(target=self._wait, args=(pid, None), daemon=True).start()
-        else:
-            self.children[pidfd] = (pid, None)
-            self.sel.register(pidfd, selectors.EVENT_READ)
+        self._watch(pid, None)
 
     def _join(self, msg: dict[str, Any]) -> dict[str, Any]:
         """(A lodger) enter the exec cgroup, its cores and the exec OOM score, for good; and
@@ -489,6 +471,17 @@ class _Helper:
         self.sel.unregister(pidfd)
         os.close(pidfd)
         return pid, popen
+
+    def _watch(self, pid: int, popen: subprocess.Popen[bytes] | None) -> None:
+        """Report ``pid``'s exit when it comes: its pidfd in the loop's selector, or where
+        there is none (Linux < 5.3) a thread that waits for it."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            threading.Thread(target=self._wait, args=(pid, popen), daemon=True).start()
+        else:
+            self.children[pidfd] = (pid, popen)
+            self.sel.register(pidfd, selectors.EVENT_READ)
 
     def _wait(
         self, pid: int, popen: subprocess.Popen[bytes] | None, *, pidfd: bool = False
