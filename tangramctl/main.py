@@ -641,12 +641,32 @@ def env() -> None:
 @click.option(
     "--mem", metavar="SIZE", callback=parse_mem, help="Memory reserved for the environment's life."
 )
+@click.option("--trajectory", metavar="NAME", help="Trajectory the environment belongs to.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="S",
+    help="Most seconds to wait for memory (> 0); past it exit 124 naming what it needed.",
+)
 @json_option
 @pass_ctl
-def env_open(ctl: Ctl, image: str | None, mem: int | None, as_json: bool) -> None:
+def env_open(
+    ctl: Ctl,
+    image: str | None,
+    mem: int | None,
+    trajectory: str | None,
+    timeout_s: float | None,
+    as_json: bool,
+) -> None:
     """Open an environment and print its id (``--json``: its id and node)."""
-    args = {"image": image, "mem": mem}
-    opened = ctl.client.request("env.open", {k: v for k, v in args.items() if v is not None})
+    args = {"image": image, "mem": mem, "trajectory": trajectory, "timeout_s": timeout_s}
+    try:
+        opened = ctl.client.request("env.open", {k: v for k, v in args.items() if v is not None})
+    except TangramError as exc:
+        if exc.code != "timeout":
+            raise
+        fail(f"{exc.code}: {humanize_sizes(exc.message)}", EXIT_TIMEOUT)
     click.echo(
         to_json({"id": opened["id"], "node": opened.get("node")}) if as_json else opened["id"]
     )

@@ -194,6 +194,18 @@ def test_env_open_timeout_names_the_memory(daemon, full):
     assert len(c.env_list()) == 2
 
 
+def test_cli_env_open_timeout_exits_124_naming_the_memory(daemon, full):
+    """`tangramctl env open --timeout S` waits at most S for memory, then exits 124 with
+    one line naming what it needed; --timeout must be > 0."""
+    ctl = [sys.executable, "-m", "tangramctl.main", "--socket", daemon.socket, "env", "open"]
+    r = subprocess.run([*ctl, "--timeout", "0.3"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 124, (r.stdout, r.stderr)
+    assert "for memory: needs 1 GiB, 0 GiB free" in r.stderr and r.stdout == ""
+    wait_for(lambda: full[0].status()["waiting_mem"] == 0, 10, "the open withdrawn")
+    r = subprocess.run([*ctl, "--timeout", "0"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "--timeout" in r.stderr
+
+
 def test_gateway_requests_are_bounded_by_their_timeouts(daemon, full, tmp_path):
     """POST /envs waits at most its timeout; run_code's run_timeout bounds its wait for
     memory and the abandoned request never runs later."""
