@@ -72,7 +72,7 @@ def build_runtime(config: Any) -> Executor:
     core = Core(cluster, api_pools(config), cfg, gpu=gpu)
     return Executor(
         core,
-        LocalEffects(make_backend(config), host),
+        LocalEffects(make_backend(config), host, max_frame=config.daemon.max_frame_bytes),
         config.daemon.socket,
         state_dir=state_dir,
         handlers=ops,

@@ -195,6 +195,30 @@ def test_handler_error_is_failed_with_its_message(gpu_daemon: GpuDaemon) -> None
         assert c.call("a", {"x": 1}).outcome == "ok"
 
 
+def test_an_answer_past_the_frame_limit_is_failed_naming_size_and_limit(
+    gpu_daemon: GpuDaemon,
+) -> None:
+    """A handler's 20 MB answer cannot travel in a 16 MiB response: the call ends `failed`
+    naming the answer's size and the limit (it was `internal`, "a bug in the daemon"),
+    through `Client.call` and `tangramctl call --json`; the service answers on."""
+    pad = 20 << 20
+    with gpu_daemon.client() as c:
+        result = c.call("a", {"x": 1, "pad": pad})
+        assert result.outcome == "failed", result
+        assert result.error is not None
+        limit = f"limit of {(16 << 20) - (64 << 10)} bytes"
+        assert limit in result.error and f"max_frame_bytes = {16 << 20}" in result.error
+        size = int(result.error.split("answer is ")[1].split(" bytes")[0])
+        assert pad < size < pad + 1024, result.error
+        assert result.result is None
+        assert c.call("a", {"x": 1}).outcome == "ok"
+    args = ["--socket", gpu_daemon.current.socket, "call", "a", "--json", "--"]
+    r = CliRunner().invoke(cli, [*args, json.dumps({"x": 1, "pad": pad})])
+    assert r.exit_code == 1, r.output  # failed, as a handler's rejection
+    answer = json.loads(r.output)
+    assert answer["outcome"] == "failed" and "daemon.max_frame_bytes" in answer["error"], answer
+
+
 def test_call_of_an_unknown_service_is_not_found(gpu_daemon: GpuDaemon) -> None:
     """Calling a service nobody registered is a not_found error naming it."""
     with gpu_daemon.client() as c, pytest.raises(NotFound, match="'nope'"):

@@ -12,8 +12,10 @@ import functools
 import tarfile
 from typing import Any
 
+import msgpack
 import structlog
 
+from tangram.protocol.codec import DEFAULT_MAX_FRAME
 from tangram.protocol.results import ExecResult
 from tangramd import events as ev
 from tangramd.backends.base import Backend, ExecRequest, PathEscape
@@ -32,6 +34,8 @@ BAD_TRANSFER = (
 
 KILL_TRIES = 600  # a cancel waits up to a minute for its exec to reach the backend
 KILL_RETRY_S = 0.1
+# what a call's response carries besides the handler's answer (outcome, times, GPUs, ...)
+ANSWER_HEADROOM = 64 << 10
 
 
 def _unbound(event: ev.Event) -> None:  # pragma: no cover - bind() comes first
@@ -41,9 +45,16 @@ def _unbound(event: ev.Event) -> None:  # pragma: no cover - bind() comes first
 class LocalEffects:
     """The :class:`~tangramd.run.effects.Effects` of one host (see the module doc)."""
 
-    def __init__(self, backend: Backend, services: ServiceHost | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        services: ServiceHost | None = None,
+        *,
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> None:
         self.backend = backend
         self.services = services  # the host's GPU service host (None: no GPUs)
+        self.max_frame = max_frame  # a response's limit (``daemon.max_frame_bytes``)
         self.name = backend.name
         self.runs_execs_here = True
         self._report: Report = _unbound
@@ -297,6 +308,8 @@ class LocalEffects:
             res = await host.call(cmd.service, cmd.gpus, dict(cmd.payload), cmd.timeout_s)
             outcome, answer, error = res.outcome, res.result, res.error
             exec_s, restore_s = res.exec_s, restore_s + res.restore_s
+            if outcome == "ok" and (too_big := self._oversized(answer)) is not None:
+                outcome, answer, error = "failed", None, too_big
         except ServiceNotFound:
             outcome, error, exec_s = "rejected", f"service {cmd.service!r} was removed", 0.0
         except Exception as exc:
@@ -324,6 +337,22 @@ class LocalEffects:
                 restore_s=restore_s,
                 h2d_bytes_per_s=rate,
             )
+        )
+
+    def _oversized(self, answer: Any) -> str | None:
+        """Why a handler's answer cannot reach its caller (it is larger than a response may
+        be): the call fails naming its size and the limit; None when it fits."""
+        limit = self.max_frame - ANSWER_HEADROOM
+        try:
+            size = len(msgpack.packb(answer, use_bin_type=True))
+        except (TypeError, ValueError, OverflowError) as exc:
+            return f"the service's answer cannot be sent: {exc}"
+        if size <= limit:
+            return None
+        return (
+            f"the service's answer is {size} bytes, more than the limit of {limit} bytes"
+            f" (daemon.max_frame_bytes = {self.max_frame}, less {ANSWER_HEADROOM} for the"
+            " rest of the response)"
         )
 
 

@@ -23,7 +23,10 @@ class Scaler(torch.nn.Module):
             open(payload["started"], "w").close()
         time.sleep(float(payload.get("sleep", 0)))
         y = (self.weight * float(payload["x"])).sum() + self.bias
-        return {"y": float(y.detach()), "pid": os.getpid()}
+        answer = {"y": float(y.detach()), "pid": os.getpid()}
+        if "pad" in payload:  # an answer of that many bytes more (past a response's limit)
+            answer["pad"] = b"\0" * int(payload["pad"])
+        return answer
 
 
 def expected(n: int, bias: float, x: float) -> float:
