@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import tangram.sim.engine as _engine  # noqa: E402
 from tangram.sim import generate, load_cluster, parse_policy, simulate  # noqa: E402
 from tangram.sim.cluster import ClusterSpec  # noqa: E402
-from tangram.sim.metrics import ActionRecord, SimResult  # noqa: E402
+from tangram.sim.metrics import ActionRecord, SimResult, _stats  # noqa: E402
 
 OUT = ROOT / "bench" / "paper" / "out"
 IMG = ROOT / "docs" / "img"
@@ -64,7 +64,31 @@ def _summarize_with_units(policy: str, records: Sequence[ActionRecord], *args: A
     result.summary["units_by_tag"] = {
         t: dict(sorted(h.items(), key=lambda kv: int(kv[0]))) for t, h in sorted(hist.items())
     }
+    kinds: dict[str, list[ActionRecord]] = {}
+    for r in records:
+        kinds.setdefault(action_kind(r), []).append(r)
+    result.summary["by_kind"] = {k: _stats(kinds[k]) for k in KINDS if k in kinds}
+    if KEEP_TEST_ACTS:
+        TEST_ACTS[policy] = {r.action_id: r.act_s for r in kinds.get("test", ()) if not r.failed}
     return result
+
+
+# per action kind (issue 34, item 5): a 1-core tool call, a test run or reward suite (an
+# elastic exec), an API call, a GPU service call (judge or teacher)
+KINDS = ("tool", "test", "api", "gpu")
+
+
+def action_kind(r: ActionRecord) -> str:
+    if r.kind == "api":
+        return "api"
+    if r.kind == "service":
+        return "gpu"
+    return "test" if r.tag == "reward" else "tool"
+
+
+# fig9's oracle reads every test run's ACT per policy: kept only when a script asks for it
+KEEP_TEST_ACTS = False
+TEST_ACTS: dict[str, dict[str, float]] = {}
 
 
 _engine.summarize = _summarize_with_units  # type: ignore[assignment]
@@ -84,6 +108,8 @@ def run(
     for name in policies:
         t0 = time.perf_counter()
         out[name] = simulate(cluster, trace, parse_policy(name))
+        if KEEP_TEST_ACTS:  # (kept under the policy's own name by summarize)
+            TEST_ACTS[name] = TEST_ACTS.pop(out[name].policy)
         wall = time.perf_counter() - t0
         print(f"  [{workload} b={batch} {name}: {wall:.1f}s wall]", file=sys.stderr)
         out[name].summary.setdefault("wall_s_not_deterministic", round(wall, 2))
@@ -108,11 +134,12 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}×" if b > 0 else "n/a"
 
 
-def save(name: str, doc: dict[str, Any], started: float) -> None:
+def save(name: str, doc: dict[str, Any], started: float, quiet: bool = False) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     doc["wall_s"] = round(time.perf_counter() - started, 1)
     (OUT / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"\n{name}: wall time {doc['wall_s']} s")
+    if not quiet:  # (--json: stdout is the JSON document alone)
+        print(f"\n{name}: wall time {doc['wall_s']} s")
 
 
 def summaries(results: dict[str, SimResult]) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 Usage: python bench/paper/fig9.py [--batches 256,1024,1280,2048] [--seeds 0,1]
                                   [--mixed 64,128] [--fixed 1,2,4,8,16] [--rules] [--jobs 2]
+                                  [--no-eft] [--json]
        python bench/paper/fig9.py --tally fig9-seeds,fig9-fresh [--json]
+       python bench/paper/fig9.py --show fig9-kinds [--json]
 
 ``tangram`` is the default ``priced`` rule, ``tangram-eft`` the previous default
 (``wait-eft``); ``--rules`` also runs ``tangram-wait`` and ``tangram-paper``. fixed-dop:K runs
@@ -17,6 +19,14 @@ their numbers). ``--batches ''`` runs no AI-coding row (e.g. only the mixed work
 more seeds); ``--out NAME`` writes just the rows run to ``bench/paper/out/NAME.json``
 instead of ``fig9.json`` (and skips the plot). Paper: tangram is 3.0× faster than DoP=16 at
 batch 1280 (avg ACT).
+
+Every run also reports each action kind apart (``common.KINDS``: 1-core tool calls, test runs,
+API calls, GPU calls): tangram against the fixed DoP best *for those actions*, and for the
+test runs an oracle (``oracle()``: each test run at the DoP, of those seen in the row's runs,
+under which it finished soonest) and a floor (each alone at its fastest amount, no queue: a
+true lower bound); ``--json`` prints those per-kind rows as one JSON document, ``--show A,B``
+prints them from stored output files without running anything. ``--no-eft`` skips
+``tangram-eft`` and ``k8s`` (the slow ones; the per-kind comparison does not need them).
 
 ``--tally A,B`` runs nothing: it reads ``bench/paper/out/A.json`` (and B...) and counts, per
 workload and batch, the rows where ``tangram`` ≤ the best fixed DoP on avg, on p99 and on
@@ -35,7 +45,10 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from common import IMG, OUT, ROOT, load_cluster, paper_cluster, ratio, run, save
+import common
+from common import IMG, KINDS, OUT, ROOT, generate, load_cluster, paper_cluster, ratio, run, save
+
+from tangram.sim.trace import Trajectory
 
 FIXED = tuple(f"fixed-dop:{k}" for k in (1, 2, 4, 8, 16))  # narrowed by --fixed
 MAIN = ("tangram", "tangram-eft")
@@ -49,8 +62,48 @@ def _one(args: tuple[str, str, int, int, tuple[str, ...]]) -> tuple[tuple[str, i
         if cluster_name == "paper"
         else load_cluster(ROOT / "config" / f"cluster-{cluster_name}.toml")
     )
+    common.KEEP_TEST_ACTS = True
+    common.TEST_ACTS.clear()
     res = run(cluster, workload, batch, policies, seed=seed)
-    return (workload, batch, seed), {p: r.summary for p, r in res.items()}
+    out: dict[str, Any] = {p: r.summary for p, r in res.items()}
+    seen = [p for p in policies if p.startswith("fixed-dop:") or p == "tangram"]
+    if all(p in policies for p in (*FIXED, "tangram")):  # (--only: kept from before)
+        trace = generate(workload, cluster, batch, seed=seed)
+        out["oracle"] = oracle({p: common.TEST_ACTS[p] for p in seen}, trace)
+    return (workload, batch, seed), out
+
+
+def oracle(acts: dict[str, dict[str, float]], trace: Sequence[Trajectory]) -> dict[str, Any]:
+    """The test runs' hindsight-optimal DoP per action, and their no-contention floor.
+
+    ``test_avg_act_s``: each test run takes, of the runs in ``acts`` (every fixed DoP K and
+    ``tangram``), the one in which it finished soonest: its DoP there, with the rest of the
+    schedule as it was in that run; the mean over test runs. ``chosen`` counts the picks.
+    It is an approximation of the per-action optimum, not a feasible schedule (the others'
+    DoPs are not chosen together) and not a proven bound; it is what choosing each action's
+    DoP in hindsight among those seen would give, the reference a rule is measured against.
+    ``test_floor_s``: each test run alone at its fastest amount, no queue: a lower bound on
+    the test runs' avg ACT under any schedule (every one waits >= 0 and runs >= that)."""
+    ids = set.intersection(*(set(a) for a in acts.values())) if acts else set()
+    chosen: dict[str, int] = {}
+    total = 0.0
+    for aid in ids:
+        p = min(acts, key=lambda q: acts[q][aid])
+        total += acts[p][aid]
+        k = p.split(":")[1] if ":" in p else p
+        chosen[k] = chosen.get(k, 0) + 1
+    floors = [
+        min(a.true_duration(k) for k in a.template.allowed_units())
+        for t in trace
+        for a in t.actions()
+        if a.kind == "exec" and a.tag == "reward"
+    ]
+    return {
+        "test_runs": len(ids),
+        "test_avg_act_s": round(total / len(ids), 6) if ids else 0.0,
+        "test_floor_s": round(statistics.fmean(floors), 6) if floors else 0.0,
+        "chosen": dict(sorted(chosen.items(), key=lambda kv: (not kv[0].isdigit(), kv[0]))),
+    }
 
 
 def best_fixed(res: dict[str, Any], among: Sequence[str] | None = None) -> str:
@@ -62,7 +115,7 @@ def verdict(res: dict[str, Any], k8s: bool) -> str:
     t, b = res["tangram"], res[best_fixed(res)]
     ok = t["avg_act_s"] <= b["avg_act_s"] and t["p99_act_s"] <= b["p99_act_s"]
     out = "yes" if ok else "**no**"
-    if k8s:
+    if k8s and "k8s" in res:
         out += f", {ratio(res['k8s']['avg_act_s'], t['avg_act_s'])} vs k8s"
     return out
 
@@ -73,7 +126,7 @@ def per_policy(rows: list[Any], columns: Sequence[str], field: str, fmt: str, ti
     print("| workload | batch | seed | " + " | ".join(columns) + " |")
     print("|---|---|---|" + "---|" * len(columns))
     for (wl, b, seed), res in rows:
-        cells = " | ".join(fmt.format(res[p][field]) for p in columns)
+        cells = " | ".join(fmt.format(res[p][field]) if p in res else "" for p in columns)
         print(f"| {wl} | {b} | {seed} | {cells} |")
 
 
@@ -93,7 +146,71 @@ def table(rows: list[tuple[tuple[str, int, int], dict]], title: str) -> None:
         )
 
 
+def per_kind(rows: list[tuple[tuple[str, int, int], dict]]) -> list[dict[str, Any]]:
+    """Per row and action kind (``common.KINDS``), plus ``all``: tangram's avg / p99 ACT, the
+    fixed DoP best for those very actions (least avg, in hindsight), and for the test runs
+    the oracle and the floor (``oracle``). ``ok``: tangram's avg ≤ that best fixed DoP's (for
+    ``all``: avg and p99 ≤ the fixed DoP best over all actions, today's goal)."""
+    out: list[dict[str, Any]] = []
+    for (wl, b, seed), res in rows:
+        fixed = [p for p in res if p.startswith("fixed-dop:")]
+        if "tangram" not in res or not fixed or "by_kind" not in res["tangram"]:
+            continue  # (a file written before by_kind)
+        for kind in ("all", *KINDS):
+
+            def of(p: str, kind: str = kind, res: dict = res) -> dict[str, Any] | None:
+                return res[p] if kind == "all" else res[p]["by_kind"].get(kind)
+
+            t = of("tangram")
+            if t is None:
+                continue
+            k = min(fixed, key=lambda p: of(p)["avg_act_s"])  # type: ignore[index]
+            bf = of(k)
+            assert bf is not None
+            ok = t["avg_act_s"] <= bf["avg_act_s"]
+            if kind == "all":
+                ok = ok and t["p99_act_s"] <= bf["p99_act_s"]
+            row = {
+                "workload": wl,
+                "batch": b,
+                "seed": seed,
+                "kind": kind,
+                "actions": t["actions"],
+                "tangram": [t["avg_act_s"], t["p99_act_s"]],
+                "best_fixed": int(k.split(":")[1]),
+                "best_fixed_act": [bf["avg_act_s"], bf["p99_act_s"]],
+                "fixed_avg": {p.split(":")[1]: of(p)["avg_act_s"] for p in fixed},  # type: ignore[index]
+                "ok": ok,
+            }
+            if kind == "test" and "oracle" in res:
+                o = res["oracle"]
+                row["oracle"] = o["test_avg_act_s"]
+                row["floor"] = o["test_floor_s"]
+            out.append(row)
+    return out
+
+
+def kinds_table(out: list[dict[str, Any]], title: str) -> None:
+    print(f"\n{title}\n")
+    print(
+        "| workload | batch | seed | kind | actions | tangram avg / p99 | best fixed DoP for "
+        "them (K) avg / p99 | oracle avg (tangram / oracle) | floor | tangram ≤ best fixed |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in out:
+        ta, bf = r["tangram"], r["best_fixed_act"]
+        o = f"{r['oracle']:.2f} ({ta[0] / r['oracle']:.2f}×)" if "oracle" in r else ""
+        floor = f"{r['floor']:.2f}" if "floor" in r else ""
+        print(
+            f"| {r['workload']} | {r['batch']} | {r['seed']} | {r['kind']} | {r['actions']} "
+            f"| {ta[0]:.2f} / {ta[1]:.1f} | {bf[0]:.2f} / {bf[1]:.1f} ({r['best_fixed']}) "
+            f"| {o} | {floor} | {'yes' if r['ok'] else '**no**'} |"
+        )
+
+
 def _cell(res: dict[str, Any], p: str) -> str:
+    if p not in res:
+        return "not run"
     return f"{res[p]['avg_act_s']:.3f} / {res[p]['p99_act_s']:.1f}"
 
 
@@ -164,17 +281,27 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="worker processes")
     ap.add_argument("--fixed", default="1,2,4,8,16", help="the fixed DoPs K to run")
     ap.add_argument("--only", default="", help="run these policies, reuse the rest (doc)")
+    ap.add_argument("--no-eft", action="store_true", help="skip tangram-eft and k8s (slow)")
     ap.add_argument("--out", default="fig9", help="output name under bench/paper/out (doc)")
     ap.add_argument("--tally", default="", help="count wins in these output files, run nothing")
     ap.add_argument("--json", action="store_true", help="with --tally: one JSON list")
+    ap.add_argument("--show", default="", help="print the per-kind table of these files")
     args = ap.parse_args()
     if args.tally:
         _print_tally(args.tally.split(","), args.json)
+        return
+    if args.show:
+        stored: dict[str, Any] = {}
+        for name in args.show.split(","):
+            stored.update(json.loads((OUT / f"{name}.json").read_text()))
+        _print_kinds(_rows_of(stored), args.json)
         return
     global FIXED
     FIXED = tuple(f"fixed-dop:{k}" for k in args.fixed.split(","))
     started = time.perf_counter()
     policies = (*MAIN, *(RULES if args.rules else ()), *FIXED, "k8s")
+    if args.no_eft:
+        policies = tuple(p for p in policies if p not in ("tangram-eft", "k8s"))
     previous: dict[str, Any] = {}
     to_run = policies
     if args.only:
@@ -205,6 +332,12 @@ def main() -> None:
                 res[p] = {**old[p], "reused": True}
     key = lambda k: (k[0] != "ai-coding", k[0], k[2], k[1])  # noqa: E731
     rows = sorted(done.items(), key=lambda kv: key(kv[0]))
+    if args.json:  # the per-kind rows alone (the markdown tables are the default output)
+        doc = {k: v for k, v in previous.items() if k != "wall_s"}
+        doc.update({f"{wl}/{b}/seed{seed}": res for (wl, b, seed), res in rows})
+        save(args.out, doc, started, quiet=True)
+        _print_kinds(rows, True)
+        return
     coding = [r for r in rows if r[0][0] == "ai-coding"]
     if coding:
         table(coding, "AI coding, config/cluster-paper.toml (15 × 256 cores); avg / p99 ACT (s)")
@@ -219,12 +352,31 @@ def main() -> None:
         "{:.1f}",
         "Wall time per simulated run (s, noisy: shared machine)",
     )
+    _print_kinds(rows, False)
     if args.out == "fig9" and coding:
         _plot([r for r in coding if r[0][2] == seeds[0]], policies)
     # --only: the rows not run keep their numbers in the output file
     doc = {k: v for k, v in previous.items() if k != "wall_s"}
     doc.update({f"{wl}/{b}/seed{seed}": res for (wl, b, seed), res in rows})
     save(args.out, doc, started)
+
+
+def _rows_of(stored: dict[str, Any]) -> list[tuple[tuple[str, int, int], dict]]:
+    rows = []
+    for key, res in stored.items():
+        parts = key.split("/")
+        if len(parts) == 3:
+            rows.append(((parts[0], int(parts[1]), int(parts[2].removeprefix("seed"))), res))
+    rows.sort(key=lambda kv: (kv[0][0] != "ai-coding", kv[0][0], kv[0][2], kv[0][1]))
+    return rows
+
+
+def _print_kinds(rows: list[tuple[tuple[str, int, int], dict]], as_json: bool) -> None:
+    out = per_kind(rows)
+    if as_json:
+        print(json.dumps({"rows": out}))
+        return
+    kinds_table(out, "Per action kind: avg / p99 ACT (s); oracle and floor: test runs (doc)")
 
 
 def _plot(rows: list[tuple[tuple[str, int, int], dict]], policies: tuple[str, ...]) -> None:
