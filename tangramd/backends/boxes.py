@@ -23,7 +23,7 @@ import sys
 import tempfile
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -31,7 +31,11 @@ import tangramd
 from tangramd.backends import cgroups as cg
 from tangramd.backends import nsbox
 from tangramd.backends.base import EnvError, check_env_id
+from tangramd.backends.nsfork import LAYERS
 from tangramd.backends.spawner import Spawner, SpawnError
+
+if TYPE_CHECKING:
+    from tangramd.backends.nsfork import Forks
 
 log = structlog.get_logger(__name__)
 
@@ -137,6 +141,7 @@ class Boxes:
         self._gen: dict[str, int] = {}  # env id -> the fork server that started its keeper
         self._stale: dict[str, int] = {}  # env id -> a keeper of an earlier fork server
         self._opening: dict[str, asyncio.Task[int]] = {}
+        self.forks: Forks | None = None  # its forked environments' layers (nsfork.py)
         log.info(
             "env_isolation",
             network=network,
@@ -220,6 +225,7 @@ class Boxes:
             "traverse": self.traverse,
             "binds": self.binds,
             "cgroups": joins,
+            **(self.forks.box_keys(env_id) if self.forks is not None else {}),
         }
         try:
             pid = await self.spawner.spawn({"op": "keeper", "box": box}, {})
@@ -274,7 +280,7 @@ class Boxes:
         are built again on their first exec)."""
         done: list[str] = []
         for path in sorted(self.dir.iterdir()):
-            if path.name not in known:
+            if path.name not in known and path.name != LAYERS:  # (nsfork.py's)
                 await asyncio.to_thread(shutil.rmtree, path, True)
         if self.limits is not None:
             for env_id in self.limits.leftovers():

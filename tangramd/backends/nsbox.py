@@ -202,7 +202,7 @@ def _prepare_upper(box: dict[str, Any]) -> None:
     empty (opaque), and the directories on the way to the interpreter that others may not
     cross (``/root`` under pyenv) may be crossed, not listed."""
     upper, uid, gid = box["upper"], box["uid"], box["gid"]
-    fresh = not os.listdir(upper)
+    fresh = not os.listdir(upper) and not box.get("lowers")  # (forked: its layers have them)
     os.chown(upper, uid, gid)
     os.chmod(upper, 0o755)
     if not fresh:
@@ -248,6 +248,20 @@ def _make_dev(dev: str) -> None:
         os.symlink(target, f"{dev}/{name}")
 
 
+def _lowers(box: dict[str, Any]) -> str:
+    """The root overlay's ``lowerdir``: the host's root, under a forked environment's
+    frozen layers (``nsfork.py``, newest first). Those lie on the host's root filesystem,
+    which overlayfs refuses as a lower layer beside them (overlapping layers): there the
+    host's root comes through a read-only overlay of its own (over an empty tmpfs), a
+    filesystem of its own, mounted here in the keeper's namespace."""
+    lowers = box.get("lowers")
+    if not lowers:
+        return "/"
+    _mount("tmpfs", box["empty"], "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=4k")
+    _mount("overlay", box["base"], "overlay", MS_RDONLY, f"lowerdir=/:{box['empty']}")
+    return ":".join([*lowers, box["base"]])
+
+
 def build_root(box: dict[str, Any]) -> None:
     """(The keeper, in its new mount namespace, as the host's root) mount the environment's
     root at ``box["merged"]`` and switch to it (see the module doc)."""
@@ -262,7 +276,7 @@ def build_root(box: dict[str, Any]) -> None:
         new,
         "overlay",
         0,
-        f"lowerdir=/,upperdir={box['upper']},workdir={box['work']}",
+        f"lowerdir={_lowers(box)},upperdir={box['upper']},workdir={box['work']}",
     )
     skip = (*OWN_MOUNTS, *hide, new)
     for point in mounts:

@@ -83,6 +83,7 @@ from tangramd.backends.boxes import (
     probe_isolation,
 )
 from tangramd.backends.cgroups import CPUSET_ROOT, Cgroups
+from tangramd.backends.nsfork import Forks
 from tangramd.backends.spawner import Spawner, SpawnError
 
 __all__ = ["CPUSET_ROOT", "SANDBOX_ID_BASE", "ProcessBackend"]
@@ -445,6 +446,10 @@ class ProcessBackend:
                 self.root, self._real_envs_path, scope, self._spawner,
                 hide=hide, network=env_network, pids_max=env_pids_max,
             )  # fmt: skip
+        # fork and reset (nsfork.py): overlay layers, or copies of plain directories
+        self.forks = Forks(self.root, self._real_envs_path, self.boxes)
+        if self.boxes is not None:
+            self.boxes.forks = self.forks
 
     @property
     def lodger_pids(self) -> set[int]:
@@ -539,6 +544,7 @@ class ProcessBackend:
         self._envs.pop(env_id, None)
         self._owners.pop(env_id, None)
         path = os.path.join(self._envs_path, check_env_id(env_id))
+        await self.forks.close(env_id)  # (its home unmounted before its dirs go)
         if self.boxes is not None:
             await self.boxes.close(env_id)
         # in a thread: an rmdir can wait milliseconds for the filesystem (ext4 with discard)
@@ -552,6 +558,7 @@ class ProcessBackend:
         ran in them belonged to actions of a daemon that died)."""
         keep = keep or {}
         done: list[str] = []
+        await self.forks.reconcile(keep)
         for path in sorted(self.envs_dir.iterdir()):
             if path.name in self._envs:
                 continue
@@ -615,6 +622,48 @@ class ProcessBackend:
         self._tasks_fds.clear()
         if self.boxes is not None:
             self.boxes.remove_bases()
+
+    # --- fork and reset (nsfork.py) ----------------------------------------------------
+
+    def _refuse_busy(self, env_id: str, what: str) -> None:
+        """Running processes are not copied: a fork or reset of an environment that runs
+        an action or has a session open is refused, not waited for."""
+        if not self.env_exists(env_id):
+            raise EnvError(f"no such environment {env_id}")
+        running = sum(1 for run in self._running if run.req.env_id == env_id)
+        shells = sum(1 for shell in self._shells.values() if shell.env_id == env_id)
+        if running or shells:
+            raise EnvError(
+                f"cannot {what} {env_id}: {running} action(s) running and {shells} "
+                "session(s) open in it (processes are not copied: wait for them to end "
+                "and close its sessions first)"
+            )
+
+    async def fork_env(self, env_id: str, children: Sequence[str]) -> None:
+        """Make each of ``children`` (new ids) a copy-on-write copy of ``env_id``'s files
+        as they are now (``nsfork.py``); each runs as ``env_id``'s user."""
+        if self._closing:
+            raise EnvError(SHUTDOWN_DETAIL)
+        self._refuse_busy(env_id, "fork")
+        for child in children:
+            if check_env_id(child) in self._envs:
+                raise EnvError(f"environment {child} exists")
+        await self.forks.fork(env_id, children)
+        mem = self._envs.get(env_id)
+        for child in children:
+            self._envs[child] = mem
+            self._owners[child] = self._owners.get(env_id)
+            if self.boxes is not None:
+                self.boxes.ids[child] = self.boxes.ids[env_id]
+                self.boxes.mem[child] = self.boxes.mem.get(env_id)
+
+    async def reset_env(self, env_id: str) -> None:
+        """Back to the files of ``env_id``'s fork point (or, never forked, of its
+        opening); what ran in it is ended."""
+        if self._closing:
+            raise EnvError(SHUTDOWN_DETAIL)
+        self._refuse_busy(env_id, "reset")
+        await self.forks.reset(env_id)
 
     # --- execs ------------------------------------------------------------------------
 

@@ -1,0 +1,160 @@
+"""Fork and reset of environments (issue 30 item 3): the process backend's overlay layers
+(isolated, the default) and copies (``isolation = "none"``), then the ops through a real
+daemon, its CLI and its clients. Real namespaces, real mounts, real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from tangramd.backends.base import EnvError, ExecRequest
+from tangramd.backends.nsfork import LAYERS, PLAIN
+from tangramd.backends.process import ProcessBackend
+from tangramd.config import load_config
+from tangramd.runtime import make_backend
+
+
+def backend_for(state: Path, isolation: str) -> ProcessBackend:
+    overrides = {"daemon.state_dir": str(state), "cpu.isolation": isolation}
+    backend = make_backend(load_config(None, overrides))
+    assert isinstance(backend, ProcessBackend)
+    assert backend.isolated == (isolation != "none")
+    return backend
+
+
+async def sh(b: ProcessBackend, env: str, cmd: str) -> str:
+    res = await b.exec(ExecRequest(env, ["sh", "-c", cmd], (min(os.sched_getaffinity(0)),)))
+    assert res.outcome == "ok", res
+    return res.stdout
+
+
+def layers(b: ProcessBackend) -> list[str]:
+    return [p.name for p in b.forks.dir.iterdir() if not p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("isolation", ["namespaces", "none"])
+def test_fork_reset_close(tmp_path: Path, isolation: str) -> None:
+    b = backend_for(tmp_path / "state", isolation)
+    isolated = isolation != "none"
+
+    async def main() -> None:
+        await b.create_env("src", None, 256 << 20)
+        # files in the home (put and a command's) and, isolated, in the root (/tmp, /srv)
+        await b.put("src", "repo/a.txt", b"from source\n")
+        await sh(b, "src", "mkdir -p deps && echo installed > deps/lib.txt")
+        if isolated:
+            await sh(b, "src", "echo tmp > /tmp/t.txt && mkdir -p /testbed && echo srv > /testbed/s.txt")
+        await b.fork_env("src", ["c1", "c2"])
+        for child in ("c1", "c2"):
+            assert await sh(b, child, "cat repo/a.txt deps/lib.txt") == "from source\ninstalled\n"
+            assert (await b.get(child, "repo/a.txt", max_bytes=1 << 20))[0] == b"from source\n"
+            if isolated:
+                assert await sh(b, child, "cat /tmp/t.txt /testbed/s.txt") == "tmp\nsrv\n"
+        # writes after the fork: each sees its own only
+        await sh(b, "c1", "echo c1 > repo/a.txt && echo new > repo/c1.txt && rm deps/lib.txt")
+        await b.put("c2", "repo/a.txt", b"c2\n")
+        await sh(b, "src", "echo src > repo/a.txt")
+        assert await sh(b, "src", "cat repo/a.txt deps/lib.txt") == "src\ninstalled\n"
+        assert await sh(b, "c2", "cat repo/a.txt deps/lib.txt; ls repo") == "c2\ninstalled\na.txt\n"
+        assert await sh(b, "c1", "cat repo/a.txt; ls repo; ls -A deps") == "c1\na.txt\nc1.txt\n"
+        if isolated:  # the host's root under the layers: untouched, and still there
+            await sh(b, "c1", "echo c1 > /testbed/s.txt && rm /tmp/t.txt")
+            assert await sh(b, "c2", "cat /testbed/s.txt /tmp/t.txt; ls /usr/bin/env") == (
+                "srv\ntmp\n/usr/bin/env\n"
+            )
+            assert not os.path.exists("/testbed/s.txt")
+        # reset: back to the fork point
+        await b.reset_env("c1")
+        assert await sh(b, "c1", "cat repo/a.txt deps/lib.txt; ls repo") == (
+            "from source\ninstalled\na.txt\n"
+        )
+        await b.reset_env("src")  # the source's fork point is the fork too
+        assert await sh(b, "src", "cat repo/a.txt") == "from source\n"
+        # a fork of a child: its own writes and its layers'
+        await sh(b, "c2", "echo grand > g.txt")
+        await b.fork_env("c2", ["g1"])
+        assert await sh(b, "g1", "cat g.txt repo/a.txt") == "grand\nc2\n"
+        # closing the source keeps the children working; the layers go with the last one
+        await b.close_env("src")
+        assert await sh(b, "c1", "cat repo/a.txt") == "from source\n"
+        assert layers(b)
+        for env in ("c1", "c2", "g1"):
+            await b.close_env(env)
+        assert layers(b) == []
+        assert not [p for p in b.envs_dir.iterdir() if not p.name.startswith(".")]
+
+    async def run() -> None:
+        try:
+            await main()
+        finally:  # (its homes unmounted, whatever failed)
+            await b.shutdown()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("isolation", ["namespaces", "none"])
+def test_reset_never_forked_and_refusals(tmp_path: Path, isolation: str) -> None:
+    b = backend_for(tmp_path / "state", isolation)
+
+    async def main() -> None:
+        await b.create_env("e", None, 256 << 20)
+        await b.put("e", "x/y.txt", b"y")
+        if isolation != "none":
+            await sh(b, "e", "echo t > /tmp/t && echo o > /o")
+        await b.reset_env("e")  # back to its opening: empty
+        assert await sh(b, "e", "ls -A .") == ""
+        if isolation != "none":
+            assert await sh(b, "e", "ls /tmp/t /o 2>/dev/null; echo end") == "end\n"
+        # a session open in it: refused, with the reason
+        await b.open_session("e", "s1")
+        with pytest.raises(EnvError, match="session"):
+            await b.fork_env("e", ["f"])
+        with pytest.raises(EnvError, match="session"):
+            await b.reset_env("e")
+        await b.close_session("s1")
+        with pytest.raises(EnvError, match="no such environment"):
+            await b.fork_env("nope", ["f"])
+        await b.fork_env("e", ["f"])
+        with pytest.raises(EnvError, match="exists"):
+            await b.fork_env("e", ["f"])
+
+    async def run() -> None:
+        try:
+            await main()
+        finally:  # (its homes unmounted, whatever failed)
+            await b.shutdown()
+
+    asyncio.run(run())
+
+
+def test_depth_is_bounded(tmp_path: Path) -> None:
+    from tangramd.backends.nsfork import MAX_LAYERS
+
+    b = backend_for(tmp_path / "state", "namespaces")
+
+    async def main() -> None:
+        await b.create_env("d0", None, 64 << 20)
+        env = "d0"
+        for depth in range(1, MAX_LAYERS + 1):
+            await b.put(env, f"f{depth}", b"x")  # a change: a new layer at each fork
+            await b.fork_env(env, [f"d{depth}"])
+            env = f"d{depth}"
+        assert await sh(b, env, "ls | wc -l") == f"{MAX_LAYERS}\n"
+        await b.put(env, "more", b"x")
+        with pytest.raises(EnvError, match="MAX_LAYERS"):
+            await b.fork_env(env, ["too-deep"])
+
+    async def run() -> None:
+        try:
+            await main()
+        finally:  # (its homes unmounted, whatever failed)
+            await b.shutdown()
+
+    asyncio.run(run())
+
+
+def test_layers_dir_names() -> None:
+    assert LAYERS.startswith(".") and PLAIN.startswith(".")
