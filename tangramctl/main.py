@@ -936,6 +936,10 @@ def service_register(
     route: str | None,
     api_kind: str | None,
     setenv: tuple[str, ...],
+    eff: str | None,
+    max_batch: int | None,
+    batch_window_ms: float | None,
+    min_resident: int | None,
     as_json: bool,
 ) -> None:
     """Register a service and load it (persists across daemon restarts)."""
@@ -950,6 +954,10 @@ def service_register(
         route=route,
         api=api_kind,
         env=parse_assignments(setenv, "--setenv") or None,
+        eff=eff,
+        max_batch=max_batch,
+        batch_window_ms=batch_window_ms,
+        min_resident=min_resident,
     )
     emit(as_json, info, lambda: kv(info))
 
@@ -965,6 +973,7 @@ def service_list(ctl: Ctl, as_json: bool) -> None:
         flat = [
             {
                 **{k: row.get(k) for k in ("name", "runtime", "mem_gb", "gpus", "calls")},
+                "warm": f"{row.get('warm', 0)}/{row.get('min_resident', 0)}",
                 "restores": row.get("restores"),
                 "restore_s": round(row.get("restore_s_total") or 0.0, 3),
                 "replicas": " ".join(

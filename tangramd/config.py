@@ -43,7 +43,8 @@ LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 EVENT_LOOPS: Final = ("auto", "uvloop", "asyncio")
 CPU_BACKENDS: Final = ("process", "docker")
 OVERFLOW_POLICIES: Final = ("wait", "reject", "deadline")
-SERVICE_RUNTIMES: Final = ("simulated", "torch", "http")
+SERVICE_RUNTIMES: Final = ("torch", "http")
+HTTP_APIS: Final = ("vllm", "sglang")
 GPU_DOPS: Final = (1, 2, 4, 8)  # buddy chunk sizes (docs/design.md §5.3)
 COMMAND_LINE: Final = "<command line>"
 
@@ -460,16 +461,87 @@ class HttpConfig:
     read_timeout_s: float = _key(_number(0.0, exclusive=True), 30.0)  # headers, then body
 
 
+def _gpus(value: Any) -> tuple[int, ...]:
+    """GPUs per instance: one count, or the list of allowed counts."""
+    allowed = "a count or a list of distinct counts from 1, 2, 4, 8"
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    try:
+        return _dops(value)
+    except _Bad:
+        raise _Bad(f"got {value!r}", allowed) from None
+
+
+def _eff(value: Any) -> dict[int, float]:
+    """A speed-up per GPU count: ``"1:1,2:1.8"`` or ``{ 1 = 1.0, 2 = 1.8 }``."""
+    allowed = "a string like '1:1,2:1.8' or a table like { 1 = 1.0, 2 = 1.8 } (speed-ups > 0)"
+    if isinstance(value, str):
+        from tangramd.services.spec import SpecError, parse_eff
+
+        try:
+            return parse_eff(value)
+        except SpecError:
+            raise _Bad(f"got {value!r}", allowed) from None
+    if isinstance(value, dict):
+        out: dict[int, float] = {}
+        for key, speedup in value.items():
+            if not str(key).isdigit():
+                raise _Bad(f"GPU count {key!r} is not a number", allowed)
+            out[int(key)] = _sub(str(key), _number(0.0, exclusive=True), speedup)
+        return out
+    raise _Bad(f"got {value!r}", allowed)
+
+
+def _str_table(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or any(not isinstance(v, str) for v in value.values()):
+        raise _Bad(f"got {value!r}", 'a table of strings, e.g. { HF_HOME = "/models" }')
+    return dict(value)
+
+
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
-    """One ``[[service]]``: a GPU model service and its DoP variants."""
+    """One ``[[service]]``: a GPU model service registered when ``tangramd up`` starts.
+
+    The keys are ``tangramctl service register``'s options; :meth:`spec` is the
+    registration (checked like one: :func:`_validate` turns its ``SpecError`` into a
+    ``ConfigError`` naming ``service[i].KEY``).
+    """
 
     name: str = _key(_name)
     mem_gb: float = _key(_number(0.0, exclusive=True, maximum=MAX_MEM_GB))
-    runtime: str = _key(_choice(*SERVICE_RUNTIMES), "simulated")
-    dop: tuple[int, ...] = _key(_dops, (1,))
+    runtime: str = _key(_choice(*SERVICE_RUNTIMES), "torch")
     entry: str | None = _key(_opt_text, None)  # torch: "module:factory"
-    url: str | None = _key(_opt_text, None)  # http: base URL of the vLLM/SGLang server
+    path: str | None = _key(_opt_path, None)  # torch: directory added to the import path
+    gpus: tuple[int, ...] = _key(_gpus, (1,))
+    eff: dict[int, float] = _key(_eff, factory=dict)  # noqa: RUF009  # field(), default {}
+    max_batch: int = _key(_int(1), 1)
+    batch_window_ms: float = _key(_number(0.0), 0.0)
+    min_resident: int = _key(_int(0), 0)
+    cmd: str | None = _key(_opt_text, None)  # http: server command line with {port}
+    route: str = _key(_text, "/v1/completions")
+    api: str = _key(_choice(*HTTP_APIS), "vllm")
+    env: dict[str, str] = _key(_str_table, factory=dict)  # noqa: RUF009  # field(), default {}
+
+    def spec(self) -> Any:
+        """The registration (a ``tangramd.services.spec.ServiceSpec``); ``SpecError``."""
+        from tangramd.services.spec import ServiceSpec
+
+        return ServiceSpec(
+            name=self.name,
+            runtime=self.runtime,
+            mem_gb=self.mem_gb,
+            gpus=self.gpus,
+            entry=self.entry,
+            path=self.path,
+            cmd=self.cmd,
+            route=self.route,
+            api=self.api,
+            env=self.env,
+            eff=self.eff,
+            max_batch=self.max_batch,
+            batch_window_ms=self.batch_window_ms,
+            min_resident=self.min_resident,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -620,19 +692,23 @@ def _validate(config: Config, source: str, origin: Callable[[str], str]) -> Conf
     _check_unique(source, "api", [api.name for api in config.apis])
     _check_unique(source, "service", [service.name for service in config.services])
     for i, service in enumerate(config.services):
-        if service.runtime == "torch" and service.entry is None:
-            raise ConfigError(
-                source, f"service[{i}].entry", "required when runtime = 'torch'", "'module:factory'"
-            )
-        if service.runtime == "torch" and ":" not in (service.entry or ""):
-            raise ConfigError(
-                source, f"service[{i}].entry", f"got {service.entry!r}", "'module:factory'"
-            )
-        if service.runtime == "http" and service.url is None:
-            raise ConfigError(
-                source, f"service[{i}].url", "required when runtime = 'http'", "an http(s) URL"
-            )
+        _check_service(source, i, service)
     return replace(config, cpu=replace(config.cpu, cores=cores, mem=mem))
+
+
+def _check_service(source: str, i: int, service: ServiceConfig) -> None:
+    """The entry as a registration: what ``service register`` would refuse, named."""
+    from tangramd.services.spec import SpecError
+
+    try:
+        service.spec()
+    except SpecError as exc:
+        allowed = {
+            "entry": "'module:factory' (runtime = 'torch')",
+            "cmd": "a command line containing {port} (runtime = 'http')",
+            "path": "an absolute directory",
+        }.get(exc.field, "")
+        raise ConfigError(source, f"service[{i}].{exc.field}", exc.problem, allowed) from None
 
 
 def _check_unique(source: str, section: str, names: list[str]) -> None:

@@ -449,3 +449,15 @@ class RunCall(Command):
     evicted: tuple[Eviction, ...]  # the copies to drop first, with local GPU ids
     payload: Mapping[str, Any]
     timeout_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WarmService(Command):
+    """Make ``service`` resident on ``gpus`` of ``node`` with no call (``min_resident``):
+    the pool found the memory free there, so the restore evicts nothing. Nothing is
+    reported back; a restore that fails leaves the replica to be restarted by its next
+    call."""
+
+    service: str
+    node: str
+    gpus: tuple[int, ...]

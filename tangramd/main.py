@@ -192,6 +192,9 @@ def up(
                 click.echo(f"tangramd up: cannot serve HTTP on {gateway.unix}: {why}", err=True)
                 sys.exit(1)
         run_loop(_serve(config, gateway), config.daemon.event_loop)
+    except ConfigError as exc:  # a [[service]] that cannot run on the GPUs found
+        click.echo(f"tangramd: {exc}", err=True)
+        sys.exit(2)
     except TangramError as exc:
         click.echo(f"tangramd: {exc}", err=True)
         sys.exit(1)

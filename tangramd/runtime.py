@@ -21,10 +21,11 @@ from tangram.pools.cpu import CpuCluster, CpuNodePool
 from tangram.pools.gpu import ALLOWED_GPU_COUNTS, GpuCluster
 from tangramd import ops
 from tangramd.backends.base import Backend
-from tangramd.config import resolve_user
+from tangramd.config import COMMAND_LINE, ConfigError, resolve_user
 from tangramd.executor import Executor
 from tangramd.run.local import LocalEffects
 from tangramd.services import Inventory, ServiceHost, SimulatedGpus, discover
+from tangramd.services.spec import GB, ServiceSpec
 from tangramd.state import Core, CoreConfig
 
 log = structlog.get_logger("tangramd")
@@ -46,6 +47,7 @@ def build_runtime(config: Any) -> Executor:
     cluster = CpuCluster([CpuNodePool(NODE_ID, layout, mem)])
     state_dir = config.daemon.state_dir
     inventory = gpu_inventory(config.gpu)
+    declared = declared_services(config, inventory)
     gpu, host = None, None
     if len(inventory):
         gpu = GpuCluster([inventory.node_pool(NODE_ID)], {})
@@ -55,6 +57,7 @@ def build_runtime(config: Any) -> Executor:
             load_timeout_s=config.gpu.load_timeout_s,
             http_load_timeout_s=config.gpu.http_load_timeout_s,
             restore_timeout_s=config.gpu.restore_timeout_s,
+            declared=declared,
         )
     log.info(
         "gpus_discovered",
@@ -62,12 +65,6 @@ def build_runtime(config: Any) -> Executor:
         simulated=sum(1 for g in inventory.gpus if g.simulated),
         nvml=inventory.nvml_error or "ok",
     )
-    if config.services:
-        log.warning(
-            "config_services_ignored",
-            detail="[[service]] describes the simulator's cluster; register services with "
-            "`tangramctl service register`",
-        )
     cfg = replace(core_config(config), call_timeout_s=config.gpu.call_timeout_s)
     core = Core(cluster, api_pools(config), cfg, gpu=gpu)
     return Executor(
@@ -79,6 +76,33 @@ def build_runtime(config: Any) -> Executor:
         operator_uids=config.daemon.operator_uids,
         **server_options(config),
     )
+
+
+def declared_services(config: Any, inventory: Inventory) -> tuple[ServiceSpec, ...]:
+    """The ``[[service]]`` registrations, checked against the GPUs (as ``service register``
+    checks them); a ``ConfigError`` naming the entry when there are no GPUs or one does not
+    fit on any of its GPU counts."""
+    specs = tuple(service.spec() for service in config.services)
+    source = config.path or COMMAND_LINE
+    for i, spec in enumerate(specs):
+        if not len(inventory):
+            raise ConfigError(
+                source,
+                f"service[{i}]",
+                f"service {spec.name!r} needs GPUs and this daemon has none",
+                "[gpu] simulated = { count = N, mem_gb = G }, or NVML GPUs",
+            )
+        per_gpu = min(gpu.mem_bytes for gpu in inventory.gpus)
+        counts = [k for k in spec.gpus if k <= len(inventory)]
+        if not any(-(-spec.mem_bytes // k) <= per_gpu for k in counts):
+            raise ConfigError(
+                source,
+                f"service[{i}].mem_gb",
+                f"{spec.mem_gb:g} GB does not fit on {'/'.join(map(str, spec.gpus))} GPU(s) "
+                f"of {per_gpu} bytes each ({len(inventory)} GPUs here)",
+                f"up to {per_gpu * max(counts, default=0) / GB:g} GB",
+            )
+    return specs
 
 
 def api_pools(config: Any) -> dict[str, ApiPool]:

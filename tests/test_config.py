@@ -14,6 +14,7 @@ from tangramd.config import (
     MIB,
     Config,
     ConfigError,
+    ServiceConfig,
     default_socket,
     format_cores,
     load_config,
@@ -79,7 +80,7 @@ def test_api_and_service_defaults(tmp_path: Path) -> None:
     path = write(
         tmp_path,
         '[[api]]\nname = "search"\nquota = 100\n\n[[api]]\nname = "pdf"\n\n'
-        '[[service]]\nname = "judge"\nmem_gb = 40\ndop = [4, 1, 2]\n',
+        '[[service]]\nname = "judge"\nmem_gb = 40\ngpus = [4, 1, 2]\nentry = "m:make"\n',
     )
     config = load_config(path, {})
     search, pdf = config.apis
@@ -92,7 +93,15 @@ def test_api_and_service_defaults(tmp_path: Path) -> None:
     )
     assert pdf.name == "pdf" and config.api("pdf") is pdf and config.api("nope") is None
     (judge,) = config.services
-    assert (judge.runtime, judge.dop, judge.mem_gb) == ("simulated", (1, 2, 4), 40.0)
+    assert (judge.runtime, judge.gpus, judge.mem_gb) == ("torch", (1, 2, 4), 40.0)
+    assert (judge.max_batch, judge.batch_window_ms, judge.min_resident) == (1, 0.0, 0)
+    assert judge.spec().to_json() == {
+        "name": "judge",
+        "runtime": "torch",
+        "mem_gb": 40.0,
+        "gpus": [1, 2, 4],
+        "entry": "m:make",
+    }
 
 
 def test_shipped_example_loads() -> None:
@@ -120,7 +129,7 @@ def test_shipped_example_documents_every_key() -> None:
             assert f"\n{spec.name} = " in text, f"{section}.{spec.name} is undocumented"
     for cls_name, entry_keys in (
         ("api", ("name", "concurrency", "quota", "period_s", "overflow", "ttl_s", "deadline_s")),
-        ("service", ("name", "mem_gb", "runtime", "dop", "entry", "url")),
+        ("service", tuple(f.name for f in dataclasses.fields(ServiceConfig))),
     ):
         assert f"[[{cls_name}]]" in text
         for key in entry_keys:
@@ -183,7 +192,8 @@ def test_default_socket_without_env(monkeypatch: pytest.MonkeyPatch) -> None:
 # --------------------------------------------------------------------------- bad configs
 
 OUTSIDE_CORE = max(HOST_CORES) + 1
-SVC = "[[service]]\nname = 's'\nmem_gb = 1\n"  # a valid service to spoil one key of
+SVC = "[[service]]\nname = 's'\nmem_gb = 1\n"  # a valid service (with entry) to spoil
+SVT = SVC + "entry = 'm:f'\n"
 
 # (name, file text, dotted key the error must name, text the error must contain)
 BAD_CONFIGS = [
@@ -220,12 +230,21 @@ BAD_CONFIGS = [
     ("gpus no mem", "[gpu]\nsimulated = {count = 2}\n", "gpu.simulated", "mem_gb"),
     ("gpus bad key", "[gpu]\nsimulated = {count = 2, mem = 1}\n", "gpu.simulated", "h2d_gbps"),
     ("old gpu key", "[gpu]\nsimulated_count = 2\n", "gpu.simulated_count", "simulated"),
-    ("service dop 3", SVC + "dop = [3]\n", "service[0].dop", "1, 2, 4, 8"),
+    ("service gpus 3", SVT + "gpus = [3]\n", "service[0].gpus", "1, 2, 4, 8"),
     ("service no mem", "[[service]]\nname = 's'\n", "service[0].mem_gb", "missing"),
-    ("bad runtime", SVC + "runtime = 'onnx'\n", "service[0].runtime", "'torch'"),
+    ("bad runtime", SVT + "runtime = 'onnx'\n", "service[0].runtime", "'torch', 'http'"),
     ("torch needs entry", SVC + "runtime = 'torch'\n", "service[0].entry", "module:factory"),
     ("torch bad entry", SVC + "runtime = 'torch'\nentry = 'x'\n", "service[0].entry", "factory"),
-    ("http needs url", SVC + "runtime = 'http'\n", "service[0].url", "URL"),
+    ("http needs cmd", SVC + "runtime = 'http'\n", "service[0].cmd", "{port}"),
+    ("unknown service key", SVT + "batch = 8\n", "service[0].batch", "max_batch, batch_window"),
+    ("old dop key", SVT + "dop = [1]\n", "service[0].dop", "gpus"),
+    ("max_batch 0", SVT + "max_batch = 0\n", "service[0].max_batch", ">= 1"),
+    ("max_batch huge", SVT + "max_batch = 5000\n", "service[0].max_batch", "1 to 4096"),
+    ("negative window", SVT + "batch_window_ms = -1\n", "service[0].batch_window_ms", ">= 0"),
+    ("min_resident float", SVT + "min_resident = 1.5\n", "service[0].min_resident", "integers"),
+    ("eff off gpus", SVT + "eff = '1:1,2:1.8'\n", "service[0].eff", "not one of gpus"),
+    ("eff garbage", SVT + "eff = 'fast'\n", "service[0].eff", "1:1,2:1.8"),
+    ("relative path", SVT + "path = 'models'\n", "service[0].path", "absolute"),
 ]  # fmt: skip
 
 

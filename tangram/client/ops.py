@@ -308,11 +308,18 @@ class Ops:
         route: str | None = None,
         api: str | None = None,
         env: Mapping[str, str] | None = None,
+        eff: str | Mapping[int, float] | None = None,
+        max_batch: int | None = None,
+        batch_window_ms: float | None = None,
+        min_resident: int | None = None,
     ) -> dict[str, Any]:
         """Register a GPU model service; returns its ``service list`` entry once loaded.
 
         torch: ``entry="module:factory"`` (``path`` an absolute directory on the daemon's
-        host added to the import path); http: ``cmd`` with ``{port}``.
+        host added to the import path); http: ``cmd`` with ``{port}``. ``eff``: speed-up
+        per GPU count (``"1:1,2:1.8"``); ``max_batch``/``batch_window_ms``: concurrent
+        calls merged into one forward pass; ``min_resident``: replicas kept on GPUs when
+        there is room.
         """
         args = _drop_none(
             {
@@ -326,6 +333,10 @@ class Ops:
                 "route": route,
                 "api": api,
                 "env": None if env is None else dict(env),
+                "eff": eff if eff is None or isinstance(eff, str) else dict(eff),
+                "max_batch": max_batch,
+                "batch_window_ms": batch_window_ms,
+                "min_resident": min_resident,
             }
         )
         return self._op("service.register", args, _as_dict)

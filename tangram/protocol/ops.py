@@ -406,7 +406,9 @@ SERVICE_FIELDS: Final = (
     "runtime: str",
     "mem_gb: float",
     "gpus: [int]",
-    "replicas: [{gpus, state, ...}]",
+    "min_resident: int",
+    "warm: int",
+    "replicas: [{gpus, state, node, restores, ...}]",
     "calls: int",
     "restores: int",
     "restore_s_total: float",
@@ -432,6 +434,18 @@ _SERVICE_ARGS: Final = (
     Arg("route", NAME, doc="http: path calls are POSTed to"),
     Arg("api", NAME, doc="http: sleep/wake flavour (vllm, sglang)"),
     Arg("env", MapOf(Str(allow_empty=True)), doc="environment variables of the replicas"),
+    Arg(
+        "eff",
+        OneOf((Str(), MapOf(Number(min=0, exclusive=True), key_pattern=r"^[0-9]+$"))),
+        doc="speed-up per GPU count: '1:1,2:1.8' or {\"2\": 1.8}; counts in gpus",
+    ),
+    Arg("max_batch", Int(min=1), doc="calls merged into one forward pass, at most (default 1)"),
+    Arg(
+        "batch_window_ms",
+        Number(min=0, unit="ms"),
+        doc="how long a batch that is not full waits for more calls (default 0)",
+    ),
+    Arg("min_resident", Int(min=0), doc="replicas kept on GPUs when there is room (default 0)"),
 )
 
 

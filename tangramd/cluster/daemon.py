@@ -67,6 +67,13 @@ def _address(text: str, what: str) -> tuple[str, int]:
 def _run(config: Any, serve: Any) -> None:
     """Lock the state dir, serve until SIGTERM/SIGINT; errors become one clear line."""
     configure_logging(config.daemon.log_format, config.daemon.log_level)
+    if config.services:  # validated like `tangramd up`'s, but nothing here can run them
+        log.warning(
+            "config_services_not_registered",
+            services=[service.name for service in config.services],
+            detail="[[service]] entries are registered at start by `tangramd up` only: the "
+            "coordinator and its nodes place no GPU services yet",
+        )
     os.umask(0o077)
     try:
         lock = lock_state_dir(config.daemon.state_dir)

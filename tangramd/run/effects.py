@@ -57,6 +57,10 @@ class Effects(Protocol):
 
     def run_call(self, cmd: ev.RunCall) -> None: ...
 
+    def warm_service(self, cmd: ev.WarmService) -> None:
+        """Restore a replica with no call (reports nothing)."""
+        ...
+
     def in_flight(self) -> int:
         """Execs started and not reported yet (a graceful stop waits for them)."""
         ...

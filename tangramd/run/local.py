@@ -292,6 +292,32 @@ class LocalEffects:
         )
         self._spawn(self._run_call(cmd))
 
+    def warm_service(self, cmd: ev.WarmService) -> None:
+        log.info("service_warming", service=cmd.service, gpus=list(cmd.gpus), cause=cmd.cause)
+        self._spawn(self._warm_service(cmd))
+
+    async def _warm_service(self, cmd: ev.WarmService) -> None:
+        """The restore of a ``min_resident`` replica (first: ``apply`` claims the chunk
+        before any command after this one can evict it)."""
+        host = self.services
+        try:
+            if host is None:  # pragma: no cover - the core warms only with GPUs
+                raise RuntimeError("no GPU service host")
+            restored = await host.apply(cmd.service, cmd.gpus)
+        except ServiceNotFound:
+            return  # removed meanwhile
+        except Exception as exc:  # its next call restarts it (the pool believes it resident)
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("service_warm_failed", service=cmd.service, error=error, cause=cmd.cause)
+            return
+        log.info(
+            "service_warmed",
+            service=cmd.service,
+            gpus=list(cmd.gpus),
+            restore_s=round(restored.seconds, 6),
+            cause=cmd.cause,
+        )
+
     async def _run_call(self, cmd: ev.RunCall) -> None:
         """Evict, restore, call: ``ServiceHost.call`` never raises for run-time problems;
         a service removed meanwhile is ``rejected``, anything else an ``infra_error``."""

@@ -244,3 +244,6 @@ class RemoteEffects:
 
     def run_call(self, cmd: ev.RunCall) -> None:
         self._fail(ev.CallFinished(action_id=cmd.action_id, outcome="infra_error", error=NO_GPUS))
+
+    def warm_service(self, cmd: ev.WarmService) -> None:  # pragma: no cover - no services here
+        """Never sent: a coordinator's core has no GPU pool (see the module doc)."""

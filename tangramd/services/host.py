@@ -95,6 +95,7 @@ class Slot:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     error: str | None = None
     last_used: float = 0.0
+    restores: int = 0  # restores onto a chunk this replica made
 
 
 @dataclass(eq=False)
@@ -126,8 +127,12 @@ class ServiceHost:
         load_timeout_s: float = 300.0,
         http_load_timeout_s: float = 900.0,
         restore_timeout_s: float = 600.0,
+        declared: Sequence[ServiceSpec] = (),
+        node: str = "local",
     ) -> None:
         self.inventory = inventory
+        self.declared = tuple(declared)  # the config's [[service]] entries
+        self.node = node  # the name ``service list`` gives this host's replicas
         self.state_dir = Path(state_dir)
         self.registry = ServiceRegistry(self.state_dir)
         self.load_timeout_s = load_timeout_s
@@ -141,9 +146,15 @@ class ServiceHost:
     # ------------------------------------------------------------------ registrations
 
     async def start(self) -> dict[str, str]:
-        """Load the persisted registrations; ``{name: error}`` for those that failed to load
-        (they stay registered, in state ``failed``, and are retried on their next use)."""
-        specs = self.registry.load()
+        """Load the persisted registrations and the config's (``declared``: they replace a
+        persisted one of the same name, and are persisted in turn); ``{name: error}`` for
+        those that failed to load (they stay registered, in state ``failed``, and are
+        retried on their next use)."""
+        by_name = {spec.name: spec for spec in self.registry.load()}
+        by_name.update((spec.name, spec) for spec in self.declared)
+        specs = list(by_name.values())
+        for spec in self.declared:
+            self.registry.add(spec)
         loaded = await asyncio.gather(
             *(self.register(spec, persist=False) for spec in specs), return_exceptions=True
         )
@@ -433,6 +444,7 @@ class ServiceHost:
         await _pace(hosted.spec, gpus, start)
         seconds = time.perf_counter() - start
         slot.state = "resident"
+        slot.restores += 1
         hosted.restores += 1
         hosted.restore_s_total += seconds
         hosted.restore_bytes += moved.nbytes
@@ -504,7 +516,12 @@ class ServiceHost:
         spec = hosted.spec
         replicas = []
         for slot in hosted.slots:
-            entry: dict[str, Any] = {"gpus": list(slot.gpus), "state": slot.state}
+            entry: dict[str, Any] = {
+                "gpus": list(slot.gpus),
+                "state": slot.state,
+                "node": self.node,
+                "restores": slot.restores,
+            }
             pid = getattr(slot.replica, "pid", None) or getattr(
                 getattr(slot.replica, "proc", None), "pid", None
             )
@@ -521,6 +538,8 @@ class ServiceHost:
             "runtime": spec.runtime,
             "mem_gb": spec.mem_gb,
             "gpus": list(spec.gpus),
+            "min_resident": spec.min_resident,
+            "warm": sum(1 for slot in hosted.slots if slot.state == "resident" and slot.gpus),
             "replicas": replicas,
             "calls": hosted.calls,
             "restores": hosted.restores,

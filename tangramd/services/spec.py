@@ -25,6 +25,9 @@ HTTP_APIS: Final = ("vllm", "sglang")  # which sleep/wake endpoints an http serv
 REGISTRY_FILE: Final = "services.json"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+MAX_BATCH: Final = 4096  # calls merged into one forward pass, at most
+MAX_WINDOW_MS: Final = 60_000.0  # how long a batch may wait to fill, at most
+MAX_RESIDENT: Final = 64  # warm replicas kept per service, at most
 
 
 class SpecError(ValueError):
@@ -33,6 +36,7 @@ class SpecError(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"service field {field_name!r}: {message}")
         self.field = field_name
+        self.problem = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,10 @@ class ServiceSpec:
     route: str = "/v1/completions"
     api: str = "vllm"
     env: Mapping[str, str] = field(default_factory=dict)
+    eff: Mapping[int, float] = field(default_factory=dict)
+    max_batch: int = 1
+    batch_window_ms: float = 0.0
+    min_resident: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -71,7 +79,22 @@ class ServiceSpec:
             raise SpecError("mem_gb", f"{self.mem_gb!r} must be a positive number of GB")
         object.__setattr__(self, "gpus", _gpu_counts(self.gpus))
         object.__setattr__(self, "env", dict(self.env))
+        object.__setattr__(self, "eff", _speedups(self.eff, self.gpus))
+        _check_int("max_batch", self.max_batch, 1, MAX_BATCH)
+        _check_int("min_resident", self.min_resident, 0, MAX_RESIDENT)
+        window = self.batch_window_ms
+        if (
+            isinstance(window, bool)
+            or not isinstance(window, (int, float))
+            or not 0 <= window <= MAX_WINDOW_MS
+        ):
+            raise SpecError(
+                "batch_window_ms", f"{window!r} must be a number of ms from 0 to {MAX_WINDOW_MS:g}"
+            )
+        object.__setattr__(self, "batch_window_ms", float(window))
         if self.runtime == "torch":
+            if self.entry is None:
+                raise SpecError("entry", "missing: runtime 'torch' needs MODULE:FACTORY")
             if not self.entry or not _ENTRY.match(self.entry):
                 raise SpecError("entry", f"{self.entry!r} must be MODULE:FACTORY for torch")
             if self.cmd is not None:
@@ -113,13 +136,17 @@ class ServiceSpec:
             out["api"] = self.api
         if self.env:
             out["env"] = dict(self.env)
+        if self.eff:
+            out["eff"] = format_eff(self.eff)
+        for key in ("max_batch", "batch_window_ms", "min_resident"):
+            if getattr(self, key) != getattr(DEFAULTS, key):
+                out[key] = getattr(self, key)
         return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ServiceSpec:
         """Build from a wire/registry map; unknown keys and missing fields are ``SpecError``."""
-        known = {"name", "runtime", "mem_gb", "gpus", "entry", "path", "cmd", "route", "api"}
-        known.add("env")
+        known = set(FIELDS)
         unknown = sorted(set(data) - known)
         if unknown:
             raise SpecError(unknown[0], f"unknown field (allowed: {', '.join(sorted(known))})")
@@ -127,6 +154,78 @@ class ServiceSpec:
             if required not in data:
                 raise SpecError(required, "is required")
         return cls(**dict(data))
+
+
+# the keys of a registration (the wire's, the registry's and ``[[service]]``'s)
+FIELDS: Final = (
+    "name",
+    "runtime",
+    "entry",
+    "path",
+    "mem_gb",
+    "gpus",
+    "eff",
+    "max_batch",
+    "batch_window_ms",
+    "min_resident",
+    "cmd",
+    "route",
+    "api",
+    "env",
+)
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise SpecError(name, f"{value!r} must be an integer from {lo} to {hi}")
+
+
+def parse_eff(text: str) -> dict[int, float]:
+    """``"1:1,2:1.8,4:3.2"`` → ``{1: 1.0, 2: 1.8, 4: 3.2}``; ``SpecError`` naming ``eff``."""
+    table: dict[int, float] = {}
+    for part in text.split(","):
+        count, sep, speedup = part.partition(":")
+        try:
+            if not sep:
+                raise ValueError(part)
+            table[int(count)] = float(speedup)
+        except ValueError:
+            raise SpecError(
+                "eff", f"{text!r}: want GPUS:SPEEDUP pairs such as '1:1,2:1.8,4:3.2'"
+            ) from None
+    return table
+
+
+def format_eff(eff: Mapping[int, float]) -> str:
+    """The inverse of :func:`parse_eff`."""
+    return ",".join(f"{k}:{v:g}" for k, v in sorted(eff.items()))
+
+
+def _speedups(value: object, gpus: tuple[int, ...]) -> dict[int, float]:
+    """The speed-up table: a ``"1:1,2:1.8"`` string or a map of GPU count to speed-up, each
+    count one of ``gpus`` and each speed-up a positive number."""
+    if isinstance(value, str):
+        value = parse_eff(value)
+    if not isinstance(value, Mapping):
+        raise SpecError("eff", f"{value!r} must be a map or a string like '1:1,2:1.8'")
+    table: dict[int, float] = {}
+    for key, speedup in value.items():
+        try:
+            count = int(key)
+        except (TypeError, ValueError):
+            count = -1
+        if isinstance(key, bool) or count not in gpus:
+            raise SpecError(
+                "eff", f"GPU count {key!r} is not one of gpus ({', '.join(map(str, gpus))})"
+            )
+        if (
+            isinstance(speedup, bool)
+            or not isinstance(speedup, (int, float))
+            or not 0 < speedup < float("inf")
+        ):
+            raise SpecError("eff", f"speed-up {speedup!r} at {count} GPUs must be a number > 0")
+        table[count] = float(speedup)
+    return table
 
 
 def _gpu_counts(value: object) -> tuple[int, ...]:
@@ -140,6 +239,9 @@ def _gpu_counts(value: object) -> tuple[int, ...]:
             raise SpecError("gpus", f"{item!r} is not an allowed GPU count ({allowed})")
         counts.add(int(item))
     return tuple(sorted(counts))
+
+
+DEFAULTS: Final = ServiceSpec("defaults", "torch", 1.0, entry="m:f")
 
 
 class ServiceRegistry:

@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tangram.model import ActionId, make_action
+from tangram.pools.gpu import GpuCluster
 from tangram.protocol.errors import BadRequest, NotFound, ShuttingDown
 from tangram.protocol.results import CallResult, ExecResult
 from tangramd import events as ev
@@ -62,6 +63,7 @@ def service_loaded(core: Core, e: ev.ServiceLoaded, now: float, out: list[ev.Com
         add_service(core, e.spec)
         if token is not None:
             out.append(core.reply(token, result=dict(e.info)))
+        keep_warm(core, out)
     elif token is not None:
         out.append(core.reply(token, error=(e.code, e.error)))
 
@@ -72,6 +74,7 @@ def services_recovered(
 ) -> None:
     for spec in e.specs:
         add_service(core, spec)
+    keep_warm(core, out)
 
 
 def add_service(core: Core, spec: ServiceSpec) -> None:
@@ -105,6 +108,7 @@ def service_unloaded(core: Core, e: ev.ServiceUnloaded, now: float, out: list[ev
     if token is not None:
         answer = {"name": e.name, "removed": True, "rejected": rejected}
         out.append(core.reply(token, result=answer))
+    keep_warm(core, out)  # its memory is free now
 
 
 @handles(ev.SubmitCall)
@@ -204,3 +208,64 @@ def call_done(core: Core, e: ev.CallFinished, now: float, out: list[ev.Command])
         detail=detail,
         call=call,
     )
+    keep_warm(core, out)  # its GPUs are free again
+
+
+# ---------------------------------------------------------------------- warm replicas
+def keep_warm(core: Core, out: list[ev.Command]) -> None:
+    """``min_resident``: restore replicas that a service lacks onto free GPUs with room.
+
+    Only when no call waits for GPUs (they come first), only onto chunks no action holds
+    and whose memory is free without evicting anything; a warm replica is marked resident
+    at once (a call placed on it waits for the host's restore) and is an LRU entry like
+    any other, so a later restore may evict it, and the next time there is room it is
+    restored again.
+    """
+    gpu = core.gpu
+    wanted = [spec for spec in core.services.specs.values() if spec.min_resident > 0]
+    if gpu is None or not wanted:
+        return
+    if any(rec.call is not None for rec in core.actions.queue.values()):
+        return
+    for spec in wanted:
+        missing = spec.min_resident - warm_replicas(gpu, spec)
+        while missing > 0:
+            room = room_for(gpu, spec)
+            if room is None:
+                break
+            node, chunk = room
+            core.services.gpu_tick += 1
+            plan = gpu.node(node).restore(gpu.services[spec.name], chunk, core.services.gpu_tick)
+            assert not plan.evicted, "room_for found the memory free"
+            out.append(
+                ev.WarmService(service=spec.name, node=node, gpus=chunk, cause=core.stimulus)
+            )
+            missing -= 1
+
+
+def warm_replicas(gpu: GpuCluster, spec: ServiceSpec) -> int:
+    """Instances of ``spec`` the pool holds resident, over its GPU counts and the nodes."""
+    return sum(
+        1
+        for node in gpu.nodes
+        for k in spec.gpus
+        if k <= node.n_gpus
+        for start in range(0, node.n_gpus, k)
+        if node.resident_gpus((spec.name, k), start, k) == k
+    )
+
+
+def room_for(gpu: GpuCluster, spec: ServiceSpec) -> tuple[str, tuple[int, ...]] | None:
+    """``(node, chunk)`` where an instance at its smallest fitting GPU count fits with no
+    eviction on GPUs no action holds; None when there is no such chunk."""
+    pool_spec = gpu.services[spec.name]
+    for k in spec.gpus:
+        shard = pool_spec.mem_per_gpu(k)
+        for node in gpu.nodes:
+            if not node.fits_memory(pool_spec, k):
+                continue
+            for start in range(0, node.n_gpus, k):
+                chunk = tuple(range(start, start + k))
+                if all(node.holder(g) is None and node.mem_free(g) >= shard for g in chunk):
+                    return node.node_id, chunk
+    return None
