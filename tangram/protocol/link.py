@@ -407,6 +407,15 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             ),
         ),
         LinkMessage(
+            "exec_started",
+            "node",
+            "these `run_exec`s have started (a batch, sent at most every 50 ms; an exec that"
+            " ended meanwhile is acknowledged by its `exec_done`): until then each has"
+            " `[cluster] node_request_timeout_s`, from then on its `timeout_s` plus that"
+            " much to end, else it fails `infra_error` and the node is drained as suspect",
+            (Arg("action_ids", IDS, True, "the exec actions"),),
+        ),
+        LinkMessage(
             "transfer_done",
             "node",
             "outcome of a `transfer`",

@@ -386,6 +386,7 @@ class CoordinatorExecutor(Executor):
         for env_id in work["closing"]:
             if env_id not in held and f"r:{env_id}" not in pending:
                 self.feed(ev.EnvRemoved(env_id=env_id))
+        self.remote.started(sorted(running))  # (an exec_started may have been lost)
         for action_id in work["running"]:
             if action_id not in running and f"x:{action_id}" not in pending:
                 detail = f"node {node} lost track of the action while its link was down"
@@ -428,8 +429,12 @@ class CoordinatorExecutor(Executor):
     # A node's outcome becomes the core's event if it is about that node's work; each is
     # acknowledged (the node keeps it until then).
 
+    def _on_exec_started(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        self.remote.started(_str_list(msg, "action_ids"))
+
     def _on_exec_done(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         action_id = str(msg["action_id"])
+        self.remote.answered(f"x:{action_id}")
         later = self._node_answers.pop(action_id, None)
         if later is not None and msg.get("answered") is True:
             self._forwarded.pop(later, None)  # its client has the answer
@@ -451,6 +456,7 @@ class CoordinatorExecutor(Executor):
 
     def _on_env_removed(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         env_id = str(msg["env_id"])
+        self.remote.answered(f"r:{env_id}")
         if self.core.read.env_node(env_id) == rec.name:
             self.feed(ev.EnvRemoved(env_id=env_id))
         link.send(make_message("ack", key=str(msg["key"])))
@@ -472,12 +478,17 @@ class CoordinatorExecutor(Executor):
     def _on_session_opened(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         error = msg.get("error")
         session_id = str(msg["session_id"])
-        self.feed(
-            ev.SessionOpened(session_id=session_id, error=None if error is None else str(error))
-        )
+        self.remote.answered(f"so:{session_id}")
+        if self.remote.late_session(session_id):  # failed at its deadline: close it there
+            if error is None:
+                link.send(make_message("close_session", session_id=session_id))
+        else:
+            error = None if error is None else str(error)
+            self.feed(ev.SessionOpened(session_id=session_id, error=error))
         link.send(make_message("ack", key=str(msg["key"])))
 
     def _on_session_closed(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        self.remote.answered(f"sc:{msg['session_id']}")
         self.feed(ev.SessionClosed(session_id=str(msg["session_id"])))
         link.send(make_message("ack", key=str(msg["key"])))
 
@@ -638,6 +649,7 @@ class CoordinatorExecutor(Executor):
         if link is not None:
             link.abort()
         self._drop_remote_conns(rec)
+        self.remote.node_gone(rec.name)
         log.warning("node_lost", node=rec.name, why=why)
         self.feed(ev.NodeLost(node=rec.name, why=why))
 
@@ -651,6 +663,7 @@ RECEIVES: Final[Mapping[str, Handler]] = MappingProxyType(
         "hb": CoordinatorExecutor._on_hb,
         "req": CoordinatorExecutor._on_req,
         "conn_closed": CoordinatorExecutor._on_conn_closed,
+        "exec_started": CoordinatorExecutor._on_exec_started,
         "exec_done": CoordinatorExecutor._on_exec_done,
         "env_created": CoordinatorExecutor._on_env_created,
         "env_removed": CoordinatorExecutor._on_env_removed,

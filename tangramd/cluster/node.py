@@ -66,7 +66,7 @@ from tangram.protocol.results import (
 from tangram.version import __version__
 from tangramd import events as ev
 from tangramd.backends.base import Backend
-from tangramd.cluster.link import Link, LinkClosed, is_loopback, split_host_port
+from tangramd.cluster.link import DEFER_S, Link, LinkClosed, is_loopback, split_host_port
 from tangramd.cluster.pki import (
     CertInvalid,
     PinMismatch,
@@ -169,6 +169,8 @@ class NodeAgent:
         # execs handed to the effects, not ended: env, cores and the client to answer
         self._running: dict[str, tuple[str, tuple[int, ...], Any]] = {}
         self._cancelling: set[str] = set()  # of those, the ones a `cancel_exec` kills
+        self._started: list[str] = []  # of those, not yet said started (`exec_started`)
+        self._started_timer: asyncio.TimerHandle | None = None
         self._transfers: dict[int, str] = {}  # transfers under way: token -> the link's tid
         # shell sessions here (opening or open): session id -> its environment
         self._sessions: dict[str, str] = {}
@@ -629,6 +631,7 @@ class NodeAgent:
         except (KeyError, TypeError, ValueError):
             cores = ()
         self._running[action_id] = (env_id, cores, msg.get("reply"))
+        self._say_started(action_id)
         try:
             cmd = ev.RunExec(
                 action_id=action_id,
@@ -650,6 +653,22 @@ class NodeAgent:
         task = asyncio.get_running_loop().create_task(self._pull_then_run(cmd, fetch))
         self._pulls[action_id] = task
         task.add_done_callback(lambda _: self._pulls.pop(action_id, None))
+
+    def _say_started(self, action_id: str) -> None:
+        """The coordinator learns that the exec started (its deadline turns into its run
+        bound): in one ``exec_started`` for those of the next ``DEFER_S``, less those that
+        ended meanwhile (their ``exec_done`` says it), so a short exec costs no message."""
+        self._started.append(action_id)
+        if self._started_timer is None:
+            loop = asyncio.get_running_loop()
+            self._started_timer = loop.call_later(DEFER_S, self._send_started)
+
+    def _send_started(self) -> None:
+        self._started_timer = None
+        ids = [a for a in self._started if a in self._running]
+        self._started.clear()
+        if ids and self.link is not None:  # (after a drop, the hello's `running` says it)
+            self.link.send(make_message("exec_started", action_ids=ids))
 
     async def _pull_then_run(self, cmd: ev.RunExec, fetch: _Fetch) -> None:
         """Pull a placed exec's stdin and files from the node that kept them, then run it;

@@ -48,6 +48,23 @@ class PutOnNode(NamedTuple):
 ReplyOnNode = Callable[[ev.RunExec], OnNode]
 PutsOnNode = Callable[[ev.RunTransfer], PutOnNode]
 
+# What a node may take, past the exec's own timeout, to report its end: the pull of its
+# input from another node (``PULL_TIMEOUT_S`` of tangramd.cluster.node) on top of the
+# request deadline itself.
+FETCH_GRACE_S = 30.0
+
+
+class _Owed:
+    """An answer a node owes (see :meth:`RemoteEffects._watch_answer`): ``what`` names the
+    request for the error; an exec's ``run_s`` bounds its run once the node has said it
+    started (None: no bound, its spec has no timeout)."""
+
+    __slots__ = ("deadline", "node", "run_s", "started", "what")
+
+    def __init__(self, node: str, what: str, deadline: float, run_s: float | None) -> None:
+        self.node, self.what, self.deadline, self.run_s = node, what, deadline, run_s
+        self.started = False
+
 
 NO_GPUS = "this coordinator places no GPU services (cluster GPU scheduling is not built yet)"
 
@@ -72,12 +89,20 @@ class RemoteEffects:
         request_timeout_s: float = 60.0,
         overdue: Callable[[str, str], None] = lambda node, why: None,
     ) -> None:
-        """A ``create_env`` or ``transfer`` its node has not answered within
-        ``request_timeout_s`` fails (``infra_error``), and ``overdue(node, why)`` is told (the
-        coordinator drains it); a late answer to a transfer is dropped (``transfer_done``)."""
+        """Every command that a node answers has a deadline: a ``create_env``,
+        ``transfer``, ``open_session``, ``close_session`` or ``remove_env`` its node has not
+        answered within ``request_timeout_s``, or a ``run_exec`` it has not said it started
+        (``exec_started``) within it, fails (``infra_error``; a removal or a close counts as
+        done), and ``overdue(node, why)`` is told (the coordinator drains it). A started
+        exec has its own timeout plus ``request_timeout_s`` (plus ``FETCH_GRACE_S`` when it
+        pulls its input) to end; past that it fails the same way and the node is told to
+        kill it. A late answer is dropped (the core has moved on)."""
         self._send = send
         self.request_timeout_s = request_timeout_s
         self._overdue = overdue
+        self._owed: dict[str, _Owed] = {}  # "x:<action>", "so:"/"sc:<session>", "r:<env>"
+        self._sweep: asyncio.TimerHandle | None = None
+        self._late_sessions: dict[str, str] = {}  # opened past their deadline: id -> node
         self._creating: dict[str, asyncio.TimerHandle] = {}  # env id: its deadline
         self._expired: set[str] = set()  # env ids failed at their deadline
         self._reply_on_node = reply_on_node
@@ -147,6 +172,8 @@ class RemoteEffects:
         if not self._send(cmd.node, make_message("remove_env", env_id=cmd.env_id)):
             # nothing to remove there now; the node drops it when it reconciles
             self._fail(ev.EnvRemoved(env_id=cmd.env_id))
+            return
+        self._watch_answer(f"r:{cmd.env_id}", cmd.node, "remove_env")
 
     def run_exec(self, cmd: ev.RunExec) -> None:
         reply, held, missing, fetch = self._reply_on_node(cmd)
@@ -172,6 +199,12 @@ class RemoteEffects:
         if not self._send(cmd.node, msg):
             res = ExecResult("infra_error", detail=self._unreachable(cmd.node))
             self._fail(ev.ExecFinished(cmd.action_id, res))
+            return
+        timeout = cmd.spec.timeout_s
+        run_s = None if timeout is None else timeout + self.request_timeout_s
+        if run_s is not None and fetch is not None:
+            run_s += FETCH_GRACE_S
+        self._watch_answer(f"x:{cmd.action_id}", cmd.node, "run_exec", run_s)
 
     def run_transfer(self, cmd: ev.RunTransfer) -> None:
         held, missing, fetch = self._put_on_node(cmd)
@@ -223,6 +256,8 @@ class RemoteEffects:
         if not self._send(cmd.node, msg):
             error = self._unreachable(cmd.node)
             self._fail(ev.SessionOpened(session_id=cmd.session_id, error=error))
+            return
+        self._watch_answer(f"so:{cmd.session_id}", cmd.node, "open_session")
 
     def kill_exec(self, cmd: ev.KillExec) -> None:
         """The node kills it (its end comes back as the exec's ``exec_done``)."""
@@ -235,6 +270,84 @@ class RemoteEffects:
     def end_shell(self, cmd: ev.EndShell) -> None:
         if not self._send(cmd.node, make_message("close_session", session_id=cmd.session_id)):
             self._fail(ev.SessionClosed(session_id=cmd.session_id))
+            return
+        self._watch_answer(f"sc:{cmd.session_id}", cmd.node, "close_session")
+
+    # ------------------------------------------------------------------ deadlines
+    def _watch_answer(self, key: str, node: str, what: str, run_s: float | None = None) -> None:
+        """Expect the node's answer to ``key`` within ``request_timeout_s``. One timer
+        sweeps them all (an exec adds a map entry, not a timer of its own)."""
+        loop = asyncio.get_running_loop()
+        self._owed[key] = _Owed(node, what, loop.time() + self.request_timeout_s, run_s)
+        if self._sweep is None:
+            self._sweep = loop.call_later(self._sweep_s(), self._sweep_owed)
+
+    def _sweep_s(self) -> float:
+        return min(max(self.request_timeout_s / 8, 0.02), 2.0)
+
+    def answered(self, key: str) -> bool:
+        """A node answered ``key`` (its outcome's key, e.g. ``x:<action>``): False when no
+        answer was owed any more (it came after its deadline, or was never asked)."""
+        return self._owed.pop(key, None) is not None
+
+    def started(self, action_ids: list[str]) -> None:
+        """A node says these execs started (``exec_started``): from now on each has its
+        run bound (its timeout plus the grace) instead of the request deadline."""
+        now = asyncio.get_running_loop().time()
+        for action_id in action_ids:
+            owed = self._owed.get(f"x:{action_id}")
+            if owed is None or owed.started:
+                continue
+            owed.started = True
+            if owed.run_s is None:
+                del self._owed[f"x:{action_id}"]  # no timeout: it runs as long as it runs
+            else:
+                owed.deadline = now + owed.run_s
+
+    def node_gone(self, node: str) -> None:
+        """A node is lost: what it owed is ended with it (``NodeLost``), not at a deadline."""
+        for key in [k for k, owed in self._owed.items() if owed.node == node]:
+            del self._owed[key]
+        for session_id in [s for s, n in self._late_sessions.items() if n == node]:
+            del self._late_sessions[session_id]  # (it dropped them, if it opened them)
+
+    def late_session(self, session_id: str) -> bool:
+        """True once for a session whose ``session_opened`` came after its deadline (it
+        failed then): the caller closes what the node opened late."""
+        return self._late_sessions.pop(session_id, None) is not None
+
+    def _sweep_owed(self) -> None:
+        self._sweep = None
+        now = asyncio.get_running_loop().time()
+        for key in [k for k, owed in self._owed.items() if owed.deadline <= now]:
+            self._expire(key, self._owed.pop(key))
+        if self._owed:
+            self._sweep = asyncio.get_running_loop().call_later(self._sweep_s(), self._sweep_owed)
+
+    def _expire(self, key: str, owed: _Owed) -> None:
+        kind, _, name = key.partition(":")
+        node, limit = owed.node, self.request_timeout_s
+        if kind == "x" and owed.started:
+            assert owed.run_s is not None
+            why = (
+                f"node {node} did not report the end of exec {name} within {owed.run_s:.3g} s"
+                " of its start (its timeout and the node_request_timeout_s grace)"
+            )
+        elif kind == "x":
+            why = f"node {node} did not acknowledge run_exec within {limit:g} s"
+        else:
+            why = f"node {node} did not answer {owed.what} within {limit:g} s"
+        if kind == "x":
+            self._send(node, make_message("cancel_exec", action_id=name))  # in case it runs
+            self._report(ev.ExecFinished(name, ExecResult("infra_error", detail=why)))
+        elif kind == "so":
+            self._late_sessions[name] = node
+            self._report(ev.SessionOpened(session_id=name, error=why))
+        elif kind == "sc":
+            self._report(ev.SessionClosed(session_id=name))
+        else:  # "r": removed as far as the core knows; the node drops it when it rejoins
+            self._report(ev.EnvRemoved(env_id=name))
+        self._overdue(node, why)
 
     def load_service(self, cmd: ev.LoadService) -> None:
         self._fail(ev.ServiceLoaded(spec=cmd.spec, error=NO_GPUS, code="infra_error"))

@@ -1,0 +1,202 @@
+"""A rogue node (issue 31, item 4): a client of the real link that joins a real coordinator
+with the join token, answers what the test lets it answer and never the rest. Every
+coordinator->node request it leaves unanswered ends within `[cluster]
+node_request_timeout_s` (`infra_error` for what the client waits on) and the node is
+drained as suspect; an exec it said it started has its own timeout plus that grace."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from cluster_harness import node_row, spawn_coordinator, stop_all
+
+from tangram.client import Client
+from tangram.protocol.errors import InfraError
+from tangram.protocol.link import make_message
+from tangram.testing import wait_for
+from tangram.version import __version__
+from tangramd.cluster.link import Link, split_host_port
+from tangramd.cluster.pki import client_context
+
+TIMEOUT_S = 1.0
+CONFIG = f"[cluster]\nnode_request_timeout_s = {TIMEOUT_S}\nheartbeat_timeout_s = 60.0\n"
+
+
+class RogueNode:
+    """A node of its own making on its own loop: it answers ``create_env`` (so that the
+    client has an environment there), heartbeats, and whatever ``answers`` lets it:
+    ``exec_started`` (say each exec started, never that it ended), ``open_session``;
+    everything else it receives is only recorded."""
+
+    def __init__(self, join: dict[str, Any], name: str = "rogue") -> None:
+        self.join, self.name = join, name
+        self.answers: set[str] = set()
+        self.received: list[dict[str, Any]] = []
+        self.link: Link | None = None
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self._task = asyncio.run_coroutine_threadsafe(self._run(), self.loop)
+
+    def kinds(self, kind: str) -> list[dict[str, Any]]:
+        return [m for m in list(self.received) if m.get("t") == kind]
+
+    def send(self, msg: dict[str, Any]) -> None:
+        def send() -> None:
+            assert self.link is not None
+            self.link.send(msg)
+
+        self.loop.call_soon_threadsafe(send)
+
+    async def _run(self) -> None:
+        host, port = split_host_port(self.join["coordinator"])
+        reader, writer = await asyncio.open_connection(host, port, ssl=client_context())
+        link = self.link = Link(reader, writer)
+        assert (await link.recv())["t"] == "ca"
+        hello = make_message(
+            "hello",
+            name=self.name,
+            version=__version__,
+            cores_by_numa=[[0]],
+            mem_bytes=1 << 30,
+            gpus=[],
+            backend="process",
+            envs=[],
+            running=[],
+            outbox=[],
+            token=self.join["token"],
+        )
+        link.send(hello)
+        assert (await link.recv())["t"] == "welcome"
+        beat = asyncio.get_running_loop().create_task(self._beat(link))
+        try:
+            while True:
+                msg = await link.recv()
+                self.received.append(msg)
+                self._answer(link, msg)
+        finally:
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+
+    async def _beat(self, link: Link) -> None:
+        while True:
+            link.send(make_message("hb"))
+            await asyncio.sleep(0.2)
+
+    def _answer(self, link: Link, msg: dict[str, Any]) -> None:
+        kind = msg["t"]
+        if kind == "create_env":
+            env = msg["env_id"]
+            link.send(make_message("env_created", key=f"c:{env}", env_id=env))
+        elif kind == "run_exec" and "exec_started" in self.answers:
+            link.send(make_message("exec_started", action_ids=[msg["action_id"]]))
+        elif kind == "open_session" and "open_session" in self.answers:
+            sid = msg["session_id"]
+            link.send(make_message("session_opened", key=f"so:{sid}", session_id=sid))
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self._task.cancel()
+            if self.link is not None:
+                self.link.abort()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(5)
+        wait_for(self._task.done, 5, "the rogue node's task ended")
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self.loop.close()
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[tuple[Any, RogueNode]]:
+    coord = spawn_coordinator(tmp_path / "c", CONFIG)
+    rogue = None
+    try:
+        rogue = RogueNode(coord.join)
+        wait_for(lambda: _state(coord) == "ready", 20, "the rogue node joined")
+        yield coord, rogue
+    finally:
+        if rogue is not None:
+            rogue.close()
+        stop_all([coord])
+
+
+def _state(coord: Any) -> str | None:
+    with Client(coord.socket) as c:
+        rows = {r["name"]: r for r in c.nodes()}
+    return rows["rogue"]["state"] if "rogue" in rows else None
+
+
+def _undrain(coord: Any) -> None:
+    with Client(coord.socket) as c:
+        c.request("node.undrain", {"name": "rogue"})
+
+
+def test_an_exec_the_node_never_acknowledges_fails_infra_error_and_drains_it(cluster):
+    """run_exec never acknowledged: the exec ends `infra_error` after the deadline, not
+    after its own (long) timeout; the node is drained as suspect and told to kill it."""
+    coord, rogue = cluster
+    with Client(coord.socket) as c:
+        env = c.env_open(trajectory="t")
+        started = time.monotonic()
+        res = c.exec("sleep 100", env=env, timeout_s=300)
+        assert time.monotonic() - started < 20
+    assert res.outcome == "infra_error", res
+    assert f"did not acknowledge run_exec within {TIMEOUT_S:g} s" in res.detail, res
+    assert node_row(coord, "rogue")["state"] == "draining"
+    assert "node_suspect" in coord.log()
+    aid = rogue.kinds("run_exec")[0]["action_id"]
+    wait_for(lambda: any(m["action_id"] == aid for m in rogue.kinds("cancel_exec")), 10, "kill")
+
+
+def test_a_started_exec_is_bounded_by_its_timeout_plus_the_grace(cluster):
+    """An exec the node said it started but never ends: `infra_error` once its timeout
+    plus node_request_timeout_s have passed, not before the timeout (it may run that long)."""
+    coord, rogue = cluster
+    rogue.answers.add("exec_started")
+    with Client(coord.socket) as c:
+        env = c.env_open(trajectory="t")
+        started = time.monotonic()
+        res = c.exec("sleep 100", env=env, timeout_s=1.5)
+        took = time.monotonic() - started
+    assert res.outcome == "infra_error", res
+    assert "did not report the end of exec" in res.detail and "within 2.5 s" in res.detail, res
+    assert 2.5 <= took < 20, took
+    assert node_row(coord, "rogue")["state"] == "draining"
+
+
+def test_session_open_and_close_the_node_never_answers(cluster):
+    """open_session unanswered: session.open fails `infra_error` and the node is drained;
+    a late session_opened is closed on the node. close_session unanswered: session.close
+    is done at the deadline (the node drops the shell when it rejoins). remove_env
+    unanswered: env.close likewise."""
+    coord, rogue = cluster
+    with Client(coord.socket) as c:
+        env = c.env_open(trajectory="t")
+        started = time.monotonic()
+        with pytest.raises(InfraError, match=f"did not answer open_session within {TIMEOUT_S:g} s"):
+            c.session_open(env)
+        assert time.monotonic() - started < 20
+        assert node_row(coord, "rogue")["state"] == "draining"
+        late = rogue.kinds("open_session")[0]["session_id"]
+        rogue.send(make_message("session_opened", key=f"so:{late}", session_id=late))
+        wait_for(
+            lambda: any(m["session_id"] == late for m in rogue.kinds("close_session")),
+            10,
+            "the coordinator closes the late session on the node",
+        )
+        _undrain(coord)
+        rogue.answers.add("open_session")
+        session = c.session_open(env)
+        started = time.monotonic()
+        c.session_close(session)  # answered at the deadline
+        assert TIMEOUT_S * 0.9 <= time.monotonic() - started < 20
+        assert "did not answer close_session" in coord.log()
+        c.env_close(env)
+        assert "did not answer remove_env" in coord.log()
+        assert not [r for r in c.request("env.list", {})["envs"] if r["id"] == env]
