@@ -2,7 +2,7 @@
 
 Usage: python bench/sched.py [--json] [--repeat N] [--order fcfs|backfill]
        [--rule priced|wait-eft|wait|paper] [--gc daemon|plain|frozen] [--cpu-time]
-       [--scale [--scale-repeat N]] [--curve] [--plot PATH]
+       [--scale [--scale-repeat N]] [--curve] [--plot PATH] [--jobs N]
 
 Each case builds a realistic mix over CPU node pools holding ``units`` free cores in total
 (nodes of up to 256 cores, two NUMA nodes each), a 2-node GPU pool and one API endpoint:
@@ -31,6 +31,8 @@ one node), with ``steady_queued`` actions still queued: what the daemon pays per
 cores, 128 nodes) and as the cluster grows (1k to 16k cores on nodes of 128 cores, 16,384
 queued), each with the slope of log(time) over log(size) (1: linear, 2: quadratic).
 ``--plot PATH`` draws the curves (implies ``--curve``; needs matplotlib).
+``--jobs N`` spreads the queue over N jobs (weights 1, 2, 3, 1, ...; issue 34): each pass
+then orders it by fair share (``tangram.sched.share``) before the per-pool rule.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -54,6 +57,7 @@ from tangram.pools.cpu import CpuNodePool
 from tangram.pools.gpu import GpuCluster, GpuNodePool, ServiceSpec
 from tangram.sched import SchedConfig, Snapshot, schedule
 from tangram.sched.schedule import _assign_nodes  # timed on its own (the node-choice phase)
+from tangram.sched.share import Job
 from tangramd.collector import freeze_startup, paused, schedule_paused
 
 CASES = [(64, 64), (256, 256), (1024, 256), (4096, 1024)]
@@ -68,7 +72,10 @@ CURVE_CORES = [1024 << k for k in range(5)]  # 1k .. 16k
 GIB = 1 << 30
 
 
-def build(queued: int, units: int, seed: int = 0, nodes: int | None = None):
+def build(queued: int, units: int, seed: int = 0, nodes: int | None = None, jobs: int = 1):
+    """``jobs`` > 1: action ``i`` belongs to job ``j{i % jobs}`` (weights 1, 2, 3, 1, ...;
+    every job holds a few of the running cores), so each pass orders the queue by fair
+    share (tangram.sched.share); the actions themselves are the same as with one job."""
     rng = random.Random(seed)
     n_nodes = nodes if nodes is not None else max(1, units // 256)
     per_node = units // n_nodes
@@ -126,8 +133,25 @@ def build(queued: int, units: int, seed: int = 0, nodes: int | None = None):
     running = {
         pid: [(rng.uniform(0.1, 60.0), 1) for _ in range(rng.randint(4, 32))] for pid in cpu_ids
     }
+    if jobs <= 1:
+        return Snapshot(
+            waiting=waiting,
+            pools=pools,
+            affinity=affinity,
+            running=running,
+            env_mem=lambda a: 4 * GIB,
+        )
+    names = [f"j{k}" for k in range(jobs)]
+    waiting = [replace(a, job=names[i % jobs]) for i, a in enumerate(waiting)]
+    busy = sum(len(r) for r in running.values())
     return Snapshot(
-        waiting=waiting, pools=pools, affinity=affinity, running=running, env_mem=lambda a: 4 * GIB
+        waiting=waiting,
+        pools=pools,
+        affinity=affinity,
+        running=running,
+        env_mem=lambda a: 4 * GIB,
+        jobs={n: Job(n, weight=float(1 + k % 3)) for k, n in enumerate(names)},
+        held={n: {"cpu": busy * (k + 1) // (jobs * (jobs + 1) // 2)} for k, n in enumerate(names)},
     )
 
 
@@ -150,11 +174,12 @@ def measure(
     gc_freeze: bool = False,
     daemon_gc: bool = True,
     steady: bool = False,
+    jobs: int = 1,
 ) -> dict:
     """One case: p50/p99 of ``passes`` passes after a warm-up, and the node-choice phase's p50
     (``daemon_gc``: each through the daemon's collector policy, as tangramd runs a pass);
     ``steady``: also the pass after one event in the queue's steady state (``steady_*``)."""
-    snap = build(queued, units, nodes=nodes)
+    snap = build(queued, units, nodes=nodes, jobs=jobs)
     one = schedule_paused if daemon_gc else schedule
     one(snap, 0.0, cfg)  # warm-up
     if gc_freeze:  # long-lived state out of the cyclic GC's sight (its pauses are the tail)
@@ -188,6 +213,7 @@ def measure(
         "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))], 3),
         "placed": placed,
         "passes": passes,
+        **({"jobs": jobs} if jobs > 1 else {}),
         "assign_p50_ms": round(statistics.median(assign), 3),
     }
     if steady:
@@ -391,6 +417,7 @@ def run(
     cases: list | None = None,
     scale_cases: list | None = None,
     curve_spec: dict | None = None,
+    jobs: int = 1,
 ) -> dict:
     cfg = SchedConfig(order=order, rule=rule)  # type: ignore[arg-type]
     clock = time.thread_time if cpu_time else time.perf_counter
@@ -401,7 +428,7 @@ def run(
     out = []
     for queued, units in CASES if cases is None else cases:
         n = repeat if queued <= 1024 else max(10, repeat // 4)
-        out.append(measure(queued, units, None, n, cfg, clock, gc_freeze, daemon_gc))
+        out.append(measure(queued, units, None, n, cfg, clock, gc_freeze, daemon_gc, jobs=jobs))
     if scale:
         for queued, units, nodes in SCALE_CASES if scale_cases is None else scale_cases:
             out.append(
@@ -462,6 +489,13 @@ def main() -> None:
         "1k-16k (nodes of 128 cores) at 16,384 queued",
     )
     ap.add_argument("--plot", metavar="PATH", help="draw the curves to PATH (implies --curve)")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="spread the queue over N jobs (fair share across jobs, issue 34; default 1)",
+    )
     args = ap.parse_args()
     for name in ("repeat", "scale_repeat"):
         if getattr(args, name) < 1:
@@ -476,6 +510,7 @@ def main() -> None:
         scale=args.scale,
         scale_repeat=args.scale_repeat,
         with_curves=args.curve or bool(args.plot),
+        jobs=args.jobs,
     )
     if args.plot:
         plot(result, args.plot)

@@ -51,6 +51,7 @@ MODULES = (
     "tangram.sched.price",
     "tangram.sched.replay",
     "tangram.sched.schedule",
+    "tangram.sched.share",
     "tangram.pools.api",
     "tangram.pools.buddy",
     "tangram.pools.cpu",

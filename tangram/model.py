@@ -281,6 +281,7 @@ class Action:
     klass: str = ""  # history class: task + command class / service
     submitted_at: float = 0.0
     payload: Mapping[str, object] = field(default_factory=dict)
+    job: str = "default"  # the job it belongs to (fair share across jobs, tangram.sched.share)
     # derived once at construction (the scheduler reads them in its inner loops)
     allowed: tuple[int, ...] = field(init=False, repr=False, compare=False)
     min_units: int = field(init=False, repr=False, compare=False)
@@ -368,6 +369,7 @@ def make_action(
     submitted_at: float = 0.0,
     payload: Mapping[str, object] | None = None,
     capacity: Mapping[str, int] | None = None,
+    job: str = "default",
 ) -> Action:
     """Validate raw fields and build an ``Action``; raises ``InvalidDemand``/``Unschedulable``.
 
@@ -438,6 +440,7 @@ def make_action(
         klass=klass or f"{task}/{kind}/{service or api or ''}",
         submitted_at=submitted_at,
         payload=dict(payload or {}),
+        job=job,
     )
 
 

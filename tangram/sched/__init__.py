@@ -16,6 +16,7 @@ from tangram.sched.schedule import (
     pool_of,
     schedule,
 )
+from tangram.sched.share import Job, fair_order
 
 __all__ = [
     "ORDERS",
@@ -27,6 +28,7 @@ __all__ = [
     "Decision",
     "Infeasible",
     "InfeasibleArrangement",
+    "Job",
     "LoadMeter",
     "Operator",
     "Placement",
@@ -36,6 +38,7 @@ __all__ = [
     "Snapshot",
     "chunk_level",
     "dp_arrange",
+    "fair_order",
     "pool_of",
     "schedule",
 ]

@@ -9,6 +9,12 @@ pools and the running actions' expected finish times, and returns which actions 
 ``extra_cost``); the driver applies the placements. No I/O, no clock (``now`` is an
 argument), no randomness: the same snapshot gives the same decision.
 
+Jobs (issue 34): when the waiting actions belong to several jobs (or one with a cap), the
+queue is first put in fair-share order (``tangram.sched.share``: strict priority, then
+weighted dominant-resource fairness over what each job holds, FCFS within a job; a job at
+its cap waits) and every pool below serves its queue in that order instead of FCFS. With one
+job the pass does not look at jobs at all.
+
 Algorithm, per pool (one CPU pool per node, one GPU pool, one pool per API endpoint)
 ----------------------------------------------------------------------------------
 0. Prices (rule ``priced``, the default, on plain unit-count pools = CPU nodes): each queued
@@ -64,6 +70,7 @@ from tangram.sched.operators import BaseOperator, Operator
 from tangram.sched.pool import SchedPool
 from tangram.sched.price import NO_LOAD, price_bands
 from tangram.sched.replay import Durations, Replay, _bisect_left, _insort, elastic_amounts
+from tangram.sched.share import Job, fair_order
 
 Order = Literal["fcfs", "backfill"]
 ORDERS: tuple[str, ...] = ("fcfs", "backfill")
@@ -118,6 +125,13 @@ class Snapshot:
     env_mem: Callable[[Action], int] = lambda action: 0  # memory to reserve on first action
     # recent offered load per pool (LoadMeter), read by the "priced" rule; none: no forecast
     load: Mapping[str, PoolLoad] = field(default_factory=dict)
+    # jobs (tangram.sched.share): their terms (a job not named: weight 1, priority 0, no cap),
+    # the units each job's running actions hold (job -> resource -> units) and the cluster's
+    # units per resource (empty: summed over ``pools``). Waiting actions of one job with no
+    # cap: the pass does not read them (the single-job pass, unchanged).
+    jobs: Mapping[str, Job] = field(default_factory=dict)
+    held: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    totals: Mapping[str, int] = field(default_factory=dict)
 
 
 class Placement(NamedTuple):
@@ -182,7 +196,15 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
     queued = snapshot.waiting
     everyone: list[Action] = queued if isinstance(queued, list) else list(queued)
     unknown = _UNKNOWN  # a local: compiled, a module global is a dict look-up on every read
-    for action in everyone:
+    # several jobs (or a capped one): each pool serves its queue in fair-share order
+    # (tangram.sched.share); within a job the order stays FCFS
+    ordered = everyone
+    fair = fair_order(everyone, snapshot.jobs, snapshot.held, snapshot.totals, pools)
+    if fair is not None:
+        ordered = fair.order
+        for action, why in fair.never:
+            infeasible.append(Infeasible(action.id, why))
+    for action in ordered:
         kind = action.kind  # pool_of(), inlined
         if kind == "exec":
             pid = affinity.get(action.trajectory)
@@ -224,8 +246,15 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
         for action, pid in assigned:
             joining.setdefault(pid, []).append(action)
             new_nodes.add(action.id)
+        rank: dict[ActionId, int] = {}
+        if fair is not None:  # joiners go in fair-share order, not seq order
+            rank = {a.id: i for i, a in enumerate(ordered)}
         for pid, extra in joining.items():
-            queues[pid] = _merge_by_seq(queues.get(pid, []), extra)
+            if fair is None:
+                queues[pid] = _merge_by_seq(queues.get(pid, []), extra)
+            else:
+                both = [*queues.get(pid, []), *extra]
+                queues[pid] = sorted(both, key=lambda a: rank[a.id])
 
     placements: list[Placement] = []
     objective = 0.0

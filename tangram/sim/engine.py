@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -34,6 +34,7 @@ from tangram.pools.cpu import CpuNodePool
 from tangram.pools.gpu import GpuCluster, GpuNodePool
 from tangram.pools.gpu import ServiceSpec as GpuServiceSpec
 from tangram.sched import LoadMeter, SchedConfig, Snapshot, schedule
+from tangram.sched.share import Job, pool_totals
 from tangram.sim.baselines import ApiRetry, K8sPods, SimError, StaticServices
 from tangram.sim.cluster import GB, ClusterSpec
 from tangram.sim.metrics import ActionRecord, SimResult, summarize
@@ -59,8 +60,12 @@ class Engine:
         *,
         check: bool = False,
         progress: Callable[[float, int, int], None] | None = None,
+        jobs: Mapping[str, Job] | None = None,
     ) -> None:
         self.cluster = cluster
+        # jobs' terms (fair share, tangram.sched.share) and the units each job holds now
+        self.jobs: dict[str, Job] = dict(jobs or {})
+        self.held: dict[str, dict[str, int]] = {}
         self.policy = policy
         self.sched = sched or SchedConfig(order=policy.order, rule=policy.rule)
         self.check = check
@@ -116,6 +121,7 @@ class Engine:
             self.pools[self.gpu.pool_id] = self.gpu
         self.pools.update(self.apis)
         self._cpu_ids = frozenset(self.cpu)
+        self.totals = pool_totals(self.pools)
         # scheduler-side state
         self.queues: dict[str, dict[ActionId, Run]] = {pid: {} for pid in self.pools}
         self.unassigned: dict[ActionId, Run] = {}
@@ -318,7 +324,10 @@ class Engine:
         pid = run.pool_id
         if pid:  # placed by the scheduler: give the units back
             self.meter.finished(pid, action.id)
-            self.pools[pid].release(action.id)
+            pool = self.pools[pid]
+            pool.release(action.id)
+            held = self.held[action.job]
+            held[pool.resource] -= run.units
             del self.running[pid][action.id]
             self.dirty.add(pid)
             self.add_reserved(self.pools[pid].resource, run.units * (now - run.start))
@@ -343,6 +352,8 @@ class Engine:
                 run.exec,
                 run.units,
                 failed,
+                run.action.job,
+                start,
             )
         )
 
@@ -407,6 +418,9 @@ class Engine:
                 for pid in pools
                 if pid in cpu
             },
+            jobs=self.jobs,
+            held=self.held,
+            totals=self.totals,
         )
         decision = schedule(snap, now, self.sched)
         mem_free: dict[str, int] = {}  # per node this pass: free memory, kept up to date
@@ -447,6 +461,10 @@ class Engine:
             if pid in cpu:
                 self.meter.started(pid, action.id, now, action.elastic, p.amount, p.expected_s)
             self.start_run(run, now, len(p.units), restore, pool.resource)
+            held = self.held.get(action.job)
+            if held is None:
+                held = self.held[action.job] = {}
+            held[pool.resource] = held.get(pool.resource, 0) + len(p.units)
         for inf in decision.infeasible:
             failed = unassigned.pop(inf.action_id, None)
             if failed is None:
@@ -550,9 +568,13 @@ def simulate(
     *,
     check: bool = False,
     progress: Callable[[float, int, int], None] | None = None,
+    jobs: Mapping[str, Job] | None = None,
 ) -> SimResult:
-    """Run one policy over a trace; see the module doc."""
-    return Engine(cluster, trajectories, policy, sched, check=check, progress=progress).run()
+    """Run one policy over a trace; see the module doc. ``jobs``: the jobs' terms (weight,
+    priority, caps) for fair share across the trace's jobs; a job not named has weight 1."""
+    return Engine(
+        cluster, trajectories, policy, sched, check=check, progress=progress, jobs=jobs
+    ).run()
 
 
 __all__ = ["Engine", "SimError", "simulate"]

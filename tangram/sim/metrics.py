@@ -22,6 +22,8 @@ class ActionRecord:
     exec_s: float
     units: int
     failed: bool
+    job: str = "default"
+    start_s: float = 0.0  # simulated time its units were granted (submission + queue_s)
 
     @property
     def act_s(self) -> float:
@@ -88,5 +90,10 @@ def summarize(
     for r in records:
         tags.setdefault(r.tag, []).append(r)
     summary["by_tag"] = {t: _stats(tags[t]) for t in sorted(tags)}
+    jobs: dict[str, list[ActionRecord]] = {}
+    for r in records:
+        jobs.setdefault(r.job, []).append(r)
+    if jobs and (len(jobs) > 1 or "default" not in jobs):  # one default job: no by_job
+        summary["by_job"] = {j: _stats(jobs[j]) for j in sorted(jobs)}
     acts = [r.act_s for r in records if not r.failed]
     return SimResult(policy, summary, acts, {t: list(v) for t, v in steps.items()})

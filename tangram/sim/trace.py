@@ -20,11 +20,11 @@ from typing import IO, Any
 from tangram.model import Action, TangramError, make_action
 
 ACTION_KEYS = {
-    "exec": {"kind", "cpu", "dur_s", "t1_s", "eff", "tag"},
-    "service": {"kind", "service", "gpus", "dur_s", "t1_s", "eff", "tag"},
-    "api": {"kind", "api", "dur_s", "tag"},
+    "exec": {"kind", "cpu", "dur_s", "t1_s", "eff", "tag", "job"},
+    "service": {"kind", "service", "gpus", "dur_s", "t1_s", "eff", "tag", "job"},
+    "api": {"kind", "api", "dur_s", "tag", "job"},
 }
-TRAJECTORY_KEYS = {"id", "task", "arrival_s", "mem_gb", "step", "steps"}
+TRAJECTORY_KEYS = {"id", "task", "job", "arrival_s", "mem_gb", "step", "steps"}
 
 
 class TraceError(TangramError):
@@ -65,6 +65,7 @@ class Trajectory:
     mem_gb: float
     step: int
     steps: tuple[Step, ...]
+    job: str = "default"  # the job its actions belong to (an action's own "job" wins)
 
     def actions(self) -> Iterator[TraceAction]:
         return (s for s in self.steps if isinstance(s, TraceAction))
@@ -80,7 +81,13 @@ def _num(where: str, value: object, *, positive: bool = False) -> float:
     return v
 
 
-def parse_action(raw: object, task: str, traj_id: str) -> TraceAction:
+def _job(where: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where}: expected a non-empty job name, got {value!r}")
+    return value
+
+
+def parse_action(raw: object, task: str, traj_id: str, job: str = "default") -> TraceAction:
     """Validate one trace action and build its scheduler template (raises ``ValueError``)."""
     if not isinstance(raw, dict):
         raise ValueError("action: expected an object")
@@ -90,6 +97,7 @@ def parse_action(raw: object, task: str, traj_id: str) -> TraceAction:
     unknown = set(raw) - ACTION_KEYS[kind]
     if unknown:
         raise ValueError(f"action: unknown key(s) {sorted(unknown)} for kind {kind!r}")
+    job = _job("action.job", raw.get("job", job))
     tag = raw.get("tag", kind)
     if not isinstance(tag, str) or not tag:
         raise ValueError("action.tag: expected a non-empty string")
@@ -133,6 +141,7 @@ def parse_action(raw: object, task: str, traj_id: str) -> TraceAction:
         service=service,
         api=api,
         klass=f"{task}/{kind}/{service or api or tag}",
+        job=job,
     )
     if t1_s is not None and template.elasticity is not None:
         allowed = template.key_amounts.allowed()
@@ -158,6 +167,7 @@ def parse_trajectory(obj: object) -> Trajectory:
     task = obj.get("task", "default")
     if not isinstance(task, str) or not task:
         raise ValueError("task: expected a non-empty string")
+    job = _job("job", obj.get("job", "default"))
     arrival = _num("arrival_s", obj.get("arrival_s", 0.0))
     mem_gb = _num("mem_gb", obj.get("mem_gb", 0.0))
     step = obj.get("step", 0)
@@ -174,10 +184,10 @@ def parse_trajectory(obj: object) -> Trajectory:
             if "gen_s" in s:
                 steps.append(_num("gen_s", s["gen_s"]))
             else:
-                steps.append(parse_action(s["action"], task, tid))
+                steps.append(parse_action(s["action"], task, tid, job))
         except (ValueError, TangramError) as exc:
             raise ValueError(f"steps[{i}].{_message(exc)}") from None
-    return Trajectory(tid, task, arrival, mem_gb, step, tuple(steps))
+    return Trajectory(tid, task, arrival, mem_gb, step, tuple(steps), job)
 
 
 def _message(exc: Exception) -> str:
@@ -227,6 +237,7 @@ def trajectory_to_json(traj: Trajectory) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": traj.id,
         "task": traj.task,
+        **({"job": traj.job} if traj.job != "default" else {}),
         "arrival_s": traj.arrival_s,
         "mem_gb": traj.mem_gb,
     }
