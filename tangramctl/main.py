@@ -34,6 +34,7 @@ import click
 from tangram.client import CallResult, Client, ExecResult, default_socket_path
 from tangram.model import TangramError
 from tangram.protocol import ConnectionFailed, InfraError, parse_size
+from tangram.protocol.ops import MAX_FORK
 from tangram.tarsafe import extract_all
 from tangramctl.render import NODE_COLUMNS, humanize_sizes, kv, node_rows, table, to_json
 
@@ -681,6 +682,40 @@ def env_close(ctl: Ctl, env_id: str, as_json: bool) -> None:
     ctl.client.env_close(env_id)
     if as_json:
         click.echo(to_json({"id": env_id, "closed": True}))
+
+
+@env.command("fork")
+@click.argument("env_id", metavar="ID")
+@click.option(
+    "-n",
+    "n",
+    type=click.IntRange(1, MAX_FORK),
+    metavar="G",
+    default=1,
+    show_default=True,
+    help=f"How many children (1 to {MAX_FORK}).",
+)
+@json_option
+@pass_ctl
+def env_fork(ctl: Ctl, env_id: str, n: int, as_json: bool) -> None:
+    """Fork an environment: N new ones from a copy-on-write snapshot of its files (one id a
+    line; ``--json``: ``{"ids": [...], "fork_s": S}``)."""
+    forked = ctl.client.request("env.fork", {"env": env_id, "n": n})
+    if as_json:
+        click.echo(to_json({"ids": forked["ids"], "fork_s": forked["fork_s"]}))
+    else:
+        click.echo("\n".join(forked["ids"]))
+
+
+@env.command("reset")
+@click.argument("env_id", metavar="ID")
+@json_option
+@pass_ctl
+def env_reset(ctl: Ctl, env_id: str, as_json: bool) -> None:
+    """Put an environment's files back as at its fork point (or its opening)."""
+    ctl.client.env_reset(env_id)
+    if as_json:
+        click.echo(to_json({"id": env_id, "reset": True}))
 
 
 @env.command("list")

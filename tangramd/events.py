@@ -52,6 +52,25 @@ class CloseEnv(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class ForkEnv(Event):
+    """``env.fork``: ``n`` new environments from a copy-on-write snapshot of ``env_id``."""
+
+    token: int | None = None
+    env_id: str = ""
+    n: int = 1
+    peer: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResetEnv(Event):
+    """``env.reset``: ``env_id``'s files back to its fork point (or its opening)."""
+
+    token: int | None = None
+    env_id: str = ""
+    peer: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EnvCreated(Event):
     env_id: str = ""
     error: str | None = None  # None: created
@@ -335,6 +354,7 @@ class CreateEnv(Command):
     mem: int | None  # bytes (None: the backend's default; a node's message may omit it)
     owner: tuple[int, int] | None = None  # the user its files belong to (None: backend's)
 
+    fork_of: str | None = None  # a fork: a copy-on-write copy of this environment's files
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RemoveEnv(Command):
@@ -391,7 +411,8 @@ class RecordEnv(Command):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunTransfer(Command):
-    """Put or get a file in an environment (``direction`` "put" or "get")."""
+    """Put or get a file in an environment (``direction`` "put" or "get"), or reset its
+    files to its fork point (``direction`` "reset", ``path`` empty)."""
 
     token: int | None
     env_id: str

@@ -201,6 +201,16 @@ async def _env_close(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return await ex.request(lambda tok: ev.CloseEnv(token=tok, env_id=args["id"], peer=conn.peer))
 
 
+async def _env_fork(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(
+        lambda tok: ev.ForkEnv(token=tok, env_id=args["env"], n=args.get("n", 1), peer=conn.peer)
+    )
+
+
+async def _env_reset(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(lambda tok: ev.ResetEnv(token=tok, env_id=args["env"], peer=conn.peer))
+
+
 async def _env_put(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return await ex.request(
         lambda tok: ev.PutFile(
@@ -323,6 +333,8 @@ SYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Any]] = {
 ASYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Awaitable[Any]]] = {
     "env.open": _env_open,
     "env.close": _env_close,
+    "env.fork": _env_fork,
+    "env.reset": _env_reset,
     "exec": _exec,
     "env.put": _env_put,
     "env.get": _env_get,

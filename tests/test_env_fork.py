@@ -46,7 +46,9 @@ def test_fork_reset_close(tmp_path: Path, isolation: str) -> None:
         await b.put("src", "repo/a.txt", b"from source\n")
         await sh(b, "src", "mkdir -p deps && echo installed > deps/lib.txt")
         if isolated:
-            await sh(b, "src", "echo tmp > /tmp/t.txt && mkdir -p /testbed && echo srv > /testbed/s.txt")
+            await sh(
+                b, "src", "echo tmp > /tmp/t.txt && mkdir /testbed && echo srv > /testbed/s.txt"
+            )
         await b.fork_env("src", ["c1", "c2"])
         for child in ("c1", "c2"):
             assert await sh(b, child, "cat repo/a.txt deps/lib.txt") == "from source\ninstalled\n"
@@ -158,3 +160,86 @@ def test_depth_is_bounded(tmp_path: Path) -> None:
 
 def test_layers_dir_names() -> None:
     assert LAYERS.startswith(".") and PLAIN.startswith(".")
+
+
+# --- through a real daemon: ops, story, CLI, sync and async clients -----------------------
+
+
+def ctl(sock: str, *args: str):
+    from click.testing import CliRunner
+
+    from tangramctl.main import cli
+
+    return CliRunner().invoke(cli, ["--socket", sock, *args], catch_exceptions=False)
+
+
+def test_daemon_fork_reset_story_cli(daemon) -> None:
+    import json
+
+    from tangram.protocol.errors import BadRequest, NotFound
+
+    c = daemon.client()
+    src = c.env_open()
+    c.put(src, "repo/setup.txt", b"prepared\n")
+    ids = c.env_fork(src, n=3)
+    assert len(ids) == 3 and len(set(ids)) == 3 and src not in ids
+    for child in ids:
+        assert c.exec(["cat", "repo/setup.txt"], env=child).stdout == "prepared\n"
+    c.exec(["sh", "-c", "echo mine > repo/setup.txt"], env=ids[0])
+    assert c.exec(["cat", "repo/setup.txt"], env=ids[1]).stdout == "prepared\n"
+    c.env_reset(ids[0])
+    assert c.exec(["cat", "repo/setup.txt"], env=ids[0]).stdout == "prepared\n"
+    # the story shows the fork on both sides, and the reset
+    assert f"into 3: {', '.join(ids)}" in json.dumps(c.story(src))
+    assert f"forked from {src}" in json.dumps(c.story(ids[0]))
+    assert "reset" in json.dumps(c.story(ids[0]))
+    # errors: unknown env, bad n
+    with pytest.raises(NotFound):
+        c.env_fork("e" + "0" * 32)
+    with pytest.raises(NotFound):
+        c.env_reset("e" + "0" * 32)
+    for bad in (0, -1, 257, "2", 1.5):
+        with pytest.raises(BadRequest, match="n: expected int"):
+            c.request("env.fork", {"env": src, "n": bad})
+    # a session open in the source: refused, naming why
+    session = c.session_open(src)
+    with pytest.raises(BadRequest, match="session"):
+        c.env_fork(src)
+    c.session_close(session)
+    # CLI --json shapes
+    r = ctl(daemon.socket, "env", "fork", src, "-n", "2", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert set(out) == {"ids", "fork_s"} and len(out["ids"]) == 2 and out["fork_s"] >= 0
+    r = ctl(daemon.socket, "env", "reset", out["ids"][0], "--json")
+    assert r.exit_code == 0 and json.loads(r.output) == {"id": out["ids"][0], "reset": True}
+    r = ctl(daemon.socket, "env", "fork", src)
+    assert r.exit_code == 0 and len(r.output.split()) == 1
+    # closing the source keeps the children
+    c.env_close(src)
+    assert c.exec(["cat", "repo/setup.txt"], env=ids[2]).stdout == "prepared\n"
+    for env in [*ids, *out["ids"], r.output.strip()]:
+        c.env_close(env)
+    state = Path(daemon.socket).parent
+    layers_dirs = list(state.rglob(LAYERS))
+    assert layers_dirs and all(
+        not [p for p in d.iterdir() if not p.name.startswith(".")] for d in layers_dirs
+    )
+
+
+def test_async_client_fork_reset(daemon) -> None:
+    from tangram.client import AsyncClient
+
+    async def main() -> None:
+        async with AsyncClient(daemon.socket) as ac:
+            src = await ac.env_open()
+            await ac.put(src, "a.txt", b"a")
+            (child,) = await ac.env_fork(src)
+            await ac.put(child, "b.txt", b"b")
+            await ac.env_reset(child)
+            res = await ac.exec(["ls"], env=child)
+            assert res.stdout == "a.txt\n"
+            for env in (src, child):
+                await ac.env_close(env)
+
+    asyncio.run(main())

@@ -63,6 +63,8 @@ def test_every_documented_result_is_what_the_daemon_sends(tmp_path) -> None:
         answers["env.get"] = c.request("env.get", {"id": env, "path": "f"})
         answers["session.interrupt"] = c.request("session.interrupt", {"id": session["id"]})
         answers["session.close"] = c.request("session.close", {"id": session["id"]})
+        answers["env.fork"] = c.request("env.fork", {"env": env, "n": 1})  # (no session now)
+        answers["env.reset"] = c.request("env.reset", {"env": answers["env.fork"]["ids"][0]})
         answers["profile.save"] = c.request("profile.save", PROFILE)  # before profile.get
         renew = {"lease": lease["lease_id"], "ttl_s": 5.0}
         answers["lease.renew"] = c.request("lease.renew", renew)  # before lease.release

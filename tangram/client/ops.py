@@ -145,6 +145,15 @@ class Ops:
         """Close an environment."""
         return self._op("env.close", {"id": id}, _none)
 
+    def env_fork(self, id: str, n: int = 1) -> list[str]:
+        """Fork an environment into ``n`` new ones that start from a copy-on-write snapshot
+        of its files (processes are not copied); return their ids."""
+        return self._op("env.fork", {"env": id, "n": n}, _field("ids", list))
+
+    def env_reset(self, id: str) -> None:
+        """Put an environment's files back as at its fork point (or at its opening)."""
+        return self._op("env.reset", {"env": id}, _none)
+
     def env_list(self) -> list[dict[str, Any]]:
         """Open environments."""
         return self._op("env.list", {}, _field("envs", list))

@@ -317,6 +317,15 @@ def _check_env_path(args: Mapping[str, Any]) -> None:
     check_env_path(args["path"], "path")
 
 
+MAX_FORK: Final = 256  # children of one env.fork
+
+
+def _check_fork(args: Mapping[str, Any]) -> None:
+    n = args.get("n", 1)
+    if n > MAX_FORK:
+        raise BadRequest(f"n: expected int from 1 to {MAX_FORK}, got {n}")
+
+
 _EXEC_ARGS: Final = (
     Arg(
         "cmd",
@@ -561,6 +570,27 @@ OPS: Final[dict[str, Op]] = {
             (Arg("id", ID, True),),
             result=("closed: bool",),
             errors=("not_found", "infra_error"),
+        ),
+        Op(
+            "env.fork",
+            "new environments that start from a copy-on-write snapshot of an open one's "
+            "files (processes are not copied; refused while it runs an action or has a "
+            "session open); each child holds the source's memory, on its node",
+            (
+                Arg("env", ID, True, doc="the source environment"),
+                Arg("n", Int(min=1), doc=f"how many children, 1 to {MAX_FORK} (default 1)"),
+            ),
+            result=("ids: [str]", "fork_s: float"),
+            errors=("not_found", "bad_request", "unschedulable", "infra_error"),
+            check=_check_fork,
+        ),
+        Op(
+            "env.reset",
+            "put an environment's files back as they were at its fork point (or, never "
+            "forked, at its opening); refused while it runs an action or has a session open",
+            (Arg("env", ID, True, doc="the environment"),),
+            result=("id: str", "reset: bool"),
+            errors=("not_found", "bad_request", "infra_error"),
         ),
         Op(
             "env.list",

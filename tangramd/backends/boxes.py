@@ -23,7 +23,7 @@ import sys
 import tempfile
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -31,11 +31,7 @@ import tangramd
 from tangramd.backends import cgroups as cg
 from tangramd.backends import nsbox
 from tangramd.backends.base import EnvError, check_env_id
-from tangramd.backends.nsfork import LAYERS
 from tangramd.backends.spawner import Spawner, SpawnError
-
-if TYPE_CHECKING:
-    from tangramd.backends.nsfork import Forks
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +42,13 @@ DEFAULT_ENV_PIDS_MAX = 4096
 # when the environment has no unprivileged owner): far above any account's uid.
 SANDBOX_ID_BASE = 1_000_000_000
 BOX = "sandbox"  # in the backend's root dir: each isolated environment's overlay layers
+LAYERS = ".layers"  # in BOX: the frozen layers of forked environments (nsfork.py)
+
+
+class ForkLayers(Protocol):
+    """What a keeper's box takes from the forked environments' book (nsfork.Forks)."""
+
+    def box_keys(self, env_id: str) -> dict[str, Any]: ...
 
 
 def traversable(paths: Sequence[str]) -> list[str]:
@@ -141,7 +144,7 @@ class Boxes:
         self._gen: dict[str, int] = {}  # env id -> the fork server that started its keeper
         self._stale: dict[str, int] = {}  # env id -> a keeper of an earlier fork server
         self._opening: dict[str, asyncio.Task[int]] = {}
-        self.forks: Forks | None = None  # its forked environments' layers (nsfork.py)
+        self.forks: ForkLayers | None = None  # its forked environments' layers (nsfork.py)
         log.info(
             "env_isolation",
             network=network,

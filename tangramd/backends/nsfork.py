@@ -36,18 +36,15 @@ import shutil
 import subprocess
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tangramd.backends import nsbox
 from tangramd.backends.base import EnvError, check_env_id
-
-if TYPE_CHECKING:
-    from tangramd.backends.boxes import Boxes
+from tangramd.backends.boxes import LAYERS, Boxes
 
 MAX_LAYERS = 16  # frozen layers under one environment (kernel: 500, mount data: 4 KiB)
 MAX_FORK = 256  # children of one fork (env.fork's n)
-LAYERS = ".layers"  # in the sandbox dir: frozen layers; in the backend root: plain snapshots
-PLAIN = ".forks"
+PLAIN = ".forks"  # in the backend root: plain snapshots (isolation = "none")
 STACK_FILE = "stack.json"  # in an environment's sandbox dir: its layers, for a restart
 MAX_MOUNT_DATA = 4000  # a mount's option string must fit a page
 
@@ -161,6 +158,13 @@ class Forks:
                 dead.append(layer)
         for layer in dead:
             await asyncio.to_thread(shutil.rmtree, self.dir / layer, True)
+
+    async def unmount(self, env_id: str) -> None:
+        """(At shutdown, ``env_id`` kept) unmount its home: no mount outlives the daemon;
+        a restarted one mounts it again over the same layers (:meth:`reconcile`)."""
+        home = os.path.join(self.envs_path, env_id)
+        if self.boxes is not None and _is_mount(home):
+            await asyncio.to_thread(_umount, home)
 
     def _hold(self, env_id: str, stack: tuple[str, ...]) -> None:
         old = self.stacks.get(env_id, ())

@@ -606,6 +606,7 @@ class ProcessBackend:
                 await self.close_env(env_id)
             elif self.boxes is not None:  # its files stay; its processes end with the daemon
                 await self.boxes.close(env_id, keep_layers=True)
+                await self.forks.unmount(env_id)
         if self._refill is not None:
             with contextlib.suppress(Exception):
                 await self._refill

@@ -87,7 +87,13 @@ class LocalEffects:
     async def _create_env(self, cmd: ev.CreateEnv) -> None:
         error = None
         try:
-            await self.backend.create_env(cmd.env_id, cmd.image, cmd.mem, owner=cmd.owner)
+            if cmd.fork_of is not None:  # (nsfork.py) a copy of its source's files
+                fork = getattr(self.backend, "fork_env", None)
+                if fork is None:
+                    raise RuntimeError(f"the {self.backend.name} backend cannot fork")
+                await fork(cmd.fork_of, [cmd.env_id])
+            else:
+                await self.backend.create_env(cmd.env_id, cmd.image, cmd.mem, owner=cmd.owner)
         except Exception as exc:  # backend failure of any kind is an infra error
             error = f"{type(exc).__name__}: {exc}"
             log.warning(
@@ -409,6 +415,12 @@ async def transfer(
 
 def owner_of(value: Any) -> tuple[int, int] | None:
     """A record's or a message's ``[uid, gid]`` as a pair (None: none or malformed)."""
+        if direction == "reset":
+            reset = getattr(backend, "reset_env", None)
+            if reset is None:
+                return None, ("bad_request", f"the {backend.name} backend cannot reset")
+            await reset(env_id)
+            return {"id": env_id, "reset": True}, None
     if isinstance(value, list | tuple) and len(value) == 2:
         try:
             return (int(value[0]), int(value[1]))

@@ -21,7 +21,7 @@ from tangram.model import ActionId, EnvId, TrajectoryId, Unschedulable
 from tangram.pools.cpu import CpuCluster, NeverFits, NoRoomYet, Placed
 from tangramd import events as ev
 from tangramd.state.deadlines import Deadlines
-from tangramd.state.story import Stories, StoryLog, transition
+from tangramd.state.story import Stories, StoryLog, note, transition
 
 LOST_GONE_KEPT = 4096  # ids of environments lost with their node, remembered after removal
 
@@ -72,6 +72,20 @@ class EnvRec:
     awaiting_node: bool = False  # restored by a restarted coordinator, node not back yet
     active: int = 0  # actions submitted and not done
     pending: list[ActionId] = field(default_factory=list)
+    fork: ForkGroup | None = None  # created by env.fork: the group its reply waits for
+
+
+@dataclass
+class ForkGroup:
+    """The children of one ``env.fork``, answered together once the backend has made
+    them all (``fork_s``: from the request to the last one)."""
+
+    source: EnvId
+    token: int | None
+    ids: tuple[EnvId, ...]
+    started: float
+    left: int
+    errors: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +328,63 @@ class EnvBook:
             transition(env, "creating", ENV_EDGES, now, f"placed on {env.node}", cause)
             out.append(self._create(env, cause))
         return env
+
+    def fork(
+        self, src: EnvRec, n: int, now: float, out: list[ev.Command], cause: int, token: int | None
+    ) -> ForkGroup:
+        """``n`` children of ``src`` on its node, each holding ``src``'s memory: placed at
+        once or not at all (a fork does not wait for memory; raises ``Unschedulable``)."""
+        placed_ids: list[tuple[EnvId, TrajectoryId]] = []
+        for _ in range(n):
+            env_id = self._new_id()
+            while env_id in self._envs or any(env_id == i for i, _ in placed_ids):
+                env_id = self._new_id()
+            traj = TrajectoryId(f"traj-{env_id}")
+            placed = self.cpu.place_trajectory(traj, env_id, 0, src.mem)
+            if not isinstance(placed, Placed) or placed.node != src.node:
+                if isinstance(placed, Placed):
+                    self.cpu.forget_trajectory(traj)
+                for _, t in placed_ids:
+                    self.cpu.forget_trajectory(t)
+                raise Unschedulable(
+                    f"cannot fork {src.id} into {n}: each child holds its memory "
+                    f"({gib(src.mem)}) on its node {src.node}, which has room for "
+                    f"{len(placed_ids)} now (a fork does not wait for memory)"
+                )
+            placed_ids.append((env_id, traj))
+        group = ForkGroup(
+            source=src.id, token=token, ids=tuple(i for i, _ in placed_ids), started=now, left=n
+        )
+        for env_id, traj in placed_ids:
+            env = EnvRec(
+                id=env_id,
+                trajectory=traj,
+                node=src.node,
+                image=src.image,
+                mem=src.mem,
+                created_at=now,
+                last_used=now,
+                history=self.stories.open(env_id, "environment"),
+                owner=src.owner,
+                fork=group,
+            )
+            self._envs[env_id] = env
+            transition(env, "creating", ENV_EDGES, now, f"forked from {src.id}", cause)
+            create = self._create(env, cause)
+            out.append(
+                ev.CreateEnv(
+                    env_id=create.env_id,
+                    node=create.node,
+                    image=create.image,
+                    mem=create.mem,
+                    owner=create.owner,
+                    fork_of=src.id,
+                    cause=cause,
+                )
+            )
+        note(src, now, "forked", f"into {n}: {', '.join(group.ids)}", cause)
+        src.last_used = now
+        return group
 
     def restore(
         self,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tangram.protocol.errors import NotFound, ShuttingDown
+from tangram.protocol.errors import BadRequest, NotFound, ShuttingDown
 from tangramd import events as ev
 from tangramd.state.dispatch import handles
-from tangramd.state.envs import Ready
+from tangramd.state.envs import EnvRec, ForkGroup, Ready
 from tangramd.state.handlers.actions import close_env, finish_action
+from tangramd.state.story import note
 
 if TYPE_CHECKING:
     from tangramd.state.context import Core
@@ -43,12 +44,93 @@ def close(core: Core, e: ev.CloseEnv, now: float, out: list[ev.Command]) -> None
     close_env(core, env, now, out, "closed by client")
 
 
+@handles(ev.ForkEnv)
+def fork_env(core: Core, e: ev.ForkEnv, now: float, out: list[ev.Command]) -> None:
+    """``env.fork``: the children are created on the source's node (``CreateEnv`` with
+    ``fork_of``), each holding the source's memory, and answered together."""
+    if core.shutting_down:
+        raise ShuttingDown("daemon is shutting down")
+    src = core.ready_env(e.env_id, e.peer)
+    if not core.cfg.record_envs:
+        raise BadRequest(
+            "env.fork is not supported on a cluster coordinator yet: fork on the "
+            "environment's node (tangramd up)"
+        )
+    _refuse_busy(core, src, "fork")
+    core.envs.fork(src, e.n, now, out, core.stimulus, e.token)
+
+
+@handles(ev.ResetEnv)
+def reset_env(core: Core, e: ev.ResetEnv, now: float, out: list[ev.Command]) -> None:
+    """``env.reset``: the backend puts the files back as at the fork point (or opening)."""
+    env = core.ready_env(e.env_id, e.peer)
+    _refuse_busy(core, env, "reset")
+    env.last_used = now
+    note(env, now, "reset", "files back to its fork point (or its opening)", core.stimulus)
+    out.append(
+        ev.RunTransfer(
+            token=e.token,
+            env_id=env.id,
+            node=env.node,
+            direction="reset",
+            path="",
+            max_bytes=0,
+            cause=core.stimulus,
+        )
+    )
+
+
+def _refuse_busy(core: Core, env: EnvRec, what: str) -> None:
+    """Running processes are not copied: an environment with an action submitted or a
+    session open is not forked or reset (refused, not waited for)."""
+    sessions = sum(1 for s in core.sessions if s.env == env.id and s.state != "closed")
+    if env.active or sessions:
+        raise BadRequest(
+            f"env.{what}: environment {env.id} has {env.active} action(s) not done and "
+            f"{sessions} session(s) open; {what} it once they are done and closed"
+        )
+
+
+def _fork_child_done(
+    core: Core, env: EnvRec, error: str | None, now: float, out: list[ev.Command]
+) -> None:
+    group = env.fork
+    assert group is not None
+    group.left -= 1
+    if error is not None:
+        group.errors.append(error)
+        close_env(core, env, now, out, f"fork failed: {error}")
+    if group.left > 0:
+        return
+    _answer_fork(core, group, now, out)
+
+
+def _answer_fork(core: Core, group: ForkGroup, now: float, out: list[ev.Command]) -> None:
+    if group.errors:  # all or nothing: the children made are closed again
+        for env_id in group.ids:
+            child = core.envs.get(env_id)
+            if child is not None and child.state == "ready":
+                close_env(core, child, now, out, "another child of its fork failed")
+        if group.token is not None:
+            out.append(core.reply(group.token, error=("infra_error", group.errors[0])))
+        return
+    if group.token is not None:
+        result = {"ids": list(group.ids), "fork_s": now - group.started}
+        out.append(core.reply(group.token, result=result))
+
+
 @handles(ev.EnvCreated)
 def env_created(core: Core, e: ev.EnvCreated, now: float, out: list[ev.Command]) -> None:
     answer = core.envs.created(e.env_id, e.error, now, core.stimulus)
     if answer is None:
         return
     env = answer.env
+    if env.fork is not None:
+        if isinstance(answer, Ready) and core.cfg.record_envs:
+            record = core.envs.record(env)
+            out.append(ev.RecordEnv(env_id=env.id, record=record, cause=core.stimulus))
+        _fork_child_done(core, env, None if isinstance(answer, Ready) else answer.error, now, out)
+        return
     token, env.open_token = env.open_token, None
     if isinstance(answer, Ready):
         if not env.throwaway and core.cfg.record_envs:
