@@ -403,6 +403,12 @@ async def transfer(
         if direction == "put":
             size = await backend.put(env_id, path, data, tar=tar)
             return {"path": path, "bytes": size}, None
+        if direction == "reset":
+            reset = getattr(backend, "reset_env", None)
+            if reset is None:
+                return None, ("bad_request", f"the {backend.name} backend cannot reset")
+            await reset(env_id)
+            return {"id": env_id, "reset": True}, None
         got, is_tar = await backend.get(env_id, path, max_bytes=max_bytes)
         return {"path": path, "data": got, "tar": is_tar}, None
     except BAD_TRANSFER as e:
@@ -415,12 +421,6 @@ async def transfer(
 
 def owner_of(value: Any) -> tuple[int, int] | None:
     """A record's or a message's ``[uid, gid]`` as a pair (None: none or malformed)."""
-        if direction == "reset":
-            reset = getattr(backend, "reset_env", None)
-            if reset is None:
-                return None, ("bad_request", f"the {backend.name} backend cannot reset")
-            await reset(env_id)
-            return {"id": env_id, "reset": True}, None
     if isinstance(value, list | tuple) and len(value) == 2:
         try:
             return (int(value[0]), int(value[1]))
