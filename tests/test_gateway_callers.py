@@ -147,3 +147,32 @@ def test_separate_gateway_refuses_per_key_users(tmp_path, user):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert f"user {user.name!r}" in done.stderr and "tangramd up --http" in done.stderr
+
+
+def test_fork_through_the_gateway_belongs_to_the_key(keyed):
+    """POST /envs/{id}/fork: the children start from the source's files, have SWE-ReX URLs
+    and belong to the key that forked; another key's fork is not_found; a bad n is 400
+    naming n."""
+    stack, alpha, beta, _ = keyed
+    env = httpx.post(f"{stack.url}/envs", json={}, headers=_as(alpha), timeout=60).json()["id"]
+    assert _execute(stack.url, env, alpha, "echo prepared > f").status_code == 200
+    forked = httpx.post(
+        f"{stack.url}/envs/{env}/fork", json={"n": 2}, headers=_as(alpha), timeout=60
+    )
+    assert forked.status_code == 200, forked.text
+    body = forked.json()
+    assert len(body["ids"]) == 2 and body["swerex_urls"] == [
+        f"{stack.url}/swerex/{i}" for i in body["ids"]
+    ]
+    for child in body["ids"]:
+        ok = _execute(stack.url, child, alpha, "cat f")
+        assert ok.status_code == 200 and ok.json()["stdout"] == "prepared\n", ok.text
+        assert _execute(stack.url, child, beta, "cat f").status_code == 404
+    denied = httpx.post(
+        f"{stack.url}/envs/{env}/fork", json={"n": 1}, headers=_as(beta), timeout=60
+    )
+    assert denied.status_code == 404 and "not_found" in denied.text, denied.text
+    bad = httpx.post(f"{stack.url}/envs/{env}/fork", json={"n": 0}, headers=_as(alpha), timeout=60)
+    assert bad.status_code == 400 and "n: expected int" in bad.text, bad.text
+    for gone in (env, *body["ids"]):
+        assert httpx.delete(f"{stack.url}/envs/{gone}", headers=_as(alpha), timeout=60).is_success

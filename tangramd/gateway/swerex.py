@@ -130,6 +130,10 @@ class OpenEnvRequest(BaseModel):
     timeout: float | None = Field(default=OPEN_TIMEOUT_S, gt=0)
 
 
+class ForkEnvRequest(BaseModel):
+    n: Any = 1  # (checked by the daemon: bad_request naming n and its allowed values)
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -524,8 +528,8 @@ async def guard(call: Awaitable[Any]) -> Any:
 
 
 def router(runtimes: Runtimes) -> APIRouter:
-    """The ``/swerex/{env}`` routes and ``POST /envs``; a route naming an environment
-    another key opened answers 404 ``not_found``."""
+    """The ``/swerex/{env}`` routes, ``POST /envs`` and ``POST /envs/{env}/fork``; a route
+    naming an environment another key opened answers 404 ``not_found``."""
 
     async def owned(request: Request) -> None:
         env = request.path_params.get("env")
@@ -544,6 +548,17 @@ def router(runtimes: Runtimes) -> APIRouter:
         runtimes.owners[env_id] = caller_label()
         base = str(request.base_url).rstrip("/")
         return {"id": env_id, "swerex_url": f"{base}/swerex/{env_id}"}
+
+    @api.post("/envs/{env}/fork")
+    async def fork_env(env: str, request: Request, body: ForkEnvRequest | None = None) -> Any:
+        """``env.fork``: the children belong to the key that forks (as ``POST /envs``)."""
+        n = 1 if body is None else body.n
+        ids = await runtimes.client.env_fork(env, n=n)
+        for env_id in ids:
+            runtimes.opened.add(env_id)
+            runtimes.owners[env_id] = caller_label()
+        base = str(request.base_url).rstrip("/")
+        return {"ids": ids, "swerex_urls": [f"{base}/swerex/{env_id}" for env_id in ids]}
 
     @api.delete("/envs/{env}")
     async def close_env(env: str) -> Any:
