@@ -49,7 +49,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,6 +217,11 @@ class DockerBackend:
         self._actions: dict[str, _Env] = {}  # running execs by action id, for cancel()
         self._closing = False
         self._first_core = min(os.sched_getaffinity(0))
+        # fork and reset: each environment's (image, memory) to recreate it from, the image
+        # committed at its fork point, and how many environments stand on each such image
+        self._origin: dict[str, tuple[str, int | None]] = {}
+        self._forks: dict[str, str] = {}
+        self._fork_refs: dict[str, int] = {}
 
     # --- plumbing -------------------------------------------------------------------------
 
@@ -325,6 +330,7 @@ class DockerBackend:
             shutil.rmtree(agent_dir, ignore_errors=True)
             raise
         self._envs[env_id] = env
+        self._origin[env_id] = (image or self.default_image, mem_bytes)
 
     async def _wait_for_main(self, env: _Env) -> bool:
         """Wait until the agent answers (True) or the container said it has none (False)."""
@@ -353,12 +359,95 @@ class DockerBackend:
         for session_id in [s for s, e in self._sessions.items() if e == env_id]:
             del self._sessions[session_id]  # its shell goes with the container
         env = self._envs.pop(env_id, None)
-        if env is None:
-            return
+        self._origin.pop(env_id, None)
+        if env is not None:
+            env.alive = False
+            env.drop_idle()
+            await self._remove_container(env.container_id)
+            shutil.rmtree(env.agent_dir, ignore_errors=True)
+        await self._release_fork(env_id)  # (once its container no longer uses the image)
+
+    # --- fork and reset (issue 30 item 3; docs/design.md §5.3) ------------------------------
+
+    def _refuse_busy(self, env_id: str, what: str) -> _Env:
+        env = self._live(env_id)
+        running = sum(1 for e in self._actions.values() if e is env)
+        sessions = sum(1 for e in self._sessions.values() if e == env_id)
+        if running or sessions:
+            raise EnvError(
+                f"cannot {what} {env_id}: {running} action(s) running and {sessions} "
+                "session(s) open in it (processes are not copied: wait for them to end "
+                "and close its sessions first)"
+            )
+        return env
+
+    async def fork_env(self, env_id: str, children: Sequence[str]) -> None:
+        """``docker commit`` the source's container to an image (the fork point of the
+        source and of each child), then start a container per child from it: the commit
+        copies the container's writable layer, so its cost grows with what the environment
+        wrote; each child costs a container start."""
+        env = self._refuse_busy(env_id, "fork")
+        for child in children:
+            if self.env_exists(check_env_id(child)):
+                raise EnvError(f"environment {child} exists")
+        _, mem = self._origin.get(env_id, (self.default_image, None))
+        repo, tag = "tangram-fork", uuid.uuid4().hex[:16]
+        try:
+            made = await self._call(
+                self.client.api.commit, env.container_id, repository=repo, tag=tag,
+                conf={"Labels": {self.label: self.owner_id}},
+            )  # fmt: skip
+        except (docker.errors.APIError, *_ENGINE_ERRORS) as e:
+            raise EnvError(f"cannot commit {env_id}: {e}") from e
+        image = str(made["Id"])
+        await self._hold_fork(env_id, image)
+        results = await asyncio.gather(
+            *(self.create_env(child, image, mem) for child in children), return_exceptions=True
+        )
+        for child, result in zip(children, results, strict=True):
+            if not isinstance(result, BaseException):
+                await self._hold_fork(child, image)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for child, result in zip(children, results, strict=True):
+                if not isinstance(result, BaseException):
+                    await self.close_env(child)
+            raise EnvError(f"cannot fork {env_id}: {failed[0]}")
+
+    async def reset_env(self, env_id: str) -> None:
+        """A new container from the environment's fork point (the image committed when it
+        was forked), or from its image when never forked."""
+        env = self._refuse_busy(env_id, "reset")
+        image, mem = self._origin.get(env_id, (self.default_image, None))
+        image = self._forks.get(env_id, image)
+        del self._envs[env_id]
         env.alive = False
         env.drop_idle()
         await self._remove_container(env.container_id)
         shutil.rmtree(env.agent_dir, ignore_errors=True)
+        await self.create_env(env_id, image, mem)
+
+    async def _hold_fork(self, env_id: str, image: str) -> None:
+        await self._release_fork(env_id)
+        self._forks[env_id] = image
+        self._fork_refs[image] = self._fork_refs.get(image, 0) + 1
+
+    async def _release_fork(self, env_id: str) -> None:
+        """The environment no longer stands on its fork image: removed with the last one."""
+        image = self._forks.pop(env_id, None)
+        if image is None:
+            return
+        self._fork_refs[image] -= 1
+        if self._fork_refs[image] > 0:
+            return
+        del self._fork_refs[image]
+
+        def remove() -> None:
+            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                self.client.api.remove_image(image, force=True)
+
+        with contextlib.suppress(*_ENGINE_ERRORS):
+            await self._call(remove)
 
     async def _remove_container(self, ref: str) -> None:
         def remove() -> None:

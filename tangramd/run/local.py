@@ -60,6 +60,7 @@ class LocalEffects:
         self._report: Report = _unbound
         self._spawn: Spawn = _unbound  # type: ignore[assignment]
         self._running: set[str] = set()  # execs handed to the backend, not reported yet
+        self._forking: dict[str, list[ev.CreateEnv]] = {}  # source -> children this turn
 
     def bind(self, report: Report, spawn: Spawn) -> None:
         """Where outcomes go (``report``) and how background work is started (``spawn``)."""
@@ -82,18 +83,36 @@ class LocalEffects:
 
     # ------------------------------------------------------------------ environments
     def create_env(self, cmd: ev.CreateEnv) -> None:
+        if cmd.fork_of is not None:  # the children of one env.fork come in one turn:
+            batch = self._forking.setdefault(cmd.fork_of, [])  # forked by one backend call
+            batch.append(cmd)
+            if len(batch) == 1:
+                self._spawn(self._fork_envs(cmd.fork_of))
+            return
         self._spawn(self._create_env(cmd))
+
+    async def _fork_envs(self, src: str) -> None:
+        """One ``fork_env`` for the children of ``src`` asked for in the same turn (one
+        snapshot of the source: a Docker commit, or one overlay layer)."""
+        cmds = self._forking.pop(src, [])
+        error = None
+        try:
+            fork = getattr(self.backend, "fork_env", None)
+            if fork is None:
+                raise RuntimeError(f"the {self.backend.name} backend cannot fork")
+            await fork(src, [cmd.env_id for cmd in cmds])
+        except Exception as exc:  # backend failure of any kind is an infra error
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("env_fork_failed", env=src, error=error, cause=cmds[0].cause)
+        for cmd in cmds:
+            self._report(ev.EnvCreated(env_id=cmd.env_id, error=error))
+        if error is None:
+            log_soon(log, "env_forked", env=src, children=[c.env_id for c in cmds])
 
     async def _create_env(self, cmd: ev.CreateEnv) -> None:
         error = None
         try:
-            if cmd.fork_of is not None:  # (nsfork.py) a copy of its source's files
-                fork = getattr(self.backend, "fork_env", None)
-                if fork is None:
-                    raise RuntimeError(f"the {self.backend.name} backend cannot fork")
-                await fork(cmd.fork_of, [cmd.env_id])
-            else:
-                await self.backend.create_env(cmd.env_id, cmd.image, cmd.mem, owner=cmd.owner)
+            await self.backend.create_env(cmd.env_id, cmd.image, cmd.mem, owner=cmd.owner)
         except Exception as exc:  # backend failure of any kind is an infra error
             error = f"{type(exc).__name__}: {exc}"
             log.warning(
