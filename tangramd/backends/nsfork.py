@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -47,6 +48,8 @@ MAX_FORK = 256  # children of one fork (env.fork's n)
 PLAIN = ".forks"  # in the backend root: plain snapshots (isolation = "none")
 STACK_FILE = "stack.json"  # in an environment's sandbox dir: its layers, for a restart
 MAX_MOUNT_DATA = 4000  # a mount's option string must fit a page
+SUBS = ("upper", "work", "merged", "hupper", "hwork", "base", "empty")  # an env's sandbox dir
+SPARES = 32  # child directory trees made ahead (a fork renames one per child: no mkdirs)
 
 
 def _umount(path: str) -> None:
@@ -76,6 +79,8 @@ class Forks:
         self.stacks: dict[str, tuple[str, ...]] = {}  # env id -> its layers, newest first
         self.refs: dict[str, int] = {}  # layer -> environments whose stack holds it
         self._locks: dict[str, asyncio.Lock] = {}
+        self._spares: list[Path] = []  # ready child trees (SUBS and "home")
+        self._refilling = False
 
     # --- what the keeper needs ---------------------------------------------------------
 
@@ -115,7 +120,7 @@ class Forks:
                         "source again, or open a fresh environment"
                     )
                 # its keeper's namespaces hold its uppers: ended (rebuilt on its next exec)
-                await self.boxes.close(src, keep_layers=True)
+                self._end_keeper(src)
                 layer = await asyncio.to_thread(self._freeze, src, stack)
                 stack = (layer, *stack)
                 self._hold(src, stack)
@@ -127,6 +132,8 @@ class Forks:
                 for child in children:
                     await self.close(child)
                 raise
+            self.refill_soon()
+        self._bury_soon()
 
     async def reset(self, env_id: str) -> None:
         """Back to the fork point (an empty upper over its layers), or, never forked, to
@@ -135,7 +142,7 @@ class Forks:
             if self.boxes is None:
                 await asyncio.to_thread(self._plain_reset, env_id)
                 return
-            await self.boxes.close(env_id, keep_layers=True)
+            self._end_keeper(env_id)
             await asyncio.to_thread(self._reset, env_id)
         self._bury_soon()
 
@@ -165,6 +172,50 @@ class Forks:
         home = os.path.join(self.envs_path, env_id)
         if self.boxes is not None and _is_mount(home):
             await asyncio.to_thread(_umount, home)
+
+    def _end_keeper(self, env_id: str) -> None:
+        """End the environment's keeper and lodger (everything in its namespaces: nothing
+        runs there, :meth:`ProcessBackend._refuse_busy`); its next exec builds them again
+        over its new layers, and ends first whatever is left in its cgroups."""
+        assert self.boxes is not None
+        self.boxes.spawner.release(f"{env_id}#")  # its lodger (process.py names it so)
+        pid = self.boxes.keepers.get(env_id)
+        self.boxes.lost(env_id)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def refill_soon(self) -> None:
+        """Make child trees ahead, in a thread, when fewer than half are ready."""
+        if self._refilling or len(self._spares) >= SPARES // 2:
+            return
+        self._refilling = True
+
+        def refill() -> None:
+            try:
+                while len(self._spares) < SPARES:
+                    self._spares.append(self._make_spare())
+            except OSError:
+                pass
+            finally:
+                self._refilling = False
+
+        asyncio.get_running_loop().run_in_executor(None, refill)
+
+    def _make_spare(self) -> Path:
+        path = self.dir / ".spare" / os.urandom(8).hex()
+        for sub in (*SUBS, "home"):
+            os.makedirs(path / sub, 0o700)
+        return path
+
+    def _take_spare(self, env_id: str) -> None:
+        """``env_id``'s sandbox dir (SUBS) and home mount point, renamed from a spare."""
+        try:
+            spare = self._spares.pop()
+        except IndexError:
+            spare = self._make_spare()
+        os.rename(spare / "home", os.path.join(self.envs_path, env_id))
+        os.rename(spare, self._own(env_id))
 
     def _hold(self, env_id: str, stack: tuple[str, ...]) -> None:
         old = self.stacks.get(env_id, ())
@@ -227,15 +278,19 @@ class Forks:
         self._fresh(env_id, (layer, *stack), st)
         return layer
 
-    def _fresh(self, env_id: str, stack: tuple[str, ...], st: os.stat_result) -> None:
-        """Empty uppers for ``env_id`` over ``stack``, its home mounted at its path."""
+    def _fresh(
+        self, env_id: str, stack: tuple[str, ...], st: os.stat_result, made: bool = False
+    ) -> None:
+        """Empty uppers for ``env_id`` over ``stack``, its home mounted at its path
+        (``made``: its directories are there, empty)."""
         own = self._own(env_id)
-        for sub in ("upper", "work", "merged", "hupper", "hwork", "base", "empty"):
-            os.makedirs(own / sub, 0o700, exist_ok=True)
+        home = os.path.join(self.envs_path, env_id)
+        if not made:
+            for sub in SUBS:
+                os.makedirs(own / sub, 0o700, exist_ok=True)
+            os.makedirs(home, 0o700, exist_ok=True)
         os.chown(own / "hupper", st.st_uid, st.st_gid)
         os.chmod(own / "hupper", st.st_mode & 0o7777)
-        home = os.path.join(self.envs_path, env_id)
-        os.makedirs(home, 0o700, exist_ok=True)
         lowers = ":".join(_check_path(os.fspath(self.dir / layer / "home")) for layer in stack)
         data = (
             f"lowerdir={lowers},upperdir={_check_path(os.fspath(own / 'hupper'))},"
@@ -249,10 +304,10 @@ class Forks:
         st = os.stat(os.path.join(self.envs_path, src))
         for child in children:
             home = os.path.join(self.envs_path, check_env_id(child))
-            if os.path.lexists(home):
+            if os.path.lexists(home) or os.path.lexists(self._own(child)):
                 raise EnvError(f"environment {child} exists")
-            os.makedirs(self._own(child), 0o700, exist_ok=True)
-            self._fresh(child, stack, st)
+            self._take_spare(child)
+            self._fresh(child, stack, st, made=True)
 
     def _reset(self, env_id: str) -> None:
         own = self._own(env_id)

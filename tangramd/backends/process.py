@@ -512,6 +512,7 @@ class ProcessBackend:
         self._owners[env_id] = owner
         self._make_spares()
         if self.boxes is not None:
+            self.forks.refill_soon()  # (nsfork.py: a fork's children take them)
             try:
                 await self.boxes.open(env_id)
             except BaseException:
