@@ -191,21 +191,42 @@ def per_kind(rows: list[tuple[tuple[str, int, int], dict]]) -> list[dict[str, An
 
 
 def kinds_table(out: list[dict[str, Any]], title: str) -> None:
+    """One line per trace: all actions, tool calls and test runs (the JSON has every kind)."""
     print(f"\n{title}\n")
     print(
-        "| workload | batch | seed | kind | actions | tangram avg / p99 | best fixed DoP for "
-        "them (K) avg / p99 | oracle avg (tangram / oracle) | floor | tangram ≤ best fixed |"
+        "| workload | batch | seed | all: tangram avg / p99 | all: best fixed (K) avg / p99 "
+        "| tool: tangram / best fixed | test: tangram | test: best fixed (K) | test: oracle "
+        "| test: floor | tangram / oracle | best fixed / oracle | goals: test, all |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = {}
     for r in out:
-        ta, bf = r["tangram"], r["best_fixed_act"]
-        o = f"{r['oracle']:.2f} ({ta[0] / r['oracle']:.2f}×)" if "oracle" in r else ""
-        floor = f"{r['floor']:.2f}" if "floor" in r else ""
-        print(
-            f"| {r['workload']} | {r['batch']} | {r['seed']} | {r['kind']} | {r['actions']} "
-            f"| {ta[0]:.2f} / {ta[1]:.1f} | {bf[0]:.2f} / {bf[1]:.1f} ({r['best_fixed']}) "
-            f"| {o} | {floor} | {'yes' if r['ok'] else '**no**'} |"
-        )
+        rows.setdefault((r["workload"], r["batch"], r["seed"]), {})[r["kind"]] = r
+    for (wl, b, seed), by in rows.items():
+        a, tool, test = by["all"], by.get("tool"), by.get("test")
+        cells = [
+            f"{a['tangram'][0]:.3f} / {a['tangram'][1]:.1f}",
+            f"{a['best_fixed_act'][0]:.3f} / {a['best_fixed_act'][1]:.1f} ({a['best_fixed']})",
+            f"{tool['tangram'][0]:.2f} / {tool['best_fixed_act'][0]:.2f}" if tool else "",
+        ]
+        if test:
+            o = test.get("oracle", 0.0)
+            cells += [
+                f"{test['tangram'][0]:.2f}",
+                f"{test['best_fixed_act'][0]:.2f} ({test['best_fixed']})",
+                f"{o:.2f}" if o else "",
+                f"{test['floor']:.2f}" if "floor" in test else "",
+                f"{test['tangram'][0] / o:.2f}×" if o else "",
+                f"{test['best_fixed_act'][0] / o:.2f}×" if o else "",
+            ]
+        else:
+            cells += [""] * 6
+        goals = f"{_yes(test['ok']) if test else '-'}, {_yes(a['ok'])}"
+        print(f"| {wl} | {b} | {seed} | " + " | ".join(cells) + f" | {goals} |")
+
+
+def _yes(ok: bool) -> str:
+    return "yes" if ok else "**no**"
 
 
 def _cell(res: dict[str, Any], p: str) -> str:
@@ -376,7 +397,7 @@ def _print_kinds(rows: list[tuple[tuple[str, int, int], dict]], as_json: bool) -
     if as_json:
         print(json.dumps({"rows": out}))
         return
-    kinds_table(out, "Per action kind: avg / p99 ACT (s); oracle and floor: test runs (doc)")
+    kinds_table(out, "Per action kind: ACT (s), avg unless p99 is named; oracle, floor (doc)")
 
 
 def _plot(rows: list[tuple[tuple[str, int, int], dict]], policies: tuple[str, ...]) -> None:
