@@ -957,6 +957,25 @@ def service() -> None:
 @click.option("--route", metavar="PATH", help="http: path calls are POSTed to.")
 @click.option("--api", "api_kind", type=click.Choice(["vllm", "sglang"]), help="http: sleep API.")
 @click.option("--setenv", multiple=True, metavar="KEY=VALUE", help="Environment variable.")
+@click.option("--eff", metavar="N:S,…", help="Speed-up per GPU count, e.g. 1:1,2:1.8,4:3.2.")
+@click.option(
+    "--max-batch",
+    type=click.IntRange(min=1),
+    metavar="B",
+    help="Merge up to B concurrent calls into one forward pass (handle_batch) [1].",
+)
+@click.option(
+    "--batch-window-ms",
+    type=click.FloatRange(min=0),
+    metavar="MS",
+    help="How long a batch may wait for more calls before it runs [0].",
+)
+@click.option(
+    "--min-resident",
+    type=click.IntRange(min=0),
+    metavar="N",
+    help="Keep N replicas on GPUs when there is room [0].",
+)
 @json_option
 @pass_ctl
 def service_register(
