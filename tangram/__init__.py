@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from tangram.protocol.errors import (
         BadRequest,
         ConnectionFailed,
+        DiskFull,
         EnvLost,
         Forbidden,
         InfraError,
@@ -42,6 +43,7 @@ _EXPORTS: dict[str, str] = {
     "Unschedulable": "tangram.model",
     "BadRequest": "tangram.protocol.errors",
     "ConnectionFailed": "tangram.protocol.errors",
+    "DiskFull": "tangram.protocol.errors",
     "EnvLost": "tangram.protocol.errors",
     "Forbidden": "tangram.protocol.errors",
     "InfraError": "tangram.protocol.errors",
@@ -58,6 +60,7 @@ __all__ = [
     "BadRequest",
     "Client",
     "ConnectionFailed",
+    "DiskFull",
     "Env",
     "EnvLost",
     "ExecResult",

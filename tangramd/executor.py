@@ -21,8 +21,9 @@ from typing import Any, Protocol
 
 import structlog
 
-from tangram.protocol.errors import InfraError, UnknownOp, error_from_wire
+from tangram.protocol.errors import DISK_FULL, DiskFull, InfraError, UnknownOp, error_from_wire
 from tangramd import events as ev
+from tangramd.diskfull import DiskWatch, is_disk_full
 from tangramd.lifecycle import loop_name
 from tangramd.logs import log_soon
 from tangramd.records import RecordJournal, read_json, write_json
@@ -38,6 +39,11 @@ log = structlog.get_logger("tangramd")
 _ENDS = frozenset({ev.ExecFinished, ev.CallFinished, ev.ReleaseLease, ev.EnvCreated})
 
 STOP_GRACE_S = 10.0  # how long a graceful stop waits for in-flight work to report back
+
+# The commands that write the state dir before the replies after them may go out, and the
+# requests refused at once while its disk is full (each would write there).
+_KEEPS = frozenset({ev.RecordEnv, ev.PersistEnvs, ev.PersistProfiles})
+_WRITERS = (ev.OpenEnv, ev.ForkEnv, ev.SaveProfile)
 
 
 class OpHandlers(Protocol):
@@ -61,6 +67,11 @@ class EnvRecords(Protocol):
     def put(self, key: str, record: Mapping[str, Any] | None) -> None: ...
 
     def replace(self, records: Iterable[Mapping[str, Any]]) -> None: ...
+
+    @property
+    def where(self) -> str:
+        """The file the records are kept in (named when its disk is full)."""
+        ...
 
 
 class Executor:
@@ -109,6 +120,8 @@ class Executor:
         self._env_records: EnvRecords = env_records or RecordJournal(
             self.state_dir / "envs.json", valid=_is_env_record, problem="env_records_unreadable"
         )
+        # a full disk under the state dir: writers refused at once, one log line a minute
+        self.disk = DiskWatch(self.state_dir, clock)
         # TANGRAM_VALIDATE=1 (tests): check the core's invariants after every event
         self._validate = os.environ.get("TANGRAM_VALIDATE") == "1"
         effects.bind(self._reported, self._spawn)
@@ -194,6 +207,12 @@ class Executor:
 
     # ------------------------------------------------------------------ event loop glue
     def feed(self, event: ev.Event) -> None:
+        if self.disk.full and isinstance(event, _WRITERS):
+            refusal = self.disk.refusal()
+            if refusal is not None:  # (back off: the disk is not tried until a probe)
+                if event.token is not None:
+                    self._resolve(event.token, None, (DISK_FULL, refusal.message))
+                return
         now = self.clock()
         try:
             commands = self.core.handle(event, now)
@@ -208,10 +227,18 @@ class Executor:
         # answer wakes its client, which may take the core before the next spawn request
         # has left).
         replies: list[ev.Reply] = []
+        unkept: DiskFull | None = None  # a change that could not be written
         try:
             for cmd in commands:
                 if isinstance(cmd, ev.Reply):
                     replies.append(cmd)
+                elif type(cmd) in _KEEPS:
+                    try:
+                        self._execute(cmd)
+                    except Exception as exc:
+                        if not is_disk_full(exc):
+                            raise
+                        unkept = self._unkept(event, cmd, exc)
                 else:
                     self._execute(cmd)
             if self._validate:
@@ -223,7 +250,26 @@ class Executor:
             self._arm_timer(type(event) in _ENDS)
         finally:
             for reply in replies:
-                self._resolve(reply.token, reply.result, reply.error)
+                if unkept is not None and reply.error is None:  # it would acknowledge it
+                    self._resolve(reply.token, None, (DISK_FULL, unkept.message))
+                else:
+                    self._resolve(reply.token, reply.result, reply.error)
+
+    def _unkept(self, event: ev.Event, cmd: ev.Command, exc: BaseException) -> DiskFull:
+        """A record the state dir's disk had no room for: the error the replies of this
+        event get instead of their results; a new environment that could not be recorded
+        is closed again (a restart would not know it)."""
+        if isinstance(cmd, ev.RecordEnv):
+            gone = cmd.record is None
+            what = f"the {'removal' if gone else 'record'} of environment {cmd.env_id}"
+            error = self.disk.failed(what, exc, self._env_records.where)
+            if not gone and isinstance(event, ev.EnvCreated):
+                close = ev.CloseEnv(env_id=cmd.env_id)
+                asyncio.get_running_loop().call_soon(self.feed, close)
+            return error
+        if isinstance(cmd, ev.PersistEnvs):
+            return self.disk.failed("the environments' records", exc, self._env_records.where)
+        return self.disk.failed("the profiles", exc, str(self._profiles_path()))
 
     async def request(self, make_event: Callable[[int], ev.Event]) -> Any:
         """Feed the event ``make_event(token)`` and wait for the core's reply to it."""

@@ -15,12 +15,13 @@ that is not a valid record, is skipped and counted in a warning.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import structlog
 
@@ -78,8 +79,16 @@ class RecordJournal:
         self.problem = problem  # the warning's event name
         self.min_lines = min_lines
         self.records: dict[str, dict[str, Any]] = {}
-        self._file: BinaryIO | None = None
+        self._fd: int | None = None
         self._lines = 0
+        # a change failed to reach the disk (full): the records held are ahead of it, and
+        # the next change rewrites the snapshot from them instead of appending
+        self.behind = False
+
+    @property
+    def where(self) -> str:
+        """The file changes are appended to (named when its disk is full)."""
+        return str(self.journal)
 
     def _ok(self, record: Any) -> bool:
         return isinstance(record, dict) and isinstance(record.get("id"), str) and self.valid(record)
@@ -117,22 +126,37 @@ class RecordJournal:
 
     def put(self, key: str, record: Mapping[str, Any] | None) -> None:
         """Record one change (None: the record is gone); compact when the journal has grown.
-        Raises OSError when the state dir cannot be written."""
+        Raises OSError when the state dir cannot be written (a full disk: ENOSPC); the
+        journal is then as it was (a line written in part is cut off again), the change is
+        held, and the next change that reaches the disk rewrites the snapshot with it."""
         copy = None if record is None else dict(record)
         if copy is None:
             self.records.pop(key, None)
         else:
             self.records[key] = copy
-        if self._file is None:
-            self.journal.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            self._file = os.fdopen(fd, "ab")
-        line = {"id": key, "record": copy}
-        self._file.write(json.dumps(line, sort_keys=True).encode() + b"\n")
-        self._file.flush()
+        if self.behind:
+            self.compact()
+            return
+        line = json.dumps({"id": key, "record": copy}, sort_keys=True).encode() + b"\n"
+        self._append(line)
         self._lines += 1
         if self._lines > max(self.min_lines, 2 * len(self.records)):
             self.compact()
+
+    def _append(self, line: bytes) -> None:
+        if self._fd is None:
+            self.journal.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        size = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, line)
+            if written != len(line):  # a short write: the disk filled up under it
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            self.behind = True
+            with contextlib.suppress(OSError):  # no torn line for the next one to join
+                os.ftruncate(self._fd, size)
+            raise
 
     def replace(self, records: Iterable[Mapping[str, Any]]) -> None:
         """Every record at once (the snapshot rewritten, the journal emptied)."""
@@ -140,14 +164,20 @@ class RecordJournal:
         self.compact()
 
     def compact(self) -> None:
-        """Rewrite the snapshot atomically from the records held, then empty the journal."""
-        write_json(self.snapshot, list(self.records.values()))
+        """Rewrite the snapshot atomically from the records held, then empty the journal
+        (OSError, a full disk: nothing changed on disk, and the records stay ahead)."""
+        try:
+            write_json(self.snapshot, list(self.records.values()))
+        except OSError:
+            self.behind = True
+            raise
+        self.behind = False
         self.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.journal)
         self._lines = 0
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

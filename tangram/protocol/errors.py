@@ -24,6 +24,7 @@ INTERNAL: Final = "internal"
 SHUTTING_DOWN: Final = "shutting_down"
 ENV_LOST: Final = "env_lost"
 FORBIDDEN: Final = "forbidden"
+DISK_FULL: Final = "disk_full"
 
 ERROR_CODES: Final[tuple[str, ...]] = (
     BAD_REQUEST,
@@ -37,6 +38,7 @@ ERROR_CODES: Final[tuple[str, ...]] = (
     SHUTTING_DOWN,
     ENV_LOST,
     FORBIDDEN,
+    DISK_FULL,
 )
 
 
@@ -113,6 +115,14 @@ class Forbidden(TangramError):
     code = FORBIDDEN
 
 
+class DiskFull(InfraError):
+    """The disk holding the daemon's state dir (its records, the coordinator's database)
+    is full: the change could not be kept, so it was not made. The message names the
+    filesystem and the path; retry once space is freed there. An ``InfraError`` too."""
+
+    code = DISK_FULL
+
+
 ERROR_CLASSES: Final[dict[str, type[TangramError]]] = {
     BAD_REQUEST: BadRequest,
     UNKNOWN_OP: UnknownOp,
@@ -125,6 +135,7 @@ ERROR_CLASSES: Final[dict[str, type[TangramError]]] = {
     SHUTTING_DOWN: ShuttingDown,
     ENV_LOST: EnvLost,
     FORBIDDEN: Forbidden,
+    DISK_FULL: DiskFull,
 }
 
 

@@ -44,6 +44,7 @@ from tangramd.cluster.link import Link, LinkClosed, split_host_port
 from tangramd.cluster.pki import CoordinatorPki
 from tangramd.cluster.registry import NodeRecord, NodeRegistry, Refused
 from tangramd.cluster.store import Store, StoreEnvRecords
+from tangramd.diskfull import is_disk_full
 from tangramd.executor import Executor, OpHandlers
 from tangramd.lifecycle import loop_name
 from tangramd.run.local import owner_of
@@ -110,6 +111,7 @@ class CoordinatorExecutor(Executor):
         self.pki = pki
         self.store = store
         self.registry = NodeRegistry(self.store)
+        self.registry.unsaved = lambda what, exc: self.disk.failed(what, exc, self.db_path)
         self.max_frame = int(server_options.get("max_frame", 16 << 20))
         self._link_server: asyncio.base_events.Server | None = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -215,9 +217,18 @@ class CoordinatorExecutor(Executor):
             out.append(row)
         return out
 
+    @property
+    def db_path(self) -> str:
+        return str(self.store.path)
+
     def join_info(self, rotate: bool) -> dict[str, Any]:
         if rotate:
-            self.registry.rotate()
+            try:
+                self.registry.rotate()
+            except Exception as exc:
+                if not is_disk_full(exc):
+                    raise
+                raise self.disk.failed("the new join token", exc, self.db_path) from None
             log.info("join_token_rotated")
         host = self.listen[0]
         if host in ("", "0.0.0.0", "::"):
@@ -233,9 +244,15 @@ class CoordinatorExecutor(Executor):
         """``node.forget``: the name's credential is dropped (a token may join it again);
         a node connected under it is declared lost first."""
         rec = self.registry.nodes.get(name)
+        try:
+            forgotten = self.registry.forget(name)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            raise self.disk.failed(f"forgetting node {name}", exc, self.db_path) from None
         if rec is not None and not rec.lost:
             self._lose(rec, "forgotten by an operator")
-        return {"name": name, "forgotten": self.registry.forget(name)}
+        return {"name": name, "forgotten": forgotten}
 
     def _suspect(self, node: str, why: str) -> None:
         """A node missed a request's deadline: it is drained (no new trajectories go
@@ -295,7 +312,8 @@ class CoordinatorExecutor(Executor):
         try:
             rec = await self._join(link)
         except Refused as exc:
-            log.warning("node_refused", peer=link.peer, reason=str(exc))
+            if not (exc.retry and self.disk.full):  # (else disk_full says it, once a minute)
+                log.warning("node_refused", peer=link.peer, reason=str(exc))
             link.send(make_message("refused", reason=str(exc), retry=exc.retry))
             await _drain_quietly(link)
             await link.wait_closed()
@@ -333,9 +351,15 @@ class CoordinatorExecutor(Executor):
         name, cores, mem, backend = _parse_hello(hello)
         _check_claim(self.cluster, cores, mem)
         gpus = _parse_gpus(hello.get("gpus"))
-        credential = self.registry.authenticate(
-            name, _opt_str(hello, "token"), _opt_str(hello, "credential")
-        )
+        try:
+            credential = self.registry.authenticate(
+                name, _opt_str(hello, "token"), _opt_str(hello, "credential")
+            )
+        except Exception as exc:  # its credential could not be kept: it tries again later
+            if not is_disk_full(exc):
+                raise
+            error = self.disk.failed(f"node {name}'s credential", exc, self.db_path)
+            raise Refused(error.message, retry=True) from None
         rec, was_lost = self.registry.attach(name, link, cores, mem, self.clock())
         rec.backend, rec.gpus, rec.restored = backend, gpus, False
         rec.input_addr, rec.input_pin = _input_port(hello)
@@ -410,6 +434,10 @@ class CoordinatorExecutor(Executor):
             handler(self, rec, link, msg)
         except (KeyError, TypeError, ValueError, TangramError) as exc:
             log.warning("node_message_bad", node=rec.name, kind=str(kind)[:40], error=str(exc))
+        except Exception as exc:  # a full disk under the store never ends the link
+            if not is_disk_full(exc):
+                raise
+            self.disk.failed(f"what node {rec.name}'s {str(kind)[:40]} changed", exc, self.db_path)
 
     def _on_hb(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         link.send(make_message("hb"))

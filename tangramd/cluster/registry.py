@@ -16,11 +16,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from tangramd.cluster.link import Link
 from tangramd.cluster.store import Store
+from tangramd.diskfull import is_disk_full
 
 NODE_STATES = ("ready", "draining", "lost")
 
@@ -65,6 +67,8 @@ class NodeRegistry:
         self.store = store
         self.nodes: dict[str, NodeRecord] = {}
         self._credentials: dict[str, str] = {}  # name -> sha256 hex of its credential
+        # told what a full disk kept out of the store when that is not worth a refusal
+        self.unsaved: Callable[[str, BaseException], object] = lambda what, exc: None
         for known in store.nodes():
             self.nodes[known.name] = NodeRecord(
                 known.name, cores_by_numa=known.cores_by_numa, mem_bytes=known.mem_bytes
@@ -79,8 +83,9 @@ class NodeRegistry:
     # ------------------------------------------------------------------ secrets
     def rotate(self) -> str:
         """A new join token; the old one stops working, joined nodes keep their credentials."""
-        self.token = _new_token()
-        self.store.set_meta("join_token", self.token)
+        token = _new_token()
+        self.store.set_meta("join_token", token)  # (a full disk: the old one stays)
+        self.token = token
         return self.token
 
     def authenticate(self, name: str, token: str | None, credential: str | None) -> str | None:
@@ -103,16 +108,17 @@ class NodeRegistry:
                 f"`tangramctl node forget {name}` first"
             )
         issued = secrets.token_urlsafe(32)
+        self.store.set_credential(name, _digest(issued))  # kept before it is handed out
         self._credentials[name] = _digest(issued)
-        self.store.set_credential(name, self._credentials[name])
         return issued
 
     def forget(self, name: str) -> bool:
         """``node.forget``: drop a name's credential, so that a token may join it afresh
         (the host was reinstalled); whether it had one."""
-        known = self._credentials.pop(name, None) is not None
+        known = name in self._credentials
         if known:
             self.store.set_credential(name, None)
+            del self._credentials[name]
         return known
 
     # ------------------------------------------------------------------ links
@@ -134,7 +140,12 @@ class NodeRegistry:
         was_lost = rec.lost
         if was_lost:
             rec.cores_by_numa, rec.mem_bytes = cores_by_numa, mem_bytes
-            self.store.set_capacity(name, cores_by_numa, mem_bytes)
+            try:  # only what a restarted coordinator shows until the node is back
+                self.store.set_capacity(name, cores_by_numa, mem_bytes)
+            except Exception as exc:
+                if not is_disk_full(exc):
+                    raise
+                self.unsaved(f"node {name}'s capacity", exc)
         rec.lost = False
         rec.last_seen = now
         return rec, was_lost

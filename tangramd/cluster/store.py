@@ -10,11 +10,12 @@ config file.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sqlite3
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,19 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """The statements inside commit together or not at all (a full disk, "database or
+        disk is full", rolls them back and raises)."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self.db.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                self.db.execute("ROLLBACK")
+            raise
 
     # ------------------------------------------------------------------ meta
     def get_meta(self, key: str) -> str | None:
@@ -129,11 +143,27 @@ class StoreEnvRecords:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        # changes a full disk refused, newest per id: written with the next change
+        self._behind: dict[str, Mapping[str, Any] | None] = {}
+
+    @property
+    def where(self) -> str:
+        return str(self.store.path)
 
     def load(self) -> dict[str, dict[str, Any]]:
         return {e.id: dataclasses.asdict(e) for e in self.store.envs()}
 
     def put(self, key: str, record: Mapping[str, Any] | None) -> None:
+        """One change, in one transaction with those a full disk refused before; when it
+        fails (SQLite's "database or disk is full") none is written and all are kept."""
+        self._behind.pop(key, None)
+        self._behind[key] = record
+        with self.store.transaction():
+            for k, r in self._behind.items():
+                self._write(k, r)
+        self._behind.clear()
+
+    def _write(self, key: str, record: Mapping[str, Any] | None) -> None:
         if record is None:
             self.store.drop_envs([key])
             return
@@ -150,6 +180,8 @@ class StoreEnvRecords:
 
     def replace(self, records: Iterable[Mapping[str, Any]]) -> None:
         rows = list(records)
-        self.store.drop_envs([e.id for e in self.store.envs()])
-        for record in rows:
-            self.put(str(record["id"]), record)
+        with self.store.transaction():
+            self.store.drop_envs([e.id for e in self.store.envs()])
+            for record in rows:
+                self._write(str(record["id"]), record)
+        self._behind.clear()
