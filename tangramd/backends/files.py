@@ -2,14 +2,17 @@
 
 ``env.put`` writes ``data`` at a path inside the environment (a file, or, with ``tar``, the
 members of a tar stream extracted into a directory); ``env.get`` reads a file, or a
-directory as a tar stream of its contents (member names relative to it). Every path is
-confined to the environment: no ``..`` part, and a symlink that points out of it is
-refused rather than followed (``base.confine``). Tar members are extracted with the
-``data`` filter (no absolute names, no links out, no devices), and the result never
-exceeds ``max_bytes``.
+directory as a tar stream of its contents (member names relative to it). Tar members are
+extracted with the ``data`` filter (no absolute names, no links out, no devices), after
+the stream's declared sizes are checked (``nsfiles.check_tar``), and a get never exceeds
+``max_bytes``.
 
-The process backend uses :func:`put_local` / :func:`get_local` on the environment's
-directory; the Docker backend ships the same tar streams through the engine's archive API
+The process backend does them where no race reaches outside the environment
+(``nsfiles.py``): for an isolated environment, in a file helper inside it, as its user
+(:func:`put_by_helper` / :func:`get_by_helper`; paths are the environment's own, ``/tmp``
+and ``/testbed`` included); otherwise with :func:`put_local` / :func:`get_local`, walking
+from the environment's directory with ``openat2(RESOLVE_BENEATH)`` (no ``..``, no symlink
+out). The Docker backend ships the same tar streams through the engine's archive API
 and uses :func:`single_file_tar` / :func:`strip_top_dir` to speak them.
 
 :func:`exec_with_files` runs an exec action whose spec carries ``files`` and ``fetch``
@@ -29,86 +32,43 @@ import stat
 import tarfile
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import Any
+from typing import Any, NoReturn
 
 from tangram.protocol.results import MAX_FILES_BYTES, ExecResult
-from tangram.tarsafe import extract_member
-from tangramd.backends.base import Backend, ExecRequest, PathEscape, confine_real, infra_error
+from tangramd.backends import nsfiles
+from tangramd.backends.base import Backend, ExecRequest, PathEscape, infra_error
+from tangramd.backends.nsfiles import NotAFile, TooLarge
+
+__all__ = ["NotAFile", "TooLarge"]
 
 
-class TooLarge(ValueError):
-    """What would be transferred is over the size cap."""
-
-
-class NotAFile(ValueError):
-    """What was asked for is neither a regular file nor a directory (a FIFO, a socket)."""
-
-
-def _make_dirs(base: str, path: str, owner: tuple[int, int] | None) -> None:
-    """``os.makedirs(path)`` below ``base``; those it creates belong to ``owner`` (the
-    environment's user must be able to enter what a put made for it)."""
-    missing = []
-    here = path
-    while here != base and here.startswith(base) and not os.path.lexists(here):
-        missing.append(here)
-        here = os.path.dirname(here)
-    os.makedirs(path, exist_ok=True)
-    if owner is not None:
-        for made in missing:
-            os.lchown(made, *owner)
+def _escape(e: nsfiles.Escape) -> PathEscape:
+    return PathEscape(str(e))
 
 
 def put_local(
     base: str, path: str, data: bytes, *, tar: bool, owner: tuple[int, int] | None
 ) -> int:
-    """Write ``data`` at ``path`` inside the directory ``base`` (a real path: see
-    ``base.confine_real``); return the bytes written."""
-    target = confine_real(base, path)
-    if tar:
-        _make_dirs(base, target, owner)
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
-            for member in archive.getmembers():
-                confine_real(target, member.name)  # a link written earlier may point out
-                extract_member(archive, member, target)
-        if owner is not None:
-            for dirpath, dirnames, filenames in os.walk(target):
-                for name in [*dirnames, *filenames]:
-                    os.lchown(os.path.join(dirpath, name), *owner)
-        return len(data)
-    if target == base:
-        raise IsADirectoryError(f"{path}: is a directory (send a tar stream)")
-    parent = os.path.dirname(target)
-    if parent != base:  # a file in a subdirectory: create the parents, check they stay inside
-        _make_dirs(base, parent, owner)
-        confine_real(base, parent)
+    """Write ``data`` at ``path`` inside the directory ``base`` (a real path), walking from
+    it with ``openat2`` (``nsfiles.Walk``); what it makes belongs to ``owner`` (None: the
+    caller). Return the bytes written."""
+    walk = nsfiles.Walk(base, beneath=True)
     try:
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    except IsADirectoryError:
-        raise IsADirectoryError(f"{path}: is a directory (send a tar stream)") from None
-    try:
-        if owner is not None:
-            os.fchown(fd, *owner)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-    return len(data)
+        if tar:
+            return nsfiles.put_tar(walk, path, data, owner=owner, dir_mode=0o700)
+        return nsfiles.put_file(walk, path, (data,), owner=owner, file_mode=0o600, dir_mode=0o700)
+    except nsfiles.Escape as e:
+        raise _escape(e) from None
 
 
 def get_local(base: str, path: str, *, max_bytes: int) -> tuple[bytes, bool]:
     """Read ``path`` inside the directory ``base`` (a real path): ``(bytes, False)`` for a
     file, ``(tar, True)`` for a directory. Raise FileNotFoundError, PathEscape, TooLarge or
     NotAFile (a FIFO, a socket, a device)."""
-    target = confine_real(base, path)
-    fd = _open_read(target, path)
     try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            return _tar_dir(target, path, max_bytes=max_bytes), True
-        return _read_file(fd, path, st, max_bytes), False
-    finally:
-        os.close(fd)
+        return nsfiles.get(nsfiles.Walk(base, beneath=True), path, max_bytes=max_bytes)
+    except nsfiles.Escape as e:
+        raise _escape(e) from None
 
 
 def get_small(base: str, path: str, *, max_bytes: int, limit: int) -> tuple[bytes, bool] | None:
@@ -116,13 +76,14 @@ def get_small(base: str, path: str, *, max_bytes: int, limit: int) -> tuple[byte
     a thread would cost more than the read); None for anything else (a directory, a larger
     file), which the caller reads with :func:`get_local`. Never blocks: a FIFO is opened
     non-blocking and refused."""
-    target = confine_real(base, path)
-    fd = _open_read(target, path)
     try:
-        st = os.fstat(fd)
+        fd, st = nsfiles.open_for_get(nsfiles.Walk(base, beneath=True), path)
+    except nsfiles.Escape as e:
+        raise _escape(e) from None
+    try:
         if stat.S_ISDIR(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_size > limit):
             return None
-        data = _read_file(fd, path, st, min(max_bytes, limit))
+        data = nsfiles.read_file(fd, path, st, min(max_bytes, limit))
     except TooLarge:
         if limit >= max_bytes:
             raise
@@ -132,45 +93,64 @@ def get_small(base: str, path: str, *, max_bytes: int, limit: int) -> tuple[byte
     return data, False
 
 
-def _open_read(target: str, path: str) -> int:
-    try:  # non-blocking: opening a FIFO must not wait for a writer
-        return os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:
-        if e.errno == errno.ELOOP:  # the last part is a symlink (replaced since confine)
-            raise PathEscape(f"{path!r} is a symlink") from None
-        raise
+def _raise_for(head: dict[str, Any]) -> NoReturn:
+    """A file helper's error reply as the exception the same failure raises here."""
+    kind, message = head.get("error"), str(head.get("message", ""))
+    if kind == "too_large":
+        raise TooLarge(message)
+    if kind == "not_a_file":
+        raise NotAFile(message)
+    if kind == "escape":
+        raise PathEscape(message)
+    if kind == "tar":
+        raise tarfile.TarError(message)
+    if kind == "os" and head.get("errno") in (errno.EACCES, errno.EPERM, errno.EROFS):
+        raise Denied(f"{message} (as the environment's user)")
+    if kind == "os":  # (OSError picks the subclass: FileNotFoundError for ENOENT, …)
+        raise OSError(int(head.get("errno") or errno.EIO), message)
+    raise OSError(errno.EIO, message)
 
 
-def _read_file(fd: int, path: str, st: os.stat_result, max_bytes: int) -> bytes:
-    if not stat.S_ISREG(st.st_mode):
-        raise NotAFile(f"{path}: not a regular file or directory")
-    chunks: list[bytes] = []
-    size = 0
-    while True:  # up to max_bytes + 1 (the file may grow while it is read)
-        chunk = os.read(fd, max_bytes + 1 - size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > max_bytes:
-            raise TooLarge(f"{path}: more than {max_bytes} bytes")
-    return b"".join(chunks)
+class Denied(PathEscape):
+    """The environment's user may not do that there (a host file only root may read, a
+    read-only directory): the caller's mistake, as a path out of it is."""
 
 
-def _tar_dir(target: str, path: str, *, max_bytes: int) -> bytes:
-    total = 0
-    for dirpath, _dirs, names in os.walk(target):
-        for name in names:
-            total += os.lstat(os.path.join(dirpath, name)).st_size
-            if total > max_bytes:
-                raise TooLarge(f"{path}: more than {max_bytes} bytes")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as archive:
-        for name in sorted(os.listdir(target)):
-            archive.add(os.path.join(target, name), arcname=name)  # symlinks stored as links
-    if buf.tell() > max_bytes:
-        raise TooLarge(f"{path}: more than {max_bytes} bytes as a tar stream")
-    return buf.getvalue()
+class HelperLost(Exception):
+    """The file helper could not enter the environment: its keeper is gone (ESRCH)."""
+
+
+async def put_by_helper(
+    spawner: Any, request: dict[str, Any], path: str, data: bytes, *, tar: bool
+) -> int:
+    """``put`` done by a file helper (``nsfiles.serve``): ``request`` says where (its
+    ``sandbox`` or ``user``, ``cwd``)."""
+    req = {**request, "do": "put", "path": path, "tar": tar, "size": len(data)}
+    try:
+        head, _ = await nsfiles.call(spawner, req, data)
+    except nsfiles.HelperError as e:
+        _lost_or_raise(e.head)
+    return int(head.get("size", len(data)))
+
+
+async def get_by_helper(
+    spawner: Any, request: dict[str, Any], path: str, *, max_bytes: int
+) -> tuple[bytes, bool]:
+    """``get`` done by a file helper (see :func:`put_by_helper`)."""
+    req = {**request, "do": "get", "path": path, "max_bytes": max_bytes}
+    try:
+        head, body = await nsfiles.call(spawner, req, max_reply=max_bytes)
+    except nsfiles.HelperError as e:
+        _lost_or_raise(e.head)
+    if len(body) != head.get("size"):
+        raise OSError(errno.EIO, "the file helper's answer was cut short")
+    return body, bool(head.get("tar"))
+
+
+def _lost_or_raise(head: dict[str, Any]) -> NoReturn:
+    if head.get("stage") == "enter" and head.get("errno") == errno.ESRCH:
+        raise HelperLost(head.get("message", ""))
+    _raise_for(head)
 
 
 def single_file_tar(name: str, data: bytes, mode: int = 0o644) -> bytes:

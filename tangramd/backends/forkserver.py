@@ -117,16 +117,21 @@ def _load_native() -> Any:
 
 
 @functools.cache
-def _load_nsbox() -> Any:
-    """``nsbox.py`` (environments in namespaces), loaded by file like the lodger loop."""
+def _load_module(name: str) -> Any:
+    """A module of this directory (stdlib only), loaded by file like the lodger loop."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nsbox.py")
-    spec = importlib.util.spec_from_file_location("_tangram_nsbox", path)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_tangram_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _load_nsbox() -> Any:
+    """``nsbox.py`` (environments in namespaces)."""
+    return _load_module("nsbox")
 
 
 def _has_pidfd() -> bool:
@@ -290,6 +295,14 @@ class _Helper:
         if op == "keeper":
             self._send(self._keeper(msg))
             return True
+        if op == "files":
+            try:
+                reply = self._files(msg, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            self._send(reply)
+            return True
         try:
             reply = self._join(msg) if op == "join" else self._spawn(msg, fds)
         finally:
@@ -391,6 +404,29 @@ class _Helper:
             return {"id": msg["id"], "error": f"cannot build the environment: {e.strerror or e}"}
         self._watch(pid, None)
         return {"id": msg["id"], "pid": pid}
+
+    def _files(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        """Fork a file helper (``nsfiles.serve``) for one put or get: it enters the
+        environment (or becomes its user) and talks to the daemon on the socket passed."""
+        rid = msg["id"]
+        if len(fds) != 1:
+            return {"id": rid, "error": "descriptors lost in transit"}
+        nsfiles = _load_module("nsfiles")
+        nsbox = _load_nsbox() if msg.get("sandbox") else None
+        try:
+            pid = os.fork()
+        except OSError as e:
+            return {"id": rid, "errno": e.errno or 0, "error": f"cannot fork a file helper: {e}"}
+        if pid == 0:  # never back into the fork server's loop
+            code = 0
+            try:
+                nsfiles.serve(msg, fds[0], nsbox)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        self._watch(pid, None)
+        return {"id": rid, "pid": pid}
 
     def _home(self, home: str | None) -> dict[str, Any]:
         """Back to our own cgroup, affinity and score; ``fatal`` if that fails."""

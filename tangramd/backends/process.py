@@ -1069,22 +1069,63 @@ class ProcessBackend:
         return os.path.join(self._real_envs_path, env_id)
 
     async def put(self, env_id: str, path: str, data: bytes, *, tar: bool = False) -> int:
-        """Write a file (or extract a tar stream into a directory) inside the environment."""
+        """Write a file (or extract a tar stream into a directory) inside the environment:
+        isolated, by a file helper inside it as its user, at its own paths (``nsfiles``);
+        otherwise beneath its directory (a tar stream extracted as its user)."""
         base = self._env_base(env_id)
-        owner = self._owners.get(env_id) if self._is_root else None
-        if self.boxes is not None:  # root inside is the environment's host uid
-            owner = self.boxes.ids.get(env_id, owner)
+        if self.boxes is not None:
+            return int(await self._inside(env_id, files.put_by_helper, path, data, tar=tar))
+        owner = self._file_owner(env_id)
+        if tar and owner is not None:
+            request = {"user": owner, "cwd": base, "oom_score_adj": self.oom_score_adj}
+            return await files.put_by_helper(self._spawner, request, path, data, tar=True)
         if not tar and len(data) <= INLINE_PUT_MAX:  # a source file: a thread hop costs more
             return files.put_local(base, path, data, tar=False, owner=owner)
         return await asyncio.to_thread(files.put_local, base, path, data, tar=tar, owner=owner)
 
     async def get(self, env_id: str, path: str, *, max_bytes: int) -> tuple[bytes, bool]:
-        """A file's bytes, or a directory as a tar stream: ``(data, is_tar)``."""
+        """A file's bytes, or a directory as a tar stream: ``(data, is_tar)`` (where
+        :meth:`put` writes)."""
         base = self._env_base(env_id)
+        if self.boxes is not None:
+            got = await self._inside(env_id, files.get_by_helper, path, max_bytes=max_bytes)
+            return got  # type: ignore[no-any-return]
         got = files.get_small(base, path, max_bytes=max_bytes, limit=INLINE_GET_MAX)
         if got is not None:  # a small file, read at once: a thread hop costs more
             return got
+        owner = self._file_owner(env_id)
+        if owner is not None:  # (a directory's walk follows what it finds: as its user)
+            request = {"user": owner, "cwd": base, "oom_score_adj": self.oom_score_adj}
+            return await files.get_by_helper(self._spawner, request, path, max_bytes=max_bytes)
         return await asyncio.to_thread(files.get_local, base, path, max_bytes=max_bytes)
+
+    def _file_owner(self, env_id: str) -> tuple[int, int] | None:
+        """(Not isolated) whom a root daemon's file operations act for: the environment's
+        user, unless that is root (None: the daemon's own user)."""
+        owner = self._owners.get(env_id) if self._is_root else None
+        return None if owner is None or owner[0] == 0 else owner
+
+    async def _inside(self, env_id: str, op: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """(Isolated) ``op`` (``files.put_by_helper`` or ``get_by_helper``) inside the
+        environment, built again first when its keeper is gone."""
+        assert self.boxes is not None
+        loop = asyncio.get_running_loop()
+        for _ in range(2):
+            keeper = self.boxes.keeper(env_id, loop)
+            if keeper is None:
+                keeper = await self.boxes.open(env_id)
+            request = {
+                # (not in its cgroups: a v1 join waits milliseconds for an RCU grace
+                # period; what a helper holds is bounded by the transfer's own cap)
+                "sandbox": {"pid": keeper, "cgroups": []},
+                "cwd": os.path.join(self._real_envs_path, env_id),  # its home, inside too
+                "oom_score_adj": self.oom_score_adj,
+            }
+            try:
+                return await op(self._spawner, request, *args, **kw)
+            except files.HelperLost:
+                self.boxes.lost(env_id)
+        raise EnvError(f"environment {env_id}: its namespaces are gone")
 
     # --- shell sessions ---------------------------------------------------------------
 

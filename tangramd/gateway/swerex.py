@@ -49,6 +49,7 @@ from pydantic import BaseModel, Field
 from tangram.client import AsyncClient, ExecResult
 from tangram.model import TangramError
 from tangram.protocol.errors import BadRequest, NotFound
+from tangramd.backends.nsfiles import MAX_EXTRACT_BYTES, MAX_EXTRACT_MEMBERS
 from tangramd.gateway.callers import CALLER, caller_label
 
 EXC = "swerex.exceptions."
@@ -414,8 +415,9 @@ class Runtimes:
 
     async def upload(self, env: str, data: bytes, target: str, unzip: bool) -> dict[str, Any]:
         try:
-            if unzip:
-                await self.client.put(env, target, zip_to_tar(data), tar=True)
+            if unzip:  # (a zip inflates: off the loop, its declared sizes checked first)
+                tar = await asyncio.to_thread(zip_to_tar, data)
+                await self.client.put(env, target, tar, tar=True)
             else:
                 await self.client.put(env, target, data)
         except TangramError as exc:
@@ -495,19 +497,30 @@ async def _check_syntax(command: str) -> None:
     )
 
 
-def zip_to_tar(data: bytes) -> bytes:
-    """A zip archive's files and directories as a tar stream (what env.put extracts)."""
+def zip_to_tar(data: bytes, cap: int = MAX_EXTRACT_BYTES) -> bytes:
+    """A zip archive's files and directories as a gzip'd tar stream (what env.put
+    extracts). Refused before anything is inflated when the sizes its directory declares
+    come to more than ``cap`` bytes, or it has more than ``MAX_EXTRACT_MEMBERS`` entries
+    (a member never inflates past its declared size: ``zipfile`` stops there)."""
     out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(data)) as zf, tarfile.open(fileobj=out, mode="w") as tf:
-        for info in zf.infolist():
-            member = tarfile.TarInfo(info.filename.rstrip("/"))
-            if info.is_dir():
-                member.type, member.mode = tarfile.DIRTYPE, 0o755
-                tf.addfile(member)
-                continue
-            content = zf.read(info)
-            member.size, member.mode = len(content), 0o644
-            tf.addfile(member, io.BytesIO(content))
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        infos = zf.infolist()
+        total = sum(info.file_size for info in infos)
+        if total > cap or len(infos) > MAX_EXTRACT_MEMBERS:
+            raise ValueError(
+                f"the zip archive unpacks to {total} bytes in {len(infos)} entries "
+                f"(at most {cap} bytes and {MAX_EXTRACT_MEMBERS} entries)"
+            )
+        with tarfile.open(fileobj=out, mode="w:gz", compresslevel=1) as tf:
+            for info in infos:
+                member = tarfile.TarInfo(info.filename.rstrip("/"))
+                if info.is_dir():
+                    member.type, member.mode = tarfile.DIRTYPE, 0o755
+                    tf.addfile(member)
+                    continue
+                with zf.open(info) as src:
+                    member.size, member.mode = info.file_size, 0o644
+                    tf.addfile(member, src)
     return out.getvalue()
 
 
