@@ -1028,6 +1028,7 @@ def service_list(ctl: Ctl, as_json: bool) -> None:
             {
                 **{k: row.get(k) for k in ("name", "runtime", "mem_gb", "gpus", "calls")},
                 "warm": f"{row.get('warm', 0)}/{row.get('min_resident', 0)}",
+                "batched": f"{row.get('batched_calls', 0)}/{row.get('batches', 0)}",
                 "restores": row.get("restores"),
                 "restore_s": round(row.get("restore_s_total") or 0.0, 3),
                 "replicas": " ".join(

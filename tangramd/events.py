@@ -276,6 +276,7 @@ class CallFinished(Event):
     exec_s: float = 0.0
     restore_s: float = 0.0
     h2d_bytes_per_s: float | None = None
+    batch: int = 1  # calls in the forward pass it ran in
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,6 +471,10 @@ class RunCall(Command):
     evicted: tuple[Eviction, ...]  # the copies to drop first, with local GPU ids
     payload: Mapping[str, Any]
     timeout_s: float
+    # dynamic batching: more calls (action id, payload) merged into the same forward pass
+    # on the same replica; each ends with its own ``CallFinished`` (riders before the
+    # call that holds the GPUs)
+    riders: tuple[tuple[str, Mapping[str, Any]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

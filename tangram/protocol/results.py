@@ -151,6 +151,16 @@ def _ints(result: Mapping[str, Any], key: str, what: str) -> tuple[int, ...]:
     return tuple(items)
 
 
+def _batch(result: Mapping[str, Any]) -> int:
+    """``batch`` of a call result: an int >= 1 (missing: 1, a daemon that does not batch)."""
+    value = result.get("batch", 1)
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MalformedResponse("call result: batch must be an int >= 1")
+    return value
+
+
 def _seconds(result: Mapping[str, Any], key: str) -> float:
     value = result.get(key, 0.0)
     if value is None:
@@ -287,8 +297,10 @@ class CallResult:
 
     ``queue_s`` is submission to placement, ``restore_s`` the time to make the service
     resident on ``gpus`` (0.0 when it already was), ``exec_s`` the handler's own run time and
-    ``act_s`` submission to completion. ``result`` is the handler's answer (``ok``);
-    ``error`` says why it is not (the handler's message for ``failed``).
+    ``act_s`` submission to completion. ``batch`` is the number of calls in the forward pass
+    this one ran in (1: alone; dynamic batching merges concurrent calls to one replica).
+    ``result`` is the handler's answer (``ok``); ``error`` says why it is not (the handler's
+    message for ``failed``).
     """
 
     outcome: Outcome
@@ -301,6 +313,7 @@ class CallResult:
     gpus: tuple[int, ...] = ()
     node: str | None = None
     action_id: str = ""
+    batch: int = 1
 
     @property
     def ok(self) -> bool:
@@ -327,6 +340,7 @@ class CallResult:
             gpus=gpus,
             node=None if node is None else str(node),
             action_id=str(result.get("action_id") or ""),
+            batch=_batch(result),
         )
 
     def to_wire(self) -> dict[str, Any]:

@@ -344,10 +344,14 @@ class LocalEffects:
         )
 
     async def _run_call(self, cmd: ev.RunCall) -> None:
-        """Evict, restore, call: ``ServiceHost.call`` never raises for run-time problems;
-        a service removed meanwhile is ``rejected``, anything else an ``infra_error``."""
+        """Evict, restore, call (with its riders, as one batch): ``ServiceHost.call_batch``
+        never raises for run-time problems; a service removed meanwhile is ``rejected``,
+        anything else an ``infra_error``. Each call of the batch is reported on its own,
+        the riders first (the call that holds the GPUs releases them last)."""
         host = self.services
-        restore_s, rate, answer = 0.0, None, None
+        calls = [(cmd.action_id, cmd.payload), *cmd.riders]
+        restore_s, rate = 0.0, None
+        ended: list[tuple[str, dict[str, Any] | None, str | None, float]]
         try:
             if host is None:  # pragma: no cover - the core places calls only with GPUs
                 raise RuntimeError("no GPU service host")
@@ -356,39 +360,47 @@ class LocalEffects:
             real = not all(host.inventory.gpu(g).simulated for g in cmd.gpus)
             if restored.needed and real and restored.nbytes and restored.copy_s > 0:
                 rate = restored.nbytes / restored.copy_s
-            res = await host.call(cmd.service, cmd.gpus, dict(cmd.payload), cmd.timeout_s)
-            outcome, answer, error = res.outcome, res.result, res.error
-            exec_s, restore_s = res.exec_s, restore_s + res.restore_s
-            if outcome == "ok" and (too_big := self._oversized(answer)) is not None:
-                outcome, answer, error = "failed", None, too_big
+            payloads = [dict(payload) for _, payload in calls]
+            results = await host.call_batch(cmd.service, cmd.gpus, payloads, cmd.timeout_s)
+            restore_s += results[0].restore_s
+            ended = []
+            for res in results:
+                outcome, answer, error = res.outcome, res.result, res.error
+                if outcome == "ok" and (too_big := self._oversized(answer)) is not None:
+                    outcome, answer, error = "failed", None, too_big
+                ended.append((outcome, answer, error, res.exec_s))
         except ServiceNotFound:
-            outcome, error, exec_s = "rejected", f"service {cmd.service!r} was removed", 0.0
+            ended = [("rejected", None, f"service {cmd.service!r} was removed", 0.0)] * len(calls)
         except Exception as exc:
             log.exception("call_failed", action_id=cmd.action_id, service=cmd.service)
-            outcome, error, exec_s = "infra_error", f"{type(exc).__name__}: {exc}", 0.0
-        log.info(
-            "action_finished",
-            action_id=cmd.action_id,
-            node=cmd.node,
-            service=cmd.service,
-            gpus=list(cmd.gpus),
-            outcome=outcome,
-            restore_s=round(restore_s, 6),
-            exec_s=round(exec_s, 6),
-            error=error,
-            cause=cmd.cause,
-        )
-        self._report(
-            ev.CallFinished(
-                action_id=cmd.action_id,
+            ended = [("infra_error", None, f"{type(exc).__name__}: {exc}", 0.0)] * len(calls)
+        finished = list(zip(calls, ended, strict=True))
+        for (action_id, _), (outcome, answer, error, exec_s) in [*finished[1:], finished[0]]:
+            log.info(
+                "action_finished",
+                action_id=action_id,
+                node=cmd.node,
+                service=cmd.service,
+                gpus=list(cmd.gpus),
                 outcome=outcome,
-                result=answer,
+                restore_s=round(restore_s, 6),
+                exec_s=round(exec_s, 6),
+                batch=len(calls),
                 error=error,
-                exec_s=exec_s,
-                restore_s=restore_s,
-                h2d_bytes_per_s=rate,
+                cause=cmd.cause,
             )
-        )
+            self._report(
+                ev.CallFinished(
+                    action_id=action_id,
+                    outcome=outcome,
+                    result=answer,
+                    error=error,
+                    exec_s=exec_s,
+                    restore_s=restore_s,
+                    h2d_bytes_per_s=rate if action_id == cmd.action_id else None,
+                    batch=len(calls),
+                )
+            )
 
     def _oversized(self, answer: Any) -> str | None:
         """Why a handler's answer cannot reach its caller (it is larger than a response may

@@ -83,6 +83,7 @@ class HostResult(NamedTuple):
     error: str | None
     exec_s: float
     restore_s: float = 0.0
+    batch: int = 1  # calls in the forward pass it ran in
 
 
 @dataclass(eq=False)
@@ -103,6 +104,8 @@ class Hosted:
     spec: ServiceSpec
     slots: list[Slot] = field(default_factory=list)
     calls: int = 0
+    batches: int = 0  # forward passes that merged two calls or more
+    batched_calls: int = 0  # the calls that ran in those
     restores: int = 0
     restore_s_total: float = 0.0
     restore_bytes: int = 0
@@ -287,21 +290,36 @@ class ServiceHost:
     async def call(
         self, name: str, gpus: Sequence[int], payload: dict[str, Any], timeout: float
     ) -> HostResult:
-        """One call on the replica at ``gpus``, restoring it first if it is not resident.
+        """One call on the replica at ``gpus`` (see :meth:`call_batch`)."""
+        (result,) = await self.call_batch(name, gpus, [payload], timeout)
+        return result
 
-        Never raises for what happens at run time: a handler rejection is ``failed``, a
-        crash or a failed (re)load ``infra_error``, a call on a service being removed
-        ``rejected``. Unknown services (``ServiceNotFound``) and decisions that would
-        oversubscribe a GPU (``Oversubscribed``) are the caller's bugs and do raise.
-        ``timeout`` bounds the handler (``exec_s``); a restore is bounded by
-        ``restore_timeout_s`` and one that overruns it is an ``infra_error``.
+    async def call_batch(
+        self, name: str, gpus: Sequence[int], payloads: Sequence[dict[str, Any]], timeout: float
+    ) -> list[HostResult]:
+        """Calls on the replica at ``gpus`` as one forward pass (torch: ``handle_batch``,
+        one payload: ``handle``; http: sent to the server at once), restoring it first if
+        it is not resident. One result per payload, in order, each with ``batch`` =
+        ``len(payloads)``.
+
+        Never raises for what happens at run time: a handler rejection is ``failed`` (a
+        ``handle_batch`` that raises fails every call of its batch), a crash or a failed
+        (re)load ``infra_error``, a call on a service being removed ``rejected``. Unknown
+        services (``ServiceNotFound``) and decisions that would oversubscribe a GPU
+        (``Oversubscribed``) are the caller's bugs and do raise. ``timeout`` bounds the
+        handler (``exec_s``); a restore is bounded by ``restore_timeout_s`` and one that
+        overruns it is an ``infra_error``.
         """
         hosted = self._hosted(name)
         slot = self._claim(hosted, self._chunk(hosted.spec, gpus))
-        restore_s = 0.0
+        restore_s, n = 0.0, len(payloads)
+
+        def ended(outcome: str, error: str) -> list[HostResult]:
+            return [self._ended(hosted, outcome, error, restore_s, n) for _ in range(n)]
+
         async with slot.lock:
             if hosted.removed:  # queued behind the lock while the service was removed
-                return self._ended(hosted, "rejected", "", 0.0)
+                return ended("rejected", "")
             try:
                 restored = await asyncio.wait_for(
                     self._make_resident(hosted, slot), self.restore_timeout_s
@@ -310,23 +328,29 @@ class ServiceHost:
             except TimeoutError:
                 error = f"restore took longer than {self.restore_timeout_s} s"
                 await self._fail(slot, error)
-                return self._ended(hosted, "infra_error", error, restore_s)
+                return ended("infra_error", error)
             except (ReplicaCrashed, ServiceLoadError) as exc:
                 await self._fail(slot, str(exc))
-                return self._ended(hosted, "infra_error", str(exc), restore_s)
+                return ended("infra_error", str(exc))
             try:
-                reply = await slot.replica.call(payload, timeout)
+                replies = await slot.replica.call_batch(list(payloads), timeout)
             except TimeoutError:
                 if not slot.replica.alive:  # torch: the stuck worker was stopped
                     await self._fail(slot, "a call timed out; the worker was stopped")
-                return self._ended(hosted, "timeout", f"no answer within {timeout} s", restore_s)
+                return ended("timeout", f"no answer within {timeout} s")
             except ReplicaCrashed as exc:
                 await self._fail(slot, str(exc))
-                return self._ended(hosted, "infra_error", str(exc), restore_s)
+                return ended("infra_error", str(exc))
         slot.last_used = time.monotonic()
-        hosted.calls += 1
-        outcome = "ok" if reply.ok else "failed"
-        return HostResult(outcome, reply.result, reply.error, reply.exec_s, restore_s)
+        hosted.calls += n
+        if n > 1:
+            hosted.batches += 1
+            hosted.batched_calls += n
+        outcomes = ["ok" if reply.ok else "failed" for reply in replies]
+        return [
+            HostResult(outcome, reply.result, reply.error, reply.exec_s, restore_s, n)
+            for outcome, reply in zip(outcomes, replies, strict=True)
+        ]
 
     # ------------------------------------------------------------------ reading
 
@@ -458,6 +482,16 @@ class ServiceHost:
             slot.state, slot.error = "failed", str(exc)
             hosted.load_error = str(exc)
             raise
+        if hosted.spec.max_batch > 1 and getattr(slot.replica, "batches", True) is False:
+            await slot.replica.close()
+            slot.state = "failed"
+            error = (
+                f"service {hosted.spec.name!r}: max_batch={hosted.spec.max_batch} needs "
+                "handle_batch(self, payloads: list[dict]) -> list[dict] on the module "
+                "(or max_batch = 1)"
+            )
+            slot.error = hosted.load_error = error
+            raise ServiceLoadError(error)
         hosted.loads += 1
         hosted.load_error = None
         nbytes = slot.replica.nbytes
@@ -505,12 +539,14 @@ class ServiceHost:
         slot.state, slot.error = "failed", error
         await slot.replica.close()
 
-    def _ended(self, hosted: Hosted, outcome: str, error: str, restore_s: float) -> HostResult:
+    def _ended(
+        self, hosted: Hosted, outcome: str, error: str, restore_s: float, batch: int = 1
+    ) -> HostResult:
         if hosted.removed:
             outcome, error = "rejected", f"service {hosted.spec.name!r} was removed"
         else:
             hosted.calls += 1
-        return HostResult(outcome, None, error, 0.0, restore_s)
+        return HostResult(outcome, None, error, 0.0, restore_s, batch)
 
     def _describe(self, hosted: Hosted) -> dict[str, Any]:
         spec = hosted.spec
@@ -542,6 +578,9 @@ class ServiceHost:
             "warm": sum(1 for slot in hosted.slots if slot.state == "resident" and slot.gpus),
             "replicas": replicas,
             "calls": hosted.calls,
+            "max_batch": spec.max_batch,
+            "batches": hosted.batches,
+            "batched_calls": hosted.batched_calls,
             "restores": hosted.restores,
             "restore_s_total": hosted.restore_s_total,
             "restore_bytes": hosted.restore_bytes,

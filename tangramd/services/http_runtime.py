@@ -198,9 +198,12 @@ class HttpReplica:
         return bool(status == 200 and json.loads(raw).get("is_sleeping"))
 
     async def call(self, payload: dict[str, Any], timeout: float) -> WorkerReply:
-        start = time.perf_counter()
         async with self._lock:
-            status, raw = await self._send("POST", self.spec.route, payload, timeout)
+            return await self._call(payload, timeout)
+
+    async def _call(self, payload: dict[str, Any], timeout: float) -> WorkerReply:
+        start = time.perf_counter()
+        status, raw = await self._send("POST", self.spec.route, payload, timeout)
         exec_s = time.perf_counter() - start
         try:
             data = json.loads(raw) if raw else {}
@@ -214,6 +217,13 @@ class HttpReplica:
         if 400 <= status < 500:
             return WorkerReply(False, None, message, exec_s)
         raise ReplicaCrashed(f"service {self.spec.name!r}: server answered {status}: {message}")
+
+    async def call_batch(self, payloads: list[dict[str, Any]], timeout: float) -> list[WorkerReply]:
+        """Several calls sent to the server at once (an engine that batches itself merges
+        them); each reply has its own ``exec_s``. ``ReplicaCrashed`` if any broke."""
+        async with self._lock:  # (no sleep or wake between them)
+            replies = await asyncio.gather(*(self._call(p, timeout) for p in payloads))
+        return list(replies)
 
     async def close(self) -> None:
         proc, self.proc = self.proc, None

@@ -71,6 +71,10 @@ class Replica(Protocol):
     async def call(self, payload: dict[str, Any], timeout: float) -> WorkerReply:
         """Run one call; ``TimeoutError`` after ``timeout`` s, ``ReplicaCrashed`` on a crash."""
 
+    async def call_batch(self, payloads: list[dict[str, Any]], timeout: float) -> list[WorkerReply]:
+        """Run several calls together (one forward pass, or concurrent requests to a server
+        that batches itself); one reply per payload, in order. Raises as ``call`` does."""
+
     async def close(self) -> None:
         """Stop the process (idempotent)."""
 

@@ -220,6 +220,7 @@ class TorchReplica:
         self._exited = asyncio.Event()
         self._nbytes: int | None = None
         self._lock = asyncio.Lock()
+        self.batches = False  # the module has handle_batch (from the worker's hello)
 
     @property
     def alive(self) -> bool:
@@ -259,6 +260,7 @@ class TorchReplica:
             await self._spawn(gpus)
         hello = await _hello(self, self._read(), self.load_timeout_s, self.spec, self.log_path)
         self._nbytes = int(hello["nbytes"])
+        self.batches = bool(hello.get("batch"))
 
     async def _spawn(self, gpus: tuple[Gpu, ...]) -> None:
         argv = [*_worker_argv(self.python, self.spec), "--device", device_of(gpus)]
@@ -320,6 +322,30 @@ class TorchReplica:
         if reply.get("ok"):
             return WorkerReply(True, reply["result"], None, exec_s)
         return WorkerReply(False, None, str(reply.get("error")), exec_s)
+
+    async def call_batch(self, payloads: list[dict[str, Any]], timeout: float) -> list[WorkerReply]:
+        """Several calls as one forward pass (``handle_batch``); one payload is a plain
+        ``call``. Each reply's ``exec_s`` is the pass's. On timeout the replica is killed."""
+        if len(payloads) == 1:
+            return [await self.call(payloads[0], timeout)]
+        start = time.perf_counter()
+        try:
+            reply = await asyncio.wait_for(
+                self._request({"op": "call_batch", "payloads": payloads}), timeout
+            )
+        except TimeoutError:
+            await self.close(grace_s=0.0)
+            raise
+        exec_s = float(reply.get("exec_s", time.perf_counter() - start))
+        results = reply.get("results")
+        if not isinstance(results, list) or len(results) != len(payloads):
+            raise ReplicaCrashed(f"service {self.spec.name!r}: worker answered a batch wrongly")
+        return [
+            WorkerReply(True, r.get("result"), None, exec_s)
+            if r.get("ok")
+            else WorkerReply(False, None, str(r.get("error")), exec_s)
+            for r in results
+        ]
 
     async def close(self, grace_s: float = 0.5) -> None:
         """End of stream first (an idle replica exits at once), then SIGKILL."""

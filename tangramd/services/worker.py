@@ -5,7 +5,9 @@
         [--device cpu|cuda:N]                 # pipe mode: one replica on stdin/stdout
         [--http-port PORT]                    # http mode: the vLLM/SGLang sleep/wake subset
 
-``FACTORY()`` returns a ``torch.nn.Module`` defining ``handle(self, payload: dict) -> dict``.
+``FACTORY()`` returns a ``torch.nn.Module`` defining ``handle(self, payload: dict) -> dict``
+and, for dynamic batching (``max_batch`` > 1), ``handle_batch(self, payloads: list[dict]) ->
+list[dict]``: one forward pass for several calls, answers in the payloads' order.
 The worker backs the module's tensors up in host memory once (pinned on CUDA) and then
 serves requests. ``ServiceHost`` runs one fork server per torch service, which makes the
 backup once (in shared memory) and forks a replica per request, so a second replica or a
@@ -65,6 +67,7 @@ class Served:
             "resident": self.weights.resident,
             "pid": os.getpid(),
             "calls": self.calls,
+            "batch": callable(getattr(self.module, "handle_batch", None)),
         }
 
     def restore(self, device: str | None = None) -> dict[str, Any]:
@@ -93,6 +96,43 @@ class Served:
         except Exception as exc:
             return False, f"{type(exc).__name__}: {exc}", time.perf_counter() - start
         return True, result, time.perf_counter() - start
+
+    def call_batch(self, payloads: Any) -> tuple[list[tuple[bool, Any]], float]:
+        """``handle_batch(payloads)`` as one forward pass: ``[(ok, result or error)]`` in the
+        payloads' order, and the pass's seconds. A ``handle_batch`` that raises, or answers
+        with anything but one map per payload, fails every call of the batch with its
+        message; an answer that cannot be sent fails its own call only."""
+        start = time.perf_counter()
+        n = len(payloads) if isinstance(payloads, list) else 0
+        self.calls += n
+        try:
+            if not n or not all(isinstance(p, dict) for p in payloads):
+                raise TypeError("payloads must be a non-empty list of maps")
+            with self.torch.inference_mode():
+                answers = self.module.handle_batch(list(payloads))
+            if not isinstance(answers, (list, tuple)) or len(answers) != n:
+                got = len(answers) if isinstance(answers, (list, tuple)) else None
+                raise TypeError(
+                    f"handle_batch() returned {type(answers).__name__}"
+                    + (f" of {got} answers" if got is not None else "")
+                    + f", not a list of {n} answers"
+                )
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            return [(False, error)] * n, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        out: list[tuple[bool, Any]] = []
+        for answer in answers:
+            if not isinstance(answer, dict):
+                out.append((False, f"TypeError: handle_batch() answered a {type(answer).__name__}"))
+                continue
+            try:
+                wire.encode({"result": answer})
+            except Exception as exc:
+                out.append((False, f"{type(exc).__name__}: {exc}"))
+                continue
+            out.append((True, answer))
+        return out, seconds
 
 
 def build(name: str, entry: str, path: str | None) -> Any:
@@ -216,6 +256,15 @@ def _answer(served: Served, msg: dict[str, Any]) -> dict[str, Any]:
             if ok:
                 return {"ok": True, "result": value, "exec_s": seconds}
             return {"ok": False, "kind": "failed", "error": value, "exec_s": seconds}
+        if op == "call_batch":
+            if not served.weights.resident:
+                return {"ok": False, "kind": "error", "error": "not resident: restore first"}
+            answers, seconds = served.call_batch(msg.get("payloads"))
+            results = [
+                {"ok": True, "result": value} if ok else {"ok": False, "error": value}
+                for ok, value in answers
+            ]
+            return {"ok": True, "results": results, "exec_s": seconds}
         if op == "restore":
             return {"ok": True, **served.restore(msg.get("device"))}
         if op == "evict":

@@ -151,6 +151,9 @@ class Core:
             if t is not None
         ]
         times += self.leases.wakeups()
+        batch_due = self.services.batch_due()
+        if batch_due is not None:
+            times.append(batch_due)
         idle = self.idle_due
         if idle is None or idle <= now:
             idle = self.idle_due = min(self.envs.idle_deadlines(), default=math.inf)

@@ -10,14 +10,38 @@ the host's ``CallFinished``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tangram.pools.gpu import GpuCluster
+from tangram.model import ActionId
+from tangram.pools.gpu import Eviction, GpuCluster
 from tangramd.services.spec import ServiceSpec
 from tangramd.state.actions import ActionRec
 
 if TYPE_CHECKING:
     pass
+
+
+@dataclass(eq=False)
+class Batch:
+    """Calls merged into one forward pass on one replica (dynamic batching).
+
+    ``leader`` was placed by the scheduler and holds the GPUs; ``riders`` hold none and end
+    with it. A batch that is not full stays open (``forming``) until ``due`` (its window),
+    taking new calls to the service as they come; then it is sent to the host.
+    """
+
+    leader: ActionRec
+    node: str
+    gpus: tuple[int, ...]  # the node's local ids
+    evicted: tuple[Eviction, ...]
+    limit: int  # max_batch
+    due: float
+    riders: list[ActionRec] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return 1 + len(self.riders)
 
 
 class ServiceBook:
@@ -28,6 +52,13 @@ class ServiceBook:
         self.registering: dict[str, int | None] = {}  # name -> token of the request
         self.removing: dict[str, tuple[int | None, int]] = {}  # name -> (token, rejected)
         self.gpu_tick = 0  # LRU clock of the GPU residency
+        self.forming: dict[str, list[Batch]] = {}  # service -> batches open to more calls
+        self.riding: dict[ActionId, tuple[str, tuple[int, ...]]] = {}  # rider -> node, gpus
+        self.placing: frozenset[ActionId] = frozenset()  # placed by the pass under way
+
+    def batch_due(self) -> float | None:
+        """When the earliest open batch must be sent (None: none is open)."""
+        return min((b.due for bs in self.forming.values() for b in bs), default=None)
 
     def waiting(self, queue: Sequence[ActionRec]) -> dict[str, int]:
         """Queued calls per service."""

@@ -372,7 +372,8 @@ def short(cmd: str | Sequence[str], limit: int = 80) -> str:
 def call_answer(
     core: Core, rec: ActionRec, now: float, queue_s: float, call: CallResult
 ) -> CallResult:
-    node, local = gpu_place(core.gpu, rec.units) if rec.units else (None, ())
+    # (a batch's rider holds no GPUs: its answer names the leader's, as ``call`` gave them)
+    node, local = gpu_place(core.gpu, rec.units) if rec.units else (call.node, call.gpus)
     return replace(
         call,
         queue_s=queue_s,

@@ -10,6 +10,7 @@ from tangramd.state.handlers.actions import close_env, expire_waits, finish_acti
 from tangramd.state.handlers.envs import persist_envs
 from tangramd.state.handlers.leases import end_lease, expire_leases
 from tangramd.state.handlers.scheduling import run_pass
+from tangramd.state.handlers.services import send_batches
 
 if TYPE_CHECKING:
     from tangramd.state.context import Core
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 def _tick(core: Core, e: ev.Tick, now: float, out: list[ev.Command]) -> None:
     expire_leases(core, now, out)
     expire_waits(core, now, out)
+    send_batches(core, now, out)  # those whose window has passed
     if core.idle_due is None or core.idle_due <= now:  # (else none is due yet)
         for env in core.envs.idle_expired(now):
             close_env(core, env, now, out, "idle TTL expired")
@@ -70,6 +72,7 @@ def _shutdown(core: Core, e: ev.Shutdown, now: float, out: list[ev.Command]) -> 
     (``finish_action``); the executor ends running execs through the backend.
     """
     core.shutting_down = True
+    send_batches(core, None, out)  # every open one: the host ends them with the rest
     waiting = list(core.actions.queue.values())
     waiting += [r for r in core.actions if r.state == "waiting_env"]
     for rec in waiting:

@@ -121,6 +121,8 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
             error=("unschedulable", inf.shortfall.describe()),
         )
     queued: dict[str, int] = {}  # elastic actions queued per pool in the pass (dop_why)
+    # (a batch's riders are queued calls this pass does not place itself)
+    core.services.placing = frozenset(p.action_id for p in decision.placements)
     for p in decision.placements:
         placed = core.actions.unqueue(p.action_id)
         assert placed is not None, "the scheduler places queued actions only"
@@ -157,6 +159,7 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
         else:
             core.actions.move(rec, "running", now, "lease granted", core.stimulus)
             grant_lease(core, rec, now, out)
+    core.services.placing = frozenset()
 
 
 def placement_why(

@@ -14,7 +14,7 @@ from tangramd.services.spec import ServiceSpec, SpecError
 from tangramd.state.actions import ActionRec
 from tangramd.state.dispatch import handles
 from tangramd.state.handlers.actions import finish_action
-from tangramd.state.services import gpu_place
+from tangramd.state.services import Batch, gpu_place
 from tangramd.state.story import note
 
 if TYPE_CHECKING:
@@ -90,6 +90,8 @@ def remove_service(core: Core, e: ev.RemoveService, now: float, out: list[ev.Com
     if e.name not in core.services.specs:
         raise NotFound(f"service {e.name!r} is not registered")
     del core.services.specs[e.name]
+    for batch in core.services.forming.pop(e.name, []):
+        send_batch(core, batch, out)  # (the host ends them rejected)
     rejected = 0
     for rec in list(core.actions.queue.values()):
         if rec.call is not None and rec.call.name == e.name:
@@ -147,12 +149,17 @@ def submit_call(core: Core, e: ev.SubmitCall, now: float, out: list[ev.Command])
     )
     detail = f"call service={name} gpus={counts} timeout_s={timeout:g}"
     note(rec, now, "submitted", detail, core.stimulus)
-    core.enqueue(rec, now)
+    if not join_batch(core, rec, now, out):
+        core.enqueue(rec, now)
 
 
 def start_call(core: Core, rec: ActionRec, now: float, out: list[ev.Command]) -> None:
     """Placed on GPUs: ask the pool for the restore plan (LRU evictions on those GPUs,
-    then the restore) and send it with the call to the node's service host."""
+    then the restore) and send it with the call to the node's service host.
+
+    A service with ``max_batch`` > 1 takes queued calls to it along (riders, in queue
+    order; not those this pass places itself) into the same forward pass; one with a
+    ``batch_window_ms`` that is not full yet waits that long for more (``forming``)."""
     assert core.gpu is not None and rec.call is not None, "calls hold GPUs and a spec"
     core.services.gpu_tick += 1
     plan = core.gpu.restore_for(rec.action.id, rec.call.name, core.services.gpu_tick)
@@ -165,18 +172,91 @@ def start_call(core: Core, rec: ActionRec, now: float, out: list[ev.Command]) ->
     else:
         why = f"resident on node={node} gpus={list(local)}"
     core.actions.move(rec, "running", now, why, core.stimulus)
+    spec = core.services.specs.get(rec.call.name)
+    limit = spec.max_batch if spec is not None else 1
+    window = spec.batch_window_ms / 1000.0 if spec is not None else 0.0
+    batch = Batch(rec, node, local, evicted, limit, now + window)
+    if limit > 1:
+        for other in list(core.actions.queue.values()):
+            if batch.size >= limit:
+                break
+            if (
+                other.call is not None
+                and other.call.name == rec.call.name
+                and other.action.id not in core.services.placing
+            ):
+                ride(core, batch, other, now)
+    if batch.size < limit and window > 0:
+        core.services.forming.setdefault(rec.call.name, []).append(batch)
+        return
+    send_batch(core, batch, out)
+
+
+def ride(core: Core, batch: Batch, rec: ActionRec, now: float) -> None:
+    """A queued call joins ``batch``: it runs in the leader's forward pass, on its GPUs."""
+    core.actions.unqueue(rec.action.id)
+    rec.started_at = now
+    leader = batch.leader.action.id
+    why = f"batched with {leader} on node={batch.node} gpus={list(batch.gpus)}"
+    core.actions.move(rec, "running", now, why, core.stimulus)
+    core.services.riding[rec.action.id] = (batch.node, batch.gpus)
+    batch.riders.append(rec)
+
+
+def send_batch(core: Core, batch: Batch, out: list[ev.Command]) -> None:
+    """The batch to the host: its leader's ``RunCall`` carries the riders' payloads. The
+    leader's expected duration is the history's for a pass of this batch size."""
+    leader = batch.leader
+    assert leader.call is not None, "a batch is calls"
+    klass = leader.action.klass
+    if batch.size > 1 and core.history.count(f"{klass}@{batch.size}"):
+        leader.expected_s = core.history.estimate(f"{klass}@{batch.size}")
+    calls = [leader, *batch.riders]
+    timeout = min(r.call.timeout_s or core.cfg.call_timeout_s for r in calls if r.call)
     out.append(
         ev.RunCall(
-            action_id=rec.action.id,
-            service=rec.call.name,
-            node=node,
-            gpus=local,
-            evicted=evicted,
-            payload=rec.call.payload,
-            timeout_s=rec.call.timeout_s or core.cfg.call_timeout_s,
+            action_id=leader.action.id,
+            service=leader.call.name,
+            node=batch.node,
+            gpus=batch.gpus,
+            evicted=batch.evicted,
+            payload=leader.call.payload,
+            timeout_s=timeout,
+            riders=tuple((r.action.id, r.call.payload) for r in batch.riders if r.call),
             cause=core.stimulus,
         )
     )
+
+
+def join_batch(core: Core, rec: ActionRec, now: float, out: list[ev.Command]) -> bool:
+    """A new call joins an open batch of its service with room (True), else it queues."""
+    assert rec.call is not None, "calls have a spec"
+    open_batches = core.services.forming.get(rec.call.name)
+    if not open_batches:
+        return False
+    batch = open_batches[0]
+    core.enqueue(rec, now)
+    ride(core, batch, rec, now)
+    if batch.size >= batch.limit:  # full: no need to wait any longer
+        open_batches.pop(0)
+        if not open_batches:
+            del core.services.forming[rec.call.name]
+        send_batch(core, batch, out)
+    return True
+
+
+def send_batches(core: Core, now: float | None, out: list[ev.Command]) -> None:
+    """Send the open batches whose window has passed (``now`` None: all of them)."""
+    for name in list(core.services.forming):
+        batches = core.services.forming[name]
+        due = [b for b in batches if now is None or b.due <= now]
+        left = [b for b in batches if b not in due]
+        if left:
+            core.services.forming[name] = left
+        else:
+            del core.services.forming[name]
+        for batch in due:
+            send_batch(core, batch, out)
 
 
 @handles(ev.CallFinished)
@@ -184,8 +264,11 @@ def call_done(core: Core, e: ev.CallFinished, now: float, out: list[ev.Command])
     rec = core.actions.get(e.action_id)
     if rec is None or rec.state != "running":
         return
-    if e.outcome in ("ok", "failed"):
+    riding = core.services.riding.pop(rec.action.id, None)
+    if e.outcome in ("ok", "failed") and riding is None:  # once per forward pass
         core.history.observe(rec.action.klass, e.exec_s)
+        if e.batch > 1:  # what a pass of this size takes (``send_batch``'s estimate)
+            core.history.observe(f"{rec.action.klass}@{e.batch}", e.exec_s)
     if e.h2d_bytes_per_s and core.gpu is not None:
         node = core.gpu.node_of_action(rec.action.id)
         if node is not None:
@@ -196,6 +279,9 @@ def call_done(core: Core, e: ev.CallFinished, now: float, out: list[ev.Command])
         error=e.error,
         restore_s=e.restore_s,
         exec_s=e.exec_s,
+        batch=e.batch,
+        node=None if riding is None else riding[0],
+        gpus=() if riding is None else riding[1],
     )
     detail = f"restore_s={e.restore_s:.4f} exec_s={e.exec_s:.4f} {e.error or ''}".strip()
     finish_action(

@@ -1,0 +1,184 @@
+"""Dynamic batching on a real `tangramd up` (issue 33, item 3): concurrent calls to one
+resident replica run as one forward pass (`handle_batch`), each caller gets its own answer.
+
+One simulated GPU holds every service, so while one call holds it the others queue and
+the next placement takes them along as riders (up to `max_batch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import assert_clean_log
+
+from tangram import Client
+from tangram.client import CallResult
+from tangram.client.aio import AsyncClient
+from tangram.protocol import BadRequest
+from tangram.testing import SpawnedDaemon, spawn_daemon
+
+SERVICES = Path(__file__).parent / "data" / "services"
+sys.path.insert(0, str(SERVICES))
+from batch_services import expected  # noqa: E402  # the services' own formula, without torch
+
+CONFIG = f"""
+[sched]
+coalesce_ms = 1.0
+
+[gpu]
+simulated = {{ count = 1, mem_gb = 0.3, h2d_gbps = 1 }}
+nvml = false
+
+[[service]]
+name = "b8"
+entry = "batch_services:small"
+path = "{SERVICES}"
+mem_gb = 0.06
+max_batch = 8
+
+[[service]]
+name = "b3"
+entry = "batch_services:medium"
+path = "{SERVICES}"
+mem_gb = 0.06
+max_batch = 3
+
+[[service]]
+name = "win"
+entry = "batch_services:small"
+path = "{SERVICES}"
+mem_gb = 0.06
+max_batch = 4
+batch_window_ms = 5000
+"""
+SIZES = {"b8": (1000, 0.5), "b3": (3000, 1.5), "win": (1000, 0.5)}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SpawnedDaemon]:
+    """A daemon whose config registers three batching services on one GPU."""
+    d = spawn_daemon(
+        tmp_path_factory.mktemp("batchd"),
+        CONFIG,
+        env={"TANGRAM_VALIDATE": "1"},
+        ready_timeout_s=120,
+    )
+    try:
+        yield d
+    finally:
+        assert d.stop() == 0, d.log()
+        assert_clean_log(d.log())
+
+
+async def call_many(socket: str, jobs: list[tuple[str, dict[str, Any]]]) -> list[CallResult]:
+    async with AsyncClient(socket) as c:
+        return list(await asyncio.gather(*(c.call(name, body) for name, body in jobs)))
+
+
+def listed(socket: str) -> dict[str, dict[str, Any]]:
+    with Client(socket, timeout_s=60) as c:
+        return {row["name"]: row for row in c.service_list()}
+
+
+def check_answer(name: str, body: dict[str, Any], result: CallResult) -> None:
+    assert result.outcome == "ok", result
+    assert result.result is not None
+    assert result.result["id"] == body["id"], (body, result.result)  # its own caller's
+    n, bias = SIZES[name]
+    want = expected(n, bias, body["x"])
+    assert abs(result.result["y"] - want) <= 1e-5 * abs(want), (body, result.result)
+    # the pass the handler saw is the batch the call reports
+    assert result.batch == result.result["batch"], result
+    assert result.gpus == (0,) and result.node == "local", result
+
+
+def test_200_concurrent_calls_are_batched_and_each_caller_gets_its_answer(
+    daemon: SpawnedDaemon,
+) -> None:
+    """200 concurrent calls with distinct payloads to two batching services: every call is
+    `ok` with its own answer, forward passes merged several calls (never more than each
+    service's `max_batch`), and `service list` counts the batches."""
+    before = listed(daemon.socket)
+    jobs = [
+        ("b8" if i % 3 else "b3", {"x": float(i) + 0.25, "id": f"call-{i}", "sleep": 0.01})
+        for i in range(200)
+    ]
+    results = asyncio.run(call_many(daemon.socket, jobs))
+    for (name, body), result in zip(jobs, results, strict=True):
+        check_answer(name, body, result)
+        assert 1 <= result.batch <= {"b8": 8, "b3": 3}[name], result
+    sizes = Counter((name, r.batch) for (name, _), r in zip(jobs, results, strict=True))
+    assert any(size > 1 for _, size in sizes), sizes
+    assert any(size == 8 for name, size in sizes if name == "b8"), sizes  # the limit is reached
+    after = listed(daemon.socket)
+    for name in ("b8", "b3"):
+        mine = [r for (n, _), r in zip(jobs, results, strict=True) if n == name]
+        batched = [r for r in mine if r.batch > 1]
+        row, old = after[name], before[name]
+        assert row["calls"] - old["calls"] == len(mine), row
+        assert row["batched_calls"] - old["batched_calls"] == len(batched), row
+        assert row["batches"] - old["batches"] == round(sum(1 / r.batch for r in batched)), row
+        (replica,) = row["replicas"]
+        assert replica["node"] == "local" and replica["restores"] >= 1, replica
+
+
+def test_a_full_batch_does_not_wait_out_its_window(daemon: SpawnedDaemon) -> None:
+    """Four calls to a service with max_batch 4 and a 5 s window run as one batch of four,
+    sent as soon as it is full, not when the window ends."""
+    jobs = [("win", {"x": float(i), "id": f"w-{i}"}) for i in range(4)]
+    results = asyncio.run(call_many(daemon.socket, jobs))
+    for (name, body), result in zip(jobs, results, strict=True):
+        check_answer(name, body, result)
+    assert [r.batch for r in results] == [4, 4, 4, 4], results
+    assert max(r.act_s for r in results) < 4.0, results
+
+
+def test_a_handle_batch_that_raises_fails_its_calls_not_the_daemon(
+    daemon: SpawnedDaemon, tmp_path: Path
+) -> None:
+    """A `handle_batch` that raises ends every call of its batch `failed` with the error;
+    the service and the daemon answer on."""
+    started = tmp_path / "started"
+    jobs = [("b8", {"x": 1.0, "id": "slow", "sleep": 0.5, "started": str(started)})]
+    jobs += [("b8", {"x": float(i), "id": f"f-{i}", "boom": i == 2}) for i in range(5)]
+
+    async def run() -> list[CallResult]:
+        async with AsyncClient(daemon.socket) as c:
+            slow = asyncio.ensure_future(c.call(*jobs[0]))
+            while not started.exists():  # the first pass holds the GPU: the rest queue
+                await asyncio.sleep(0.01)
+            rest = await asyncio.gather(*(c.call(name, body) for name, body in jobs[1:]))
+            return [await slow, *rest]
+
+    first, *rest = asyncio.run(run())
+    assert first.outcome == "ok", first
+    assert {r.outcome for r in rest} == {"failed"}, rest
+    for r in rest:
+        assert r.error is not None and "boom in a batch of 5" in r.error, r
+        assert r.batch == 5, r
+    again = asyncio.run(call_many(daemon.socket, [("b8", {"x": 2.0, "id": "after"})]))
+    check_answer("b8", {"x": 2.0, "id": "after"}, again[0])
+
+
+def test_max_batch_needs_handle_batch(daemon: SpawnedDaemon) -> None:
+    """Registering a module without `handle_batch` with max_batch > 1 is refused, naming
+    what is missing; with max_batch 1 it registers."""
+    with Client(daemon.socket, timeout_s=120) as c:
+        with pytest.raises(BadRequest, match="handle_batch"):
+            c.service_register(
+                "single",
+                mem_gb=0.01,
+                entry="batch_services:single",
+                path=str(SERVICES),
+                max_batch=2,
+            )
+        assert "single" not in {row["name"] for row in c.service_list()}
+        c.service_register("single", mem_gb=0.01, entry="batch_services:single", path=str(SERVICES))
+        result = c.call("single", {"x": 2})
+        assert result.outcome == "ok" and result.batch == 1, result
