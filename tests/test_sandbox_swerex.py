@@ -4,6 +4,7 @@ as /tmp and /testbed work, in execute and in sessions, as in a container (issue 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 import pytest
@@ -12,6 +13,9 @@ from swerex.runtime.abstract import (
     CloseBashSessionRequest,
     Command,
     CreateBashSessionRequest,
+    ReadFileRequest,
+    UploadRequest,
+    WriteFileRequest,
 )
 from swerex.runtime.remote import RemoteRuntime
 
@@ -58,3 +62,40 @@ def test_absolute_paths_are_the_environments(runtime):
         assert (r.exit_code, r.stdout) == (0, "x\n"), r
 
     asyncio.run(scenario())
+
+
+def test_files_at_absolute_paths(runtime, tmp_path):
+    """write_file, read_file and upload (a file, and a directory: a zip) at /testbed and
+    /tmp paths are the environment's own, as its commands see them; what they make belongs
+    to root inside (the environment's user); the host's /testbed is untouched."""
+    (tmp_path / "repo" / "pkg").mkdir(parents=True)
+    (tmp_path / "repo" / "pkg" / "mod.py").write_text("X = 1\n")
+    (tmp_path / "one.txt").write_text("one\n")
+    host_testbed = os.path.exists("/testbed")
+
+    async def scenario() -> None:
+        await runtime.write_file(WriteFileRequest(path="/testbed/src/a.py", content="A = 1\n"))
+        await runtime.write_file(WriteFileRequest(path="/tmp/notes/n.txt", content="tmp\n"))
+        got = await runtime.read_file(ReadFileRequest(path="/testbed/src/a.py"))
+        assert got.content == "A = 1\n"
+        got = await runtime.read_file(ReadFileRequest(path="/tmp/notes/n.txt"))
+        assert got.content == "tmp\n"
+        await runtime.upload(
+            UploadRequest(source_path=str(tmp_path / "repo"), target_path="/testbed/repo")
+        )
+        await runtime.upload(
+            UploadRequest(source_path=str(tmp_path / "one.txt"), target_path="/tmp/one.txt")
+        )
+        r = await runtime.execute(
+            Command(
+                command="cat /testbed/src/a.py /tmp/notes/n.txt /testbed/repo/pkg/mod.py "
+                "/tmp/one.txt && stat -c '%u' /testbed/src /testbed/repo/pkg/mod.py | sort -u",
+                shell=True,
+            )
+        )
+        assert (r.exit_code, r.stdout) == (0, "A = 1\ntmp\nX = 1\none\n0\n"), r
+        got = await runtime.read_file(ReadFileRequest(path="/testbed/repo/pkg/mod.py"))
+        assert got.content == "X = 1\n"
+
+    asyncio.run(scenario())
+    assert os.path.exists("/testbed") == host_testbed
