@@ -311,6 +311,10 @@ def _check_lease_acquire(args: Mapping[str, Any]) -> None:
 
 
 MAX_TRANSFER: Final = 8 << 20  # bytes one env.put may carry (one frame holds it)
+PATH_DOC: Final = (
+    "inside the environment: relative to its home; absolute, on an isolated environment its"
+    " own root's (`/testbed`, `/tmp`, as a command's `cwd`), else within its directory"
+)
 
 
 def _check_env_path(args: Mapping[str, Any]) -> None:
@@ -602,10 +606,11 @@ OPS: Final[dict[str, Op]] = {
         ),
         Op(
             "env.put",
-            "write a file into an environment (with tar: extract a tar stream into a directory)",
+            "write a file into an environment (with tar: extract a tar stream into a directory),"
+            " as its user: what it makes is the environment's user's",
             (
                 Arg("id", ID, True),
-                Arg("path", Str(), True, doc="inside the environment (relative to its cwd)"),
+                Arg("path", Str(), True, doc=PATH_DOC),
                 Arg("data", Bytes(MAX_TRANSFER), True, doc="the file's bytes, or a tar stream"),
                 Arg("tar", Bool(), doc="data is a tar stream to extract at path (a directory)"),
             ),
@@ -615,10 +620,11 @@ OPS: Final[dict[str, Op]] = {
         ),
         Op(
             "env.get",
-            "read a file from an environment (a directory comes as a tar stream of its contents)",
+            "read a file from an environment (a directory comes as a tar stream of its contents),"
+            " as its user",
             (
                 Arg("id", ID, True),
-                Arg("path", Str(), True, doc="inside the environment (relative to its cwd)"),
+                Arg("path", Str(), True, doc=PATH_DOC),
             ),
             result=("path: str", "data: bytes", "tar: bool"),
             errors=("not_found", "bad_request", "infra_error"),
