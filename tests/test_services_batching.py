@@ -182,3 +182,37 @@ def test_max_batch_needs_handle_batch(daemon: SpawnedDaemon) -> None:
         c.service_register("single", mem_gb=0.01, entry="batch_services:single", path=str(SERVICES))
         result = c.call("single", {"x": 2})
         assert result.outcome == "ok" and result.batch == 1, result
+
+
+def test_an_http_engine_is_sent_a_batch_at_once(daemon: SpawnedDaemon, tmp_path: Path) -> None:
+    """An http service with max_batch 4 gets the calls of a batch as concurrent requests
+    (the engine batches them itself): each caller gets its own answer, and a batch of
+    more than one call happened."""
+    cmd = (
+        f"{sys.executable} -m tangramd.services.worker --name h --entry batch_services:small "
+        f"--path {SERVICES} --http-port {{port}}"
+    )
+    started = tmp_path / "started"
+    with Client(daemon.socket, timeout_s=120) as c:
+        c.service_register("h", runtime="http", mem_gb=0.01, cmd=cmd, route="/x", max_batch=4)
+    jobs = [("h", {"x": 1.0, "id": "slow", "sleep": 0.5, "started": str(started)})]
+    jobs += [("h", {"x": float(i), "id": f"h-{i}"}) for i in range(6)]
+
+    async def run() -> list[CallResult]:
+        async with AsyncClient(daemon.socket) as c:
+            slow = asyncio.ensure_future(c.call(*jobs[0]))
+            while not started.exists():  # the first call holds the GPU: the rest queue
+                await asyncio.sleep(0.01)
+            rest = await asyncio.gather(*(c.call(name, body) for name, body in jobs[1:]))
+            return [await slow, *rest]
+
+    results = asyncio.run(run())
+    for (_, body), result in zip(jobs, results, strict=True):
+        assert result.outcome == "ok", result
+        assert result.result is not None and result.result["id"] == body["id"], result
+        want = expected(*SIZES["b8"], body["x"])
+        assert abs(result.result["y"] - want) <= 1e-5 * abs(want), result
+        assert 1 <= result.batch <= 4, result
+    assert max(r.batch for r in results[1:]) > 1, results
+    with Client(daemon.socket, timeout_s=120) as c:
+        assert c.service_remove("h")["removed"] is True
