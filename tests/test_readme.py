@@ -72,6 +72,7 @@ SHELLS = {
         (ACTIVATE, 60),  # starts the daemon, waits for it (--wait 30)
         ("tangramctl profile --dop 1,2", 120),
         ("from tangram import Client", 60),
+        ("# GRPO: prepare once", 60),
         ("tangramctl profiles show unit-tests", 60),
     ],
     "gpu-services": [("cat > /tmp/tangram-gpu.toml", 180)],
@@ -303,13 +304,14 @@ def run_shell(shell: Shell, name: str) -> list[str]:
 def test_using_it_profile_and_rollout_worker(shell: Shell) -> None:
     """In one shell, one after another: "Using it", the profile the rollout-worker example
     names, that example (against the daemon "Using it" started, with the `search` API it
-    configured) and "Elasticity profiles"."""
-    started, profiled, worker, elastic = run_shell(shell, "using-it")
+    configured), the GRPO fork recipe and "Elasticity profiles"."""
+    started, profiled, worker, grpo, elastic = run_shell(shell, "using-it")
     assert "Cpus_allowed_list" in started
     assert '"outcome": "ok"' in started and "search" in started
     assert "T1 = " in profiled
     # print(r.outcome, r.exit_code, r.queue_s, r.exec_s, r.cores)
     assert re.search(r"^ok 0 \S+ \S+ \([\d, ]+\)$", worker, re.M), worker
+    assert grpo.split() == ["2", "1", "1"], grpo  # GRPO: a child's edit, the base, reset
     assert "name:    unit-tests" in elastic and "16 passed" in elastic
 
 
