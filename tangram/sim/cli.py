@@ -11,6 +11,7 @@ import time
 
 import click
 
+from tangram.jobs import JobError, load_jobs
 from tangram.sched import SchedConfig
 from tangram.sim.cluster import ClusterError, load_cluster
 from tangram.sim.engine import SimError
@@ -50,6 +51,13 @@ class _Progress:
     type=click.Path(dir_okay=False),
     help="Trace file (JSON lines, docs/trace-format.md).",
 )
+@click.option(
+    "--jobs",
+    "jobs_file",
+    type=click.Path(dir_okay=False),
+    help="Jobs TOML: [[job]] name, weight, priority, max_cores, max_gpus (fair share across "
+    "the trace's jobs; docs/trace-format.md). Without it every job has weight 1.",
+)
 @click.option("--workload", type=click.Choice(WORKLOADS), help="Named generator.")
 @click.option("--batch", type=int, metavar="N", help="Trajectories per RL step (with --workload).")
 @click.option(
@@ -85,6 +93,7 @@ class _Progress:
 def simulate(
     cluster_file: str,
     trace_file: str | None,
+    jobs_file: str | None,
     workload: str | None,
     batch: int | None,
     steps: int,
@@ -103,6 +112,7 @@ def simulate(
         raise click.UsageError("--workload needs --batch N")
     try:
         cluster = load_cluster(cluster_file)
+        jobs = load_jobs(jobs_file) if jobs_file else None
         parsed = [parse_policy(p) for p in policies]
         if trace_file is not None:
             trajs = load_trace(trace_file)
@@ -123,11 +133,20 @@ def simulate(
                     pol,
                     SchedConfig(depth=depth, order=pol.order, rule=pol.rule),
                     progress=progress,
+                    jobs=jobs,
                 )
             )
             if not quiet:
                 click.echo(f"  {pol.name}: done in {time.monotonic() - t0:.1f}s wall", err=True)
-    except (ClusterError, TraceError, PolicyError, WorkloadError, SimError, OSError) as exc:
+    except (
+        ClusterError,
+        TraceError,
+        PolicyError,
+        WorkloadError,
+        SimError,
+        JobError,
+        OSError,
+    ) as exc:
         raise click.ClickException(str(exc)) from None
     n_actions = sum(1 for t in trajs for _ in t.actions())
     source = trace_file or f"{workload} batch={batch} steps={steps} seed={seed}"
@@ -141,6 +160,13 @@ def simulate(
     else:
         click.echo(f"{source}: {len(trajs)} trajectories, {n_actions} actions")
         click.echo(table(results))
+        for r in results:
+            for name, st in r.summary.get("by_job", {}).items():
+                click.echo(
+                    f"  {r.policy} job {name}: {st['actions']} actions, avg ACT "
+                    f"{st['avg_act_s']:.3f}s, p99 ACT {st['p99_act_s']:.3f}s, "
+                    f"avg queue {st['avg_queue_s']:.3f}s"
+                )
     if plot_file:
         try:
             plot(results, plot_file, title=source)
