@@ -59,10 +59,13 @@ class _Owed:
     request for the error; an exec's ``run_s`` bounds its run once the node has said it
     started (None: no bound, its spec has no timeout)."""
 
-    __slots__ = ("deadline", "node", "run_s", "started", "what")
+    __slots__ = ("deadline", "node", "run_s", "session", "started", "what")
 
-    def __init__(self, node: str, what: str, deadline: float, run_s: float | None) -> None:
+    def __init__(
+        self, node: str, what: str, deadline: float, run_s: float | None, session: str | None
+    ) -> None:
         self.node, self.what, self.deadline, self.run_s = node, what, deadline, run_s
+        self.session = session  # an exec's shell session (its kill interrupts it)
         self.started = False
 
 
@@ -204,7 +207,7 @@ class RemoteEffects:
         run_s = None if timeout is None else timeout + self.request_timeout_s
         if run_s is not None and fetch is not None:
             run_s += FETCH_GRACE_S
-        self._watch_answer(f"x:{cmd.action_id}", cmd.node, "run_exec", run_s)
+        self._watch_answer(f"x:{cmd.action_id}", cmd.node, "run_exec", run_s, cmd.spec.session)
 
     def run_transfer(self, cmd: ev.RunTransfer) -> None:
         held, missing, fetch = self._put_on_node(cmd)
@@ -274,11 +277,19 @@ class RemoteEffects:
         self._watch_answer(f"sc:{cmd.session_id}", cmd.node, "close_session")
 
     # ------------------------------------------------------------------ deadlines
-    def _watch_answer(self, key: str, node: str, what: str, run_s: float | None = None) -> None:
+    def _watch_answer(
+        self,
+        key: str,
+        node: str,
+        what: str,
+        run_s: float | None = None,
+        session: str | None = None,
+    ) -> None:
         """Expect the node's answer to ``key`` within ``request_timeout_s``. One timer
         sweeps them all (an exec adds a map entry, not a timer of its own)."""
         loop = asyncio.get_running_loop()
-        self._owed[key] = _Owed(node, what, loop.time() + self.request_timeout_s, run_s)
+        deadline = loop.time() + self.request_timeout_s
+        self._owed[key] = _Owed(node, what, deadline, run_s, session)
         if self._sweep is None:
             self._sweep = loop.call_later(self._sweep_s(), self._sweep_owed)
 
@@ -338,7 +349,8 @@ class RemoteEffects:
         else:
             why = f"node {node} did not answer {owed.what} within {limit:g} s"
         if kind == "x":
-            self._send(node, make_message("cancel_exec", action_id=name))  # in case it runs
+            kill = make_message("cancel_exec", action_id=name, session=owed.session)
+            self._send(node, kill)  # in case it runs after all
             self._report(ev.ExecFinished(name, ExecResult("infra_error", detail=why)))
         elif kind == "so":
             self._late_sessions[name] = node
