@@ -243,3 +243,34 @@ def test_async_client_fork_reset(daemon) -> None:
                 await ac.env_close(env)
 
     asyncio.run(main())
+
+
+def test_kept_forks_survive_a_restart(tmp_path: Path) -> None:
+    """A daemon that stops keeping its environments unmounts the forked homes; the next one
+    on the same state dir mounts them again over the same layers."""
+    state = tmp_path / "state"
+    first = backend_for(state, "namespaces")
+
+    async def before() -> None:
+        await first.create_env("src", None, 64 << 20)
+        await first.put("src", "f.txt", b"kept\n")
+        await first.fork_env("src", ["kid"])
+        await first.put("kid", "g.txt", b"mine\n")
+        await first.shutdown(keep=["src", "kid"])
+
+    asyncio.run(before())
+    assert not os.path.ismount(first.envs_dir / "kid")
+    second = backend_for(state, "namespaces")
+
+    async def after() -> None:
+        try:
+            await second.reconcile({"src": None, "kid": None})
+            assert await sh(second, "kid", "cat f.txt g.txt") == "kept\nmine\n"
+            assert await sh(second, "src", "cat f.txt; ls") == "kept\nf.txt\n"
+            await second.reset_env("kid")
+            assert await sh(second, "kid", "ls") == "f.txt\n"
+        finally:
+            await second.shutdown()
+        assert layers(second) == []
+
+    asyncio.run(after())

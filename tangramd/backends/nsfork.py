@@ -224,9 +224,14 @@ class Forks:
         for layer in old:
             self.refs[layer] -= 1  # (a source's old stack is the tail of its new one)
         self.stacks[env_id] = stack
-        if self.boxes is not None:
+        self._save(env_id)
+
+    def _save(self, env_id: str) -> None:
+        """Write the environment's stack where a restarted daemon reads it back."""
+        if self.boxes is not None and (self.boxes.dir / env_id).is_dir():
             with contextlib.suppress(OSError):
-                (self.boxes.dir / env_id / STACK_FILE).write_text(json.dumps(list(stack)))
+                text = json.dumps(list(self.stacks.get(env_id, ())))
+                (self.boxes.dir / env_id / STACK_FILE).write_text(text)
 
     # --- isolated: layers (in a thread) -------------------------------------------------
 
@@ -308,6 +313,7 @@ class Forks:
                 raise EnvError(f"environment {child} exists")
             self._take_spare(child)
             self._fresh(child, stack, st, made=True)
+            self._save(child)
 
     def _reset(self, env_id: str) -> None:
         own = self._own(env_id)
