@@ -463,6 +463,10 @@ def serve(msg: dict[str, Any], sock_fd: int, nsbox: Any = None) -> None:
     try:
         with open("/proc/self/oom_score_adj", "w") as f:  # (not the daemon's protection)
             f.write(str(msg.get("oom_score_adj", 0)))
+        # (the fork server's SCHED_BATCH keeps it off the daemon's core; the daemon waits
+        # for this one's answer: woken as any process is)
+        with contextlib.suppress(OSError, AttributeError):
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         box, user = msg.get("sandbox"), msg.get("user")
         if box is not None:
             nsbox.enter_for_good(box)
@@ -519,6 +523,11 @@ async def call(
 
     loop = asyncio.get_running_loop()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    if len(payload) > _CHUNK or max_reply > _CHUNK:  # (fewer turns of the loop per MiB)
+        for sock in (ours, theirs):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     try:
         try:
             request = {"op": "files", "lodge": False, **request}

@@ -1094,7 +1094,14 @@ class ProcessBackend:
         if got is not None:  # a small file, read at once: a thread hop costs more
             return got
         owner = self._file_owner(env_id)
-        if owner is not None:  # (a directory's walk follows what it finds: as its user)
+        # a root daemon reads a file here; a directory's walk (which follows what it finds)
+        # is the environment's user's
+        if owner is not None:
+            small: tuple[bytes, bool] | None = await asyncio.to_thread(
+                files.get_small, base, path, max_bytes=max_bytes, limit=max_bytes
+            )
+            if small is not None:
+                return small
             request = {"user": owner, "cwd": base, "oom_score_adj": self.oom_score_adj}
             return await files.get_by_helper(self._spawner, request, path, max_bytes=max_bytes)
         return await asyncio.to_thread(files.get_local, base, path, max_bytes=max_bytes)
