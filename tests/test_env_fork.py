@@ -274,3 +274,68 @@ def test_kept_forks_survive_a_restart(tmp_path: Path) -> None:
         assert layers(second) == []
 
     asyncio.run(after())
+
+
+# --- the core alone: placement, the group's answer, refusals --------------------------------
+
+
+def _core(mem_gib: int = 8, **cfg):
+    from tangram.pools.cpu import CpuCluster, CpuNodePool
+    from tangramd.state import Core, CoreConfig
+
+    cluster = CpuCluster([CpuNodePool("local", [[0, 1]], mem_gib << 30)])
+    return Core(cluster, {}, CoreConfig(**cfg))
+
+
+def _opened(core, now: float = 0.0) -> str:
+    from tangramd import events as ev
+
+    (create,) = core.handle(ev.OpenEnv(token=1, mem=1 << 30), now)
+    core.handle(ev.EnvCreated(env_id=create.env_id), now)
+    return create.env_id
+
+
+def test_core_fork_places_children_and_answers_once() -> None:
+    from tangramd import events as ev
+
+    core = _core()
+    src = _opened(core)
+    out = core.handle(ev.ForkEnv(token=2, env_id=src, n=3), 1.0)
+    creates = [c for c in out if isinstance(c, ev.CreateEnv)]
+    assert len(creates) == 3 and all(c.fork_of == src and c.mem == 1 << 30 for c in creates)
+    assert [c for c in out if isinstance(c, ev.Reply)] == []
+    for i, create in enumerate(creates):
+        out = core.handle(ev.EnvCreated(env_id=create.env_id), 1.5 + i)
+        core.validate()
+    (reply,) = [c for c in out if isinstance(c, ev.Reply)]
+    assert reply.token == 2 and reply.error is None
+    assert reply.result == {"ids": [c.env_id for c in creates], "fork_s": 2.5}
+    # 4 GiB held of 8: a fork of 5 more does not fit now, and takes nothing
+    (refused,) = core.handle(ev.ForkEnv(token=3, env_id=src, n=5), 5.0)
+    assert refused.error[0] == "unschedulable" and "room for 4" in refused.error[1]
+    assert len([e for e in core.envs if e.state != "closed"]) == 4
+    core.validate()
+
+
+def test_core_fork_refusals() -> None:
+    from tangramd import events as ev
+
+    core = _core()
+    src = _opened(core)
+    core.handle(ev.SubmitExec(spec=_spec(src), token=5), 1.0)  # placed: an action not done
+    (reply,) = [
+        c for c in core.handle(ev.ForkEnv(token=6, env_id=src), 1.1) if isinstance(c, ev.Reply)
+    ]
+    assert reply.error[0] == "bad_request" and "action(s) not done" in reply.error[1]
+    (reply,) = core.handle(ev.ForkEnv(token=7, env_id="e" + "1" * 32), 1.2)
+    assert reply.error[0] == "not_found"
+    coordinator = _core(record_envs=False)
+    src = _opened(coordinator)
+    (reply,) = coordinator.handle(ev.ForkEnv(token=8, env_id=src), 0.5)
+    assert reply.error[0] == "bad_request" and "cluster coordinator" in reply.error[1]
+
+
+def _spec(env: str):
+    from tangram.protocol.results import ExecSpec
+
+    return ExecSpec(cmd="sleep 10", env=env)
