@@ -182,8 +182,8 @@ def test_long_test_run_gets_its_reservation_at_once() -> None:
     pool = node(8)
     for core in range(6):
         pool.allocate(ActionId(f"busy{core}"), (core,))
-    running = [(5.0, 2), (60.0, 4)]  # 4 free at 5 s: the head's 4 cores, none extra
-    head, call = suite_run(0), tool(1, 10.0)  # band [4, 8]: t(4) = 95 s; 2 cores free now
+    running = [(5.0, 1), (60.0, 5)]  # 3 free at 5 s: the head's 3 cores, none extra
+    head, call = suite_run(0), tool(1, 10.0)  # band [3, 6]: t(3) = 118 s; 2 cores free now
     long_mean = PoolLoad(elastic_running=1, elastic_mean_s=1000.0)
     passed = schedule(snap(pool, [head, call], running, load=long_mean), 1.0)
     assert [p.action_id for p in passed.placements] == ["s1"]
@@ -200,7 +200,7 @@ def test_short_call_waits_behind_a_reservation_at_most_its_own_run_time() -> Non
     pool = node(8)
     for core in range(6):
         pool.allocate(ActionId(f"busy{core}"), (core,))
-    running = [(5.0, 2), (60.0, 4)]
+    running = [(5.0, 1), (60.0, 5)]  # the head's band is [3, 6]: 3 free at 5 s, none extra
     head = suite_run(0)
     load = PoolLoad(elastic_running=1, elastic_mean_s=30.0)  # the head is long: reserved
     for waited, starts in ((9.9, False), (10.0, True)):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from tangram.model import Action
 from tangram.sched.load import PoolLoad
-from tangram.sched.price import band, price_factor, probe, short_reserve
+from tangram.sched.price import band, between, price_factor, probe, short_reserve
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,10 +148,20 @@ def dop_why(
         (k, t, price_factor(k, share.share), _eff(action, k))
         for k, t in zip(ks, dur(action, ks), strict=True)
     )
-    best, cost = allowed[-1], math.inf
-    for k, t, f, _ in prices:  # priced_dop's loop: the first least price wins
+    best, cost, at = allowed[-1], math.inf, 0
+    for i, (k, t, f, _) in enumerate(prices):  # priced_dop's loop: the first least price wins
         if t * f < cost:
-            best, cost = k, t * f
+            best, cost, at = k, t * f, i
+    more = between(allowed, ks, at)  # refined between the least probed one's neighbours
+    if more:
+        refined = tuple(
+            (k, t, price_factor(k, share.share), _eff(action, k))
+            for k, t in zip(more, dur(action, more), strict=True)
+        )
+        for k, t, f, _ in refined:
+            if t * f < cost:
+                best, cost = k, t * f
+        prices = tuple(sorted((*prices, *refined), key=lambda p: p[0]))
     return DopWhy(amount, allowed, free, eff, rule=rule, prices=prices, best=best, load=share)
 
 

@@ -55,6 +55,13 @@ taking more units shortens an action's own run but delays the ``N k / C`` action
   sized for the units they will really have. The reserve is a real number, not rounded up:
   it only enters the price, and a rounded one would take a whole unit from a small pool for
   a vanishing load (a 2-core node with one quick tool call in the window would price as 1).
+- ``k*`` is found in two steps: the price at both ends of the allowed set and every power
+  of two between (``probe``), then at every allowed amount strictly between the least
+  probed amount's two neighbours (``between``; *refined*). The price is unimodal in ``k``
+  for Amdahl-like speed-ups, so that is its least over the whole set at the cost of a few
+  more durations per action; with ``k*`` on powers of two only, a node's test runs jumped
+  between bands ``[4, 8]`` and ``[8, 16]`` (AI coding at batch 2048: 954 of 2048 started
+  at 8) and took 3-4% longer (docs/results.md, Fig. 9 per action kind).
 - The action may start at any allowed amount in ``[k*/2, k*]``: within a factor of two the
   cost is near its minimum, and an action started far below its priced DoP is a straggler
   that holds its units for minutes. Below the band it waits (the replay judges how long).
@@ -65,7 +72,8 @@ is expected to run longer than ``W``, the mean of those in service: the long run
 ACT tail), from then on only when they do not delay it or have waited their own expected
 run time (``schedule._candidates_easy``).
 
-Pure: no I/O, no clock. ``O(q · |probe|)`` per pool and pass for ``q`` queued elastic actions.
+Pure: no I/O, no clock. ``O(q · (|probe| + r))`` per pool and pass for ``q`` queued elastic
+actions, ``r`` the refined amounts (at most ``3 k* / 2``, fewer than the allowed set).
 """
 
 from __future__ import annotations
@@ -103,6 +111,16 @@ def probe(amounts: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def between(amounts: tuple[int, ...], ks: tuple[int, ...], i: int) -> tuple[int, ...]:
+    """The allowed amounts strictly between ``ks[i]``'s probed neighbours, other than
+    ``ks[i]``: where the price's least lies when ``ks[i]`` is the least probed (the price is
+    unimodal in ``k`` for Amdahl-like speed-ups), priced next (module doc, "refined")."""
+    lo = ks[i - 1] if i > 0 else ks[i]
+    hi = ks[i + 1] if i + 1 < len(ks) else ks[i]
+    k = ks[i]
+    return tuple(u for u in amounts if lo < u < hi and u != k)
+
+
 def price_factor(k: int, sharing: float) -> float:
     """What ``t(k)`` is multiplied by in the price: ``max(1, (1 + k · N / C) / 2)`` with
     ``sharing = N / C`` (module doc)."""
@@ -113,9 +131,15 @@ def priced_dop(
     amounts: tuple[int, ...], dur: Callable[[int], float], sharing: Callable[[int], float]
 ) -> int:
     """``k*``: the amount of ``amounts`` with the least ``t(k) · max(1, (1 + k · N(k) / C) / 2)``
-    where ``sharing(k) = N(k) / C`` (module doc)."""
-    best, pick = math.inf, amounts[-1]
-    for k in probe(amounts):
+    where ``sharing(k) = N(k) / C``: the least of the probe, refined between its neighbours
+    (module doc)."""
+    best, pick, at = math.inf, amounts[-1], 0
+    ks = probe(amounts)
+    for i, k in enumerate(ks):
+        cost = dur(k) * price_factor(k, sharing(k))
+        if cost < best:
+            best, pick, at = cost, k, i
+    for k in between(amounts, ks, at):
         cost = dur(k) * price_factor(k, sharing(k))
         if cost < best:
             best, pick = cost, k
@@ -152,15 +176,25 @@ def price_bands(
     out: dict[ActionId, tuple[int, ...]] = {}
     for a, amounts in elastic:
         if len(amounts) > 1:
-            best, pick = math.inf, amounts[-1]
+            best, pick, at = math.inf, amounts[-1], 0
             ks = probe(amounts)
             ds = [dur(a, k) for k in ks] if durs is None else durs(a, ks)
-            for k, d in zip(ks, ds, strict=True):
+            for i, (k, d) in enumerate(zip(ks, ds, strict=True)):
                 f = factor.get(k)
                 if f is None:
                     f = factor[k] = price_factor(k, share)
                 cost = d * f
                 if cost < best:
-                    best, pick = cost, k
+                    best, pick, at = cost, k, i
+            more = between(amounts, ks, at)
+            if more:  # refined: the amounts between the least probed one's neighbours
+                ds = [dur(a, k) for k in more] if durs is None else durs(a, more)
+                for k, d in zip(more, ds, strict=True):
+                    f = factor.get(k)
+                    if f is None:
+                        f = factor[k] = price_factor(k, share)
+                    cost = d * f
+                    if cost < best:
+                        best, pick = cost, k
             out[a.id] = band(amounts, pick)
     return out
