@@ -309,8 +309,8 @@ def keep_warm(core: Core, out: list[ev.Command]) -> None:
     """
     gpu = core.gpu
     wanted = [spec for spec in core.services.specs.values() if spec.min_resident > 0]
-    if gpu is None or not wanted:
-        return
+    if gpu is None or not wanted or not gpu.free_units():
+        return  # (every GPU held: no chunk to warm; checked before the queue is read)
     if any(rec.call is not None for rec in core.actions.queue.values()):
         return
     for spec in wanted:
