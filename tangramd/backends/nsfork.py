@@ -81,6 +81,7 @@ class Forks:
         self._locks: dict[str, asyncio.Lock] = {}
         self._spares: list[Path] = []  # ready child trees (SUBS and "home")
         self._refilling = False
+        self._refill: asyncio.Future[None] | None = None
 
     # --- what the keeper needs ---------------------------------------------------------
 
@@ -200,7 +201,16 @@ class Forks:
             finally:
                 self._refilling = False
 
-        asyncio.get_running_loop().run_in_executor(None, refill)
+        self._refill = asyncio.get_running_loop().run_in_executor(None, refill)
+
+    async def shutdown(self) -> None:
+        """(The backend shutting down) wait for a refill under way, remove the spares."""
+        if self._refill is not None:
+            with contextlib.suppress(Exception):
+                await self._refill
+        self._spares.clear()
+        await asyncio.to_thread(shutil.rmtree, self.dir / ".spare", True)
+        self._empty_tomb()
 
     def _make_spare(self) -> Path:
         path = self.dir / ".spare" / os.urandom(8).hex()

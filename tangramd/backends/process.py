@@ -613,6 +613,7 @@ class ProcessBackend:
                 await self._refill
         self._spares.clear()
         await asyncio.to_thread(shutil.rmtree, os.path.join(self._envs_path, SPARE), True)
+        await self.forks.shutdown()
         if self.cgroups is not None:
             with contextlib.suppress(OSError):
                 for cgroup in self.cgroups.leftovers():
