@@ -483,6 +483,11 @@ def _refused_result(exc: TangramError) -> dict[str, Any]:
 )
 @click.option("--task", metavar="NAME", help="Task name (key of the duration history).")
 @click.option(
+    "--job",
+    metavar="NAME",
+    help="The job it belongs to (fair share across jobs) [default: $TANGRAM_JOB, else 'default'].",
+)
+@click.option(
     "--setenv",
     "--env-var",
     "setenv",
@@ -518,6 +523,7 @@ def exec_(
     profile: str | None,
     elastic: bool | None,
     task: str | None,
+    job: str | None,
     setenv: tuple[str, ...],
     cwd: str | None,
     stdin_file: Any,
@@ -555,6 +561,7 @@ def exec_(
             profile=profile,
             elastic=elastic,
             task=task,
+            job=job,
             env_vars=env_vars,
             stdin=stdin_file.read() if stdin_file is not None else None,
             cwd=cwd,
@@ -571,7 +578,7 @@ def exec_(
         if exc.code in REQUEST_ERRORS:
             fail(request_error_line(exc), EXIT_USAGE)
         fail(f"{exc.code}: {humanize_sizes(exc.message)}", EXIT_INFRA)
-    finish_exec(result, as_json)
+    finish_exec(result, as_json, job=job or ctl.client.job or "default")
 
 
 def command_of(cmd: Sequence[str], shell: bool, session: str | None) -> str | list[str]:
@@ -582,11 +589,12 @@ def command_of(cmd: Sequence[str], shell: bool, session: str | None) -> str | li
     return list(cmd)
 
 
-def finish_exec(result: ExecResult, as_json: bool) -> NoReturn:
-    """Print an exec's result (its output, or its JSON) with one line saying why it did not
-    complete, if it did not; exit with the exec contract's status."""
+def finish_exec(result: ExecResult, as_json: bool, job: str | None = None) -> NoReturn:
+    """Print an exec's result (its output, or its JSON: with ``job``, the job it ran under)
+    with one line saying why it did not complete, if it did not; exit with the exec
+    contract's status."""
     if as_json:
-        click.echo(to_json(result.to_wire()))
+        click.echo(to_json({**result.to_wire(), **({"job": job} if job else {})}))
     else:
         click.echo(result.stdout, nl=False)
         click.echo(result.stderr, nl=False, err=True)
@@ -873,6 +881,30 @@ def api_list(ctl: Ctl, as_json: bool) -> None:
     rows = ctl.client.api_list()
     preferred = ("name", "concurrency", "in_use", "quota", "period_s", "used", "waiting")
     emit(as_json, {"apis": rows}, lambda: table(rows, preferred=preferred))
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+@cli.command("jobs")
+@json_option
+@pass_ctl
+def jobs_cmd(ctl: Ctl, as_json: bool) -> None:
+    """Jobs: weight, priority, queued and running actions, cores and GPUs held, share, ACT."""
+    rows = ctl.client.jobs()
+    preferred = (
+        "name",
+        "weight",
+        "priority",
+        "queued",
+        "running",
+        "cores",
+        "gpus",
+        "share",
+        "act_p50",
+        "act_p99",
+    )
+    emit(as_json, {"jobs": rows}, lambda: table(rows, preferred=preferred))
 
 
 # --------------------------------------------------------------------------- stored profiles

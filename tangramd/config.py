@@ -25,10 +25,11 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Final
 
 from tangram import sched
+from tangram.jobs import JobError, parse_jobs
 from tangram.protocol.errors import BadRequest
 from tangram.protocol.ops import parse_size as wire_parse_size
 from tangram.protocol.paths import default_socket_path
-from tangram.sched import ORDERS, RULES
+from tangram.sched import ORDERS, RULES, Job
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -556,6 +557,9 @@ class Config:
     services: tuple[ServiceConfig, ...] = ()
     path: str | None = None
     http: HttpConfig = field(default_factory=HttpConfig)
+    # ``[[job]]``: the jobs' terms for fair share across jobs (tangram.jobs, issue 34); a
+    # job not listed has weight 1, priority 0 and no cap
+    jobs: Mapping[str, Job] = field(default_factory=dict)
 
     def api(self, name: str) -> ApiConfig | None:
         """The ``[[api]]`` entry called ``name``, if any."""
@@ -638,7 +642,7 @@ def _build_table(cls: type, raw: Any, key: str, source: str, overrides: Mapping[
 
 
 def _build(raw: Mapping[str, Any], source: str, overrides: Mapping[str, Any]) -> Config:
-    known = [*_TABLES, *_ARRAYS]
+    known = [*_TABLES, *_ARRAYS, "job"]
     for section in raw:
         if section not in known:
             raise ConfigError(source, section, "unknown section", ", ".join(known))
@@ -660,7 +664,11 @@ def _build(raw: Mapping[str, Any], source: str, overrides: Mapping[str, Any]) ->
             _build_table(cls, entry, f"{section}[{i}]", source, {})
             for i, entry in enumerate(entries)
         )
-    return Config(**tables, **arrays, path=None if source == COMMAND_LINE else source)
+    try:
+        jobs = parse_jobs(raw.get("job"))
+    except JobError as exc:
+        raise ConfigError(source, exc.key, exc.problem, exc.allowed) from None
+    return Config(**tables, **arrays, jobs=jobs, path=None if source == COMMAND_LINE else source)
 
 
 # --------------------------------------------------------------------------- step 3: validate

@@ -156,6 +156,10 @@ def _api_list(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return {"apis": ex.core.read.api_rows()}
 
 
+def _jobs(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return {"jobs": ex.core.read.job_rows()}
+
+
 def _profile_get(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return ex.core.read.profile(args["name"])
 
@@ -323,6 +327,7 @@ SYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Any]] = {
     "story": _story,
     "env.list": _env_list,
     "api.list": _api_list,
+    "jobs": _jobs,
     "profile.save": _profile_save,
     "profile.get": _profile_get,
     "profile.list": _profile_list,

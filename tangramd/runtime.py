@@ -131,6 +131,7 @@ def core_config(config: Any) -> CoreConfig:
         max_output=config.cpu.max_output_bytes,
         default_image=config.cpu.docker_image if config.cpu.backend == "docker" else None,
         exec_as_peer=config.cpu.exec_user == "peer",
+        jobs=dict(getattr(config, "jobs", {})),
     )
 
 

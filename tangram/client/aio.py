@@ -97,8 +97,10 @@ class AsyncClient(Ops):
         connect_timeout_s: float = 5.0,
         max_frame: int = DEFAULT_MAX_FRAME,
         cancel_abandoned: bool = True,
+        job: str | None = None,
     ) -> None:
         self.path = os.fspath(path) if path is not None else default_socket_path()
+        self.job = job or os.environ.get("TANGRAM_JOB") or None  # the actions' job
         # an exec whose awaiting coroutine is cancelled is cancelled too (``_exec``); False:
         # it runs on, as a disconnected client's running exec does (the HTTP gateway's rule)
         self.cancel_abandoned = cancel_abandoned

@@ -81,6 +81,10 @@ def _file(result: Any) -> tuple[bytes, bool]:
 class Ops:
     """The op methods shared by both clients (see the module doc)."""
 
+    # the job of this client's actions (``Client(job=...)``, else ``$TANGRAM_JOB``); None:
+    # the daemon's "default"
+    job: str | None = None
+
     def _op(self, op: str, args: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
         raise NotImplementedError
 
@@ -181,6 +185,7 @@ class Ops:
         fetch: Sequence[str] | None = None,
         queue_timeout_s: float | None = None,
         ref: str | None = None,
+        job: str | None = None,
     ) -> ExecResult:
         """Run one command as an exec action; failures of the command are in the result.
 
@@ -203,6 +208,9 @@ class Ops:
         ``ref`` names the action on this connection so that ``cancel`` can reach it before
         its id is known; :class:`~tangram.client.AsyncClient` sets one on every exec and
         sends that cancel when the awaiting coroutine is cancelled.
+
+        ``job``: the job the action belongs to (fair share across jobs); unset: the
+        client's ``job`` (``Client(job=...)``, else ``$TANGRAM_JOB``, else "default").
         """
         spec = ExecSpec(
             cmd=cmd if isinstance(cmd, str) else list(cmd), env=env, image=image,
@@ -215,7 +223,7 @@ class Ops:
                 for path, data in files.items()
             },
             fetch=None if fetch is None else list(fetch), queue_timeout_s=queue_timeout_s,
-            ref=ref,
+            ref=ref, job=job or self.job,
         )  # fmt: skip
         return self._op("exec", spec.to_wire(), ExecResult.from_wire)
 
@@ -274,6 +282,10 @@ class Ops:
     def api_list(self) -> list[dict[str, Any]]:
         """API endpoints with quotas."""
         return self._op("api.list", {}, _field("apis", list))
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """The jobs: terms, queued/running actions, cores and GPUs held, share, ACTs."""
+        return self._op("jobs", {}, _field("jobs", list))
 
     def profile_save(
         self,

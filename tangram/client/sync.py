@@ -51,8 +51,10 @@ class Client(Ops):
         timeout_s: float | None = None,
         connect_timeout_s: float = 5.0,
         max_frame: int = DEFAULT_MAX_FRAME,
+        job: str | None = None,
     ) -> None:
         self.path = os.fspath(path) if path is not None else default_socket_path()
+        self.job = job or os.environ.get("TANGRAM_JOB") or None  # the actions' job
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_frame = max_frame

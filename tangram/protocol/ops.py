@@ -346,6 +346,7 @@ _EXEC_ARGS: Final = (
     Arg("elastic", Bool(), doc="let the scheduler pick the core count in cpus"),
     Arg("trajectory", ID, doc="trajectory this action belongs to"),
     Arg("task", NAME, doc="task name (history estimator key)"),
+    Arg("job", NAME, doc="the job it belongs to (fair share across jobs; default 'default')"),
     Arg("t1_s", POSITIVE_S, doc="inline elasticity: duration on one core"),
     Arg("eff", _dop_map(FRACTION), doc="inline elasticity: efficiency per dop"),
     Arg("env_vars", MapOf(Str(allow_empty=True)), doc="environment variables of the command"),
@@ -712,6 +713,13 @@ OPS: Final[dict[str, Op]] = {
             errors=("not_found", "bad_request"),
         ),
         Op("api.list", "API endpoints with quota and usage", result=("apis: [map]",)),
+        Op(
+            "jobs",
+            "the jobs (configured [[job]] or seen on an action): weight, priority, caps, "
+            "queued and running actions, cores and GPUs held, share (dominant share over "
+            "weight) and recent ACT p50/p99 (null before one finished)",
+            result=("jobs: [map]",),
+        ),
         Op(
             "profile.save",
             "store a measured elasticity profile",

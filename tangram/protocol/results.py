@@ -62,6 +62,8 @@ class ExecSpec:
     # the client's name for the action, unique on its connection: ``cancel``'s ``ref``
     # finds it before the client knows its action id (``AsyncClient`` sets one per exec)
     ref: str | None = None
+    # the job the action belongs to (fair share across jobs, issue 34); None: "default"
+    job: str | None = None
 
     def __post_init__(self) -> None:
         if self.cwd is not None:

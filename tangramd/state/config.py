@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tangram.sched import SchedConfig
+from tangram.sched import Job, SchedConfig
 
 
 @dataclass
@@ -27,3 +28,5 @@ class CoreConfig:
     # (``scheduling.short_waiting``); False: every pass reads the whole queue (tests
     # compare the two).
     short_passes: bool = True
+    # ``[[job]]``: the jobs' terms (fair share across jobs, tangram.sched.share; issue 34)
+    jobs: Mapping[str, Job] = field(default_factory=dict)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from collections import deque
+
     from tangram.model import HistoryEstimator
     from tangram.pools.api import ApiPool
     from tangram.pools.cpu import CpuCluster
@@ -48,6 +50,8 @@ class Core(Protocol):
     shutting_down: bool
     stimulus: int  # the id of the event being handled: every command's and entry's cause
     idle_due: float | None
+    jobs_seen: set[str]  # every job an action was submitted under (issue 34)
+    job_acts: dict[str, deque[float]]  # each job's recent ACTs (the ``jobs`` op)
 
     def new_id(self, prefix: str) -> str: ...
 

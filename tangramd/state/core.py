@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -117,6 +118,10 @@ class Core:
         self._ids = itertools.count(1)
         # a lower bound of the earliest idle deadline (None: scan the environments)
         self.idle_due: float | None = None
+        # jobs (issue 34): every job an action was submitted under (two or more: passes
+        # read the whole queue in fair-share order) and each job's recent ACTs (``jobs`` op)
+        self.jobs_seen: set[str] = set(self.cfg.jobs)
+        self.job_acts: dict[str, deque[float]] = {}
 
     # ------------------------------------------------------------------ entry point
     def handle(self, event: ev.Event, now: float) -> list[ev.Command]:

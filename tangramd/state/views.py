@@ -3,11 +3,14 @@ environments, APIs, nodes, profiles), read from the books and never changing the
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from tangram.jobs import DEFAULT_JOB
 from tangram.model import ActionId
 from tangram.protocol.errors import NotFound
+from tangram.sched.share import Job, dominant_share, pool_totals
 from tangramd.state.actions import ActionRec
 from tangramd.state.handlers.actions import waiting_for
 
@@ -75,6 +78,7 @@ class ReadModel:
                 "elastic": a.is_elastic(),
                 "waiting_for": waiting_for(core, rec) if waiting else None,
                 "deadline_s": _left(core.actions.deadlines.get(a.id), now),
+                "job": a.job,
             }
 
         queued = [*core.actions.queue.values()]
@@ -140,6 +144,8 @@ class ReadModel:
             "action_id": record_id,
             "id": record_id,
             "kind": kind,
+            # the job of a live action (a finished one's is in its "submitted" event)
+            "job": live.action.job if is_action and live is not None else None,
             "state": state,
             "waiting_for": waits,
             "outcome": getattr(live, "outcome", None) if live is not None else outcome,
@@ -175,6 +181,49 @@ class ReadModel:
         """``env.list``'s rows: a ``viewer`` uid (not an operator) gets its own."""
         mine = _visible_to(viewer)
         return [row for row in self.core.envs.rows(now) if mine(self._owner_of(row["id"]))]
+
+    def job_rows(self) -> list[dict[str, Any]]:
+        """One row per job (configured, or seen on an action since start): its terms, its
+        queued and running actions, the cores and GPUs they hold, its share (dominant
+        share of the cluster over its weight, tangram.sched.share) and its recent ACTs."""
+        core = self.core
+        names = set(core.jobs_seen) | set(core.cfg.jobs) | {DEFAULT_JOB}
+        queued: dict[str, int] = {}
+        for rec in core.actions.queue.values():
+            queued[rec.action.job] = queued.get(rec.action.job, 0) + 1
+        running: dict[str, int] = {}
+        held: dict[str, dict[str, int]] = {}
+        for rec in core.actions.live.values():
+            if rec.state == "running":
+                job = rec.action.job
+                running[job] = running.get(job, 0) + 1
+                if rec.pool_id:
+                    mine = held.setdefault(job, {})
+                    r = core.pools[rec.pool_id].resource
+                    mine[r] = mine.get(r, 0) + (len(rec.units) or 1)
+        totals = pool_totals(core.pools)
+        rows = []
+        for name in sorted(names):
+            spec = core.cfg.jobs.get(name) or Job(name)
+            mine = held.get(name, {})
+            acts = sorted(core.job_acts.get(name, ()))
+            rows.append(
+                {
+                    "name": name,
+                    "weight": spec.weight,
+                    "priority": spec.priority,
+                    "max_cores": spec.max_cores,
+                    "max_gpus": spec.max_gpus,
+                    "queued": queued.get(name, 0),
+                    "running": running.get(name, 0),
+                    "cores": mine.get("cpu", 0),
+                    "gpus": mine.get("gpu", 0),
+                    "share": round(dominant_share(mine, totals, spec.weight), 6),
+                    "act_p50": _pct(acts, 0.50),
+                    "act_p99": _pct(acts, 0.99),
+                }
+            )
+        return rows
 
     def api_rows(self) -> list[dict[str, Any]]:
         waiting: dict[str, int] = {}
@@ -335,3 +384,11 @@ def _visible_to(viewer: int | None) -> Any:
     """Whether a record with this owner shows to ``viewer`` (None: an operator, who sees
     every record; a uid sees those it owns, never one whose owner is unknown)."""
     return lambda owner: viewer is None or (owner is not None and owner[0] == viewer)
+
+
+def _pct(sorted_values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (None: no value yet)."""
+    if not sorted_values:
+        return None
+    n = len(sorted_values)
+    return round(sorted_values[min(n - 1, max(0, math.ceil(q * n) - 1))], 6)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from tangram.jobs import DEFAULT_JOB, check_job_name
 from tangram.model import ActionId, TangramError, make_action
 from tangram.protocol.errors import BadRequest, EnvLost, InfraError, NotFound, ShuttingDown
 from tangram.protocol.results import CallResult, ExecResult, cancelled
@@ -21,6 +23,9 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------------- how actions end
+JOB_ACTS = 1000  # ACTs kept per job for the ``jobs`` op's percentiles
+
+
 def finish_action(
     core: Core,
     rec: ActionRec,
@@ -55,6 +60,11 @@ def finish_action(
         exec_s = now - rec.started_at if rec.started_at is not None else 0.0
         result = ExecResult(outcome, exec_s=exec_s, detail=detail)  # type: ignore[arg-type]
     books.finished.append((rec.action.kind, queue_s, result.exec_s))
+    if rec.started_at is not None:  # its ACT, for the ``jobs`` op's percentiles
+        acts = core.job_acts.get(rec.action.job)
+        if acts is None:
+            acts = core.job_acts[rec.action.job] = deque(maxlen=JOB_ACTS)
+        acts.append(now - rec.submitted_at)
     if env is not None:
         env.active = max(0, env.active - 1)
         env.last_used = now
@@ -96,6 +106,7 @@ def submit_exec(core: Core, e: ev.SubmitExec, now: float, out: list[ev.Command])
     if core.shutting_down:
         raise ShuttingDown("daemon is shutting down")
     spec = e.spec
+    job = DEFAULT_JOB if spec.job is None else check_job_name(spec.job)
     cpus: Any = 1 if spec.cpus is None else spec.cpus
     t1_s, eff = spec.t1_s, spec.eff
     if spec.profile is not None:
@@ -150,6 +161,7 @@ def submit_exec(core: Core, e: ev.SubmitExec, now: float, out: list[ev.Command])
             env.trajectory,
             {"cpu": cpus},
             task=spec.task or "default",
+            job=job,
             seq=core.actions.next_seq(),
             t1_s=t1_s,
             eff=eff,
@@ -161,6 +173,7 @@ def submit_exec(core: Core, e: ev.SubmitExec, now: float, out: list[ev.Command])
         if env.throwaway:
             close_env(core, env, now, out, "submission rejected")
         raise
+    core.jobs_seen.add(job)
     rec = core.actions.add(
         action,
         now,
@@ -177,7 +190,13 @@ def submit_exec(core: Core, e: ev.SubmitExec, now: float, out: list[ev.Command])
     if wait_s is not None:  # it gives up waiting then (``expire_waits``)
         core.actions.deadlines.set(aid, now + wait_s)
         rec.bounds_run = spec.queue_timeout_s is None and spec.timeout_s is not None
-    note(rec, now, "submitted", f"cpus={cpus} env={env.id} cmd={short(spec.cmd)}", core.stimulus)
+    note(
+        rec,
+        now,
+        "submitted",
+        f"cpus={cpus} env={env.id} job={job} cmd={short(spec.cmd)}",
+        core.stimulus,
+    )
     env.active += 1
     env.last_used = now
     if env.state == "ready":

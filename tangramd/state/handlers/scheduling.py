@@ -61,7 +61,13 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
         p.pool_id: core.meter.load(p.pool_id, now, envs_on.get(p.pool_id, 0))
         for p in core.cpu.nodes
     }
-    if core.cfg.short_passes:
+    # several jobs (or a capped one): the pass orders the whole queue by fair share, so no
+    # prefix decides it (short_waiting's proof assumes FCFS)
+    jobs = core.cfg.jobs
+    shared = len(core.jobs_seen) > 1 or any(
+        j.max_cores is not None or j.max_gpus is not None for j in jobs.values()
+    )
+    if core.cfg.short_passes and not shared:
         short = short_waiting(core, affinity)
     if short is not None:
         decision = nothing_fits(core, short, affinity) or schedule_paused(
@@ -84,13 +90,19 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
         if cached:  # never a cached one here (one read in this pass is fresh)
             affinity = read_affinity(core)
         running: dict[str, list[tuple[float, int]]] = {}
+        held: dict[str, dict[str, int]] = {}  # job -> resource -> units its running hold
         for rec in core.actions.live.values():
             if rec.state == "running" and rec.pool_id:
                 started = rec.started_at if rec.started_at is not None else now
                 exp = started + rec.expected_s
                 if exp <= now:  # overdue: expect it to run about as long again as it has
                     exp = now + (now - started)
-                running.setdefault(rec.pool_id, []).append((exp, len(rec.units) or 1))
+                units = len(rec.units) or 1
+                running.setdefault(rec.pool_id, []).append((exp, units))
+                if shared:
+                    mine = held.setdefault(rec.action.job, {})
+                    r = core.pools[rec.pool_id].resource
+                    mine[r] = mine.get(r, 0) + units
         snap = Snapshot(
             waiting=[rec.action for rec in core.actions.queue.values()],
             pools=core.pools,
@@ -98,6 +110,8 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
             running=running,
             estimate=core.history.estimate,
             load=load,
+            jobs=jobs,
+            held=held,
         )
         decision = schedule_paused(snap, now, core.cfg.sched)
         waiting = snap.waiting
