@@ -149,3 +149,30 @@ def test_the_readme_service_example_is_a_valid_config(tmp_path: Path) -> None:
         16,
         2.0,
     )
+
+
+def test_a_coordinator_validates_service_tables_and_says_it_registers_none(
+    tmp_path: Path,
+) -> None:
+    """`tangramd coordinator` checks `[[service]]` as `tangramd up` does (a bad key stops it
+    with one line naming it) and, with valid ones, says at start that it registers none."""
+    from tangram.testing import spawn_coordinator
+
+    services = CONFIG.split("[gpu]")[0] + "[[service]]" + CONFIG.split("[[service]]", 1)[1]
+    coordinator = spawn_coordinator(tmp_path / "ok", services)
+    try:
+        wait_for(lambda: "config_services_not_registered" in coordinator.log(), 30, "the line")
+        assert "'warm'" in coordinator.log() or '"warm"' in coordinator.log()
+    finally:
+        coordinator.stop()
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[service]]\nname = "w"\nentry = "m:f"\nmem_gb = 1\nbatchsize = 8\n')
+    argv = [sys.executable, "-m", "tangramd.main", "coordinator", "--config", str(bad)]
+    argv += ["--socket", str(tmp_path / "c.sock"), "--state-dir", str(tmp_path / "cstate")]
+    argv += ["--listen", "127.0.0.1:0"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.strip().splitlines() if "Warning" not in line]
+    lines = [line for line in lines if not line.startswith("  ")]
+    assert len(lines) == 1 and "service[0].batchsize: unknown key" in lines[0], proc.stderr
+    assert "max_batch" in lines[0], lines[0]
