@@ -177,15 +177,18 @@ def start_call(core: Core, rec: ActionRec, now: float, out: list[ev.Command]) ->
     window = spec.batch_window_ms / 1000.0 if spec is not None else 0.0
     batch = Batch(rec, node, local, evicted, limit, now + window)
     if limit > 1:
-        for other in list(core.actions.queue.values()):
-            if batch.size >= limit:
+        riders: list[ActionRec] = []
+        for other in core.actions.queue.values():  # (FCFS order; read, then taken)
+            if len(riders) >= limit - 1:
                 break
             if (
                 other.call is not None
                 and other.call.name == rec.call.name
                 and other.action.id not in core.services.placing
             ):
-                ride(core, batch, other, now)
+                riders.append(other)
+        for other in riders:
+            ride(core, batch, other, now)
     if batch.size < limit and window > 0:
         core.services.forming.setdefault(rec.call.name, []).append(batch)
         return
