@@ -322,3 +322,30 @@ def test_a_zip_upload_within_the_cap_extracts(backend):
     asyncio.run(backend.put(env, "/testbed/up", zip_to_tar(buf.getvalue()), tar=True))
     r = ex(backend, env, "cat /testbed/up/repo/setup.py && test -d /testbed/up/repo/src")
     assert (r.outcome, r.stdout) == ("ok", "print('hi')\n"), r
+
+
+def test_without_isolation_what_a_put_makes_is_the_users(tmp_path):
+    """``isolation = "none"`` under a root daemon: a put's parents, its file and a tar
+    stream's members belong to the environment's user (the tar extracted, a directory's
+    get walked, as that user); absolute paths must name a place in its directory."""
+    backend = ProcessBackend(
+        tmp_path / "state", isolation="none", default_user=(65534, 65534), use_cgroups=False
+    )
+    try:
+        env = new_env(backend)
+        home = backend.env_dir(env)
+        assert asyncio.run(backend.put(env, "a/b/c.txt", b"c")) == 1
+        asyncio.run(backend.put(env, str(home / "t"), _tar({"sub/f": b"f"}), tar=True))
+        for rel in ("a", "a/b", "a/b/c.txt", "t", "t/sub", "t/sub/f"):
+            st = os.lstat(home / rel)
+            assert (st.st_uid, st.st_gid) == (65534, 65534), rel
+            if not rel.startswith("t/"):  # (a tar member keeps its archive's mode)
+                assert not stat.S_IMODE(st.st_mode) & 0o077, (rel, oct(st.st_mode))
+        data, is_tar = asyncio.run(backend.get(env, "t", max_bytes=1 << 20))
+        with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+            assert is_tar and sorted(archive.getnames()) == ["sub", "sub/f"]
+        for path in ("/etc/passwd", "../x"):
+            with pytest.raises(PathEscape):
+                asyncio.run(backend.get(env, path, max_bytes=1 << 20))
+    finally:
+        asyncio.run(backend.shutdown())
