@@ -655,7 +655,7 @@ def env() -> None:
     "--timeout",
     "timeout_s",
     type=click.FloatRange(min=0, min_open=True),
-    metavar="S",
+    metavar="SECONDS",
     help="Most seconds to wait for memory (> 0); past it exit 124 naming what it needed.",
 )
 @json_option
