@@ -154,7 +154,7 @@ def per_kind(rows: list[tuple[tuple[str, int, int], dict]]) -> list[dict[str, An
     out: list[dict[str, Any]] = []
     for (wl, b, seed), res in rows:
         fixed = [p for p in res if p.startswith("fixed-dop:")]
-        if "tangram" not in res or not fixed or "by_kind" not in res["tangram"]:
+        if not fixed or not all("by_kind" in res.get(p, {}) for p in ("tangram", *fixed)):
             continue  # (a file written before by_kind)
         for kind in ("all", *KINDS):
 
@@ -351,6 +351,8 @@ def main() -> None:
         for p in policies:
             if p not in res:
                 res[p] = {**old[p], "reused": True}
+        if "oracle" not in res and "oracle" in old:  # (from the runs of the previous file)
+            res["oracle"] = {**old["oracle"], "reused": True}
     key = lambda k: (k[0] != "ai-coding", k[0], k[2], k[1])  # noqa: E731
     rows = sorted(done.items(), key=lambda kv: key(kv[0]))
     if args.json:  # the per-kind rows alone (the markdown tables are the default output)
