@@ -90,6 +90,10 @@ def test_the_executor_keeps_no_placement_for_execs_another_host_runs(tmp_path) -
         state_dir=str(tmp_path),
         handlers=ops,  # type: ignore[arg-type]
     )
-    ex._commands[ev.RunExec](RUN)
+
+    async def place() -> None:  # (on a loop: the run_exec's deadline is armed on it)
+        ex._commands[ev.RunExec](RUN)
+
+    asyncio.run(place())
     assert [msg["t"] for _, msg in sent] == ["run_exec"]
     assert ex._placed == {}
