@@ -101,12 +101,14 @@ class RogueNode:
 
     def close(self) -> None:
         async def stop() -> None:
-            self._task.cancel()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
             if self.link is not None:
                 self.link.abort()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result(5)
-        wait_for(self._task.done, 5, "the rogue node's task ended")
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         self.loop.close()
