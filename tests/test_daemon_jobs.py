@@ -76,7 +76,7 @@ def test_job_in_queue_and_story_json_and_a_bad_job_name(daemon):
 
     async def scenario():
         c = AsyncClient(daemon.socket, job="grpo-a")
-        first = asyncio.ensure_future(c.exec("sleep 3", cpus=2))
+        first = asyncio.ensure_future(c.exec("sleep 6", cpus=2))  # while two ctl calls run
         with daemon.client() as look:
             await asyncio.to_thread(wait_for, lambda: look.queue()["running"], 20, "running")
             second = asyncio.ensure_future(c.exec("true", job="eval"))

@@ -124,3 +124,23 @@ def test_job_terms_are_validated():
         Job("A", max_cores=-1)
     with pytest.raises(ValueError, match="name"):
         Job("")
+
+
+def test_a_unit_its_pool_cannot_give_is_not_counted_against_its_job():
+    """Two nodes with one free core each; job A (weight 2) holds 1 core, B 1 of 4. A's
+    second action waits on the node A just filled: counting it would let B take the other
+    node's core. It is not counted, so A's action on the other node starts there."""
+    n0, n1 = node(2, "n0"), node(2, "n1")
+    n0.allocate("busy0", (0,))
+    n1.allocate("busy1", (0,))
+    acts = [ex(0, "A"), ex(1, "A"), ex(2, "A"), ex(3, "B")]
+    where = {"t0": n0.pool_id, "t1": n0.pool_id, "t2": n1.pool_id, "t3": n1.pool_id}
+    snap_ = Snapshot(
+        waiting=acts,
+        pools={n0.pool_id: n0, n1.pool_id: n1},
+        affinity={TrajectoryId(t): p for t, p in where.items()},
+        jobs={"A": Job("A", weight=2.0)},
+        held={"A": {"cpu": 1}, "B": {"cpu": 1}},
+    )
+    d = schedule(snap_, 0.0)
+    assert sorted(p.action_id for p in d.placements) == ["a0", "a2"]

@@ -199,7 +199,7 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
     # several jobs (or a capped one): each pool serves its queue in fair-share order
     # (tangram.sched.share); within a job the order stays FCFS
     ordered = everyone
-    fair = fair_order(everyone, snapshot.jobs, snapshot.held, snapshot.totals, pools)
+    fair = fair_order(everyone, snapshot.jobs, snapshot.held, snapshot.totals, pools, affinity)
     if fair is not None:
         ordered = fair.order
         for action, why in fair.never:

@@ -36,7 +36,7 @@ import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tangram.model import Action, Shortfall
+from tangram.model import Action, Shortfall, TrajectoryId
 from tangram.sched.pool import SchedPool
 
 DEFAULT_JOB = "default"
@@ -115,10 +115,16 @@ def fair_order(
     held: Mapping[str, Mapping[str, int]],
     totals: Mapping[str, int],
     pools: Mapping[str, SchedPool] | None = None,
+    affinity: Mapping[TrajectoryId, str] | None = None,
 ) -> FairOrder | None:
     """The waiting actions in fair-share order (see the module doc); None: FCFS as is.
 
-    ``totals`` empty: the units per resource are summed over ``pools``."""
+    ``totals`` empty: the units per resource are summed over ``pools``. With ``pools`` (and
+    ``affinity``: trajectory -> pool id, where exec actions run), an action whose pool has
+    no free units left for it this pass (counting the minimums of those offered before it)
+    is not counted as held: each pool serves only its own queue, so counting it would hand
+    the share it cannot take there to its job on another pool. Those come after the
+    others, in the order they were reached."""
     if not waiting:
         return None
     first = waiting[0].job
@@ -143,8 +149,14 @@ def fair_order(
         else:
             got.append(a)
     order: list[Action] = []
+    later: list[Action] = []  # reached when their pool had no units left: not counted
     capped: list[Action] = []
     never: list[tuple[Action, Shortfall]] = []
+    free: dict[str, int] = {}
+    if pools is not None:
+        for pid, pool in pools.items():
+            free[pid] = pool.free_units()
+    where: Mapping[TrajectoryId, str] = affinity if affinity is not None else {}
     # per job: its spec, what it holds (copied: counted up as actions are offered), its
     # dominant share (unweighted), the next index into its queue
     specs: list[Job] = []
@@ -198,6 +210,15 @@ def fair_order(
                     capped.extend(queue[k:])  # FCFS within the job: the rest waits
                     k = nq
                     break
+            if free:
+                at = where.get(a.trajectory) if kind == "exec" else r
+                left = free.get(at, -1) if at is not None else -1
+                if at is not None and left >= 0:  # on a known pool: it takes units there
+                    if left < need:
+                        later.append(a)  # not counted: its share goes to others this pass
+                        k += 1
+                        continue
+                    free[at] = left - need
             order.append(a)
             have += need
             mine[r] = have
@@ -218,6 +239,7 @@ def fair_order(
         nxt[i] = k
         if k < nq:
             heapq.heappush(heap, (prio, d / weight, queue[k].seq, i))
+    order.extend(later)
     return FairOrder(order, capped, never)
 
 
