@@ -212,6 +212,9 @@ def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, InProc
         assert ran["outcome"] == "ok"
         answers["session.interrupt"] = c.request("session.interrupt", {"id": session["id"]})
         answers["session.close"] = c.request("session.close", {"id": session["id"]})
+        answers["env.reset"] = c.request("env.reset", {"env": env})  # no session open now
+        with pytest.raises(BadRequest, match="not supported on a cluster coordinator"):
+            c.request("env.fork", {"env": env, "n": 1})
         args = {
             "story": {"action_id": result["action_id"]},
             "env.close": {"id": env},
@@ -233,7 +236,7 @@ def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, InProc
             c.request("call", {"name": "s", "payload": {}})
         with pytest.raises(NotFound, match="not registered"):
             c.request("service.remove", {"name": "s"})
-        gpu_ops = ("service.register", "call", "service.remove")
+        gpu_ops = ("service.register", "call", "service.remove", "env.fork")
         local_only = ("cluster.join", "node.lost", "node.forget")
         for op in [o for o in OPS if o not in answers and o not in local_only + gpu_ops]:
             answers[op] = c.request(op, args.get(op, {}))

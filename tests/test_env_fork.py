@@ -329,7 +329,7 @@ def test_core_fork_refusals() -> None:
     assert reply.error[0] == "bad_request" and "action(s) not done" in reply.error[1]
     (reply,) = core.handle(ev.ForkEnv(token=7, env_id="e" + "1" * 32), 1.2)
     assert reply.error[0] == "not_found"
-    coordinator = _core(record_envs=False)
+    coordinator = _core(forks=False)
     src = _opened(coordinator)
     (reply,) = coordinator.handle(ev.ForkEnv(token=8, env_id=src), 0.5)
     assert reply.error[0] == "bad_request" and "cluster coordinator" in reply.error[1]

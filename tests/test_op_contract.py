@@ -85,7 +85,7 @@ def test_exec_args_are_the_exec_spec() -> None:
 @pytest.mark.parametrize("name", [n for n in dir(Client) if not n.startswith("_")])
 def test_both_clients_take_the_same_arguments(name: str) -> None:
     """Client and AsyncClient offer the same methods with the same parameters."""
-    sync_attr, async_attr = getattr(Client, name), getattr(AsyncClient, name, None)
-    assert async_attr is not None, f"AsyncClient lacks {name}"
+    assert hasattr(AsyncClient, name), f"AsyncClient lacks {name}"
+    sync_attr, async_attr = getattr(Client, name), getattr(AsyncClient, name)
     if callable(sync_attr):
         assert inspect.signature(sync_attr).parameters == inspect.signature(async_attr).parameters

@@ -346,7 +346,6 @@ _EXEC_ARGS: Final = (
     Arg("elastic", Bool(), doc="let the scheduler pick the core count in cpus"),
     Arg("trajectory", ID, doc="trajectory this action belongs to"),
     Arg("task", NAME, doc="task name (history estimator key)"),
-    Arg("job", NAME, doc="the job it belongs to (fair share across jobs; default 'default')"),
     Arg("t1_s", POSITIVE_S, doc="inline elasticity: duration on one core"),
     Arg("eff", _dop_map(FRACTION), doc="inline elasticity: efficiency per dop"),
     Arg("env_vars", MapOf(Str(allow_empty=True)), doc="environment variables of the command"),
@@ -377,6 +376,7 @@ _EXEC_ARGS: Final = (
         doc="the client's name for this action, unique on its connection: `cancel` with "
         "`ref` on the same connection cancels it before its action id is known",
     ),
+    Arg("job", NAME, doc="the job it belongs to (fair share across jobs; default 'default')"),
 )
 
 CANCEL_RESULT: Final = (
@@ -549,6 +549,7 @@ OPS: Final[dict[str, Op]] = {
                 "action_id: str",
                 "id: str",
                 "kind: str",
+                "job: str|null",
                 "state: str",
                 "waiting_for: str|null",
                 "outcome: str|null",

@@ -9,6 +9,7 @@ or :func:`node`; everything they build is composed here (:func:`build_coordinato
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import sys
@@ -113,7 +114,9 @@ def build_coordinator(
 
     pki = None if insecure else ensure_pki(config.daemon.state_dir, [listen[0]])
     # the environments' records go to the coordinator's SQLite store (StoreEnvRecords)
-    core = Core(CpuCluster([]), api_pools(config), core_config(config))
+    core = Core(
+        CpuCluster([]), api_pools(config), dataclasses.replace(core_config(config), forks=False)
+    )
     return CoordinatorExecutor(
         core,
         socket_path=config.daemon.socket,

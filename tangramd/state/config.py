@@ -22,6 +22,9 @@ class CoreConfig:
     exec_as_peer: bool = False  # commands run as the connecting client (cpu.exec_user="peer")
     # emit RecordEnv / PersistEnvs (tangramd up; a coordinator keeps its own registry)
     record_envs: bool = True
+    # env.fork (tangramd up); a coordinator refuses it for now: its children would have to
+    # be made by the node that holds the source's layers, and the link carries no fork yet
+    forks: bool = True
     max_transfer: int = 8 << 20  # bytes one env.get may return (env.put: the op table's cap)
     call_timeout_s: float = 300.0  # a service call's handler limit when the call gives none
     # Short-cut passes that provably decide what the full pass would

@@ -51,7 +51,7 @@ def fork_env(core: Core, e: ev.ForkEnv, now: float, out: list[ev.Command]) -> No
     if core.shutting_down:
         raise ShuttingDown("daemon is shutting down")
     src = core.ready_env(e.env_id, e.peer)
-    if not core.cfg.record_envs:
+    if not core.cfg.forks:
         raise BadRequest(
             "env.fork is not supported on a cluster coordinator yet: fork on the "
             "environment's node (tangramd up)"
