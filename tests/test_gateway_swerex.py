@@ -129,8 +129,11 @@ def test_execute_files_and_upload(runtime, tmp_path):
         assert (await runtime.read_file(ReadFileRequest(path="notes/a.txt"))).content == "über\n"
         with pytest.raises(FileNotFoundError):
             await runtime.read_file(ReadFileRequest(path="notes/none.txt"))
-        with pytest.raises(ValueError):
-            await runtime.read_file(ReadFileRequest(path="/etc/passwd"))
+        with pytest.raises(ValueError, match="ermission denied"):  # a host file root reads
+            await runtime.read_file(ReadFileRequest(path="/etc/shadow"))
+        passwd = await runtime.read_file(ReadFileRequest(path="/etc/passwd"))  # its own /etc
+        r = await runtime.execute(Command(command=["cat", "/etc/passwd"]))
+        assert passwd.content == r.stdout
         (tmp_path / "one.txt").write_text("one")
         tree = tmp_path / "tree"
         (tree / "sub").mkdir(parents=True)
