@@ -354,8 +354,8 @@ class CreateEnv(Command):
     image: str | None
     mem: int | None  # bytes (None: the backend's default; a node's message may omit it)
     owner: tuple[int, int] | None = None  # the user its files belong to (None: backend's)
-
     fork_of: str | None = None  # a fork: a copy-on-write copy of this environment's files
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RemoveEnv(Command):
