@@ -614,27 +614,58 @@ def finish_exec(result: ExecResult, as_json: bool, job: str | None = None) -> No
 
 
 @cli.command("cancel")
-@click.argument("action_id", metavar="ID")
+@click.argument("action_id", metavar="[ID]", required=False)
+@click.option("--job", metavar="NAME", help="With --all: cancel the actions of job NAME.")
+@click.option(
+    "--all",
+    "all_",
+    is_flag=True,
+    help="Every queued and running action of --job (yours; an operator's: everyone's).",
+)
 @json_option
 @pass_ctl
-def cancel(ctl: Ctl, action_id: str, as_json: bool) -> None:
+def cancel(ctl: Ctl, action_id: str | None, job: str | None, all_: bool, as_json: bool) -> None:
     """Cancel an exec or call by its action id (see `tangramctl queue`): a waiting one never
     runs; a running exec is killed with everything it started, and this returns once it is
     gone. Its client gets outcome cancelled (`tangramctl exec` exits 130). An action that
     already ended prints its outcome; a running GPU call runs to its end. Exit 0 then too;
     1 if there is no such action of yours.
 
-    (`--job NAME --all` waits for jobs, which do not exist yet.)"""
+    `cancel --job NAME --all` cancels every queued and running exec and call of job NAME
+    that you may see (an operator: all of them; others: their own) in one step, and
+    returns once the running ones are gone; --json lists each: `{"job", "actions":
+    [{"action_id", "cancelled", "state", "outcome"}]}`. Leases are not cancelled (they
+    are given back with `tangramctl lease release`)."""
+    if all_ and action_id is not None:
+        raise click.UsageError("--all cancels a job's actions: give --job NAME --all, not an ID")
+    if all_ and job is None:
+        raise click.UsageError("--all needs --job NAME (the job whose actions to cancel)")
+    if job is not None and not all_:
+        raise click.UsageError(f"--job {job} needs --all (cancel every action of the job)")
+    if job is not None:
+        answer = ctl.client.cancel_job(job)
+        rows = answer.get("actions") or []
+
+        def lines() -> str:
+            if not rows:
+                return f"job {job}: nothing to cancel"
+            return "\n".join(_cancel_line(row["action_id"], row) for row in rows)
+
+        emit(as_json, answer, lines)
+        return
+    if action_id is None:
+        raise click.UsageError("give an action ID, or --job NAME --all")
     result = ctl.client.cancel(action_id)
+    emit(as_json, result, lambda: _cancel_line(action_id, result))
 
-    def human() -> str:
-        if result.get("state") == "running":
-            return f"{action_id}: a running GPU call; it runs to its end"
-        if result.get("cancelled"):
-            return f"{action_id}: cancelled"
-        return f"{action_id}: already ended ({result.get('outcome')})"
 
-    emit(as_json, result, human)
+def _cancel_line(action_id: str, result: dict[str, Any]) -> str:
+    """``a5: cancelled`` (or why not) for one action of a cancel's answer."""
+    if result.get("state") == "running":
+        return f"{action_id}: a running GPU call; it runs to its end"
+    if result.get("cancelled"):
+        return f"{action_id}: cancelled"
+    return f"{action_id}: already ended ({result.get('outcome')})"
 
 
 # --------------------------------------------------------------------------- env

@@ -303,7 +303,13 @@ async def _cancel(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     """Answered at once, except for a running exec: when it has been killed."""
     return await ex.request(
         lambda tok: ev.CancelAction(
-            token=tok, action_id=args.get("id"), ref=args.get("ref"), conn=conn.id, peer=conn.peer
+            token=tok,
+            action_id=args.get("id"),
+            ref=args.get("ref"),
+            conn=conn.id,
+            peer=conn.peer,
+            job=args.get("job"),
+            everyone=args.get("job") is not None and is_operator(ex, conn),
         )
     )
 

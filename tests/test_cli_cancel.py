@@ -97,3 +97,76 @@ def test_cancel_a_running_and_a_queued_tangramctl_exec(daemon):
         for proc in (running,):
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_cancel_a_jobs_queued_and_running_execs_with_all(daemon):
+    """`cancel --job NAME --all` ends the job's running exec (killed, nothing of it left
+    when it returns) and its queued one in one step; another job's queued exec is not
+    touched; --json lists both with their outcomes; each `tangramctl exec` exits 130."""
+    mark = str(uuid.uuid4().int % 10**9)
+    sock = daemon.socket
+    job = f"grpo{mark}"
+
+    def start(*args: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [*CTL, "--socket", sock, "exec", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    procs = [start("--job", job, "--shell", "--", f"sleep 310.{mark} & sleep 311.{mark}")]
+    try:
+        with daemon.client() as c:
+            running = wait_for(lambda: c.queue()["running"], 30, "the job's exec running")
+            running_id = running[0]["action_id"]
+            wait_for(lambda: len(marked(mark)) >= 2, 20, "both sleeps started")
+            procs.append(start("--job", job, "--", "sleep", f"312.{mark}"))
+            procs.append(start("--job", "other", "--", "true"))
+            rows = wait_for(
+                lambda: len(w := c.queue()["waiting"]) == 2 and w, 30, "two execs waiting"
+            )
+            mine = [r["action_id"] for r in rows if r["job"] == job]
+            theirs = [r["action_id"] for r in rows if r["job"] == "other"]
+            assert len(mine) == 1 and len(theirs) == 1, rows
+
+        r = ctl(sock, "cancel", "--job", job, "--all", "--json")
+        assert r.exit_code == 0, r.output
+        answer = json.loads(r.output)
+        assert answer["job"] == job
+        assert sorted(answer["actions"], key=lambda row: row["action_id"]) == sorted(
+            [
+                {"action_id": aid, "cancelled": True, "state": "done", "outcome": "cancelled"}
+                for aid in (running_id, mine[0])
+            ],
+            key=lambda row: row["action_id"],
+        )
+        assert marked(mark) == []  # killed, background child and all, before the answer
+        for proc in procs[:2]:
+            _, err = proc.communicate(timeout=20)
+            assert proc.returncode == 130, err
+        _, err = procs[2].communicate(timeout=30)  # the other job's ran once cores freed
+        assert procs[2].returncode == 0, err
+        with daemon.client() as c:
+            assert c.story(running_id)["outcome"] == "cancelled"
+
+        r = ctl(sock, "cancel", "--job", job, "--all")
+        assert (r.exit_code, r.output.strip()) == (0, f"job {job}: nothing to cancel")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--all"], "--all needs --job NAME"),
+        (["a1", "--job", "x", "--all"], "not an ID"),
+        (["--job", "x"], "--job x needs --all"),
+        ([], "give an action ID, or --job NAME --all"),
+    ],
+)
+def test_cancel_usage_errors_name_the_options(daemon, args, says):
+    r = ctl(daemon.socket, "cancel", *args)
+    assert r.exit_code == 2 and says in r.output, r.output

@@ -73,6 +73,12 @@ def test_every_documented_result_is_what_the_daemon_sends(tmp_path) -> None:
         assert set(answers) | COORDINATOR_ONLY == set(OPS)
         for op, answer in answers.items():
             assert sorted(answer) == sorted(OPS[op].result_fields), op
+        # the second form of a result: cancel of a job's actions (none left: an empty list)
+        variants = {"cancel": {"job": "default", "all": True}}
+        assert {op for op, spec in OPS.items() if spec.variant} == set(variants)
+        for op, op_args in variants.items():
+            fields = [item.split(":", 1)[0] for item in OPS[op].variant[1]]  # type: ignore[index]
+            assert sorted(c.request(op, op_args)) == sorted(fields), op
 
 
 def test_exec_args_are_the_exec_spec() -> None:

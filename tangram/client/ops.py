@@ -279,6 +279,13 @@ class Ops:
         or another user's."""
         return self._op("cancel", {"id": action_id}, _as_dict)
 
+    def cancel_job(self, job: str) -> dict[str, Any]:
+        """Cancel every queued and running exec and call of ``job`` that this caller may
+        see (an operator: all of them; others: their own) in one step; answered once the
+        running execs among them are gone. Returns ``{"job", "actions": [{"action_id",
+        "cancelled", "state", "outcome"}]}`` (a running GPU call: state running)."""
+        return self._op("cancel", {"job": job, "all": True}, _as_dict)
+
     def api_list(self) -> list[dict[str, Any]]:
         """API endpoints with quotas."""
         return self._op("api.list", {}, _field("apis", list))

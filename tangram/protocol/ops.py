@@ -286,6 +286,8 @@ class Op:
     result: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()
     operator_only: bool = False  # others get `forbidden` (docs/protocol.md, Roles)
+    # a second form of the result: (when it is sent, its fields), e.g. cancel of a job
+    variant: tuple[str, tuple[str, ...]] | None = None
     check: Callable[[Mapping[str, Any]], None] | None = None
     by_name: dict[str, Arg] = field(init=False, repr=False, compare=False)
 
@@ -387,9 +389,21 @@ CANCEL_RESULT: Final = (
 )
 
 
+# ``cancel`` with ``job`` and ``all``: every action of the job it cancelled or found running
+CANCEL_JOB_RESULT: Final = (
+    "job: str",
+    "actions: [{action_id, cancelled, state, outcome}]",  # one per action, as cancel's result
+)
+
+
 def _check_cancel(args: Mapping[str, Any]) -> None:
-    if (args.get("id") is None) == (args.get("ref") is None):
-        raise BadRequest("id: give exactly one of id (the action id) and ref")
+    given = [key for key in ("id", "ref", "job") if args.get(key) is not None]
+    if len(given) != 1:
+        raise BadRequest("id: give exactly one of id (the action id), ref, or job with all")
+    if given == ["job"] and args.get("all") is not True:
+        raise BadRequest("all: required (true) with job: it cancels every action of the job")
+    if args.get("all") is not None and given != ["job"]:
+        raise BadRequest("all: only with job (give job and all, without id or ref)")
 
 
 _STATUS_FIELDS: Final = (
@@ -671,12 +685,17 @@ OPS: Final[dict[str, Op]] = {
             "already ended is answered with its outcome (cancelled false), not an error; a "
             "running GPU call runs to its end (state running). Only the user who submitted "
             "it, or root, may cancel it: another user's action is not_found. A lease is "
-            "given back with lease.release",
+            "given back with lease.release. With job and all: every queued and running exec "
+            "and call of that job the caller may see (an operator: all of them; others: "
+            "their own) in one step, answered once the running execs among them are gone",
             (
                 Arg("id", ID, doc="the action id (`action_id` of queue, story, exec's result)"),
                 Arg("ref", ID, doc="the exec's `ref`, on the connection that sent that exec"),
+                Arg("job", NAME, doc="cancel this job's actions (with all; not with id or ref)"),
+                Arg("all", Bool(), doc="true: every action of job (required with job)"),
             ),
             result=CANCEL_RESULT,
+            variant=("with job and all", CANCEL_JOB_RESULT),
             errors=("not_found", "bad_request"),
             check=_check_cancel,
         ),
@@ -861,6 +880,9 @@ def render_markdown() -> str:
         else:
             lines.append("Args: none.")
         lines += ["", f"Result: `{op.result_doc}`", ""]
+        if op.variant is not None:
+            when, fields = op.variant
+            lines += [f"Result {when}: `{{{', '.join(fields)}}}`", ""]
         codes = (*op.errors, "forbidden") if op.operator_only else op.errors
         errors = ", ".join(f"`{code}`" for code in codes) or "none beyond the common ones"
         lines += [f"Errors: {errors}.", ""]

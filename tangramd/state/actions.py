@@ -71,6 +71,22 @@ class ActionRec:
     owner: tuple[int, int] | None = None  # (uid, gid) of the client that submitted it
     cancelling: bool = False  # a cancel killed it: it ends ``cancelled`` (unless it was ok)
     cancel_tokens: list[int] = field(default_factory=list)  # cancels answered at its end
+    # cancels of its job (``cancel`` with job and all) waiting for it among others to end
+    job_cancels: list[JobCancel] = field(default_factory=list)
+
+
+@dataclass
+class JobCancel:
+    """One ``cancel`` of a job's actions: answered (``{"job", "actions"}``) once the running
+    execs it killed have ended; ``rows`` is each action's line, as ``cancel`` answers it."""
+
+    token: int | None
+    job: str
+    rows: dict[str, dict[str, object]] = field(default_factory=dict)
+    pending: set[str] = field(default_factory=set)
+
+    def answer(self) -> dict[str, object]:
+        return {"job": self.job, "actions": list(self.rows.values())}
 
 
 class ActionBook:

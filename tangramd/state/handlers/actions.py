@@ -12,7 +12,7 @@ from tangram.model import ActionId, TangramError, make_action
 from tangram.protocol.errors import BadRequest, EnvLost, InfraError, NotFound, ShuttingDown
 from tangram.protocol.results import CallResult, ExecResult, cancelled
 from tangramd import events as ev
-from tangramd.state.actions import ActionRec, may_touch
+from tangramd.state.actions import ActionRec, JobCancel, may_touch
 from tangramd.state.dispatch import handles
 from tangramd.state.services import gpu_place
 from tangramd.state.story import note
@@ -89,6 +89,13 @@ def finish_action(
     for token in rec.cancel_tokens:  # cancels waiting for it to end (a killed exec)
         out.append(core.reply(token, result=cancel_answer(rec.action.id, "done", outcome)))
     rec.cancel_tokens.clear()
+    for group in rec.job_cancels:  # cancels of its job waiting for it among others
+        aid = rec.action.id
+        group.rows[aid] = cancel_answer(aid, "done", outcome)
+        group.pending.discard(aid)
+        if not group.pending and group.token is not None:
+            out.append(core.reply(group.token, result=group.answer()))
+    rec.job_cancels.clear()
     if env is not None and env.active == 0 and env.throwaway:
         close_env(core, env, now, out, "throwaway environment done")
     books.forget(rec, outcome)
@@ -243,7 +250,11 @@ def exec_done(core: Core, e: ev.ExecFinished, now: float, out: list[ev.Command])
 def cancel(core: Core, e: ev.CancelAction, now: float, out: list[ev.Command]) -> None:
     """``cancel``: a waiting action ends ``cancelled`` at once; a running exec is killed
     (``KillExec``) and the cancel answered when its end comes back; an action that has
-    ended is answered with its outcome. Another user's action is not found."""
+    ended is answered with its outcome. Another user's action is not found. With a job:
+    every action of it (:func:`cancel_job`)."""
+    if e.job is not None:
+        cancel_job(core, e, now, out)
+        return
     rec = _cancel_target(core, e)
     name = e.action_id if e.action_id is not None else f"with ref {e.ref!r}"
     if rec is None or not may_touch(e.peer, rec.owner):
@@ -271,11 +282,48 @@ def cancel(core: Core, e: ev.CancelAction, now: float, out: list[ev.Command]) ->
         return
     if e.token is not None:
         rec.cancel_tokens.append(e.token)
+    _kill(core, rec, now, out, f"by {who}")
+
+
+def cancel_job(core: Core, e: ev.CancelAction, now: float, out: list[ev.Command]) -> None:
+    """``cancel`` with job and all: every queued and running exec and call of job
+    ``e.job`` that ``e.peer`` owns (every one when ``e.everyone``), in this one event.
+    Waiting ones end ``cancelled`` now, running execs are killed, running calls run on;
+    the answer lists each with its outcome once the killed execs have ended. Leases are
+    not cancelled (``lease.release`` gives one back)."""
+    job = e.job or ""
+    group = JobCancel(e.token, job)
+    for rec in core.actions:  # (a copy: actions end as it goes)
+        if rec.action.job != job or rec.action.kind == "api" or rec.state == "done":
+            continue
+        if not (e.everyone or may_touch(e.peer, rec.owner)):
+            continue
+        aid = rec.action.id
+        by_owner = e.peer is None or rec.owner is None or e.peer[0] == rec.owner[0]
+        who = f"by {'its owner' if by_owner else 'an operator'} (job {job})"
+        if rec.state in ("new", "queued", "waiting_env"):
+            finish_action(core, rec, now, out, outcome="cancelled", detail=f"cancelled {who}")
+            group.rows[aid] = cancel_answer(aid, "done", "cancelled")
+            continue
+        group.rows[aid] = cancel_answer(aid, "running", None)
+        if rec.action.kind != "exec":  # a running GPU call runs to its end
+            note(rec, now, "cancel refused", "a running call runs to its end", core.stimulus)
+            continue
+        group.pending.add(aid)
+        rec.job_cancels.append(group)
+        _kill(core, rec, now, out, who)
+    if not group.pending and e.token is not None:
+        out.append(core.reply(e.token, result=group.answer()))
+
+
+def _kill(core: Core, rec: ActionRec, now: float, out: list[ev.Command], who: str) -> None:
+    """Kill a running exec (``KillExec``); its end comes back as ``ExecFinished``."""
     if rec.cancelling:
         return  # already being killed: answered with the first cancel
     rec.cancelling = True
+    aid = rec.action.id
     env = core.envs.get(rec.env) if rec.env else None
-    note(rec, now, "cancel", f"by {who}: killing it", core.stimulus)
+    note(rec, now, "cancel", f"{who}: killing it", core.stimulus)
     out.append(
         ev.KillExec(
             action_id=aid,
