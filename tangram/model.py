@@ -3,8 +3,12 @@
 Pure: no I/O, no clock. Everything here is a small frozen value or a deterministic
 estimator that the scheduler, the pools, the daemon and the simulator share.
 
-- A *demand* maps resource types (``cpu``, ``mem``, ``gpu``, ``gpu_mem``, ``net``,
-  ``api:<name>``) to allowed amounts: a ``Range(min, max)`` or a discrete ``Choices`` set.
+- A *demand* maps resource types (``cpu``, ``mem``, ``gpu``, ``gpu_mem``, ``api:<name>``)
+  to allowed amounts: a ``Range(min, max)`` or a discrete ``Choices`` set. ``net`` is
+  refused (no pool holds network bandwidth, so a demand on it could not be kept).
+- *Joint admission* (issue 34): an ``api:<name>`` entry beside another key (an exec's
+  cores + one API slot) is the action's ``extra`` demand; the scheduler starts it only
+  when its key units and every extra unit fit together, and places them together.
 - At most one resource type is the *key elastic resource*; all others are fixed at their
   minimum.
 - ``Elasticity(t1_s, eff)`` gives ``dur(m) = T1 / (E(m) * m)`` with ``E`` interpolated
@@ -25,7 +29,9 @@ EnvId = NewType("EnvId", str)
 NodeId = NewType("NodeId", str)
 LeaseId = NewType("LeaseId", str)
 
-BASE_RESOURCES: tuple[str, ...] = ("cpu", "mem", "gpu", "gpu_mem", "net")
+BASE_RESOURCES: tuple[str, ...] = ("cpu", "mem", "gpu", "gpu_mem")
+# named in demands by some clients but held by no pool: refused with a clear error
+UNSCHEDULED_RESOURCES: tuple[str, ...] = ("net",)
 ACTION_KINDS: tuple[str, ...] = ("exec", "service", "api")
 ActionKind = Literal["exec", "service", "api"]
 
@@ -36,7 +42,6 @@ MAX_UNITS: dict[str, int] = {
     "gpu": 64,
     "mem": 1 << 44,  # 16 TiB in bytes
     "gpu_mem": 1 << 40,
-    "net": 1 << 40,
 }
 MAX_API_UNITS = 1 << 20
 
@@ -296,6 +301,9 @@ class Action:
     node_key: str = field(init=False, repr=False, compare=False)
     # the key a pool's extra cost at ``min_units`` is memoised on (``Durations._extra_at``)
     min_cost_key: tuple[str, str | None, int] = field(init=False, repr=False, compare=False)
+    # units it also needs on other pools while it runs, (pool id, amount at its minimum):
+    # the ``api:<name>`` entries besides the key (joint admission; empty for most actions)
+    extra: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         allowed = self.demand[self.key].allowed()
@@ -316,6 +324,14 @@ class Action:
         mem = self.demand.get("mem")
         object.__setattr__(self, "node_key", f"{low}|{mem!r}")
         object.__setattr__(self, "fit_key", f"{self.kind}|{self.service!r}|{low}|{mem!r}")
+        extra = tuple(
+            sorted(
+                (name, amounts.min)
+                for name, amounts in self.demand.items()
+                if name != self.key and name.startswith("api:") and amounts.min > 0
+            )
+        )
+        object.__setattr__(self, "extra", extra)
 
     @property
     def key_amounts(self) -> Amounts:
@@ -382,6 +398,12 @@ def make_action(
         raise InvalidDemand("demand", "must be a non-empty map of resource -> amounts")
     parsed: dict[str, Amounts] = {}
     for name, raw in demand.items():
+        if name in UNSCHEDULED_RESOURCES:
+            raise InvalidDemand(
+                f"demand.{name}",
+                "not scheduled: no pool holds it, so the demand could not be kept",
+                ", ".join((*BASE_RESOURCES, "api:<name>")),
+            )
         if not isinstance(name, str) or not is_resource_type(name):
             raise InvalidDemand(
                 "demand",

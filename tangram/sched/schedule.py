@@ -15,6 +15,14 @@ weighted dominant-resource fairness over what each job holds, FCFS within a job;
 its cap waits) and every pool below serves its queue in that order instead of FCFS. With one
 job the pass does not look at jobs at all.
 
+Joint admission (issue 34): an action with ``extra`` units on other pools (an exec's
+cores + one slot of an API, ``Action.extra``) is offered to its key pool only while every
+extra pool has those units left in this pass; what its key pool places gets them, on the
+same ``Placement`` (``also``), so the driver reserves all of its units together or none.
+Key pools other than APIs are served first, then the API pools with what the extras left.
+An extra pool that does not exist, or can never hold the amount, makes it infeasible. With
+no such action in the queue the pass is the one below, unchanged.
+
 Algorithm, per pool (one CPU pool per node, one GPU pool, one pool per API endpoint)
 ----------------------------------------------------------------------------------
 0. Prices (rule ``priced``, the default, on plain unit-count pools = CPU nodes): each queued
@@ -149,6 +157,8 @@ class Placement(NamedTuple):
     units: tuple[int, ...]
     expected_s: float
     new_node: bool = False  # first action of its trajectory: the driver records affinity
+    # its units on other pools (joint admission): (pool id, units), reserved with these
+    also: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +214,14 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
         ordered = fair.order
         for action, why in fair.never:
             infeasible.append(Infeasible(action.id, why))
+    joint = False  # an action needs units on several pools
     for action in ordered:
+        if action.extra:
+            never_extra = _extra_never(action, pools)
+            if never_extra is not None:
+                infeasible.append(Infeasible(action.id, never_extra))
+                continue
+            joint = True
         kind = action.kind  # pool_of(), inlined
         if kind == "exec":
             pid = affinity.get(action.trajectory)
@@ -256,6 +273,9 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
                 both = [*queues.get(pid, []), *extra]
                 queues[pid] = sorted(both, key=lambda a: rank[a.id])
 
+    if joint:
+        joined, objective, evicted = _schedule_joint(queues, new_nodes, snapshot, now, cfg)
+        return _decision(joined, everyone, infeasible, objective, evicted)
     placements: list[Placement] = []
     objective = 0.0
     evicted = 0
@@ -271,11 +291,110 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
             placements.append(
                 Placement(action.id, pid, amount, unit_ids, dur, action.id in new_nodes)
             )
+    return _decision(placements, everyone, infeasible, objective, evicted)
+
+
+def _decision(
+    placements: list[Placement],
+    everyone: list[Action],
+    infeasible: list[Infeasible],
+    objective: float,
+    evicted: int,
+) -> Decision:
     gone = {p.action_id for p in placements}  # placed or infeasible: not waiting
     for inf in infeasible:
         gone.add(inf.action_id)
     waiting = tuple([aid for a in everyone if (aid := a.id) not in gone])
     return Decision(tuple(placements), waiting, tuple(infeasible), objective, evicted)
+
+
+def _extra_never(action: Action, pools: Mapping[str, SchedPool]) -> Shortfall | None:
+    """Why an action's extra units can never be had (no such pool, or more than it
+    holds), or None."""
+    for pid, amount in action.extra:
+        pool = pools.get(pid)
+        if pool is None:
+            return Shortfall(pid, amount, 0, 0, f"no pool {pid!r}: not configured")
+        short = pool.never_fits(action)
+        if short is not None:
+            return short
+    return None
+
+
+def _schedule_joint(
+    queues: dict[str, list[Action]],
+    new_nodes: set[ActionId],
+    snap: Snapshot,
+    now: float,
+    cfg: SchedConfig,
+) -> tuple[list[Placement], float, int]:
+    """The per-pool passes when some queued action has extra units (joint admission).
+
+    Each pool's queue is offered without the actions whose extra units are not left in
+    this pass (they wait, holding nothing); an offered one takes its extra units from what
+    is left, and gives them back if its key pool does not place it. Non-API pools go
+    first, then the API pools serve their own queues with the units left. Units are picked
+    once per pool at the end, for its own placements and the extras together."""
+    pools = snap.pools
+    left: dict[str, int] = {}  # units left this pass on the pools extras draw from
+
+    def free(pid: str) -> int:
+        got = left.get(pid)
+        if got is None:
+            got = left[pid] = pools[pid].free_units()
+        return got
+
+    placed_on: dict[str, _PoolResult] = {}
+    extras: dict[str, list[tuple[Action, int]]] = {}  # pool -> (action, amount) for extras
+    objective = 0.0
+    evicted = 0
+    for pid in sorted(queues, key=lambda p: (p.startswith("api:"), p)):
+        pool = pools[pid]
+        offered: list[Action] = []
+        for a in queues[pid]:
+            if a.extra:
+                if any(free(e) < n for e, n in a.extra):
+                    continue  # waits for its extra units (it holds none)
+                for e, n in a.extra:
+                    left[e] -= n
+            offered.append(a)
+        api = pid.startswith("api:")
+        cap = free(pid) if api else -1
+        result = _schedule_pool(pool, offered, snap, now, cfg, cap)
+        objective += result.objective
+        evicted += result.evicted
+        placed = {a.id for a, _ in result.placed}
+        for a in offered:
+            for e, n in a.extra:
+                if a.id in placed:
+                    extras.setdefault(e, []).append((a, n))
+                else:
+                    left[e] += n  # not placed: its extra units go back
+        if api:
+            left[pid] -= sum(amount for _, amount in result.placed)
+        placed_on[pid] = result
+    picked: dict[str, dict[ActionId, tuple[int, ...]]] = {}
+    for pid, asks in extras.items():
+        own = placed_on.get(pid)
+        mine = own.placed if own is not None else []
+        both = [*asks, *mine]
+        picked[pid] = {a.id: u for (a, _), u in zip(both, pools[pid].pick_units(both), strict=True)}
+    placements: list[Placement] = []
+    for pid in sorted(placed_on):
+        result = placed_on[pid]
+        if not result.placed:
+            continue
+        got = picked.get(pid)
+        if got is not None:
+            units = [got[a.id] for a, _ in result.placed]
+        else:
+            units = pools[pid].pick_units(result.placed)
+        for (action, amount), unit_ids, dur in zip(result.placed, units, result.durs, strict=True):
+            also = tuple((e, picked[e][action.id]) for e, _ in action.extra)
+            placements.append(
+                Placement(action.id, pid, amount, unit_ids, dur, action.id in new_nodes, also)
+            )
+    return placements, objective, evicted
 
 
 def _seq_sorted(actions: list[Action]) -> bool:
@@ -467,9 +586,18 @@ class _PoolResult:
 
 
 def _schedule_pool(
-    pool: SchedPool, queue: Sequence[Action], snap: Snapshot, now: float, cfg: SchedConfig
+    pool: SchedPool,
+    queue: Sequence[Action],
+    snap: Snapshot,
+    now: float,
+    cfg: SchedConfig,
+    cap: int = -1,
 ) -> _PoolResult:
+    """One pool's placements; ``cap`` >= 0: at most that many of its free units (an API
+    pool whose units extras of this pass took), else all of them."""
     op = pool.operator()
+    if cap >= 0 and isinstance(op, BaseOperator) and cap < op.units(op.start()):
+        op = BaseOperator(cap)
     if op.units(op.start()) == 0:  # a full pool starts nothing: no bands, no replay
         return _PoolResult([], [], 0.0, 0)  # (both candidate scans stop at once on 0 free)
     priced = cfg.rule == "priced" and isinstance(op, BaseOperator)

@@ -139,6 +139,7 @@ class Engine:
         get_env = self.env_bytes.get
         self._env_mem: Callable[[Action], int] = lambda action: get_env(action.trajectory, 0)
         self.dirty: set[str] = set()
+        self._joint = False  # an action with units on several pools was submitted
         self.meter = LoadMeter()  # recent offered load per CPU node, for the "priced" rule
         self._wakes: set[tuple[str, float]] = set()
         # baselines (set up in _build_steps once the trace is known)
@@ -268,6 +269,8 @@ class Engine:
             tpl, id=ActionId(f"{st.spec.id}#{st.idx - 1}"), seq=self._seq, submitted_at=now
         )
         run = Run(action, ta, st, now)
+        if action.extra:
+            self._joint = True
         pol = self.policy
         if ta.kind == "exec":
             if pol.cpu == "k8s":
@@ -326,6 +329,10 @@ class Engine:
             self.meter.finished(pid, action.id)
             pool = self.pools[pid]
             pool.release(action.id)
+            for also, _ in action.extra:  # the units it held with them (joint admission)
+                self.pools[also].release(action.id)
+                self.dirty.add(also)
+                self.dirty |= self._cpu_ids  # an exec waiting for that unit may start
             held = self.held[action.job]
             held[pool.resource] -= run.units
             del self.running[pid][action.id]
@@ -404,6 +411,10 @@ class Engine:
         self.dirty = set()
         if not waiting:
             return
+        for action in waiting if self._joint else ():  # joint demands: read their pools too
+            for also, _ in action.extra:
+                if also not in pools and also in all_pools:
+                    pools[also] = all_pools[also]
         waiting.sort(key=_SEQ)
         running = {pid: list(self.running[pid].values()) for pid in pools}
         snap = Snapshot(
@@ -450,6 +461,8 @@ class Engine:
                 action = run.action
             pool = all_pools[pid]
             pool.allocate(action.id, p.units)
+            for also, units in p.also:  # joint admission: its other units, together
+                all_pools[also].allocate(action.id, units)
             run.pool_id = pid
             restore = 0.0
             if action.kind == "service":
