@@ -9,7 +9,8 @@ output is for people (aligned tables). Errors are one line on stderr, never a tr
   option, an unknown ``--profile`` or ``--env``, more ``--cpus`` or ``--mem`` than any node
   has, a quota refusal), with one line naming the option; 124 on timeout; 125 only when
   the infrastructure failed (daemon unreachable or shutting down, environment lost, engine
-  down); 130 when the action was cancelled (``tangramctl cancel``, by anyone allowed to);
+  down); 130 when the action was cancelled (``tangramctl cancel``, by anyone allowed to,
+  or Ctrl-C on ``exec``, which cancels it and returns once it is gone);
 - ``call`` (one GPU service call) exits 0 ok, 1 failed (the handler rejected the payload),
   124 timeout, 125 infrastructure error, 130 cancelled, 2 usage or request error (unknown
   service, a payload that is not a JSON object, the service removed while the call waited).
@@ -26,12 +27,12 @@ import sys
 import tarfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn, TypeVar
 
 import click
 
-from tangram.client import CallResult, Client, ExecResult, default_socket_path
+from tangram.client import CallResult, Client, ExecInterrupted, ExecResult, default_socket_path
 from tangram.model import TangramError
 from tangram.protocol import ConnectionFailed, InfraError, parse_size
 from tangram.protocol.ops import MAX_FORK
@@ -543,8 +544,8 @@ def exec_(
 
     --timeout bounds waiting plus running; a wait past it (or past --queue-timeout) ends
     with 124 and a line naming what it waited for ("waited 2.0 s for memory: needs 1
-    GiB, 0.3 GiB free"). Interrupting tangramctl withdraws a command still waiting (it
-    never runs); one already running runs to its end.
+    GiB, 0.3 GiB free"). Ctrl-C cancels the action, waiting or running (killed with
+    everything it started; tangramctl returns once it is gone), and exits 130.
     """
     if env_id is not None and image is not None:
         raise click.UsageError("--env and --image exclude each other (an env has its image)")
@@ -567,6 +568,8 @@ def exec_(
             cwd=cwd,
             session=session,
         )
+    except ExecInterrupted as exc:  # Ctrl-C: the client cancelled the action
+        finish_interrupted(exc, as_json, job=job or ctl.client.job or "default")
     except ConnectionFailed as exc:
         message = unreachable_message(ctl.path, exc)
         if as_json:
@@ -587,6 +590,18 @@ def command_of(cmd: Sequence[str], shell: bool, session: str | None) -> str | li
     if shell or (session is not None and len(cmd) == 1 and any(c.isspace() for c in cmd[0])):
         return " ".join(cmd)
     return list(cmd)
+
+
+def finish_interrupted(exc: ExecInterrupted, as_json: bool, job: str | None = None) -> NoReturn:
+    """Ctrl-C on ``exec``: the client cancelled the action and it has ended. Report how
+    (exit 130 when it was cancelled; its own status when it had ended before)."""
+    result = exc.result
+    if result is None:  # its answer could not be read (a second Ctrl-C)
+        result = ExecResult("cancelled", detail="interrupted (Ctrl-C); its answer was not read")
+    elif result.outcome == "cancelled":
+        why = f"interrupted (Ctrl-C): {result.detail}" if result.detail else "interrupted (Ctrl-C)"
+        result = replace(result, detail=why)
+    finish_exec(result, as_json, job=job)
 
 
 def finish_exec(result: ExecResult, as_json: bool, job: str | None = None) -> NoReturn:
@@ -870,7 +885,10 @@ def session_run(
 ) -> None:
     """Run CMD… (joined by spaces) in the session's shell; exit with its status, as `exec`
     does (a timeout is 124, a shell that is gone an infra_error, each with a line saying so)."""
-    result = ctl.client.exec(" ".join(cmd), session=session_id, cpus=cpus, timeout_s=timeout_s)
+    try:
+        result = ctl.client.exec(" ".join(cmd), session=session_id, cpus=cpus, timeout_s=timeout_s)
+    except ExecInterrupted as exc:  # Ctrl-C: the command was interrupted in its shell
+        finish_interrupted(exc, as_json)
     finish_exec(result, as_json)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -170,3 +171,68 @@ def test_cancel_a_jobs_queued_and_running_execs_with_all(daemon):
 def test_cancel_usage_errors_name_the_options(daemon, args, says):
     r = ctl(daemon.socket, "cancel", *args)
     assert r.exit_code == 2 and says in r.output, r.output
+
+
+def sleeps_in_proc(mark: str) -> list[int]:
+    """Pids whose /proc cmdline holds ``mark`` and is not a tangramctl (the exec's own)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                line = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        if mark in line and "tangramctl" not in line:
+            pids.append(int(entry))
+    return pids
+
+
+def test_ctrl_c_on_tangramctl_exec_cancels_its_running_and_its_queued_action(daemon):
+    """SIGINT to a `tangramctl exec` whose command runs cancels the action (by its ref: the
+    client does not know its id): exit 130 with a line saying so, the story says cancelled
+    and no process of it is left. SIGINT to one still waiting withdraws it the same way."""
+    mark = str(uuid.uuid4().int % 10**9)
+    sock = daemon.socket
+    running = subprocess.Popen(
+        [*CTL, "--socket", sock, "exec", "--", "sleep", f"30.{mark}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    procs = [running]
+    try:
+        with daemon.client() as c:
+            rows = wait_for(lambda: c.queue()["running"], 30, "the exec running")
+            running_id = rows[0]["action_id"]
+            wait_for(lambda: sleeps_in_proc(mark), 20, "the sleep started")
+            queued = subprocess.Popen(
+                [*CTL, "--socket", sock, "exec", "--json", "--", "sleep", f"31.{mark}"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            procs.append(queued)
+            rows = wait_for(lambda: c.queue()["waiting"], 30, "the second exec waiting")
+            queued_id = rows[0]["action_id"]
+
+            queued.send_signal(signal.SIGINT)
+            out, err = queued.communicate(timeout=20)
+            assert queued.returncode == 130, err
+            answer = json.loads(out)
+            assert (answer["action_id"], answer["outcome"]) == (queued_id, "cancelled"), answer
+            assert "interrupted (Ctrl-C)" in answer["detail"]
+            assert c.story(queued_id)["outcome"] == "cancelled"
+
+            running.send_signal(signal.SIGINT)
+            _, err = running.communicate(timeout=20)
+            assert running.returncode == 130, err
+            assert f"tangramctl: cancelled: action {running_id}: interrupted (Ctrl-C)" in err
+            assert sleeps_in_proc(mark) == []  # killed before tangramctl returned
+            assert c.story(running_id)["outcome"] == "cancelled"
+            assert not c.queue()["running"] and not c.queue()["waiting"]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()

@@ -49,8 +49,14 @@ class FakeDaemon:
         return handler(args)
 
     def ops(self, name: str) -> list[dict[str, Any]]:
-        """Args of every request for op ``name``, in order."""
-        return [args for op, args in self.requests if op == name]
+        """Args of every request for op ``name``, in order (an exec's ``ref``, the name
+        the client gives each exec so that Ctrl-C can cancel it, left out)."""
+        out = []
+        for op, args in self.requests:
+            if op == name:
+                assert op != "exec" or str(args.get("ref", "")).startswith("sync-"), args
+                out.append({k: v for k, v in args.items() if not (op == "exec" and k == "ref")})
+        return out
 
     def start(self) -> None:
         self._thread.start()

@@ -8,7 +8,7 @@ every op (:mod:`tangram.client.ops`).
 
 from tangram.client.aio import AsyncClient
 from tangram.client.ops import Cpus, Env, Size
-from tangram.client.sync import Client
+from tangram.client.sync import Client, ExecInterrupted
 from tangram.protocol import (
     SOCKET_ENV,
     SYSTEM_SOCKET,
@@ -29,6 +29,7 @@ __all__ = [
     "Client",
     "Cpus",
     "Env",
+    "ExecInterrupted",
     "ExecResult",
     "Outcome",
     "Size",

@@ -4,6 +4,11 @@ It connects lazily: the first call connects, and a call after the daemon dropped
 connection reconnects. A request is resent on a fresh connection only when writing it
 failed outright (the daemon cannot have read it); a connection lost while waiting for the
 answer raises ``ConnectionFailed``, since the action may or may not have run.
+
+Ctrl-C (``KeyboardInterrupt``) while an ``exec`` waits for its answer cancels its action
+(``cancel`` by the exec's ``ref``, on the same connection) and raises
+:class:`ExecInterrupted` once the action has ended: withdrawn if it waited, killed with
+everything it started if it ran.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from tangram.model import TangramError
 from tangram.protocol import (
     DEFAULT_MAX_FRAME,
     ConnectionFailed,
+    ExecResult,
     FrameDecoder,
     FrameError,
     MalformedResponse,
@@ -35,6 +41,18 @@ from tangram.protocol import (
 
 T = TypeVar("T")
 _RECV_CHUNK = 1 << 16
+
+
+class ExecInterrupted(KeyboardInterrupt):
+    """Ctrl-C while a blocking ``exec`` waited: its action was cancelled and has ended.
+
+    ``result`` is how it ended (outcome ``cancelled``, or its real outcome when it ended
+    before the cancel reached it); None when that answer could not be read (a second
+    Ctrl-C, the connection lost)."""
+
+    def __init__(self, result: ExecResult | None) -> None:
+        super().__init__("exec interrupted: its action was cancelled")
+        self.result = result
 
 
 class Client(Ops):
@@ -52,9 +70,14 @@ class Client(Ops):
         connect_timeout_s: float = 5.0,
         max_frame: int = DEFAULT_MAX_FRAME,
         job: str | None = None,
+        cancel_interrupted: bool = True,
     ) -> None:
         self.path = os.fspath(path) if path is not None else default_socket_path()
         self.job = job or os.environ.get("TANGRAM_JOB") or None  # the actions' job
+        # Ctrl-C during an exec cancels its action (``_exec``); False: the connection is
+        # dropped, so a waiting action is withdrawn and a running one runs to its end
+        self.cancel_interrupted = cancel_interrupted
+        self._refs = itertools.count(1)  # exec refs, unique on each connection
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_frame = max_frame
@@ -137,9 +160,11 @@ class Client(Ops):
             self._drop()
             raise ConnectionFailed(f"sending to tangramd failed: {exc}") from exc
 
-    def _receive(self, request_id: int, op: str) -> Response:
+    def _receive(self, request_id: int | set[int], op: str) -> Response:
+        """The answer to ``request_id`` (or to any of a set of ids); others are skipped."""
         sock = self._sock
         assert sock is not None
+        wanted = request_id if isinstance(request_id, set) else {request_id}
         while True:
             try:
                 msg = self._decoder.next_message()
@@ -161,7 +186,7 @@ class Client(Ops):
                 self._decoder.feed(data)
                 continue
             response = parse_response(msg)
-            if response.id == request_id:
+            if response.id in wanted:
                 return response
             if response.id is None:
                 self._drop()  # a connection-level error: the daemon closes after it
@@ -171,7 +196,58 @@ class Client(Ops):
     # -- the op methods (declared once, in tangram.client.ops)
 
     def _op(self, op: str, args: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
+        if op == "exec" and self.cancel_interrupted:
+            return parse(self._exec(args))
         return parse(self.request(op, args))
+
+    def _exec(self, args: Mapping[str, Any]) -> Any:
+        """``request("exec", args)`` with a ``ref`` (unless the caller named one), so that
+        a Ctrl-C while the daemon has it cancels the action (:meth:`_interrupted`)."""
+        ref = args.get("ref")
+        if ref is None:
+            ref = f"sync-{next(self._refs)}"
+            args = {**args, "ref": ref}
+        with self._lock:
+            request_id = next(self._ids)
+            frame = encode(make_request(request_id, "exec", args), max_frame=self.max_frame)
+            try:
+                self._send(frame)
+            except TangramError:
+                raise
+            except BaseException:
+                self._drop()  # interrupted while sending: the stream state is unknown
+                raise
+            try:
+                return self._receive(request_id, "exec").unwrap()
+            except TangramError:
+                raise
+            except KeyboardInterrupt:
+                raise self._interrupted(request_id, ref) from None
+            except BaseException:
+                self._drop()
+                raise
+
+    def _interrupted(self, request_id: int, ref: str) -> ExecInterrupted:
+        """Ctrl-C while the exec ``request_id`` waited for its answer: send ``cancel`` by
+        its ``ref`` on this connection and read both answers (the cancel's comes once a
+        running exec is gone). A second Ctrl-C, or a broken connection, stops the wait and
+        drops the connection (a waiting action is withdrawn with it)."""
+        result: ExecResult | None = None
+        try:
+            cancel_id = next(self._ids)
+            assert self._sock is not None
+            self._sock.sendall(encode(make_request(cancel_id, "cancel", {"ref": ref})))
+            waiting = {request_id, cancel_id}
+            while waiting:
+                response = self._receive(waiting, "cancel")
+                if response.id is None:
+                    break  # a connection-level error: the daemon closed it
+                waiting.discard(response.id)
+                if response.id == request_id and response.ok:
+                    result = ExecResult.from_wire(response.result)
+        except (TangramError, OSError, KeyboardInterrupt):
+            self._drop()
+        return ExecInterrupted(result)
 
     @contextlib.contextmanager
     def env(
