@@ -19,7 +19,11 @@ from tangramd.cluster.pki import (
     verify_server,
 )
 
-NOW = datetime.datetime.now(datetime.timezone.utc)
+
+def _now() -> datetime.datetime:
+    """Now, when the test runs (a module-level time went stale: certificates made more
+    than their 5 minutes of back-dating after the module's import were 'not valid now')."""
+    return datetime.datetime.now(datetime.timezone.utc)
 
 
 def _leaf_der(pki_dir: Path) -> bytes:
@@ -36,7 +40,7 @@ def test_created_once_private_and_kept(tmp_path: Path) -> None:
     first.server_cert.unlink()  # a lost server certificate is reissued by the same CA
     second = ensure_pki(tmp_path, ["127.0.0.1"])
     assert second.ca_sha256() == pin and second.server_cert.exists()
-    verify_server(second.ca_pem(), _leaf_der(tmp_path), pin, NOW)
+    verify_server(second.ca_pem(), _leaf_der(tmp_path), pin, _now())
 
 
 def test_pin_mismatch_names_both_hashes(tmp_path: Path) -> None:
@@ -44,7 +48,7 @@ def test_pin_mismatch_names_both_hashes(tmp_path: Path) -> None:
     pki = ensure_pki(tmp_path, [])
     wrong = "sha256:" + "ab" * 32
     with pytest.raises(PinMismatch) as info:
-        verify_server(pki.ca_pem(), _leaf_der(tmp_path), wrong, NOW)
+        verify_server(pki.ca_pem(), _leaf_der(tmp_path), wrong, _now())
     assert f"expected {wrong}" in str(info.value) and f"got {pki.ca_sha256()}" in str(info.value)
 
 
@@ -53,13 +57,13 @@ def test_server_certificate_of_another_ca_is_refused(tmp_path: Path) -> None:
     ours = ensure_pki(tmp_path / "ours", [])
     ensure_pki(tmp_path / "theirs", [])
     with pytest.raises(CertInvalid, match="not signed by the pinned CA"):
-        verify_server(ours.ca_pem(), _leaf_der(tmp_path / "theirs"), ours.ca_sha256(), NOW)
+        verify_server(ours.ca_pem(), _leaf_der(tmp_path / "theirs"), ours.ca_sha256(), _now())
 
 
 def test_expired_server_certificate_is_refused(tmp_path: Path) -> None:
     """Outside its validity window the server certificate is refused."""
     pki = ensure_pki(tmp_path, [])
-    later = NOW + datetime.timedelta(days=10_000)
+    later = _now() + datetime.timedelta(days=10_000)
     with pytest.raises(CertInvalid, match="not valid now"):
         verify_server(pki.ca_pem(), _leaf_der(tmp_path), pki.ca_sha256(), later)
 
