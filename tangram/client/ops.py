@@ -186,6 +186,7 @@ class Ops:
         queue_timeout_s: float | None = None,
         ref: str | None = None,
         job: str | None = None,
+        api: str | None = None,
     ) -> ExecResult:
         """Run one command as an exec action; failures of the command are in the result.
 
@@ -211,6 +212,9 @@ class Ops:
 
         ``job``: the job the action belongs to (fair share across jobs); unset: the
         client's ``job`` (``Client(job=...)``, else ``$TANGRAM_JOB``, else "default").
+
+        ``api``: an API (``[[api]]`` in the config) the command calls: it holds one of its
+        slots while it runs, taken together with its cores (it waits until both are free).
         """
         spec = ExecSpec(
             cmd=cmd if isinstance(cmd, str) else list(cmd), env=env, image=image,
@@ -223,7 +227,7 @@ class Ops:
                 for path, data in files.items()
             },
             fetch=None if fetch is None else list(fetch), queue_timeout_s=queue_timeout_s,
-            ref=ref, job=job or self.job,
+            ref=ref, job=job or self.job, api=api,
         )  # fmt: skip
         return self._op("exec", spec.to_wire(), ExecResult.from_wire)
 

@@ -379,6 +379,12 @@ _EXEC_ARGS: Final = (
         "`ref` on the same connection cancels it before its action id is known",
     ),
     Arg("job", NAME, doc="the job it belongs to (fair share across jobs; default 'default')"),
+    Arg(
+        "api",
+        NAME,
+        doc="hold one slot of this API (an [[api]] of the config) while it runs: it starts "
+        "only when its cores and a slot are both free, and gives both back at its end",
+    ),
 )
 
 CANCEL_RESULT: Final = (

@@ -64,6 +64,9 @@ class ExecSpec:
     ref: str | None = None
     # the job the action belongs to (fair share across jobs, issue 34); None: "default"
     job: str | None = None
+    # hold one slot of this API (``[[api]]``) while it runs, taken with its cores (joint
+    # admission, issue 34): it starts only when both are free, and gives both back at its end
+    api: str | None = None
 
     def __post_init__(self) -> None:
         if self.cwd is not None:

@@ -62,6 +62,8 @@ class ActionRec:
     state: ActionState = "new"
     pool_id: str = ""
     units: tuple[int, ...] = ()
+    # its units on other pools, taken and given back with ``units`` (joint admission)
+    also: tuple[tuple[str, tuple[int, ...]], ...] = ()
     started_at: float | None = None
     expected_s: float = 0.0
     outcome: str | None = None

@@ -53,6 +53,9 @@ def finish_action(
         core.pools[rec.pool_id].release(rec.action.id)
         core.meter.finished(rec.pool_id, rec.action.id)
         core.passer.dirty = True
+    for pid, _ in rec.also:  # its units on other pools (joint admission), with them
+        core.pools[pid].release(rec.action.id)
+    rec.also = ()
     books.move(rec, "done", now, f"{outcome} {detail}".strip(), core.stimulus)
     rec.outcome = outcome
     queue_s = (rec.started_at or now) - rec.submitted_at
@@ -114,6 +117,9 @@ def submit_exec(core: Core, e: ev.SubmitExec, now: float, out: list[ev.Command])
         raise ShuttingDown("daemon is shutting down")
     spec = e.spec
     job = DEFAULT_JOB if spec.job is None else check_job_name(spec.job)
+    if spec.api is not None and spec.api not in core.apis:
+        names = ", ".join(sorted(core.apis)) or "none"
+        raise NotFound(f"api: {spec.api!r} not found (configured: {names})")
     cpus: Any = 1 if spec.cpus is None else spec.cpus
     t1_s, eff = spec.t1_s, spec.eff
     if spec.profile is not None:
@@ -166,7 +172,7 @@ def submit_exec(core: Core, e: ev.SubmitExec, now: float, out: list[ev.Command])
             aid,
             "exec",
             env.trajectory,
-            {"cpu": cpus},
+            {"cpu": cpus} if spec.api is None else {"cpu": cpus, f"api:{spec.api}": 1},
             task=spec.task or "default",
             job=job,
             seq=core.actions.next_seq(),
@@ -201,7 +207,9 @@ def submit_exec(core: Core, e: ev.SubmitExec, now: float, out: list[ev.Command])
         rec,
         now,
         "submitted",
-        f"cpus={cpus} env={env.id} job={job} cmd={short(spec.cmd)}",
+        f"cpus={cpus} env={env.id} job={job}"
+        + (f" api={spec.api}" if spec.api is not None else "")
+        + f" cmd={short(spec.cmd)}",
         core.stimulus,
     )
     env.active += 1
@@ -406,6 +414,14 @@ def waiting_for(core: Core, rec: ActionRec) -> str:
             return core.envs.mem_wait(env)
         return f"environment {env.id} to be {'recreated' if env.state == 'lost' else 'created'}"
     action = rec.action
+    for pid, need in action.extra:  # joint admission: the other pool it waits for first
+        pool = core.apis.get(pid[4:])
+        if pool is not None and pool.free_units() < need:
+            if pool.concurrency and pool.concurrency_left() < need:
+                held = f"{pool.in_use} of {pool.concurrency} slots held"
+            else:
+                held = f"quota of {pool.quota} per {pool.period_s:g} s used"
+            return f"api {pool.name}: {held}"
     if action.kind == "exec" and env is not None and env.node:
         pool = core.pools.get(f"cpu:{env.node}")
         if pool is not None:

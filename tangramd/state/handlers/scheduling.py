@@ -103,6 +103,8 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
                     mine = held.setdefault(rec.action.job, {})
                     r = core.pools[rec.pool_id].resource
                     mine[r] = mine.get(r, 0) + units
+                    for pid, also in rec.also:
+                        mine[pid] = mine.get(pid, 0) + len(also)
         snap = Snapshot(
             waiting=[rec.action for rec in core.actions.queue.values()],
             pools=core.pools,
@@ -146,8 +148,11 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
         if rec.action.kind == "exec":
             why = placement_why(core, rec, p, pool, load, waiting, decision, queued)
         pool.allocate(p.action_id, p.units)
+        for pid, slots in p.also:  # joint admission: its other units, in the same step
+            core.pools[pid].allocate(p.action_id, slots)
         rec.pool_id = p.pool_id
         rec.units = p.units
+        rec.also = p.also
         rec.started_at = now
         rec.expected_s = p.expected_s
         env = core.envs.get(rec.env) if rec.env else None
@@ -165,6 +170,9 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
             PlacementNote(p.pool_id, p.units, node, p.expected_s, why),
             core.stimulus,
         )
+        if p.also:
+            holds = " ".join(f"{pid} units {list(units)}" for pid, units in p.also)
+            note(rec, now, "also holds", holds, core.stimulus)
         if rec.action.kind == "exec":
             core.actions.move(rec, "running", now, "exec sent to the backend", core.stimulus)
             run_exec(core, rec, out)
@@ -288,7 +296,7 @@ def short_waiting(core: Core, affinity: dict[TrajectoryId, str]) -> list[Action]
             return None
         left = to_fill.get(pid)
         if left:
-            if action.elastic or action.min_units != 1:
+            if action.elastic or action.min_units != 1 or action.extra:
                 return None
             picked.append(action)
             if left == 1:

@@ -1,0 +1,86 @@
+"""Joint admission on a real ``tangramd up`` (issue 34, item 3): an exec with ``api``
+needs a core and a slot of that API together. With ``concurrency = 1`` three such execs,
+submitted at once, run one at a time (the commands' own clocks say so) though cores are
+free, and a waiting one says it waits for the API."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+from harness import assert_clean_log
+
+from tangram.client import Client
+from tangram.protocol.errors import BadRequest, NotFound
+from tangram.testing import spawn_daemon, wait_for
+
+CONFIG = """
+[sched]
+coalesce_ms = 1.0
+
+[[api]]
+name = "search"
+concurrency = 1
+"""
+
+# prints its start and end on the host clock (the daemon runs on this host)
+TIMED = "date +%s.%N; sleep 0.3; date +%s.%N"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = spawn_daemon(tmp_path_factory.mktemp("joint"), CONFIG, env={"TANGRAM_VALIDATE": "1"})
+    try:
+        yield d
+    finally:
+        if d.proc.poll() is None:
+            d.stop()
+    assert_clean_log(d.log())
+
+
+def test_three_cores_and_api_execs_run_one_at_a_time(daemon) -> None:
+    results: list = []
+    with Client(daemon.socket) as c:
+        lease = c.acquire_lease("search")  # the one slot is held: every exec must wait
+
+        def submit() -> None:
+            with Client(daemon.socket) as own:
+                results.append(own.exec(TIMED, api="search", timeout_s=60))
+
+        threads = [threading.Thread(target=submit) for _ in range(3)]
+        for t in threads:
+            t.start()
+        held = "api search: 1 of 1 slots held"  # cores are free: they wait for the slot
+
+        def all_wait_for_the_api() -> list | None:
+            rows = c.queue()["waiting"]
+            waits = [r["waiting_for"] for r in rows]
+            return rows if len(rows) == 3 and waits == [held] * 3 else None
+
+        waiting = wait_for(all_wait_for_the_api, 30, "three execs waiting for the API")
+        story = c.story(waiting[0]["action_id"])
+        assert story["state"] == "queued" and story["waiting_for"].startswith("api search")
+        assert [r["action_id"] for r in c.queue()["running"]] == [lease]  # only the lease
+        c.release_lease(lease)
+        for t in threads:
+            t.join(60)
+        assert len(results) == 3 and all(r.outcome == "ok" for r in results), results
+        spans = sorted(tuple(float(x) for x in r.stdout.split()) for r in results)
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            assert start >= end, spans  # never two at once
+        story = c.story(results[0].action_id)
+        events = " ".join(str(e) for e in story["events"])
+        assert "also holds" in events and "api:search" in events, story
+        assert c.queue()["running"] == [] and c.queue()["waiting"] == []
+        lease = c.acquire_lease("search")  # the slot came back with the last exec's end
+        c.release_lease(lease)
+
+
+def test_an_unknown_api_is_refused(daemon) -> None:
+    with Client(daemon.socket) as c:
+        with pytest.raises(NotFound, match="api: 'nope' not found \\(configured: search\\)"):
+            c.exec("true", api="nope")
+        with pytest.raises(BadRequest, match="api"):
+            c.exec("true", api="")
+        assert c.exec("true").outcome == "ok"  # the daemon is still fine
