@@ -135,3 +135,13 @@ def test_more_than_concurrency_is_infeasible() -> None:
     d.submit(make_action("a0", "exec", "t0", {"cpu": 1, "api:search": 2}, dur_s=1.0))
     (inf,) = d.step().infeasible
     assert inf.shortfall.resource == "api:search"
+
+
+def test_trajectories_without_a_node_get_one_and_still_wait_for_the_slot() -> None:
+    cpu = CpuNodePool("n0", [list(range(4))], 64 * GIB)
+    api = ApiPool("search", concurrency=1)
+    pools: dict[str, SchedPool] = {"cpu:n0": cpu, "api:search": api}
+    decision = schedule(Snapshot(waiting=[joint(0), joint(1), joint(2)], pools=pools), 0.0)
+    (p,) = decision.placements
+    assert p.action_id == "a0" and p.new_node and p.also == (("api:search", (0,)),)
+    assert decision.waiting == ("a1", "a2")
