@@ -932,6 +932,48 @@ def api_list(ctl: Ctl, as_json: bool) -> None:
     emit(as_json, {"apis": rows}, lambda: table(rows, preferred=preferred))
 
 
+# --------------------------------------------------------------------------- leases
+
+
+@cli.group()
+def lease() -> None:
+    """API leases a program holds (`Client.lease`): renew or give one back by its id (see
+    `tangramctl story ID`). There is no `lease acquire` here: a lease is released when its
+    holder's connection closes, so one taken by this command would end with it."""
+
+
+@lease.command("renew")
+@click.argument("lease_id", metavar="LEASE_ID")
+@click.option(
+    "--ttl",
+    "ttl_s",
+    type=click.FloatRange(min=0, min_open=True),
+    required=True,
+    metavar="SECONDS",
+    help="Its new time to live, from now (> 0).",
+)
+@json_option
+@pass_ctl
+def lease_renew(ctl: Ctl, lease_id: str, ttl_s: float, as_json: bool) -> None:
+    """Extend a lease: it now expires SECONDS from now (a waiting one holds for SECONDS once
+    granted). Exit 1 if it was released or has expired."""
+    result = ctl.client.lease_renew(lease_id, ttl_s)
+    emit(as_json, result, lambda: f"{lease_id}: {result['state']}, expires in {ttl_s:g} s")
+
+
+@lease.command("release")
+@click.argument("lease_id", metavar="LEASE_ID")
+@json_option
+@pass_ctl
+def lease_release(ctl: Ctl, lease_id: str, as_json: bool) -> None:
+    """Give a lease back now (its API slot goes to the next waiting one). Exit 1 if there is
+    no such lease."""
+    answer = ctl.client.request("lease.release", {"lease_id": lease_id})
+    released = bool(answer.get("released"))
+    said = f"{lease_id}: released" if released else f"{lease_id}: not granted, nothing released"
+    emit(as_json, {"lease_id": lease_id, "released": released}, lambda: said)
+
+
 # --------------------------------------------------------------------------- jobs
 
 
