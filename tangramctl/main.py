@@ -1200,15 +1200,22 @@ def call_exit_code(result: CallResult) -> int:
     metavar="SECONDS",
     help="Limit of the handler's run (> 0).",
 )
+@click.option(
+    "--job",
+    metavar="NAME",
+    help="The job it belongs to (fair share across jobs) [default: $TANGRAM_JOB, else 'default'].",
+)
 @json_option
 @click.argument("payload", metavar="-- PAYLOAD_JSON")
 @pass_ctl
-def call(ctl: Ctl, name: str, timeout_s: float | None, as_json: bool, payload: str) -> None:
+def call(
+    ctl: Ctl, name: str, timeout_s: float | None, job: str | None, as_json: bool, payload: str
+) -> None:
     """Call service NAME with a JSON object: tangramctl call NAME -- '{"x": 1}'.
 
     Prints the handler's answer as JSON (with --json: outcome, result, error, queue_s,
-    restore_s, exec_s, act_s, gpus, node). Exit 0 ok, 1 failed, 124 timeout, 125
-    infrastructure error, 130 cancelled, 2 usage or request error.
+    restore_s, exec_s, act_s, gpus, node, action_id, batch, job). Exit 0 ok, 1 failed,
+    124 timeout, 125 infrastructure error, 130 cancelled, 2 usage or request error.
     """
     try:
         body = json.loads(payload)
@@ -1217,7 +1224,7 @@ def call(ctl: Ctl, name: str, timeout_s: float | None, as_json: bool, payload: s
     if not isinstance(body, dict):
         raise click.BadParameter("must be a JSON object", param_hint="PAYLOAD_JSON")
     try:
-        result = ctl.client.call(name, body, timeout_s=timeout_s)
+        result = ctl.client.call(name, body, timeout_s=timeout_s, job=job)
     except ConnectionFailed as exc:
         fail(unreachable_message(ctl.path, exc), EXIT_INFRA)
     except TangramError as exc:
@@ -1225,7 +1232,7 @@ def call(ctl: Ctl, name: str, timeout_s: float | None, as_json: bool, payload: s
             fail(f"{exc.code}: {humanize_sizes(exc.message)}", EXIT_USAGE)
         fail(f"{exc.code}: {humanize_sizes(exc.message)}", EXIT_INFRA)
     if as_json:
-        click.echo(to_json(result.to_wire()))
+        click.echo(to_json({**result.to_wire(), "job": job or ctl.client.job or "default"}))
     elif result.outcome == "ok":
         click.echo(to_json(result.result))
     else:

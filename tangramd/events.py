@@ -96,6 +96,7 @@ class AcquireLease(Event):
     policy: str | None = None
     deadline_s: float | None = None
     conn: int | None = None
+    job: str | None = None  # the job it belongs to (None: "default")
 
 
 @dataclass(frozen=True, slots=True)

@@ -275,6 +275,7 @@ async def _lease_acquire(ex: Executor, args: Args, conn: ConnInfo) -> Any:
             policy=args.get("policy"),
             deadline_s=args.get("deadline_s"),
             conn=conn.id,
+            job=args.get("job"),
         )
     )
 
@@ -293,7 +294,7 @@ async def _service_remove(ex: Executor, args: Args, conn: ConnInfo) -> Any:
 
 
 async def _call(ex: Executor, args: Args, conn: ConnInfo) -> Any:
-    spec = CallSpec(args["name"], args["payload"], args.get("timeout_s"))
+    spec = CallSpec(args["name"], args["payload"], args.get("timeout_s"), args.get("job"))
     return await ex.request(
         lambda tok: ev.SubmitCall(spec=spec, token=tok, conn=conn.id, peer=conn.peer)
     )

@@ -237,11 +237,13 @@ class AsyncClient(Ops):
         ttl_s: float | None = None,
         policy: str | None = None,
         deadline_s: float | None = None,
+        *,
+        job: str | None = None,
     ) -> AsyncIterator[str]:
         """A lease held for the ``async with`` block (an expired lease is fine on exit)."""
         ops: Any = self  # the shared op methods return coroutines here (see _op)
         lease_id: str = await ops.acquire_lease(
-            api, ttl_s=ttl_s, policy=policy, deadline_s=deadline_s
+            api, ttl_s=ttl_s, policy=policy, deadline_s=deadline_s, job=job
         )
         try:
             yield lease_id

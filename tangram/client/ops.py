@@ -261,9 +261,20 @@ class Ops:
         ttl_s: float | None = None,
         policy: str | None = None,
         deadline_s: float | None = None,
+        *,
+        job: str | None = None,
     ) -> str:
-        """Take one unit of an API quota; return the lease id."""
-        args = _drop_none({"api": api, "ttl_s": ttl_s, "policy": policy, "deadline_s": deadline_s})
+        """Take one unit of an API quota; return the lease id. ``job``: the job it counts
+        against (fair share across jobs); unset: the client's, as for ``exec``."""
+        args = _drop_none(
+            {
+                "api": api,
+                "ttl_s": ttl_s,
+                "policy": policy,
+                "deadline_s": deadline_s,
+                "job": job or self.job,
+            }
+        )
         return self._op("lease.acquire", args, _field("lease_id", str))
 
     def release_lease(self, lease_id: str) -> None:
@@ -388,14 +399,17 @@ class Ops:
         *,
         timeout: float | None = None,
         timeout_s: float | None = None,
+        job: str | None = None,
     ) -> CallResult:
         """Call a service as one GPU action; failures of the call are in the result.
 
         ``timeout`` (seconds; ``timeout_s`` is the same, named as for ``exec``) bounds the
-        handler; None: the daemon's ``[gpu] call_timeout_s``."""
+        handler; None: the daemon's ``[gpu] call_timeout_s``. ``job``: the job it counts
+        against (fair share across jobs); unset: the client's, as for ``exec``."""
         if timeout is not None and timeout_s is not None and timeout != timeout_s:
             raise ValueError("give timeout or timeout_s, not two different values")
-        spec = CallSpec(name, dict(payload), timeout if timeout is not None else timeout_s)
+        limit = timeout if timeout is not None else timeout_s
+        spec = CallSpec(name, dict(payload), limit, job or self.job)
         return self._op("call", spec.to_wire(), CallResult.from_wire)
 
 

@@ -275,9 +275,13 @@ class Client(Ops):
         ttl_s: float | None = None,
         policy: str | None = None,
         deadline_s: float | None = None,
+        *,
+        job: str | None = None,
     ) -> Iterator[str]:
         """A lease held for the ``with`` block (an expired lease is not an error on exit)."""
-        lease_id = self.acquire_lease(api, ttl_s=ttl_s, policy=policy, deadline_s=deadline_s)
+        lease_id = self.acquire_lease(
+            api, ttl_s=ttl_s, policy=policy, deadline_s=deadline_s, job=job
+        )
         try:
             yield lease_id
         finally:

@@ -715,6 +715,7 @@ OPS: Final[dict[str, Op]] = {
                     "policy", Enum(LEASE_POLICIES), doc="when the quota is exhausted (default wait)"
                 ),
                 Arg("deadline_s", SECONDS, doc="give up after this long (policy 'deadline')"),
+                Arg("job", NAME, doc="the job it belongs to (fair share; default 'default')"),
             ),
             result=("lease_id: str", "api: str", "ttl_s: float", "queue_s: float"),
             errors=("not_found", "quota_exceeded", "timeout"),
@@ -801,6 +802,7 @@ OPS: Final[dict[str, Op]] = {
                 Arg(
                     "timeout_s", POSITIVE_S, doc="limit of the handler's run (default from config)"
                 ),
+                Arg("job", NAME, doc="the job it belongs to (fair share; default 'default')"),
             ),
             result=CALL_RESULT_FIELDS,
             errors=("not_found", "unschedulable", "shutting_down"),

@@ -288,11 +288,14 @@ class CallSpec:
     name: str
     payload: Mapping[str, Any]
     timeout_s: float | None = None
+    job: str | None = None  # the job it belongs to (fair share, issue 34); None: "default"
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "payload": dict(self.payload)}
         if self.timeout_s is not None:
             out["timeout_s"] = self.timeout_s
+        if self.job is not None:
+            out["job"] = self.job
         return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+from tangram.jobs import DEFAULT_JOB, check_job_name
 from tangram.model import ActionId, InvalidDemand, make_action
 from tangram.protocol.errors import NotFound, QuotaExceeded, ShuttingDown
 from tangramd import events as ev
@@ -26,6 +27,7 @@ def acquire(core: Core, e: ev.AcquireLease, now: float, out: list[ev.Command]) -
     if pool is None:
         names = ", ".join(sorted(core.apis)) or "none configured"
         raise NotFound(f"api {e.api!r} not found (configured: {names})")
+    job = DEFAULT_JOB if e.job is None else check_job_name(e.job)
     policy = e.policy or pool.overflow
     if policy not in ("wait", "reject", "deadline"):
         raise InvalidDemand("policy", f"unknown policy {policy!r}", "wait, reject, deadline")
@@ -40,16 +42,24 @@ def acquire(core: Core, e: ev.AcquireLease, now: float, out: list[ev.Command]) -
         "api",
         f"lease-{aid}",
         {pool.resource: 1},
+        job=job,
         seq=core.actions.next_seq(),
         submitted_at=now,
         klass=f"lease/{e.api}",
     )
+    core.jobs_seen.add(job)
     deadline = None
     if policy == "deadline":
         deadline = now + (e.deadline_s if e.deadline_s is not None else core.cfg.default_deadline_s)
     ttl = e.ttl_s if e.ttl_s is not None else pool.default_ttl_s
     rec = core.actions.add(action, now, token=e.token, env=None, conn=e.conn)
-    note(rec, now, "submitted", f"lease api={e.api} ttl={ttl} policy={policy}", core.stimulus)
+    note(
+        rec,
+        now,
+        "submitted",
+        f"lease api={e.api} ttl={ttl} policy={policy} job={job}",
+        core.stimulus,
+    )
     lease = LeaseRec(aid, e.api, ttl, policy, deadline, history=rec.history, conn=e.conn)
     core.leases.add(lease, now, core.stimulus)
     core.enqueue(rec, now)

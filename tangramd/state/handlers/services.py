@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from tangram.jobs import DEFAULT_JOB, check_job_name
 from tangram.model import ActionId, make_action
 from tangram.pools.gpu import GpuCluster
 from tangram.protocol.errors import BadRequest, NotFound, ShuttingDown
@@ -118,6 +119,7 @@ def submit_call(core: Core, e: ev.SubmitCall, now: float, out: list[ev.Command])
     if core.shutting_down:
         raise ShuttingDown("daemon is shutting down")
     name = e.spec.name
+    job = DEFAULT_JOB if e.spec.job is None else check_job_name(e.spec.job)
     spec = core.services.specs.get(name)
     if spec is None or core.gpu is None:
         raise NotFound(f"service {name!r} is not registered (see `tangramctl service list`)")
@@ -137,17 +139,19 @@ def submit_call(core: Core, e: ev.SubmitCall, now: float, out: list[ev.Command])
         f"call-{aid}",
         {"gpu": demand},
         service=name,
+        job=job,
         seq=core.actions.next_seq(),
         submitted_at=now,
         klass=f"service/{name}",
         capacity={"gpu": largest},
     )
+    core.jobs_seen.add(job)
     timeout = e.spec.timeout_s if e.spec.timeout_s is not None else core.cfg.call_timeout_s
     call = replace(e.spec, timeout_s=timeout)
     rec = core.actions.add(
         action, now, token=e.token, env=None, conn=e.conn, call=call, owner=e.peer
     )
-    detail = f"call service={name} gpus={counts} timeout_s={timeout:g}"
+    detail = f"call service={name} gpus={counts} timeout_s={timeout:g} job={job}"
     note(rec, now, "submitted", detail, core.stimulus)
     if not join_batch(core, rec, now, out):
         core.enqueue(rec, now)
