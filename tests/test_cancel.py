@@ -314,3 +314,38 @@ def test_cancel_a_queued_call_and_a_running_one_runs_on(tmp_path):
         }
         running["thread"].join(20)
         assert running["result"].outcome == "ok"
+
+
+def test_cancel_of_a_job_takes_only_what_the_caller_may_see():
+    """`cancel` with job and all from another user leaves root's running exec of that job
+    alone (an empty list: nothing of theirs); root, an operator, cancels it."""
+    mark = marker()
+    with local_user() as user, tempfile.TemporaryDirectory(prefix="tgc-", dir="/tmp") as tmp:
+        os.chmod(tmp, 0o755)
+        d = spawn_daemon(tmp, ONE_CORE)
+        try:
+            os.chown(d.socket, 0, user.gid)  # the operator lets the user's group connect
+            running = in_thread(lambda: d.client().exec(sleeper(mark), job="shared"))
+            with d.client() as c:
+                aid = running_action(c)
+                wait_for(lambda: len(processes_with(mark)) >= 2, 20, "both sleeps started")
+                args = {"job": "shared", "all": True}
+                msg = _raw_as(d.socket, *user.ids, {"id": 1, "op": "cancel", "args": args})
+                assert msg["ok"] and msg["result"] == {"job": "shared", "actions": []}, msg
+                assert len(processes_with(mark)) >= 2  # untouched
+                answer = c.cancel_job("shared")
+                assert answer["actions"] == [
+                    {"action_id": aid, "cancelled": True, "state": "done", "outcome": "cancelled"}
+                ]
+                assert not processes_with(mark)
+                running["thread"].join(10)
+                assert running["result"].outcome == "cancelled"
+                for bad in ({"job": "shared"}, {"all": True}, {"id": aid, "all": True}):
+                    with pytest.raises(BadRequest, match="all"):
+                        c.request("cancel", bad)
+                with pytest.raises(BadRequest, match="exactly one"):
+                    c.request("cancel", {"id": aid, "job": "shared", "all": True})
+        finally:
+            d.stop()
+            log = d.log()
+    assert "Traceback" not in log

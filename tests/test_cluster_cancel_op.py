@@ -138,3 +138,44 @@ def test_cancelling_an_async_exec_through_a_node_kills_it(
             return (await ac.exec("true", env=env)).outcome
 
     assert asyncio.run(scenario()) == "ok"
+
+
+def test_cancel_a_jobs_execs_on_two_nodes_through_a_node(
+    cluster: dict[str, InProcessDaemon],
+) -> None:
+    """Job j runs one exec on node a and one on node b and queues a third behind the one
+    on a; `cancel` with job and all through node b ends the queued one and has both nodes
+    kill theirs: nothing of them is left when it answers; another job's exec runs on."""
+    a, b = cluster["a"], cluster["b"]
+    mark, other_mark = marker(), marker()
+    with a.client() as c:
+        env_a, env_b = env_on(c, "a"), env_on(c, "b")
+        job = Client(a.socket, job="j")
+        runs = [
+            in_thread(lambda e=e: Client(a.socket, job="j").exec(f"sleep 300.{mark}", env=e))
+            for e in (env_a, env_b)
+        ]
+        wait_for(lambda: len(c.queue()["running"]) == 2, 20, "both execs running")
+        wait_for(lambda: len(marked(mark)) >= 2, 20, "both sleeps started")
+        queued = in_thread(lambda: job.exec(f"sleep 302.{mark}", env=env_a))
+        other = in_thread(
+            lambda: Client(a.socket, job="k").exec(f"sleep 1.{other_mark}", env=env_b)
+        )
+        wait_for(lambda: len(c.queue()["waiting"]) == 2, 20, "two execs queued")
+        ids = {
+            row["action_id"]
+            for row in c.queue()["running"] + c.queue()["waiting"]
+            if row["job"] == "j"
+        }
+    with b.client() as through_b:
+        answer = through_b.cancel_job("j")
+        assert answer["job"] == "j"
+        assert {row["action_id"] for row in answer["actions"]} == ids
+        assert all(row["outcome"] == "cancelled" for row in answer["actions"]), answer
+        assert marked(mark) == []  # killed on both nodes before the answer
+    for box in (*runs, queued):
+        box["thread"].join(20)
+        assert box["result"].outcome == "cancelled", box["result"]
+    other["thread"].join(30)
+    assert other["result"].outcome == "ok", other["result"]
+    job.close()
