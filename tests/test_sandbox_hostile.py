@@ -330,9 +330,10 @@ def test_auto_falls_back_with_one_line(tmp_path, monkeypatch):
 
 
 def test_lodger_spawns_are_as_closed(backend):
-    """Later execs on the same cores come from a lodger living inside the environment:
-    they are as confined as the first (root inside, no capability, the env's cgroups, its
-    pid namespace), and still nothing they leave outlives them."""
+    """Later execs on the same cores come from a lodger living inside the environment (its
+    loop in C, ``_lodger.c``, as on the host): they are as confined as the first (root
+    inside, no capability, the env's cgroups, its pid namespace), still nothing they leave
+    outlives them, and a working directory missing inside fails the exec, not the lodger."""
     env = new_env(backend)
     token = f"32{uuid.uuid4().int % 10**6}.5"
     check = (
@@ -347,6 +348,11 @@ def test_lodger_spawns_are_as_closed(backend):
             assert r.outcome == "ok", r
             seen.append(r.stdout)
         assert backend.lodger_pids, "no lodger served the later execs"
+        assert backend._spawner.native_lodgers() == 1
+        r = await backend.exec(ExecRequest(env, "pwd", ONE_CORE, cwd="/nowhere"))
+        assert r.outcome == "failed" and "cwd /nowhere: no such directory" in r.stderr, r
+        r = await backend.exec(ExecRequest(env, "pwd", ONE_CORE, cwd="/tmp"))
+        assert r.stdout == "/tmp\n", r
         return seen
 
     seen = asyncio.run(scenario())

@@ -17,6 +17,11 @@ no signal blocked) or, to switch user, with ``fork`` and ``exec``; answer with t
 exits within QUICK_EXIT_MS. A child subreaper: orphans are reaped on SIGCHLD (a signalfd),
 and an exit report says ``alone`` when no child at all is left.
 
+An isolated environment's lodger (``boxed``: it has entered the environment for good,
+``nsbox.enter_for_good``) runs the same loop: it also moves itself into each request's
+cpuset cgroup (the ``cgroup_tasks`` descriptor the daemon passes), and since its
+commands' orphans go to the environment's keeper, not to it, it never says ``alone``.
+
 ``serve`` returns when the daemon closes its end (or on an error the daemon would see as
 this lodger's death, for which the fork server's path takes over).
 */
@@ -44,7 +49,7 @@ this lodger's death, for which the fork server's path takes over).
 
 extern char **environ;
 
-#define MAX_FDS 3
+#define MAX_FDS 4 /* a command's three, and (inside an environment) its cpuset's tasks */
 #define MAX_CHILDREN 64
 #define MAX_FRAME (64u << 20)
 
@@ -58,6 +63,7 @@ struct lodger {
     int sigfd;
     int joined_score;
     int quick_ms;
+    int boxed; /* inside an isolated environment (see serve) */
     PyObject *loads;     /* json.loads */
     PyObject *base_env;  /* dict str -> str */
     struct child children[MAX_CHILDREN];
@@ -226,7 +232,9 @@ static int reap_child(struct lodger *L, int i, struct buf *b) {
         }
     }
     if (exit_fields(b, c.pid, status)) return -1;
-    if (L->nchildren == 0 && reap_orphans(L) && buf_str(b, ", \"alone\": true")) return -1;
+    if (L->nchildren == 0 && reap_orphans(L) && !L->boxed &&
+        buf_str(b, ", \"alone\": true"))
+        return -1;
     return 0;
 }
 
@@ -439,11 +447,18 @@ static pid_t fork_exec(char **argv, char **envp, const char *path, int in_fd, in
     return pid;
 }
 
-static int error_reply(struct buf *b, long long rid, int err, const char *text) {
+/* An error reply; ``stage`` (or NULL): what failed, when not the command's fault. */
+static int stage_reply(struct buf *b, long long rid, int err, const char *text,
+                       const char *stage) {
     b->n = 0;
     if (buf_str(b, "{\"id\": ") || buf_fmt(b, "%lld", rid)) return -1;
     if (err && (buf_str(b, ", \"errno\": ") || buf_fmt(b, "%lld", err))) return -1;
+    if (stage && (buf_str(b, ", \"stage\": ") || buf_json_str(b, stage))) return -1;
     return buf_str(b, ", \"error\": ") || buf_json_str(b, text) || buf_str(b, "}");
+}
+
+static int error_reply(struct buf *b, long long rid, int err, const char *text) {
+    return stage_reply(b, rid, err, text, NULL);
 }
 
 /* One spawn request: the reply (a JSON map) into b. -1 only when b cannot be written. */
@@ -453,7 +468,7 @@ static int spawn(struct lodger *L, PyObject *msg, int *fds, int nfds, struct buf
     PyObject *names = PyDict_GetItemString(msg, "fds");
     if (!names || !PyList_Check(names) || PyList_GET_SIZE(names) != nfds)
         return error_reply(b, rid, 0, "descriptors lost in transit");
-    int in_fd = -1, out_fd = -1, err_fd = -1;
+    int in_fd = -1, out_fd = -1, err_fd = -1, tasks_fd = -1;
     for (int i = 0; i < nfds; i++) {
         const char *name = PyUnicode_Check(PyList_GET_ITEM(names, i))
                                ? PyUnicode_AsUTF8(PyList_GET_ITEM(names, i))
@@ -465,6 +480,7 @@ static int spawn(struct lodger *L, PyObject *msg, int *fds, int nfds, struct buf
         if (!strcmp(name, "stdin")) in_fd = fds[i];
         if (!strcmp(name, "stdout")) out_fd = fds[i];
         if (!strcmp(name, "stderr")) err_fd = fds[i];
+        if (!strcmp(name, "cgroup_tasks")) tasks_fd = fds[i];
     }
     if (out_fd < 0 || err_fd < 0) return error_reply(b, rid, 0, "descriptors lost in transit");
 
@@ -486,7 +502,11 @@ static int spawn(struct lodger *L, PyObject *msg, int *fds, int nfds, struct buf
         }
     }
     buf_str(&shown, "]");
-    if (sched_setaffinity(0, sizeof set, &set) < 0) {
+    /* (an environment's lodger serves all its core sets) into this exec's cpuset cgroup:
+       the daemon opened its tasks file, so root outside may move us; moving oneself, one
+       thread, waits for no RCU grace period */
+    if ((tasks_fd >= 0 && write(tasks_fd, "0", 1) != 1) ||
+        sched_setaffinity(0, sizeof set, &set) < 0) {
         snprintf(text, sizeof text, "cannot pin the command to cores %s: [Errno %d] %s",
                  shown.p ? shown.p : "[]", errno, strerror(errno));
         free(shown.p);
@@ -537,8 +557,9 @@ static int spawn(struct lodger *L, PyObject *msg, int *fds, int nfds, struct buf
         }
     } else {
         if (chdir(cwd_s) < 0) {
-            snprintf(text, sizeof text, "cwd %.4000s: %s", cwd_s, strerror(errno));
-            ret = error_reply(b, rid, 0, text);
+            int err = errno;
+            snprintf(text, sizeof text, "cwd %.4000s: %s", cwd_s, strerror(err));
+            ret = stage_reply(b, rid, err, text, "cwd"); /* not the command's fault */
             goto out;
         }
         posix_spawn_file_actions_t fa;
@@ -688,8 +709,8 @@ static PyObject *serve(PyObject *self, PyObject *args) {
     memset(&L, 0, sizeof L);
     PyObject *base_env;
     double quick_s;
-    if (!PyArg_ParseTuple(args, "iO!id", &L.sock, &PyDict_Type, &base_env, &L.joined_score,
-                          &quick_s))
+    if (!PyArg_ParseTuple(args, "iO!id|p", &L.sock, &PyDict_Type, &base_env, &L.joined_score,
+                          &quick_s, &L.boxed))
         return NULL;
     L.quick_ms = (int)(quick_s * 1000 + 0.5);
     PyObject *json = PyImport_ImportModule("json");
@@ -758,8 +779,9 @@ static PyObject *serve(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"serve", serve, METH_VARARGS,
-     "serve(sock_fd, base_env, joined_score, quick_exit_s) -> int: run a joined lodger's "
-     "loop until the daemon closes its end (0) or an error (-1)."},
+     "serve(sock_fd, base_env, joined_score, quick_exit_s, boxed=False) -> int: run a "
+     "joined lodger's loop until the daemon closes its end (0) or an error (-1); boxed: "
+     "it has entered an isolated environment for good."},
     {NULL, NULL, 0, NULL},
 };
 

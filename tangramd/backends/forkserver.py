@@ -316,7 +316,11 @@ class _Helper:
         if reply.get("native"):  # joined: the same loop goes on in C, this one ends
             assert self.joined_score is not None and not self.children
             self.native.serve(
-                self.sock.fileno(), self.base_env, int(self.joined_score), QUICK_EXIT_S
+                self.sock.fileno(),
+                self.base_env,
+                int(self.joined_score),
+                QUICK_EXIT_S,
+                self.inside,
             )
             return False
         return True

@@ -435,8 +435,6 @@ class ProcessBackend:
         self._spawner = Spawner(
             lodgers=lodgers if self.cgroups is not None and self.cgroups.lodgers else 0,
             base_env=self._base_env,
-            # (the lodger loop in C spawns on the host only)
-            native=False if self.isolated else None,
         )
         self._exec_ids = itertools.count(1)
         self._tasks_fds: dict[Path, int] = {}  # cpuset cgroup -> its tasks file (_cgroup_tasks)
