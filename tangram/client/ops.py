@@ -208,7 +208,8 @@ class Ops:
 
         ``ref`` names the action on this connection so that ``cancel`` can reach it before
         its id is known; :class:`~tangram.client.AsyncClient` sets one on every exec and
-        sends that cancel when the awaiting coroutine is cancelled.
+        sends that cancel when the awaiting coroutine is cancelled, and
+        :class:`~tangram.client.Client` does on Ctrl-C (``ExecInterrupted``).
 
         ``job``: the job the action belongs to (fair share across jobs); unset: the
         client's ``job`` (``Client(job=...)``, else ``$TANGRAM_JOB``, else "default").
