@@ -189,6 +189,27 @@ def sleeps_in_proc(mark: str) -> list[int]:
     return pids
 
 
+def cgroups_of(pid: int) -> set[str]:
+    """The cgroup directories process ``pid`` is in (v2 and each v1 hierarchy)."""
+    dirs = set()
+    with open(f"/proc/{pid}/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            hierarchy = controllers.split(",")[0].removeprefix("name=")
+            base = "/sys/fs/cgroup" + (f"/{hierarchy}" if hierarchy else "")
+            dirs.add(os.path.normpath(base + path))
+    return dirs
+
+
+def procs_in(cgroup: str) -> str:
+    """The pids in ``cgroup`` ('' when it is gone or empty)."""
+    try:
+        with open(os.path.join(cgroup, "cgroup.procs")) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def test_ctrl_c_on_tangramctl_exec_cancels_its_running_and_its_queued_action(daemon):
     """SIGINT to a `tangramctl exec` whose command runs cancels the action (by its ref: the
     client does not know its id): exit 130 with a line saying so, the story says cancelled
@@ -206,7 +227,9 @@ def test_ctrl_c_on_tangramctl_exec_cancels_its_running_and_its_queued_action(dae
         with daemon.client() as c:
             rows = wait_for(lambda: c.queue()["running"], 30, "the exec running")
             running_id = rows[0]["action_id"]
-            wait_for(lambda: sleeps_in_proc(mark), 20, "the sleep started")
+            (pid,) = wait_for(lambda: sleeps_in_proc(mark), 20, "the sleep started")
+            # the action's own cgroups (not those it shares with the daemon)
+            own = cgroups_of(pid) - cgroups_of(daemon.proc.pid)
             queued = subprocess.Popen(
                 [*CTL, "--socket", sock, "exec", "--json", "--", "sleep", f"31.{mark}"],
                 stdout=subprocess.PIPE,
@@ -230,6 +253,7 @@ def test_ctrl_c_on_tangramctl_exec_cancels_its_running_and_its_queued_action(dae
             assert running.returncode == 130, err
             assert f"tangramctl: cancelled: action {running_id}: interrupted (Ctrl-C)" in err
             assert sleeps_in_proc(mark) == []  # killed before tangramctl returned
+            assert {cg: procs_in(cg) for cg in own} == dict.fromkeys(own, "")
             assert c.story(running_id)["outcome"] == "cancelled"
             assert not c.queue()["running"] and not c.queue()["waiting"]
     finally:
