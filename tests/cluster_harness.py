@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -56,6 +56,7 @@ __all__ = [
     "spawn_coordinator",
     "spawn_node",
     "stop_all",
+    "two_one_core_nodes",
     "wait_for",
     "wait_node_state",
 ]
@@ -82,6 +83,21 @@ def check_clean(*daemons: AnyDaemon) -> None:
         for text in texts:
             assert "Traceback" not in text, text
             assert "invariant_violated" not in text, text
+
+
+@contextlib.contextmanager
+def two_one_core_nodes(tmp: Path, config: str) -> Iterator[dict[str, InProcessDaemon]]:
+    """An in-process coordinator (``config``) and nodes ``a`` and ``b`` of one core each
+    (this process's first and last), invariants validated; their logs must stay clean."""
+    cores = sorted(os.sched_getaffinity(0))
+    with InProcessCluster(tmp, env={"TANGRAM_VALIDATE": "1"}) as here:
+        coord = here.coordinator(config)
+        daemons = {"coordinator": coord}
+        daemons["a"] = here.node(coord, "a", cpus=str(cores[0]))
+        daemons["b"] = here.node(coord, "b", cpus=str(cores[-1]))
+        yield daemons
+        stop_all(list(daemons.values()))
+        check_clean(*daemons.values())
 
 
 # --------------------------------------------------------------------------- in process

@@ -7,7 +7,6 @@ it (``cancel_exec``); no process of it is left when the cancel is answered.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import uuid
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ from typing import Any
 
 import psutil
 import pytest
-from cluster_harness import InProcessCluster, InProcessDaemon, check_clean, stop_all, wait_for
+from cluster_harness import InProcessDaemon, two_one_core_nodes, wait_for
 
 from tangram import AsyncClient, Client
 
@@ -25,20 +24,13 @@ CONFIG = """
 heartbeat_s = 0.25
 heartbeat_timeout_s = 2.0
 """
-CORES = sorted(os.sched_getaffinity(0))
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[dict[str, InProcessDaemon]]:
     """A coordinator and nodes ``a`` and ``b`` of one core each; logs must stay clean."""
-    with InProcessCluster(tmp_path, env={"TANGRAM_VALIDATE": "1"}) as here:
-        coord = here.coordinator(CONFIG)
-        daemons = {"coordinator": coord}
-        daemons["a"] = here.node(coord, "a", cpus=str(CORES[0]))
-        daemons["b"] = here.node(coord, "b", cpus=str(CORES[-1]))
+    with two_one_core_nodes(tmp_path, CONFIG) as daemons:
         yield daemons
-        stop_all(list(daemons.values()))
-        check_clean(*daemons.values())
 
 
 def marker() -> str:

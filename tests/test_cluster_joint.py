@@ -5,13 +5,12 @@ nodes have a free core, then run one at a time across the nodes (by their own cl
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_harness import InProcessCluster, InProcessDaemon, check_clean, stop_all, wait_for
+from cluster_harness import InProcessDaemon, two_one_core_nodes, wait_for
 
 from tangram import Client
 
@@ -24,20 +23,14 @@ heartbeat_timeout_s = 1.0
 name = "search"
 concurrency = 1
 """
-CORES = sorted(os.sched_getaffinity(0))
 TIMED = "date +%s.%N; sleep 0.3; date +%s.%N"
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[dict[str, InProcessDaemon]]:
-    with InProcessCluster(tmp_path, env={"TANGRAM_VALIDATE": "1"}) as here:
-        coord = here.coordinator(CONFIG)
-        daemons = {"coordinator": coord}
-        daemons["a"] = here.node(coord, "a", cpus=str(CORES[0]))
-        daemons["b"] = here.node(coord, "b", cpus=str(CORES[-1]))
+    """A coordinator and nodes ``a`` and ``b`` of one core each; logs must stay clean."""
+    with two_one_core_nodes(tmp_path, CONFIG) as daemons:
         yield daemons
-        stop_all(list(daemons.values()))
-        check_clean(*daemons.values())
 
 
 def test_cores_and_api_execs_through_a_node_run_one_at_a_time(
