@@ -58,6 +58,21 @@ def log_lines(text: str, event: str) -> int:
     return text.count(f'"event": "{event}"')
 
 
+def _opens_once_space_is_back(c: Client) -> str:
+    """env.open answers disk_full until the daemon's probe sees space again; then the
+    environment it opens (its id returned) runs a command."""
+
+    def opened() -> str | None:
+        try:
+            return c.env_open(trajectory="t")
+        except DiskFull:
+            return None
+
+    env = wait_for(opened, 40, "env.open once space is back")
+    assert c.exec("echo ok", env=env).stdout == "ok\n"
+    return str(env)
+
+
 def test_up_answers_disk_full_backs_off_and_recovers(tmp_path):
     """env.open on a full state dir: `disk_full` naming the tmpfs and the journal, at once
     each time (nothing half-made stays), one `disk_full` log line for them all; once the
@@ -79,15 +94,7 @@ def test_up_answers_disk_full_backs_off_and_recovers(tmp_path):
                 closed = lambda: c.request("env.list", {})["envs"] == []  # noqa: E731
                 wait_for(closed, 20, "the first closed again")
                 os.unlink(filler)
-
-                def opened() -> str | None:
-                    try:
-                        return c.env_open(trajectory="t")
-                    except DiskFull:
-                        return None
-
-                env = wait_for(opened, 40, "env.open once space is back")
-                assert c.exec("echo ok", env=env).stdout == "ok\n"
+                env = _opens_once_space_is_back(c)
             log = daemon.log()
             assert log_lines(log, "disk_full") == 1, log
             assert log_lines(log, "disk_space_back") == 1, log
@@ -140,15 +147,7 @@ def test_coordinator_store_full_answers_the_nodes_clients_and_keeps_the_link(tmp
             os.unlink(filler)
             wait_node_state(coord, "n2", "ready", 40)
             with Client(node.socket, timeout_s=20) as c:
-
-                def opened() -> str | None:
-                    try:
-                        return c.env_open(trajectory="t")
-                    except DiskFull:
-                        return None
-
-                env = wait_for(opened, 40, "env.open once space is back")
-                assert c.exec("echo ok", env=env).stdout == "ok\n"
+                env = _opens_once_space_is_back(c)
             log = coord.log()
             assert log_lines(log, "disk_full") == 1, log
             assert log_lines(log, "disk_space_back") >= 1, log
