@@ -489,6 +489,12 @@ def _refused_result(exc: TangramError) -> dict[str, Any]:
     help="The job it belongs to (fair share across jobs) [default: $TANGRAM_JOB, else 'default'].",
 )
 @click.option(
+    "--api",
+    metavar="NAME",
+    help="An [[api]] the command calls: it holds one of its slots while it runs, taken "
+    "with its cores (it waits until both are free).",
+)
+@click.option(
     "--setenv",
     "--env-var",
     "setenv",
@@ -525,6 +531,7 @@ def exec_(
     elastic: bool | None,
     task: str | None,
     job: str | None,
+    api: str | None,
     setenv: tuple[str, ...],
     cwd: str | None,
     stdin_file: Any,
@@ -563,6 +570,7 @@ def exec_(
             elastic=elastic,
             task=task,
             job=job,
+            api=api,
             env_vars=env_vars,
             stdin=stdin_file.read() if stdin_file is not None else None,
             cwd=cwd,

@@ -6,6 +6,9 @@ free, and a waiting one says it waits for the API."""
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -84,3 +87,31 @@ def test_an_unknown_api_is_refused(daemon) -> None:
         with pytest.raises(BadRequest, match="api"):
             c.exec("true", api="")
         assert c.exec("true").outcome == "ok"  # the daemon is still fine
+
+
+def test_tangramctl_exec_api_waits_for_the_slot(daemon) -> None:
+    """`tangramctl exec --api search` holds the slot with its cores: while a lease holds
+    the only slot it waits (queue says for what), then runs once the lease is released;
+    an unknown API exits 2 naming the configured ones."""
+    ctl = [sys.executable, "-m", "tangramctl.main", "--socket", daemon.socket, "exec"]
+    with Client(daemon.socket) as c:
+        lease = c.acquire_lease("search")
+        proc = subprocess.Popen(
+            [*ctl, "--api", "search", "--json", "--", "echo", "ran"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            held = "api search: 1 of 1 slots held"
+            wait_for(
+                lambda: [w["waiting_for"] for w in c.queue()["waiting"]] == [held],
+                30,
+                "the CLI's exec waiting for the API",
+            )
+            c.release_lease(lease)
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0 and json.loads(out)["stdout"] == "ran\n", out
+    bad = subprocess.run([*ctl, "--api", "nope", "--", "true"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "configured: search" in bad.stderr, bad.stderr
