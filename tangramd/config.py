@@ -383,6 +383,7 @@ class SchedSection:
     coalesce_ms: float = _key(_number(0.0), 0.0)
     replay_limit: int = _key(_int(1), 512)
     max_branch: int = _key(_int(1), 4)
+    share_half_life_s: float = _key(_number(0.0), 0.0)
 
     def scheduler(self) -> sched.SchedConfig:
         """The scheduler's own config: every scheduler key of this section, built once."""

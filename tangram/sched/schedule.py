@@ -109,6 +109,11 @@ class SchedConfig:
     # action may only take amounts in [k*/2, k*], k* its DoP priced by the pool's load
     # (tangram.sched.price), and elastic actions leave a reserve for short calls.
     rule: Rule = "priced"
+    # fair share across jobs (tangram.sched.share): 0, the share counts the units each job
+    # holds now (memoryless); H > 0, an exponentially decayed average of the units it held,
+    # half-life H seconds (the drivers keep it with DecayedUsage and pass it as
+    # Snapshot.usage)
+    share_half_life_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.depth < 1:
@@ -119,6 +124,9 @@ class SchedConfig:
             raise ValueError(f"rule {self.rule!r} not in {RULES}")
         if self.replay_limit < 1 or self.max_branch < 1:
             raise ValueError("replay_limit and max_branch must be >= 1")
+        h = self.share_half_life_s
+        if not h >= 0.0 or h == float("inf"):
+            raise ValueError(f"share_half_life_s must be a finite number >= 0, got {h}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +148,10 @@ class Snapshot:
     jobs: Mapping[str, Job] = field(default_factory=dict)
     held: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     totals: Mapping[str, int] = field(default_factory=dict)
+    # decayed usage (share_half_life_s > 0: tangram.sched.share.DecayedUsage, job ->
+    # resource -> units averaged over the recent past): the shares count it instead of
+    # ``held``; None: the memoryless share
+    usage: Mapping[str, Mapping[str, float]] | None = None
 
 
 class Placement(NamedTuple):
@@ -209,7 +221,9 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
     # several jobs (or a capped one): each pool serves its queue in fair-share order
     # (tangram.sched.share); within a job the order stays FCFS
     ordered = everyone
-    fair = fair_order(everyone, snapshot.jobs, snapshot.held, snapshot.totals, pools, affinity)
+    fair = fair_order(
+        everyone, snapshot.jobs, snapshot.held, snapshot.totals, pools, affinity, snapshot.usage
+    )
     if fair is not None:
         ordered = fair.order
         for action, why in fair.never:

@@ -23,6 +23,14 @@ the order given, hands freed units to the job furthest below its weighted share:
 above its minimum counts all its units against its job). Nothing running is ever preempted:
 shares are restored at action boundaries. Pure: no I/O, no clock.
 
+Decayed usage (``[sched] share_half_life_s`` = H > 0): the share counts, instead of the
+units held now, ``usage`` (job -> resource -> units): an exponentially decayed average of
+the units the job held, half-life H, kept by ``DecayedUsage`` from the ``now`` and the
+``held`` each pass is given (the driver's clock, passed in: the core reads none); the
+units offered in the pass are added to it as before. A job that held less than its share
+recently is then offered units first when it comes back. Caps still count the units held
+now. H = 0 (``usage`` None): the memoryless rule above, exactly.
+
 Returns ``None`` when there is nothing to reorder (the waiting actions belong to one job and
 it has no cap): the pass then is exactly the single-job pass.
 
@@ -33,7 +41,7 @@ offered while two or more jobs still have actions, a list extend after that).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tangram.model import Action, Shortfall, TrajectoryId
@@ -102,6 +110,92 @@ def dominant_share(
     return best / weight
 
 
+class DecayedUsage:
+    """job -> resource -> the units it held, exponentially averaged with half-life ``H`` s.
+
+    ``update(now, held, waiting, weights)`` advances the averages from the previous call's
+    ``now`` to this one, taking ``held`` (the units held now) as what each job held over
+    that interval: ``avg <- held + (avg - held) * 2 ** (-(now - last) / H)``.
+
+    A job is *active* while it holds units or has actions waiting (``waiting``: the names of
+    the jobs with waiting actions). A job that becomes active while others already are
+    starts no lower than they stand, weight for weight: per resource, its average is raised
+    to the least of theirs times its weight over theirs. Idle time earns no credit (as a
+    waking task in a fair-share CPU scheduler): a job that was idle and bursts comes back at
+    the level of the jobs that kept running, and from there the one that used less recently
+    is served first. A job not seen before starts at 0, so with nobody active before it
+    nothing changes. Pure: time comes in as ``now``; a ``now`` earlier than the last call's
+    counts as no time passed."""
+
+    __slots__ = ("active", "avg", "half_life_s", "last")
+
+    def __init__(self, half_life_s: float) -> None:
+        if not half_life_s > 0.0 or half_life_s == float("inf"):
+            raise ValueError(
+                f"share_half_life_s: expected a positive finite number, got {half_life_s}"
+            )
+        self.half_life_s = half_life_s
+        self.last: float | None = None
+        self.avg: dict[str, dict[str, float]] = {}
+        self.active: set[str] = set()
+
+    def update(
+        self,
+        now: float,
+        held: Mapping[str, Mapping[str, int]],
+        waiting: Iterable[str] = (),
+        weights: Mapping[str, float] | None = None,
+    ) -> dict[str, dict[str, float]]:
+        last = self.last
+        dt = 0.0 if last is None or now < last else now - last
+        if last is None or now > last:
+            self.last = now
+        keep = 2.0 ** (-dt / self.half_life_s)
+        avg = self.avg
+        for name in held:
+            if name not in avg:
+                avg[name] = {}
+        for name, got in avg.items():
+            now_held = held.get(name, {})
+            for r in now_held:
+                if r not in got:
+                    got[r] = 0.0
+            for r, a in got.items():
+                h = float(now_held.get(r, 0))
+                got[r] = h + (a - h) * keep
+        active: set[str] = set(waiting)
+        for name, mine in held.items():
+            for units in mine.values():
+                if units > 0:
+                    active.add(name)
+                    break
+        was = self.active
+        stayed = [n for n in active if n in was]
+        if stayed:
+            w = weights if weights is not None else {}
+            for name in active:
+                if name in was:
+                    continue
+                back = avg.get(name)
+                if back is None:
+                    back = avg[name] = {}
+                mine_w = w.get(name, 1.0)
+                floor: dict[str, float] = {}
+                for k in stayed:
+                    ratio = mine_w / w.get(k, 1.0)
+                    theirs = avg.get(k, {})
+                    for r in set(theirs) | set(floor):
+                        v = theirs.get(r, 0.0) * ratio
+                        f = floor.get(r)
+                        if f is None or v < f:
+                            floor[r] = v
+                for r, v in floor.items():
+                    if back.get(r, 0.0) < v:
+                        back[r] = v
+        self.active = active
+        return avg
+
+
 @dataclass(slots=True)
 class FairOrder:
     order: list[Action]  # the admitted actions, in the order to offer them
@@ -116,6 +210,7 @@ def fair_order(
     totals: Mapping[str, int],
     pools: Mapping[str, SchedPool] | None = None,
     affinity: Mapping[TrajectoryId, str] | None = None,
+    usage: Mapping[str, Mapping[str, float]] | None = None,
 ) -> FairOrder | None:
     """The waiting actions in fair-share order (see the module doc); None: FCFS as is.
 
@@ -124,7 +219,10 @@ def fair_order(
     no free units left for it this pass (counting the minimums of those offered before it)
     is not counted as held: each pool serves only its own queue, so counting it would hand
     the share it cannot take there to its job on another pool. Those come after the
-    others, in the order they were reached."""
+    others, in the order they were reached.
+
+    ``usage`` (decayed usage, ``DecayedUsage``): the shares start from it instead of from
+    ``held`` (caps still count ``held``); None: the memoryless rule."""
     if not waiting:
         return None
     first = waiting[0].job
@@ -160,8 +258,9 @@ def fair_order(
     # per job: its spec, what it holds (copied: counted up as actions are offered), its
     # dominant share (unweighted), the next index into its queue
     specs: list[Job] = []
-    usage: list[dict[str, int]] = []
+    usage_of: list[dict[str, int]] = []
     dom: list[float] = []
+    lifts: list[dict[str, float]] = []  # per job: usage - held per resource (empty: none)
     nxt: list[int] = []
     heap: list[tuple[int, float, int, int]] = []  # (-priority, share, head seq, job index)
     for i, name in enumerate(names):
@@ -170,8 +269,19 @@ def fair_order(
             spec = Job(name)
         specs.append(spec)
         mine = dict(held.get(name, {}))
-        usage.append(mine)
-        d = dominant_share(mine, totals)
+        usage_of.append(mine)
+        lift: dict[str, float] = {}
+        if usage is not None:
+            past = usage.get(name, {})
+            for r, u in past.items():
+                lift[r] = u - mine.get(r, 0)
+            for r, units in mine.items():
+                if r not in past:
+                    lift[r] = -float(units)
+            d = _dominant_f(past, totals)
+        else:
+            d = dominant_share(mine, totals)
+        lifts.append(lift)
         dom.append(d)
         nxt.append(0)
         heap.append((-spec.priority, d / spec.weight, per_job[name][0].seq, i))
@@ -180,7 +290,7 @@ def fair_order(
         if len(heap) == 1:  # one job left: the rest of its queue in order (caps still apply)
             _, _, _, i = heap[0]
             heap.clear()
-            _drain(per_job[names[i]], nxt[i], specs[i], usage[i], order, capped, never)
+            _drain(per_job[names[i]], nxt[i], specs[i], usage_of[i], order, capped, never)
             break
         prio, _, _, i = heapq.heappop(heap)
         queue = per_job[names[i]]
@@ -188,7 +298,8 @@ def fair_order(
         spec = specs[i]
         weight = spec.weight
         capless = spec.max_cores is None and spec.max_gpus is None
-        mine = usage[i]
+        mine = usage_of[i]
+        off = lifts[i]
         d = dom[i]
         nq = len(queue)
         # the job's actions while it stays the furthest below its share (the heap's top is
@@ -224,7 +335,7 @@ def fair_order(
             mine[r] = have
             total = totals.get(r, 0)
             if total > 0:
-                f = have / total
+                f = (have + off.get(r, 0.0)) / total if off else have / total
                 if f > d:
                     d = f
             k += 1
@@ -241,6 +352,18 @@ def fair_order(
             heapq.heappush(heap, (prio, d / weight, queue[k].seq, i))
     order.extend(later)
     return FairOrder(order, capped, never)
+
+
+def _dominant_f(usage: Mapping[str, float], totals: Mapping[str, int]) -> float:
+    """max over resources of usage / total (0 where nothing was used): unweighted."""
+    best = 0.0
+    for r, units in usage.items():
+        total = totals.get(r, 0)
+        if total > 0 and units > 0.0:
+            f = units / total
+            if f > best:
+                best = f
+    return best
 
 
 def _drain(

@@ -34,7 +34,7 @@ from tangram.pools.cpu import CpuNodePool
 from tangram.pools.gpu import GpuCluster, GpuNodePool
 from tangram.pools.gpu import ServiceSpec as GpuServiceSpec
 from tangram.sched import LoadMeter, SchedConfig, Snapshot, schedule
-from tangram.sched.share import Job, pool_totals
+from tangram.sched.share import DecayedUsage, Job, pool_totals
 from tangram.sim.baselines import ApiRetry, K8sPods, SimError, StaticServices
 from tangram.sim.cluster import GB, ClusterSpec
 from tangram.sim.metrics import ActionRecord, SimResult, summarize
@@ -68,6 +68,9 @@ class Engine:
         self.held: dict[str, dict[str, int]] = {}
         self.policy = policy
         self.sched = sched or SchedConfig(order=policy.order, rule=policy.rule)
+        # decayed usage per job (share_half_life_s > 0), advanced by the virtual clock
+        h = self.sched.share_half_life_s
+        self.decay: DecayedUsage | None = DecayedUsage(h) if h > 0.0 else None
         self.check = check
         self.progress = progress
         _check_names(cluster, trajectories)
@@ -320,6 +323,13 @@ class Engine:
         assert self.static is not None, "batched calls imply static-services"
         self.static.on_batch_done(event, now)
 
+    def _usage(self, now: float, waiting: list[Action]) -> dict[str, dict[str, float]] | None:
+        """Each job's decayed usage at ``now`` (None: the memoryless share, half-life 0)."""
+        if self.decay is None:
+            return None
+        weights = {name: job.weight for name, job in self.jobs.items()}
+        return self.decay.update(now, self.held, {a.job for a in waiting}, weights)
+
     def _on_done(self, run: Run, now: float) -> None:
         action = run.action
         if run.ta.dur_s is not None:
@@ -432,6 +442,7 @@ class Engine:
             jobs=self.jobs,
             held=self.held,
             totals=self.totals,
+            usage=self._usage(now, waiting),
         )
         decision = schedule(snap, now, self.sched)
         mem_free: dict[str, int] = {}  # per node this pass: free memory, kept up to date

@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tangram.model import TrajectoryId
+from tangram.sched.share import DecayedUsage
 
 
 @dataclass
@@ -28,3 +29,5 @@ class PassBook:
     # CPU node derived from it (the priced rule's bound, ``PoolLoad.envs``)
     affinity: dict[TrajectoryId, str] | None = None
     envs_on: Counter[str] = field(default_factory=Counter)
+    # each job's decayed usage for the fair share ([sched] share_half_life_s > 0)
+    decay: DecayedUsage | None = None

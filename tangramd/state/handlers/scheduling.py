@@ -20,6 +20,7 @@ from tangram.pools.cpu import CpuNodePool
 from tangram.sched import Decision, Infeasible, Placement, PoolLoad, SchedPool, Snapshot
 from tangram.sched.explain import DopWhy, dop_why
 from tangram.sched.replay import Durations
+from tangram.sched.share import DecayedUsage
 from tangramd import events as ev
 from tangramd.collector import schedule_paused
 from tangramd.state.handlers.actions import expire_waits, finish_action, run_exec
@@ -114,6 +115,7 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
             load=load,
             jobs=jobs,
             held=held,
+            usage=decayed_usage(core, now, held) if shared else None,
         )
         decision = schedule_paused(snap, now, core.cfg.sched)
         waiting = snap.waiting
@@ -182,6 +184,22 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
             core.actions.move(rec, "running", now, "lease granted", core.stimulus)
             grant_lease(core, rec, now, out)
     core.services.placing = frozenset()
+
+
+def decayed_usage(
+    core: Core, now: float, held: dict[str, dict[str, int]]
+) -> dict[str, dict[str, float]] | None:
+    """Each job's decayed usage (``[sched] share_half_life_s`` > 0), advanced to ``now``
+    with what its running actions hold; None: the memoryless share (half-life 0)."""
+    h = core.cfg.sched.share_half_life_s
+    if h <= 0.0:
+        return None
+    decay = core.passer.decay
+    if decay is None or decay.half_life_s != h:
+        decay = core.passer.decay = DecayedUsage(h)
+    waiting = {rec.action.job for rec in core.actions.queue.values()}
+    weights = {name: job.weight for name, job in core.cfg.jobs.items()}
+    return decay.update(now, held, waiting, weights)
 
 
 def placement_why(
