@@ -1,6 +1,9 @@
 """Many RL jobs on one cluster (issue 34, Measure): fair share across jobs in the simulator.
 
-Usage: python bench/paper/tenancy.py [--json] [--seed N] [--repeat N]
+Usage: python bench/paper/tenancy.py [--json] [--seed N] [--repeat N] [--half-life H]
+
+``--half-life H``: the fair-share runs count each job's decayed usage (``[sched]
+share_half_life_s = H``, docs/design.md §4.10) instead of the units it holds now (0).
 
 Four scenarios, deterministic (fixed seeds, the simulator's virtual clock), on 4 CPU nodes
 of 64 cores (``CLUSTER``); every action is a 1-core exec call whose true duration the
@@ -30,6 +33,7 @@ Prints a markdown table (or ``--json``: one object); rows carry ``goal`` and ``m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -58,6 +62,7 @@ CORES = 256
 WARMUP_S = 60.0
 WINDOW_S = 60.0
 MEM_GB = 1.0  # per trajectory: the node choice balances memory, so trajectories spread
+HALF_LIFE_S = 0.0  # [sched] share_half_life_s of the fair-share runs (--half-life)
 
 
 def cluster() -> ClusterSpec:
@@ -112,7 +117,8 @@ def as_one_stream(trajs: list[Trajectory]) -> list[Trajectory]:
 
 def run(trajs: list[Trajectory], jobs: dict[str, Job] | None) -> tuple[list[ActionRecord], float]:
     pol = parse_policy("tangram")
-    eng = Engine(cluster(), trajs, pol, SchedConfig(order=pol.order, rule=pol.rule), jobs=jobs)
+    cfg = SchedConfig(order=pol.order, rule=pol.rule, share_half_life_s=HALF_LIFE_S)
+    eng = Engine(cluster(), trajs, pol, cfg, jobs=jobs)
     t0 = time.perf_counter()
     eng.run()
     return eng.records, time.perf_counter() - t0
@@ -261,6 +267,18 @@ def pass_latency(repeat: int) -> dict[str, Any]:
     assert spec is not None and spec.loader is not None
     bench_sched = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_sched)
+    if HALF_LIFE_S > 0.0:  # the passes get a decayed usage, as the drivers pass it then
+        plain_build = bench_sched.build
+
+        def build(*args: Any, **kw: Any) -> Any:
+            snap = plain_build(*args, **kw)
+            if not snap.held:
+                return snap
+            # what a job held, averaged: a quarter less than it holds now, plus one core
+            usage = {n: {r: 0.75 * u + 1.0 for r, u in h.items()} for n, h in snap.held.items()}
+            return dataclasses.replace(snap, usage=usage)
+
+        bench_sched.build = build
 
     cases = [(64, 64), (256, 256), (4096, 1024)]
     rows = []
@@ -293,10 +311,23 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=200, help="passes per latency case")
+    ap.add_argument(
+        "--half-life",
+        type=float,
+        default=0.0,
+        help="[sched] share_half_life_s of the fair-share runs (0: memoryless share)",
+    )
     args = ap.parse_args()
+    global HALF_LIFE_S
+    HALF_LIFE_S = args.half_life
     t0 = time.perf_counter()
     out = [share_2_1(args.seed), burst(args.seed), priority(args.seed), pass_latency(args.repeat)]
-    result = {"seed": args.seed, "scenarios": out, "wall_s": round(time.perf_counter() - t0, 1)}
+    result = {
+        "seed": args.seed,
+        "share_half_life_s": HALF_LIFE_S,
+        "scenarios": out,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
     if args.json:
         print(json.dumps(result))
         return
