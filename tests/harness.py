@@ -8,19 +8,24 @@ fixtures built on these helpers are in ``conftest.py``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import struct
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
+from tangram.client import Client, ExecResult
 from tangram.testing import (
     SpawnedDaemon,
     SpawnedGateway,
     free_port,
     spawn_daemon,
     spawn_gateway,
+    wait_for,
     wait_http,
 )
 
@@ -99,3 +104,45 @@ def running_stack(
         yield Stack(daemon, gw)
         assert gw.proc.poll() is None, gw.log()
     assert "Traceback" not in gw.log(), gw.log()
+
+
+# prints its start and end on the host clock (the daemons of a test run on this host)
+TIMED = "date +%s.%N; sleep 0.3; date +%s.%N"
+API_HELD = "api search: 1 of 1 slots held"
+
+
+def api_execs_wait_then_run_one_at_a_time(
+    socket: str,
+    c: Client,
+    lease: str,
+    while_waiting: Callable[[list[dict[str, Any]]], None],
+    n: int = 3,
+) -> list[ExecResult]:
+    """Joint admission's scenario (issue 34, item 3): with ``lease`` holding the only slot
+    of the API ``search``, ``n`` execs with ``api="search"`` sent through ``socket`` all
+    wait for it (``queue`` says so: cores are free), ``while_waiting(rows)`` checks more;
+    once the lease is released they run one at a time by their commands' own clocks."""
+    results: list[ExecResult] = []
+
+    def submit() -> None:
+        with Client(socket) as own:
+            results.append(own.exec(TIMED, api="search", timeout_s=60))
+
+    threads = [threading.Thread(target=submit) for _ in range(n)]
+    for t in threads:
+        t.start()
+
+    def all_wait_for_the_api() -> list[dict[str, Any]] | None:
+        rows = c.queue()["waiting"]
+        waits = [r["waiting_for"] for r in rows]
+        return rows if len(rows) == n and waits == [API_HELD] * n else None
+
+    while_waiting(wait_for(all_wait_for_the_api, 30, f"{n} execs waiting for the API"))
+    c.release_lease(lease)
+    for t in threads:
+        t.join(60)
+    assert len(results) == n and all(r.outcome == "ok" for r in results), results
+    spans = sorted(tuple(float(x) for x in r.stdout.split()) for r in results)
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert start >= end, spans  # never two at once
+    return results

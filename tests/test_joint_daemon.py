@@ -5,14 +5,12 @@ free, and a waiting one says it waits for the API."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import subprocess
 import sys
-import threading
 
 import pytest
-from harness import assert_clean_log
+from harness import API_HELD, api_execs_wait_then_run_one_at_a_time, assert_clean_log
 
 from tangram.client import Client
 from tangram.protocol.errors import BadRequest, NotFound
@@ -27,9 +25,6 @@ name = "search"
 concurrency = 1
 """
 
-# prints its start and end on the host clock (the daemon runs on this host)
-TIMED = "date +%s.%N; sleep 0.3; date +%s.%N"
-
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
@@ -43,35 +38,15 @@ def daemon(tmp_path_factory):
 
 
 def test_three_cores_and_api_execs_run_one_at_a_time(daemon) -> None:
-    results: list = []
     with Client(daemon.socket) as c:
         lease = c.acquire_lease("search")  # the one slot is held: every exec must wait
 
-        def submit() -> None:
-            with Client(daemon.socket) as own:
-                results.append(own.exec(TIMED, api="search", timeout_s=60))
+        def while_waiting(rows: list[dict]) -> None:  # the story says why; only the lease runs
+            story = c.story(rows[0]["action_id"])
+            assert story["state"] == "queued" and story["waiting_for"] == API_HELD
+            assert [r["action_id"] for r in c.queue()["running"]] == [lease]
 
-        threads = [threading.Thread(target=submit) for _ in range(3)]
-        for t in threads:
-            t.start()
-        held = "api search: 1 of 1 slots held"  # cores are free: they wait for the slot
-
-        def all_wait_for_the_api() -> list | None:
-            rows = c.queue()["waiting"]
-            waits = [r["waiting_for"] for r in rows]
-            return rows if len(rows) == 3 and waits == [held] * 3 else None
-
-        waiting = wait_for(all_wait_for_the_api, 30, "three execs waiting for the API")
-        story = c.story(waiting[0]["action_id"])
-        assert story["state"] == "queued" and story["waiting_for"].startswith("api search")
-        assert [r["action_id"] for r in c.queue()["running"]] == [lease]  # only the lease
-        c.release_lease(lease)
-        for t in threads:
-            t.join(60)
-        assert len(results) == 3 and all(r.outcome == "ok" for r in results), results
-        spans = sorted(tuple(float(x) for x in r.stdout.split()) for r in results)
-        for (_, end), (start, _) in itertools.pairwise(spans):
-            assert start >= end, spans  # never two at once
+        results = api_execs_wait_then_run_one_at_a_time(daemon.socket, c, lease, while_waiting)
         story = c.story(results[0].action_id)
         events = " ".join(str(e) for e in story["events"])
         assert "also holds" in events and "api:search" in events, story
