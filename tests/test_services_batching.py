@@ -21,7 +21,7 @@ from tangram import Client
 from tangram.client import CallResult
 from tangram.client.aio import AsyncClient
 from tangram.protocol import BadRequest
-from tangram.testing import SpawnedDaemon, spawn_daemon
+from tangram.testing import SpawnedDaemon, spawn_daemon, wait_for_async
 
 SERVICES = Path(__file__).parent / "data" / "services"
 sys.path.insert(0, str(SERVICES))
@@ -151,8 +151,8 @@ def test_a_handle_batch_that_raises_fails_its_calls_not_the_daemon(
     async def run() -> list[CallResult]:
         async with AsyncClient(daemon.socket) as c:
             slow = asyncio.ensure_future(c.call(*jobs[0]))
-            while not started.exists():  # the first pass holds the GPU: the rest queue
-                await asyncio.sleep(0.01)
+            # the first pass holds the GPU: the rest queue
+            await wait_for_async(started.exists, 60, "the first pass started")
             rest = await asyncio.gather(*(c.call(name, body) for name, body in jobs[1:]))
             return [await slow, *rest]
 
@@ -201,8 +201,8 @@ def test_an_http_engine_is_sent_a_batch_at_once(daemon: SpawnedDaemon, tmp_path:
     async def run() -> list[CallResult]:
         async with AsyncClient(daemon.socket) as c:
             slow = asyncio.ensure_future(c.call(*jobs[0]))
-            while not started.exists():  # the first call holds the GPU: the rest queue
-                await asyncio.sleep(0.01)
+            # the first call holds the GPU: the rest queue
+            await wait_for_async(started.exists, 60, "the first call started")
             rest = await asyncio.gather(*(c.call(name, body) for name, body in jobs[1:]))
             return [await slow, *rest]
 
