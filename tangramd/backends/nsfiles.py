@@ -150,22 +150,12 @@ class Walk:
         fd = os.dup(base)
         try:
             for part in parts[:-1]:
-                try:
-                    nxt = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
-                except OSError as e:
-                    if e.errno == errno.ELOOP:
-                        raise Escape(f"{part!r} is a symlink") from None
-                    raise
+                nxt = _open_no_link(part, _DIR_FLAGS, fd)
                 os.close(fd)
                 fd = nxt
             if not parts:
                 return os.open(".", flags | os.O_CLOEXEC, mode, dir_fd=fd)
-            try:
-                return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=fd)
-            except OSError as e:
-                if e.errno == errno.ELOOP:
-                    raise Escape(f"{parts[-1]!r} is a symlink") from None
-                raise
+            return _open_no_link(parts[-1], flags | os.O_CLOEXEC, fd, mode)
         finally:
             os.close(fd)
 
@@ -189,12 +179,7 @@ class Walk:
                         os.mkdir(part, mode, dir_fd=fd)
                     except FileExistsError:
                         made = False  # made meanwhile
-                    try:
-                        nxt = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
-                    except OSError as e:
-                        if e.errno == errno.ELOOP:
-                            raise Escape(f"{part!r} became a symlink") from None
-                        raise
+                    nxt = _open_no_link(part, _DIR_FLAGS, fd, was="became")
                     if made:
                         if owner is not None:
                             os.fchown(nxt, *owner)
@@ -204,6 +189,17 @@ class Walk:
             return os.dup(fd)
         finally:
             os.close(fd)
+
+
+def _open_no_link(name: str, flags: int, dir_fd: int, mode: int = 0o777, was: str = "is") -> int:
+    """``name`` below ``dir_fd`` opened without following a link (``O_NOFOLLOW``); a link
+    there is an :class:`Escape` ("'name' is a symlink")."""
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise Escape(f"{name!r} {was} a symlink") from None
+        raise
 
 
 # --- the operations (in the daemon, or in a file helper as the environment's user) -------
