@@ -311,6 +311,10 @@ def test_async_client_reconnects_after_idle_close() -> None:
         ):
             await client.ping()
             await wait_for_async(lambda: server.connections == 0, 5, "the idle connection closed")
+            # and the client has read the close (a request written before it reads the EOF
+            # fails ConnectionFailed: the client cannot know whether the server took it)
+            lost = lambda: client._protocol is None or client._protocol.lost  # noqa: E731
+            await wait_for_async(lost, 5, "the client saw the close")
             assert (await client.ping())["pong"] is True
 
     run_async_test(main)
