@@ -49,6 +49,9 @@ class SimService:
     mem_gb: float
     static_gpus: int = 1
     static_replicas: int = 1
+    # tangram: calls one forward pass takes (the placed call and up to max_batch - 1
+    # queued calls to the service riding along, tangram.sim.gpubatch); 1: no batching
+    max_batch: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +115,7 @@ class ClusterSpec:
 _SECTIONS: dict[str, tuple[type, set[str]]] = {
     "cpu_node": (CpuNodeSpec, {"count", "cores", "numa", "mem_gb"}),
     "gpu_node": (GpuNodeSpec, {"count", "gpus", "gpu_mem_gb", "h2d_gbps"}),
-    "service": (SimService, {"name", "mem_gb", "static_gpus", "static_replicas"}),
+    "service": (SimService, {"name", "mem_gb", "static_gpus", "static_replicas", "max_batch"}),
     "api": (ApiSpec, {"name", "concurrency", "quota", "period_s"}),
 }
 _INT_KEYS = {
@@ -124,10 +127,11 @@ _INT_KEYS = {
     "static_replicas",
     "concurrency",
     "static_max_batch",
+    "max_batch",
 }
 _INT_KEYS |= {"quota", "k8s_pod_cores"}
 _POSITIVE = {"count", "cores", "numa", "gpus", "static_gpus", "static_replicas", "period_s"}
-_POSITIVE |= {"k8s_pod_cores", "gpu_mem_gb", "h2d_gbps"}
+_POSITIVE |= {"k8s_pod_cores", "gpu_mem_gb", "h2d_gbps", "max_batch"}
 
 
 def _value(where: str, key: str, value: object) -> Any:

@@ -37,6 +37,7 @@ from tangram.sched import LoadMeter, SchedConfig, Snapshot, schedule
 from tangram.sched.share import DecayedUsage, Job, pool_totals
 from tangram.sim.baselines import ApiRetry, K8sPods, SimError, StaticServices
 from tangram.sim.cluster import GB, ClusterSpec
+from tangram.sim.gpubatch import GpuBatcher
 from tangram.sim.metrics import ActionRecord, SimResult, summarize
 from tangram.sim.policy import Policy
 from tangram.sim.runs import Run, Traj
@@ -149,6 +150,9 @@ class Engine:
         self.k8s = K8sPods(self, list(self.cpu.values()), self.env_bytes, (POD_READY, POD_BIND))
         self.retry = ApiRetry(self, self.apis, RETRY)
         self.static: StaticServices | None = None
+        # tangram's dynamic batching of service calls (a service with max_batch > 1)
+        enabled = self.policy.gpu != "static" and GpuBatcher.enabled(c)
+        self.batcher = GpuBatcher(self, c, DONE) if enabled else None
 
     def _build_steps(self, trajectories: Sequence[Trajectory]) -> None:
         groups: dict[tuple[str, int], list[Traj]] = {}
@@ -348,8 +352,7 @@ class Engine:
             del self.running[pid][action.id]
             self.dirty.add(pid)
             self.add_reserved(self.pools[pid].resource, run.units * (now - run.start))
-        elif action.kind == "service":  # static-services replica
-            assert self.static is not None
+        elif action.kind == "service" and self.static is not None:  # a static replica
             self.static.done(run, now)
         elif action.kind == "api":  # api-retry lease
             self.retry.done(run, now)
@@ -446,6 +449,10 @@ class Engine:
         )
         decision = schedule(snap, now, self.sched)
         mem_free: dict[str, int] = {}  # per node this pass: free memory, kept up to date
+        placing: set[ActionId] = set()  # batching: the calls this pass places or fails
+        if self.batcher is not None:  # ride in no batch
+            placing = {p.action_id for p in decision.placements}
+            placing |= {inf.action_id for inf in decision.infeasible}
         for p in decision.placements:
             pid = p.pool_id
             if p.new_node:
@@ -484,7 +491,12 @@ class Engine:
             self.running[pid][action.id] = (now + p.expected_s, p.amount)
             if pid in cpu:
                 self.meter.started(pid, action.id, now, action.elastic, p.amount, p.expected_s)
-            self.start_run(run, now, len(p.units), restore, pool.resource)
+            if self.batcher is not None and action.kind == "service":
+                end = self.batcher.start(run, now, len(p.units), restore, queues[pid], placing)
+                if end is not None:  # riders came along: the pass ends later
+                    self.running[pid][action.id] = (end, p.amount)
+            else:
+                self.start_run(run, now, len(p.units), restore, pool.resource)
             held = self.held.get(action.job)
             if held is None:
                 held = self.held[action.job] = {}
