@@ -153,3 +153,12 @@ def test_fig8_baselines_table_small() -> None:
             assert cell["tangram_gpus"] == (min(fits) if fits else None)
             if cell["tangram_gpus"] is not None:
                 assert cell["saving"] == pytest.approx(1 - cell["tangram_gpus"] / total, abs=1e-3)
+            # tangram batching (max_batch calls a pass) against the column of its gain
+            batched = cell["tangram_batching"]
+            assert batched["gain"] == (1.0 if mode == "serial" else 2.0)
+            bacts = doc["tangram_batching_act"]["1000"][f"gain{batched['gain']:g}"]
+            fits = [int(g) for g, a in bacts.items() if a <= cell["static_act_s"] + 1e-3]
+            assert batched["tangram_gpus"] == (min(fits) if fits else None)
+    # batching changes tangram's run (calls ride along) at both gains
+    for gain in ("gain1", "gain2"):
+        assert doc["tangram_batching_act"]["1000"][gain] != doc["tangram_act"]["1000"]

@@ -8,14 +8,22 @@ Usage: python bench/paper/fig8_gpu.py [--gpus 4,8,12,16,24,32,40] [--batches 256
     Paper: the same ACT with 29% of the GPUs (71.2% saved).
 (b) MOPD over batch sizes on 40 GPUs, the three tangram rules vs static-services. Paper: 18.1×
     faster at batch 2048 than the static SGLang deployment.
+(a) and (b) also run the static deployment batching as SGLang does and tangram batching as
+    the daemon does (issue 33 item 5), at batch gains 1 and 2 (below).
 (c) ``--baselines`` (issue 33 item 5): the static deployment batching as SGLang does
     (continuous batching, ``static_max_batch`` calls per replica, per-call time from the same
     service time model, see ``tangram.sim.baselines``) in three replica shapes of the same
     40 GPUs (4×1, 2×2, 1×4 GPUs per service), at teacher popularity skews 1×, 10×, 1000×
     (MOPD+Search, batch 1024; ``--workload mopd``: the teachers alone): the fewest GPUs on
-    which ``tangram`` (which does not batch) reaches the baseline's GPU-action ACT, and the
-    saving. Writes
+    which ``tangram`` reaches the baseline's GPU-action ACT, and the saving; once without
+    batching and once batching as the daemon does (a placed call takes up to
+    ``max_batch - 1`` queued calls to its service along, one pass timed by the same model
+    at the same gain, ``tangram.sim.gpubatch``). Writes
     ``bench/paper/out/fig8_gpu_baselines.json``; ``--baselines-only`` skips (a) and (b).
+
+Batch gain: a full batch's throughput per GPU over one call alone on one GPU, the same for
+the static replicas and for tangram's passes. Gain 1 is the service time model's own (batching
+only removes the multi-GPU loss E(g)); gain 2 is assumed, not measured.
 """
 
 from __future__ import annotations
@@ -38,6 +46,22 @@ MAX_BATCH = 64  # calls one replica batches (SGLang's running requests, assumed 
 # a full batch's throughput per GPU over one call alone on one GPU: 1 = the service time
 # model's own (batching only removes the multi-GPU loss E(g)); 2 = assumed batching gain
 BATCH_GAINS = (1.0, 2.0)
+
+
+def batching(base: ClusterSpec, who: str, max_batch: int, gain: float) -> ClusterSpec:
+    """``base`` with ``who`` ("static" or "tangram") batching ``max_batch`` calls at ``gain``."""
+    rules = replace(base.baselines, static_batch_gain=gain)
+    if who == "static":
+        return replace(base, baselines=replace(rules, static_max_batch=max_batch))
+    services = tuple(replace(s, max_batch=max_batch) for s in base.services)
+    return replace(base, services=services, baselines=rules)
+
+
+def _sim(cluster: ClusterSpec, trace: list[Any], policy: str) -> Any:
+    t0 = time.perf_counter()
+    result = simulate(cluster, trace, parse_policy(policy))
+    result.summary.setdefault("wall_s_not_deterministic", round(time.perf_counter() - t0, 2))
+    return result
 
 
 def main() -> None:
@@ -71,58 +95,104 @@ def main() -> None:
             return
     started = time.perf_counter()
     base = paper_cluster()
-    doc: dict[str, object] = {"sweep": {}, "scalability": {}}
+    gains = [float(x) for x in args.batch_gains.split(",")]
+    mb = args.max_batch
+    batched = [f"gain{g:g}" for g in gains]
+    doc: dict[str, object] = {
+        "sweep": {},
+        "scalability": {},
+        "max_batch": mb,
+        "batch_gains": gains,
+        "static_batching": {},
+    }
+    trace = generate("mopd+search", base, 1024, seed=0)
     static = run(base, "mopd+search", 1024, ("static-services",))["static-services"]
     target = tag_act(static, GPU_TAGS)
     doc["static"] = static.summary
+    targets = {"serial": target}
+    for g, name in zip(gains, batched, strict=True):
+        res = _sim(batching(base, "static", mb, g), trace, "static-services")
+        doc["static_batching"][name] = res.summary  # type: ignore[index]
+        targets[name] = tag_act(res, GPU_TAGS)
     print(
-        f"(a) MOPD+Search b=1024: static-services on {base.total_gpus} GPUs: "
-        f"GPU-action avg ACT {target:.2f} s"
+        f"(a) MOPD+Search b=1024: static-services on {base.total_gpus} GPUs: GPU-action avg "
+        f"ACT {target:.2f} s serial, "
+        + ", ".join(f"{targets[n]:.2f} s batching at {n}" for n in batched)
+        + f" (at most {mb} calls per replica)"
     )
+    cols = [*TANGRAMS, *(f"tangram+batch-{n}" for n in batched)]
     print(
-        "\n| GPUs | share of static's 40 | GPU-action avg ACT (s) tangram / tangram-wait / "
-        "tangram-paper | static / (tangram, wait, paper rule) | paper |"
+        f"\n| GPUs | share of static's 40 | GPU-action avg ACT (s) {' / '.join(cols)} "
+        "| static serial / (tangram, wait, paper rule) | paper |"
     )
     print("|---|---|---|---|---|")
     sweep: list[tuple[int, dict[str, float]]] = []
     for g in (int(x) for x in args.gpus.split(",")):
         res = run(base.with_gpus(g), "mopd+search", 1024, TANGRAMS)
-        acts = {p: tag_act(res[p], GPU_TAGS) for p in TANGRAMS}
+        for gain, name in zip(gains, batched, strict=True):
+            res[f"tangram+batch-{name}"] = _sim(
+                batching(base, "tangram", mb, gain).with_gpus(g), trace, "tangram"
+            )
+        acts = {p: tag_act(res[p], GPU_TAGS) for p in cols}
         sweep.append((g, acts))
         doc["sweep"][str(g)] = summaries(res)  # type: ignore[index]
-        cells = " / ".join(f"{acts[p]:.2f}" for p in TANGRAMS)
-        gains = " / ".join(ratio(target, acts[p]) for p in TANGRAMS)
+        cells = " / ".join(f"{acts[p]:.2f}" for p in cols)
+        gains_s = " / ".join(ratio(target, acts[p]) for p in TANGRAMS)
         print(
-            f"| {g} | {g / base.total_gpus:.0%} | {cells} | {gains} | "
-            "same ACT as static at 29% of the GPUs |"
+            f"| {g} | {g / base.total_gpus:.0%} | {cells} | {gains_s} | "
+            "same ACT as static at 29% of the GPUs |",
+            flush=True,
         )
     need: dict[str, int | None] = {}
-    for p in TANGRAMS:
-        enough = [g for g, acts in sweep if acts[p] <= target]
-        need[p] = min(enough) if enough else None
+    pairs = [(p, "serial") for p in TANGRAMS]
+    pairs += [(p, n) for n in batched for p in ("tangram", f"tangram+batch-{n}")]
+    for p, against in pairs:
+        fits = fewest_gpus({g: acts[p] for g, acts in sweep}, targets[against])
+        key = p if against == "serial" else f"{p} vs static batching {against}"
+        need[key] = fits
         print(
-            f"{p}: fewest GPUs with ACT <= static: {need[p]} "
-            f"({(need[p] or 0) / base.total_gpus:.0%} of 40; paper: 29%)"
+            f"{key}: fewest GPUs with GPU-action ACT <= static ({targets[against]:.2f} s): "
+            f"{fits} ({(fits or 0) / base.total_gpus:.0%} of 40; paper: 29%)"
         )
     doc["gpus_needed"] = need
+    doc["static_targets"] = {k: round(v, 3) for k, v in targets.items()}
+    scols = ["static", *(f"static batching {n}" for n in batched)]
     print(
-        "\n(b) MOPD on 40 GPUs\n\n| batch | avg ACT (s) tangram / tangram-wait / tangram-paper | "
-        "static avg ACT (s) | gain static / (tangram, wait, paper rule) | paper |"
+        f"\n(b) MOPD on 40 GPUs\n\n| batch | avg ACT (s) {' / '.join(cols)} | "
+        f"avg ACT (s) {' / '.join(scols)} | gain static / (tangram, wait, paper rule) | "
+        "gain static batching / tangram batching, same gain | paper |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     scal = []
     for b in (int(x) for x in args.batches.split(",")):
         res = run(base, "mopd", b, (*TANGRAMS, "static-services"))
-        acts = [res[p].summary["avg_act_s"] for p in TANGRAMS]
-        st = res["static-services"].summary["avg_act_s"]
-        scal.append((b, *acts, st))
+        mtrace = generate("mopd", base, b, seed=0)
+        for gain, name in zip(gains, batched, strict=True):
+            res[f"tangram+batch-{name}"] = _sim(
+                batching(base, "tangram", mb, gain), mtrace, "tangram"
+            )
+            res[f"static batching {name}"] = _sim(
+                batching(base, "static", mb, gain), mtrace, "static-services"
+            )
+        acts = [res[p].summary["avg_act_s"] for p in cols]
+        st = [res[p if p != "static" else "static-services"].summary["avg_act_s"] for p in scols]
+        scal.append((b, *acts, *st))
         doc["scalability"][str(b)] = summaries(res)  # type: ignore[index]
         paper = "18.1× (vs SGLang)" if b == 2048 else ""
-        print(
-            f"| {b} | {' / '.join(f'{a:.2f}' for a in acts)} | {st:.2f} | "
-            f"{' / '.join(ratio(st, a) for a in acts)} | {paper} |"
+        same = " / ".join(
+            ratio(
+                res[f"static batching {n}"].summary["avg_act_s"],
+                res[f"tangram+batch-{n}"].summary["avg_act_s"],
+            )
+            for n in batched
         )
-    _plot(sweep, target, scal)
+        print(
+            f"| {b} | {' / '.join(f'{a:.2f}' for a in acts)} | "
+            f"{' / '.join(f'{a:.2f}' for a in st)} | "
+            f"{' / '.join(ratio(st[0], a) for a in acts[: len(TANGRAMS)])} | {same} | {paper} |",
+            flush=True,
+        )
+    _plot(sweep, targets, scal, cols, scols)
     save("fig8_gpu", doc, started)
 
 
@@ -149,6 +219,21 @@ def _called(trace: list[Any]) -> set[str]:
     return {a.template.service for t in trace for a in t.actions()} - {None}
 
 
+def _cell(acts: dict[int, float], target: float, total: int, every: int) -> dict[str, Any]:
+    need = fewest_gpus(acts, target)
+    return {
+        "tangram_gpus": need,
+        "saving": None if need is None else round(1 - need / total, 3),
+        "saving_vs_every_service": None if need is None else round(1 - need / every, 3),
+    }
+
+
+def _fmt(cells: list[dict[str, Any]], key: str, top: int) -> str:
+    if key == "tangram_gpus":
+        return " / ".join(f"> {top}" if c[key] is None else str(c[key]) for c in cells)
+    return " / ".join("< 0%" if c[key] is None else f"{c[key]:.0%}" for c in cells)
+
+
 def baselines_table(
     skews: list[float],
     shapes: list[str],
@@ -158,11 +243,14 @@ def baselines_table(
     gains: list[float],
     workload: str = "mopd+search",
 ) -> dict[str, Any]:
-    """Table (c): per skew, tangram's ACT over the GPU sweep; per shape, the static
-    deployment's ACT one call at a time and batching (one column per batch gain), and the
-    fewest GPUs of the sweep on which tangram's ACT is no worse."""
+    """Table (c): per skew, tangram's ACT over the GPU sweep without batching and batching
+    (``max_batch`` calls a pass, at each batch gain); per shape, the static deployment's ACT
+    one call at a time and batching (one column per batch gain), and the fewest GPUs of the
+    sweep on which tangram's ACT is no worse: tangram without batching against every static
+    column, tangram batching against the static column of the same gain (serial: gain 1)."""
     base = paper_cluster()
     modes = [("serial", 1, 1.0)] + [(f"batching-gain{g:g}", max_batch, g) for g in gains]
+    tgains = sorted({g for _, _, g in modes})
     doc: dict[str, Any] = {
         "workload": workload,
         "batch": batch,
@@ -173,61 +261,64 @@ def baselines_table(
         "sweep": sweep,
         "rows": [],
         "tangram_act": {},
+        "tangram_batching_act": {},
     }
     names = " / ".join(m for m, _, _ in modes)
     print(
         f"(c) {workload} b={batch}: static deployments (4 GPUs per called service) vs tangram on "
-        f"{','.join(map(str, sweep))} GPUs; batching: continuous, at most {max_batch} calls "
-        "per replica\n"
+        f"{','.join(map(str, sweep))} GPUs; batching: at most {max_batch} calls per replica "
+        "(static: continuous) or per pass (tangram)\n"
     )
     print(
         f"| skew | shape (static GPUs) | static GPU-action ACT (s) {names} "
-        "| tangram GPUs at equal ACT | GPU saving | saving vs every service deployed |"
+        "| tangram GPUs at equal ACT | GPU saving | tangram batching GPUs (same gain) "
+        "| GPU saving, tangram batching | the same vs every service deployed |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     # a real static deployment serves every service the workload may call (its uniform
     # trace calls them all); the simulated one deploys only those its trace calls
-    every = _called(generate(workload, base, batch, seed=0, teacher_skew=1.0))
-    doc["static_gpus_every_service"] = 4 * len(every)
+    every = 4 * len(_called(generate(workload, base, batch, seed=0, teacher_skew=1.0)))
+    doc["static_gpus_every_service"] = every
     for skew in skews:
+        key = f"{skew:g}"
         trace = generate(workload, base, batch, seed=0, teacher_skew=skew)
         # static-services deploys the services the trace calls: 4 GPUs each, in every shape
         total = 4 * len(_called(trace))
-        doc["static_gpus"][f"{skew:g}"] = total
+        doc["static_gpus"][key] = total
         acts = {g: _tangram_act(base, trace, g) for g in sweep}
-        doc["tangram_act"][f"{skew:g}"] = {str(g): round(a, 3) for g, a in sorted(acts.items())}
+        doc["tangram_act"][key] = {str(g): round(a, 3) for g, a in sorted(acts.items())}
+        bacts: dict[float, dict[int, float]] = {}
+        for gain in tgains:
+            cluster = batching(base, "tangram", max_batch, gain)
+            bacts[gain] = {g: _tangram_act(cluster, trace, g) for g in sweep}
+        doc["tangram_batching_act"][key] = {
+            f"gain{gain:g}": {str(g): round(a, 3) for g, a in sorted(bacts[gain].items())}
+            for gain in tgains
+        }
         for shape in shapes:
             entry: dict[str, Any] = {"skew": skew, "shape": shape}
             for mode, mb, gain in modes:
-                cluster = shaped(base, shape, mb, gain)
-                static = simulate(cluster, trace, parse_policy("static-services"))
+                static = simulate(
+                    shaped(base, shape, mb, gain), trace, parse_policy("static-services")
+                )
                 target = tag_act(static, GPU_TAGS)
-                need = fewest_gpus(acts, target)
+                batched = _cell(bacts[gain], target, total, every)
                 entry[mode] = {
                     "static_act_s": round(target, 3),
                     "static_summary": static.summary,
-                    "tangram_gpus": need,
-                    "saving": None if need is None else round(1 - need / total, 3),
-                    "saving_vs_every_service": None
-                    if need is None
-                    else round(1 - need / (4 * len(every)), 3),
+                    **_cell(acts, target, total, every),
+                    "tangram_batching": {"gain": gain, **batched},
                 }
             doc["rows"].append(entry)
             cells = [entry[m] for m, _, _ in modes]
-            gpus = " / ".join(
-                f"> {max(sweep)}" if c["tangram_gpus"] is None else str(c["tangram_gpus"])
-                for c in cells
-            )
-            saved = " / ".join(
-                "< 0%" if c["saving"] is None else f"{c['saving']:.0%}" for c in cells
-            )
-            every_saved = " / ".join(
-                "< 0%" if c["saving"] is None else f"{c['saving_vs_every_service']:.0%}"
-                for c in cells
-            )
+            bcells = [c["tangram_batching"] for c in cells]
             act = " / ".join(f"{c['static_act_s']:.1f}" for c in cells)
+            top = max(sweep)
             print(
-                f"| {skew:g}x | {shape} ({total}) | {act} | {gpus} | {saved} | {every_saved} |",
+                f"| {skew:g}x | {shape} ({total}) | {act} | {_fmt(cells, 'tangram_gpus', top)} "
+                f"| {_fmt(cells, 'saving', top)} | {_fmt(bcells, 'tangram_gpus', top)} "
+                f"| {_fmt(bcells, 'saving', top)} "
+                f"| {_fmt(bcells, 'saving_vs_every_service', top)} |",
                 flush=True,
             )
     return doc
@@ -235,35 +326,41 @@ def baselines_table(
 
 def _plot(
     sweep: list[tuple[int, dict[str, float]]],
-    target: float,
+    targets: dict[str, float],
     scal: list[tuple[float, ...]],
+    cols: list[str],
+    scols: list[str],
 ) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-    for p in TANGRAMS:
-        style = "--" if p == "tangram-wait" else "-"  # equal to tangram on GPU pools: dashed
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for p in cols:
+        style = "--" if p == "tangram-wait" else (":" if "batch" in p else "-")
         a.plot([g for g, _ in sweep], [acts[p] for _, acts in sweep], marker="o", ls=style, label=p)
-    a.axhline(target, color="tab:red", ls="--", label="static-services, 40 GPUs")
+    for i, (name, act) in enumerate(targets.items()):
+        label = "static, 40 GPUs" if name == "serial" else f"static batching {name}"
+        a.axhline(
+            act, color=("tab:red", "tab:brown", "tab:pink", "black")[i % 4], ls="--", label=label
+        )
     a.set_xlabel("GPUs")
     a.set_ylabel("GPU-action avg ACT (s)")
     a.set_yscale("log")
     a.set_title("MOPD+Search, batch 1024")
-    a.legend()
+    a.legend(fontsize=7)
     a.grid(True, alpha=0.3)
     xs = [row[0] for row in scal]
-    for i, label in enumerate((*TANGRAMS, "static-services"), start=1):
-        style = "--" if label == "tangram-wait" else "-"
+    for i, label in enumerate((*cols, *scols), start=1):
+        style = "--" if label == "tangram-wait" else (":" if "batch" in label else "-")
         b.plot(xs, [row[i] for row in scal], marker="o", ls=style, label=label)
     b.set_xscale("log", base=2)
     b.set_yscale("log")
     b.set_xlabel("RL batch size")
     b.set_ylabel("avg ACT (s)")
     b.set_title("MOPD, 40 GPUs")
-    b.legend()
+    b.legend(fontsize=7)
     b.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(IMG / "fig8-gpu.png", dpi=110)
