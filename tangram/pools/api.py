@@ -13,7 +13,8 @@ Contract:
   and against the quota of the window it was taken in.
 - ``overflow`` is the endpoint's policy when a request cannot be granted ('wait', 'reject'
   or 'deadline'); the pool records it and says why (``shortfall``) and when a quota-blocked
-  request could next be granted (``next_grant_time``); the manager applies it.
+  request could next be granted (``next_grant_time``; ``next_window_at``: only when the
+  quota is what blocks it, the moment a driver should look again); the manager applies it.
 - Pure: no I/O, no clock. Time only enters through ``now`` arguments; the quota window and
   lease expiry move only in ``advance`` (``acquire``/``renew`` roll the window too, so a grant
   is never counted against a stale window, but never reclaim leases).
@@ -214,6 +215,25 @@ class ApiPool:
         if not self.quota or window > self.window_start or self.quota_left() > 0:
             return now
         return window + self.period_s
+
+    def next_window_at(self, now: float) -> float | None:
+        """When the quota window after the one containing ``now`` opens, if the quota is
+        all that keeps the pool from granting a unit at ``now``: a quota is set, a
+        concurrency unit is free, and the quota of ``now``'s window is used up. None
+        otherwise: a unit could be granted now, or only a release frees one (concurrency),
+        which the pool cannot foresee. A pure function of ``now`` and the pool's state;
+        the daemon runs a pass then for the requests waiting on the pool (the first
+        moment ``window_of`` names the next window, so that pass finds the quota back)."""
+        if not self.quota or self.concurrency_left() == 0:
+            return None
+        window = self.window_of(now)
+        if window > self.window_start or self.used_in_window < self.quota:
+            return None
+        k = math.floor(now / self.period_s)
+        at = (k + 1) * self.period_s
+        while math.floor(at / self.period_s) <= k:  # (rounding: never a moment early)
+            at = math.nextafter(at, math.inf)
+        return at
 
     def _roll_window(self, now: float) -> None:
         window = self.window_of(now)

@@ -103,7 +103,6 @@ class ActionBook:
         self.finished: deque[tuple[str, float, float]] = deque(maxlen=4096)  # kind, queue, exec
         # actions queued since the last pass (insertion order): the short pass reads them
         self.fresh: dict[ActionId, None] = {}
-        self.queued_api = 0  # queued lease actions (next_wakeup asks their pools)
         # waiting actions that give up at a deadline (their timeout or queue timeout)
         self.deadlines = Deadlines()
         self._seq = itertools.count(1)
@@ -162,14 +161,11 @@ class ActionBook:
     def enqueue(self, rec: ActionRec, now: float, cause: int) -> None:
         self.move(rec, "queued", now, "ready to schedule", cause)
         self.queue[rec.action.id] = rec
-        self.queued_api += rec.action.kind == "api"
         self.fresh[rec.action.id] = None
 
     def unqueue(self, aid: ActionId) -> ActionRec | None:
         rec = self.queue.pop(aid, None)
         self.fresh.pop(aid, None)
-        if rec is not None and rec.action.kind == "api":
-            self.queued_api -= 1
         return rec
 
     def forget(self, rec: ActionRec, outcome: str) -> None:

@@ -152,7 +152,12 @@ class Core:
         """Earliest time the executor must feed a ``Tick``."""
         times = [
             t
-            for t in (self.passer.due, self.actions.deadlines.first(), self.envs.deadlines.first())
+            for t in (
+                self.passer.due,
+                self.actions.deadlines.first(),
+                self.envs.deadlines.first(),
+                self.passer.windows.first(),  # an API's quota window opens
+            )
             if t is not None
         ]
         times += self.leases.wakeups()
@@ -164,11 +169,6 @@ class Core:
             idle = self.idle_due = min(self.envs.idle_deadlines(), default=math.inf)
         if idle != math.inf:
             times.append(idle)
-        if self.actions.queued_api:
-            for pool in self.apis.values():
-                t = pool.next_grant_time(now)
-                if t is not None:
-                    times.append(t)
         return min(times) if times else None
 
     @property

@@ -3,8 +3,11 @@
 A request may bound its wait (``exec``'s ``timeout_s`` or ``queue_timeout_s``,
 ``env.open``'s ``timeout_s``). Its book records the deadline here; the core asks for the
 earliest one (``Core.next_wakeup``) so the executor ticks then, and the tick ends the
-records whose deadline passed while they still wait. A record that stops waiting (placed,
-created, ended) is dropped; stale heap entries are skipped lazily, so both cost O(log n).
+records whose deadline passed while they still wait. The pass book keeps one more table
+(``PassBook.windows``, keyed by API pool id): when a used-up quota's next window opens,
+the tick at that time runs a pass for the requests it held back. A record that stops
+waiting (placed, created, ended) is dropped; stale heap entries are skipped lazily, so both
+cost O(log n).
 """
 
 from __future__ import annotations

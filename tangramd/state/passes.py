@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tangram.model import TrajectoryId
 from tangram.sched.share import DecayedUsage
+from tangramd.state.deadlines import Deadlines
 
 
 @dataclass
@@ -31,3 +32,6 @@ class PassBook:
     envs_on: Counter[str] = field(default_factory=Counter)
     # each job's decayed usage for the fair share ([sched] share_half_life_s > 0)
     decay: DecayedUsage | None = None
+    # API pool id -> when its next quota window opens, for a pool whose quota held its
+    # waiters back at the last pass (``ApiPool.next_window_at``): a pass is due then
+    windows: Deadlines = field(default_factory=Deadlines)

@@ -25,6 +25,8 @@ def _tick(core: Core, e: ev.Tick, now: float, out: list[ev.Command]) -> None:
         for env in core.envs.idle_expired(now):
             close_env(core, env, now, out, "idle TTL expired")
     passer = core.passer
+    if passer.windows and passer.windows.due(now):  # an API's quota window opened
+        passer.dirty = True
     if (passer.due is not None and now >= passer.due) or passer.dirty:
         run_pass(core, now, out)
 

@@ -184,6 +184,10 @@ def run_pass(core: Core, now: float, out: list[ev.Command]) -> None:
             core.actions.move(rec, "running", now, "lease granted", core.stimulus)
             grant_lease(core, rec, now, out)
     core.services.placing = frozenset()
+    for api in core.apis.values():  # a quota used up: look again when its window opens
+        at = api.next_window_at(now)
+        if at is not None:
+            core.passer.windows.set(api.pool_id, at)
 
 
 def decayed_usage(
