@@ -508,8 +508,10 @@ class Engine:
             else:
                 self._forget_unassigned(self.env_bytes.get(failed.action.trajectory, 0))
             self.fail_run(failed, now)
+        # (an exec waiting for an API slot with its cores is in a CPU queue, not the API's)
+        joint = {also for a in waiting for also, _ in a.extra} if self._joint else set()
         for pid in apis:
-            if queues[pid]:
+            if queues[pid] or pid in joint:
                 self._api_wake(pid, now)
 
     def _forget_unassigned(self, need: int) -> None:
@@ -536,6 +538,8 @@ class Engine:
     def _on_wake(self, pid: str, now: float) -> None:
         self._wakes.discard((pid, now))
         self.dirty.add(pid)
+        if self._joint:  # the execs that wait for a slot of it are in the CPU queues
+            self.dirty |= self._cpu_ids
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -588,12 +592,14 @@ def _check_names(cluster: ClusterSpec, trajectories: Sequence[Trajectory]) -> No
                     f"{cluster.source} does not define (services: "
                     f"{', '.join(s.name for s in cluster.services) or 'none'})"
                 )
-            if tpl.kind == "api" and cluster.api(tpl.api or "") is None:
-                raise SimError(
-                    f"trajectory {t.id!r} calls API {tpl.api!r}, which cluster file "
-                    f"{cluster.source} does not define (APIs: "
-                    f"{', '.join(a.name for a in cluster.apis) or 'none'})"
-                )
+            names = [tpl.api or ""] if tpl.kind == "api" else [p[4:] for p, _ in tpl.extra]
+            for name in names:  # (an exec's are the APIs it holds with its cores)
+                if cluster.api(name) is None:
+                    raise SimError(
+                        f"trajectory {t.id!r} calls API {name!r}, which cluster file "
+                        f"{cluster.source} does not define (APIs: "
+                        f"{', '.join(a.name for a in cluster.apis) or 'none'})"
+                    )
 
 
 def simulate(

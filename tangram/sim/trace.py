@@ -1,7 +1,9 @@
 """Workload traces (docs/design.md §8): JSON lines, one trajectory per line.
 
 A trajectory is a sequence of steps, each either LLM generation time (``{"gen_s": s}``,
-no external resource held) or one action (``{"action": {...}}``). Parsing is strict: an
+no external resource held) or one action (``{"action": {...}}``); an ``exec`` action with
+``"api"`` holds its cores and one slot of that API together (joint admission, as the
+daemon's exec arg ``api``: ``Action.extra``). Parsing is strict: an
 unknown key, a wrong type or an invalid demand is a ``TraceError`` naming the line. The
 full format is documented in ``docs/trace-format.md``.
 
@@ -20,7 +22,7 @@ from typing import IO, Any
 from tangram.model import Action, TangramError, make_action
 
 ACTION_KEYS = {
-    "exec": {"kind", "cpu", "dur_s", "t1_s", "eff", "tag", "job"},
+    "exec": {"kind", "cpu", "api", "dur_s", "t1_s", "eff", "tag", "job"},
     "service": {"kind", "service", "gpus", "dur_s", "t1_s", "eff", "tag", "job"},
     "api": {"kind", "api", "dur_s", "tag", "job"},
 }
@@ -87,6 +89,15 @@ def _job(where: str, value: object) -> str:
     return value
 
 
+def _api_name(where: str, value: object) -> str:
+    if not isinstance(value, str) or not value or value.strip() != value:
+        raise ValueError(
+            f"{where}: expected the name of an [[api]] of the cluster file (a non-empty "
+            f"string without outer spaces), got {value!r}"
+        )
+    return value
+
+
 def parse_action(raw: object, task: str, traj_id: str, job: str = "default") -> TraceAction:
     """Validate one trace action and build its scheduler template (raises ``ValueError``)."""
     if not isinstance(raw, dict):
@@ -117,6 +128,8 @@ def parse_action(raw: object, task: str, traj_id: str, job: str = "default") -> 
     service = api = None
     if kind == "exec":
         demand: dict[str, object] = {"cpu": raw.get("cpu", 1)}
+        if "api" in raw:  # cores and one API slot together (the exec arg ``api``)
+            demand[f"api:{_api_name('action.api', raw['api'])}"] = 1
     elif kind == "service":
         service = raw.get("service")
         if not isinstance(service, str) or not service:
@@ -124,9 +137,7 @@ def parse_action(raw: object, task: str, traj_id: str, job: str = "default") -> 
         gpus = raw.get("gpus", 1)
         demand = {"gpu": {"set": gpus} if isinstance(gpus, list) else gpus}
     else:
-        api = raw.get("api")
-        if not isinstance(api, str) or not api:
-            raise ValueError("action.api: expected an API name")
+        api = _api_name("action.api", raw.get("api"))
         demand = {f"api:{api}": 1}
     # The scheduler gets the profile of elastic actions only; durations of fixed actions
     # are learnt from history (klass), as in the daemon.
