@@ -162,3 +162,26 @@ def test_fig8_baselines_table_small() -> None:
     # batching changes tangram's run (calls ride along) at both gains
     for gain in ("gain1", "gain2"):
         assert doc["tangram_batching_act"]["1000"][gain] != doc["tangram_act"]["1000"]
+
+
+def test_fig8_sweep_bisection_finds_the_full_sweeps_answer(monkeypatch: Any) -> None:
+    """Table (c) runs tangram on the GPU counts a bisection asks for: with ACT falling as
+    GPUs are added, it names the same fewest count as running every count, in fewer runs."""
+    mod = _fig8()
+    ran: list[int] = []
+
+    def fake(_base: Any, _trace: Any, g: int) -> float:
+        ran.append(g)
+        return 1000.0 / g
+
+    monkeypatch.setattr(mod, "_tangram_act", fake)
+    counts = list(range(4, 41, 4))
+    full = {g: 1000.0 / g for g in counts}
+    for target in (10.0, 24.9, 25.0, 40.0, 100.0, 250.0, 300.0, 20.0):
+        ran.clear()
+        sweep = mod.Sweep(None, [], counts, full=False)
+        assert sweep.fewest(target) == mod.fewest_gpus(full, target)
+        assert len(ran) <= 4 < len(counts)
+        assert mod.Sweep(None, [], counts, full=True).fewest(target) == mod.fewest_gpus(
+            full, target
+        )

@@ -76,6 +76,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1024, help="(c): RL batch size")
     ap.add_argument("--workload", default="mopd+search", help="(c): mopd+search or mopd")
     ap.add_argument("--max-batch", type=int, default=MAX_BATCH)
+    ap.add_argument(
+        "--tangram-max-batch",
+        type=int,
+        default=0,
+        help="(c): calls a tangram pass takes (0: --max-batch)",
+    )
+    ap.add_argument("--full-sweep", action="store_true", help="(c): run every GPU count")
     ap.add_argument("--batch-gains", default=",".join(f"{g:g}" for g in BATCH_GAINS))
     ap.add_argument("--out", default="fig8_gpu_baselines", help="(c): JSON name in out/")
     args = ap.parse_args()
@@ -89,6 +96,8 @@ def main() -> None:
             args.max_batch,
             [float(x) for x in args.batch_gains.split(",")],
             args.workload,
+            args.tangram_max_batch or args.max_batch,
+            args.full_sweep,
         )
         save(args.out, doc, started)
         if args.baselines_only:
@@ -215,12 +224,43 @@ def _tangram_act(base: ClusterSpec, trace: list[Any], g: int) -> float:
     return tag_act(simulate(base.with_gpus(g), trace, parse_policy("tangram")), GPU_TAGS)
 
 
+class Sweep:
+    """tangram's GPU-action ACT over the sweep's GPU counts, each run once when first asked.
+
+    ``fewest(target)`` bisects the sweep (tangram's ACT falls as GPUs are added; every full
+    sweep run so far was strictly decreasing), or runs every count with ``full``."""
+
+    def __init__(self, base: ClusterSpec, trace: list[Any], sweep: list[int], full: bool) -> None:
+        self.base, self.trace, self.sweep, self.full = base, trace, sorted(sweep), full
+        self.acts: dict[int, float] = {}
+
+    def act(self, g: int) -> float:
+        if g not in self.acts:
+            self.acts[g] = _tangram_act(self.base, self.trace, g)
+        return self.acts[g]
+
+    def fewest(self, target: float) -> int | None:
+        if self.full:
+            return fewest_gpus({g: self.act(g) for g in self.sweep}, target)
+        lo, hi = 0, len(self.sweep)  # the answer's index lies in [lo, hi]; hi: none fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.act(self.sweep[mid]) <= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        return self.sweep[lo] if lo < len(self.sweep) else None
+
+    def table(self) -> dict[str, float]:
+        return {str(g): round(a, 3) for g, a in sorted(self.acts.items())}
+
+
 def _called(trace: list[Any]) -> set[str]:
     return {a.template.service for t in trace for a in t.actions()} - {None}
 
 
-def _cell(acts: dict[int, float], target: float, total: int, every: int) -> dict[str, Any]:
-    need = fewest_gpus(acts, target)
+def _cell(acts: Sweep, target: float, total: int, every: int) -> dict[str, Any]:
+    need = acts.fewest(target)
     return {
         "tangram_gpus": need,
         "saving": None if need is None else round(1 - need / total, 3),
@@ -242,12 +282,17 @@ def baselines_table(
     max_batch: int,
     gains: list[float],
     workload: str = "mopd+search",
+    tangram_max_batch: int = 0,
+    full: bool = False,
 ) -> dict[str, Any]:
     """Table (c): per skew, tangram's ACT over the GPU sweep without batching and batching
     (``max_batch`` calls a pass, at each batch gain); per shape, the static deployment's ACT
     one call at a time and batching (one column per batch gain), and the fewest GPUs of the
     sweep on which tangram's ACT is no worse: tangram without batching against every static
-    column, tangram batching against the static column of the same gain (serial: gain 1)."""
+    column, tangram batching against the static column of the same gain (serial: gain 1).
+    ``tangram_max_batch``: the calls a tangram pass takes (0: ``max_batch``). tangram runs on
+    the counts the bisection asks for (``full``: on every count of the sweep)."""
+    tmb = tangram_max_batch or max_batch
     base = paper_cluster()
     modes = [("serial", 1, 1.0)] + [(f"batching-gain{g:g}", max_batch, g) for g in gains]
     tgains = sorted({g for _, _, g in modes})
@@ -256,6 +301,7 @@ def baselines_table(
         "batch": batch,
         "static_gpus": {},
         "max_batch": max_batch,
+        "tangram_max_batch": tmb,
         "batch_gains": gains,
         "modes": [m for m, _, _ in modes],
         "sweep": sweep,
@@ -267,7 +313,7 @@ def baselines_table(
     print(
         f"(c) {workload} b={batch}: static deployments (4 GPUs per called service) vs tangram on "
         f"{','.join(map(str, sweep))} GPUs; batching: at most {max_batch} calls per replica "
-        "(static: continuous) or per pass (tangram)\n"
+        f"(static: continuous), {tmb} per pass (tangram)\n"
     )
     print(
         f"| skew | shape (static GPUs) | static GPU-action ACT (s) {names} "
@@ -285,16 +331,11 @@ def baselines_table(
         # static-services deploys the services the trace calls: 4 GPUs each, in every shape
         total = 4 * len(_called(trace))
         doc["static_gpus"][key] = total
-        acts = {g: _tangram_act(base, trace, g) for g in sweep}
-        doc["tangram_act"][key] = {str(g): round(a, 3) for g, a in sorted(acts.items())}
-        bacts: dict[float, dict[int, float]] = {}
-        for gain in tgains:
-            cluster = batching(base, "tangram", max_batch, gain)
-            bacts[gain] = {g: _tangram_act(cluster, trace, g) for g in sweep}
-        doc["tangram_batching_act"][key] = {
-            f"gain{gain:g}": {str(g): round(a, 3) for g, a in sorted(bacts[gain].items())}
-            for gain in tgains
+        acts = Sweep(base, trace, sweep, full)
+        bacts = {
+            gain: Sweep(batching(base, "tangram", tmb, gain), trace, sweep, full) for gain in tgains
         }
+        entries = []
         for shape in shapes:
             entry: dict[str, Any] = {"skew": skew, "shape": shape}
             for mode, mb, gain in modes:
@@ -302,13 +343,17 @@ def baselines_table(
                     shaped(base, shape, mb, gain), trace, parse_policy("static-services")
                 )
                 target = tag_act(static, GPU_TAGS)
-                batched = _cell(bacts[gain], target, total, every)
                 entry[mode] = {
                     "static_act_s": round(target, 3),
                     "static_summary": static.summary,
                     **_cell(acts, target, total, every),
-                    "tangram_batching": {"gain": gain, **batched},
+                    "tangram_batching": {"gain": gain, **_cell(bacts[gain], target, total, every)},
                 }
+            entries.append(entry)
+        doc["tangram_act"][key] = acts.table()
+        doc["tangram_batching_act"][key] = {f"gain{g:g}": bacts[g].table() for g in tgains}
+        for entry in entries:
+            shape = entry["shape"]
             doc["rows"].append(entry)
             cells = [entry[m] for m, _, _ in modes]
             bcells = [c["tangram_batching"] for c in cells]

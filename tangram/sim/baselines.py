@@ -17,7 +17,8 @@ resource kind.
   the batch every call progresses ``1 + rho (n - 1)`` times slower, with
   ``rho = E(g) / static_batch_gain`` (``E(g) = t(1) / (g t(g))``), so a full batch's
   throughput per GPU approaches ``static_batch_gain`` times one call alone on one GPU
-  (processor sharing, recomputed at every arrival and departure).
+  (processor sharing, recomputed at every arrival and departure). tangram's own batching
+  (``tangram.sim.gpubatch``, a service's ``max_batch``) times its passes with this model.
 - ``ApiRetry`` (API): each call tries to take a lease; a refused call backs off
   ``api_retry_backoff_s`` doubling up to ``MAX_BACKOFF_S`` and tries again.
 
