@@ -401,16 +401,19 @@ class Ops:
         timeout: float | None = None,
         timeout_s: float | None = None,
         job: str | None = None,
+        gpus: int | None = None,
     ) -> CallResult:
         """Call a service as one GPU action; failures of the call are in the result.
 
         ``timeout`` (seconds; ``timeout_s`` is the same, named as for ``exec``) bounds the
         handler; None: the daemon's ``[gpu] call_timeout_s``. ``job``: the job it counts
-        against (fair share across jobs); unset: the client's, as for ``exec``."""
+        against (fair share across jobs); unset: the client's, as for ``exec``. ``gpus``:
+        run at exactly that many GPUs (one of the service's counts); unset: the scheduler
+        picks the count by the service's speed-up table (``eff``), its smallest without."""
         if timeout is not None and timeout_s is not None and timeout != timeout_s:
             raise ValueError("give timeout or timeout_s, not two different values")
         limit = timeout if timeout is not None else timeout_s
-        spec = CallSpec(name, dict(payload), limit, job or self.job)
+        spec = CallSpec(name, dict(payload), limit, job or self.job, gpus)
         return self._op("call", spec.to_wire(), CallResult.from_wire)
 
 

@@ -3,7 +3,8 @@
 A chunk ``(start, size)`` has ``size = 2^a`` GPUs, ``a ∈ {0, 1, 2, 3}``, and ``start`` divisible
 by ``size``. Taking a chunk splits the free chunk around it buddy-wise; giving one back merges
 it with its free buddy upwards. ``choose_chunk`` picks where a request lands across nodes,
-preferring GPUs where the requested service variant is already resident.
+preferring GPUs where the requested service variant is already resident, then, among
+equally good chunks, GPUs whose memory holds it without evicting anything.
 
 Pure: no I/O, no clock. ``split``/``merge`` are ``O(log g)``; ``choose_chunk`` is ``O(g)`` per
 node for ``g`` GPUs.
@@ -91,6 +92,9 @@ class BuddyChunks:
 
 
 ResidentScore = Callable[[int, int], int]  # (start, size) -> resident GPUs of the variant
+# (start, size) -> GPUs of that chunk whose memory cannot take the variant's shard without
+# evicting something (the LRU restore would evict there); 0 everywhere: no pressure
+EvictScore = Callable[[int, int], int]
 
 
 def resident_nowhere(start: int, size: int) -> int:
@@ -98,39 +102,81 @@ def resident_nowhere(start: int, size: int) -> int:
     return 0
 
 
+def least_evictions(evicts: EvictScore | None, start: int, span: int, size: int) -> int:
+    """The fewest GPUs that would evict, over the aligned ``size`` chunks of ``[start,
+    start + span)`` (0 without a score)."""
+    if evicts is None:
+        return 0
+    best = size
+    for sub in range(start, start + span, size):
+        n = evicts(sub, size)
+        if n < best:
+            best = n
+            if n == 0:
+                break
+    return best
+
+
 def choose_chunk(
-    nodes: Sequence[tuple[BuddyChunks, ResidentScore | None]], size: int
+    nodes: Sequence[tuple[BuddyChunks, ResidentScore | None]],
+    size: int,
+    evicts: Sequence[EvictScore | None] = (),
 ) -> tuple[int, int] | None:
     """``(node index, start)`` of the chunk of ``size`` GPUs to take, or None if none is free.
 
     A fully resident aligned chunk inside any free chunk wins (smallest enclosing free chunk,
     then node, then start). Otherwise the smallest enclosing free chunk, more resident GPUs,
-    node, start; then split towards the half with more resident GPUs.
+    fewer evictions (``evicts[i]`` scores node ``i``; none given: no eviction anywhere),
+    node, start; then split towards the half with more resident GPUs, and between halves
+    as resident, towards the one where the shard fits without evicting, then the one with
+    fewer GPUs that would evict (else the low one).
     """
     resident = fully_resident(nodes, size)
     if resident is not None:
         return resident
-    best: tuple[int, int, int, int] | None = None  # (outer size, -score, node, start)
+    best: tuple[int, int, int, int, int] | None = None  # (outer, -score, evicts, node, start)
     for index, (buddy, score) in enumerate(nodes):
         if score is resident_nowhere:
             score = None  # scores 0 everywhere, as no score does
+        cost = evicts[index] if index < len(evicts) else None
         for start, outer in buddy.chunks():
             if outer < size:
                 continue
-            key = (outer, -(score(start, outer) if score else 0), index, start)
+            key = (
+                outer,
+                -(score(start, outer) if score else 0),
+                least_evictions(cost, start, outer, size),
+                index,
+                start,
+            )
             if best is None or key < best:
                 best = key
     if best is None:
         return None
-    outer, _, index, start = best
+    outer, _, _, index, start = best
     score = nodes[index][1]
     if score is resident_nowhere:
         score = None
+    cost = evicts[index] if index < len(evicts) else None
     while outer > size:
         outer //= 2
         low, high = start, start + outer
-        start = high if score is not None and score(high, outer) > score(low, outer) else low
+        lo_score = score(low, outer) if score is not None else 0
+        hi_score = score(high, outer) if score is not None else 0
+        if hi_score != lo_score:
+            start = high if hi_score > lo_score else low
+        elif cost is not None and _room_key(cost, high, outer, size) < _room_key(
+            cost, low, outer, size
+        ):
+            start = high
     return index, start
+
+
+def _room_key(evicts: EvictScore, start: int, span: int, size: int) -> tuple[int, int]:
+    """How a half of a split ranks by memory: whether the shard fits there without
+    evicting, then fewer GPUs that would evict (the half whose GPUs hold other services
+    stays free whole, for those services' calls and for larger requests)."""
+    return least_evictions(evicts, start, span, size), evicts(start, span)
 
 
 def fully_resident(

@@ -18,7 +18,9 @@ Contract:
 - Chunk choice for a service (``buddy.choose_chunk``): a free aligned chunk where the variant
   is already resident wins (no restore; this is what ``extra_cost`` assumes); otherwise the
   smallest free chunk that holds the request, preferring more resident GPUs of the variant,
-  then the lowest node and start. Splitting descends into the half with more resident GPUs.
+  then a chunk whose memory takes the shard without evicting another service (``evict_score``),
+  then the lowest node and start. Splitting descends into the half with more resident GPUs,
+  and between halves as resident into the one that evicts nothing.
 - Pure: no I/O, no clock; LRU order comes from caller-supplied integer ticks.
   Choosing a chunk is ``O(g)`` per node for ``g`` GPUs; eviction ``O(g·s)`` for ``s``
   resident services.
@@ -34,6 +36,7 @@ from typing import NamedTuple
 from tangram.model import Action, ActionId, Shortfall
 from tangram.pools.buddy import (
     BuddyChunks,
+    EvictScore,
     ResidentScore,
     check_chunk,
     choose_chunk,
@@ -138,7 +141,8 @@ class GpuNodePool:
         size = chunk_level(k)
         if size > self.n_gpus:
             return None
-        chosen = choose_chunk([(self.buddy, self.resident_score(service, size))], size)
+        scored = [(self.buddy, self.resident_score(service, size))]
+        chosen = choose_chunk(scored, size, [self.evict_score(service, size)])
         return None if chosen is None else tuple(range(chosen[1], chosen[1] + size))
 
     def allocate_chunk(
@@ -273,6 +277,22 @@ class GpuNodePool:
         if not self.holds(key):
             return resident_nowhere
         return lambda start, span: self.resident_gpus(key, start, span)
+
+    def evict_score(self, service: str | None, size: int) -> EvictScore | None:
+        """Scoring function for ``choose_chunk``: GPUs of a chunk whose free memory cannot
+        take a shard of ``(service, size)`` (its restore would evict there).
+
+        For use at once; None (no preference) when the service is unknown or every GPU of
+        the node has room for the shard (the common case: asked for every chunk picked).
+        """
+        spec = None if service is None else self._specs.get(service)
+        if spec is None:
+            return None
+        shard = spec.mem_per_gpu(size)
+        short = [self.mem_free(gpu) < shard for gpu in range(self.n_gpus)]
+        if not any(short):
+            return None
+        return lambda start, span: len([g for g in range(start, start + span) if short[g]])
 
     def resident(self, gpu: int) -> tuple[ServiceKey, ...]:
         """Variants resident on ``gpu``, least recently used first."""
@@ -570,7 +590,12 @@ class GpuCluster:
                 (copy, node.resident_score(action.service, size) if by_residency else None)
                 for copy, node in zip(copies, self._nodes, strict=True)
             ]
-            chosen = choose_chunk(scored, size)
+            evicts = (
+                [node.evict_score(action.service, size) for node in self._nodes]
+                if by_residency
+                else []
+            )
+            chosen = choose_chunk(scored, size, evicts)
             if chosen is None:
                 return None
             index, start = chosen

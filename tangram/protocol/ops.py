@@ -803,6 +803,12 @@ OPS: Final[dict[str, Op]] = {
                     "timeout_s", POSITIVE_S, doc="limit of the handler's run (default from config)"
                 ),
                 Arg("job", NAME, doc="the job it belongs to (fair share; default 'default')"),
+                Arg(
+                    "gpus",
+                    _GPU_COUNT,
+                    doc="run at exactly this many GPUs, one of the service's counts "
+                    "(default: the scheduler picks, by the service's eff)",
+                ),
             ),
             result=CALL_RESULT_FIELDS,
             errors=("not_found", "unschedulable", "shutting_down"),

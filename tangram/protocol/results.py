@@ -289,6 +289,7 @@ class CallSpec:
     payload: Mapping[str, Any]
     timeout_s: float | None = None
     job: str | None = None  # the job it belongs to (fair share, issue 34); None: "default"
+    gpus: int | None = None  # run at exactly this many GPUs; None: the scheduler picks
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "payload": dict(self.payload)}
@@ -296,6 +297,8 @@ class CallSpec:
             out["timeout_s"] = self.timeout_s
         if self.job is not None:
             out["job"] = self.job
+        if self.gpus is not None:
+            out["gpus"] = self.gpus
         return out
 
 

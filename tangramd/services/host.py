@@ -6,10 +6,12 @@ executor then calls ``apply(name, gpus, plan.evicted)`` and ``call(...)`` here. 
 checks every decision against its own memory accounting and refuses one that would
 oversubscribe a GPU (``Oversubscribed``) instead of silently running it.
 
-Replicas: a torch replica is a process forked from the service's fork server (not bound to
-GPUs; restored onto the chunk it is given; all replicas share the one host backup); an http
-replica is a model server bound to one chunk. A replica is named by
-the chunk it is resident on, so the interface speaks ``(name, gpus)``, as the pool does.
+Replicas: a torch replica is one process per GPU of its chunk, forked from the service's
+fork server (not bound to GPUs: restored onto any chunk of its size; all replicas share the
+one host backup; on k GPUs each of its k workers holds a shard, ``services/shards.py``); an
+http replica is a model server bound to one chunk (``--tensor-parallel-size k``). A replica
+is named by the chunk it is resident on, so the interface speaks ``(name, gpus)``, as the
+pool does.
 GPU ids are node-local (``0..n-1``, the inventory's order); ``GpuCluster`` ids map to them
 with ``GpuCluster.locate``.
 
@@ -417,10 +419,17 @@ class ServiceHost:
         if slot is not None and slot.state in ("resident", "loading"):
             return slot
         self._check_fits(hosted.spec, chunk)
-        if slot is None and hosted.spec.runtime == "torch":
-            slot = next((s for s in hosted.slots if not s.gpus and not s.lock.locked()), None)
+        if slot is None and hosted.spec.runtime == "torch":  # an idle one of this size
+            slot = next(
+                (
+                    s
+                    for s in hosted.slots
+                    if not s.gpus and not s.lock.locked() and _ranks(s) == len(chunk)
+                ),
+                None,
+            )
         if slot is None:
-            slot = Slot(self._new_replica(hosted), state="backed_up")
+            slot = Slot(self._new_replica(hosted, len(chunk)), state="backed_up")
             hosted.slots.append(slot)
         slot.gpus = chunk
         if slot.state != "resident":
@@ -453,7 +462,7 @@ class ServiceHost:
         slot.state = "loading"
         if not slot.replica.alive:
             await slot.replica.close()  # reap what is left of a crashed process
-            slot.replica = self._new_replica(hosted)
+            slot.replica = self._new_replica(hosted, len(slot.gpus) or _ranks(slot))
             await self._load(hosted, slot, gpus)
             if hosted.spec.runtime == "http":  # a server starts awake: that was the restore
                 seconds = time.perf_counter() - start
@@ -508,12 +517,17 @@ class ServiceHost:
             slot.state = "backed_up"
         self._watch(slot)
 
-    def _new_replica(self, hosted: Hosted) -> Replica:
+    def _new_replica(self, hosted: Hosted, ranks: int = 1) -> Replica:
+        """A replica for a chunk of ``ranks`` GPUs (torch: that many workers)."""
         hosted.serial += 1
         log = self.state_dir / "services" / f"{hosted.spec.name}.{hosted.serial}.log"
         if hosted.spec.runtime == "torch":
             return TorchReplica(
-                hosted.spec, log, server=hosted.server, load_timeout_s=self.load_timeout_s
+                hosted.spec,
+                log,
+                server=hosted.server,
+                load_timeout_s=self.load_timeout_s,
+                ranks=ranks,
             )
         return HttpReplica(hosted.spec, log, load_timeout_s=self.http_load_timeout_s)
 
@@ -566,6 +580,9 @@ class ServiceHost:
                 port = getattr(slot.replica, "port", None)
                 if port is not None:
                     entry["port"] = port
+                workers = getattr(slot.replica, "workers", None)
+                if workers is not None:  # torch: one process per GPU, each with a shard
+                    entry["workers"] = workers()
             if slot.error and slot.state == "failed":
                 entry["error"] = slot.error
             replicas.append(entry)
@@ -588,6 +605,11 @@ class ServiceHost:
             "module_bytes": hosted.module_bytes,
             "error": hosted.load_error,
         }
+
+
+def _ranks(slot: Slot) -> int:
+    """The GPUs a torch replica's workers are for (1 for any other replica)."""
+    return int(getattr(slot.replica, "ranks", 1))
 
 
 def _find(hosted: Hosted, chunk: tuple[int, ...]) -> Slot | None:

@@ -7,11 +7,12 @@ whether or not torch is installed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import shlex
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -116,6 +117,38 @@ class ServiceSpec:
     @property
     def mem_bytes(self) -> int:
         return int(self.mem_gb * GB)
+
+    def speedup(self, k: int) -> float:
+        """The speed-up at ``k`` GPUs by ``eff`` (1.0 without a table): the table's value,
+        linear between its counts, in proportion to ``k`` below its smallest count and the
+        largest count's above it. A call of ``T`` s at ``k`` GPUs is ``T * speedup(k)``
+        seconds of work at speed-up 1 (the unit the duration history keeps)."""
+        if not self.eff:
+            return 1.0
+        points = sorted(self.eff.items())
+        lo, s_lo = points[0]
+        if k <= lo:
+            return s_lo * k / lo
+        for (a, s_a), (b, s_b) in itertools.pairwise(points):
+            if k <= b:
+                return s_a + (s_b - s_a) * (k - a) / (b - a)
+        return points[-1][1]
+
+    def elastic(self, counts: Sequence[int], work_s: float) -> tuple[float, dict[int, float]]:
+        """``(t1_s, eff)`` for ``tangram.model.make_action`` so that a call of ``work_s``
+        seconds of work at speed-up 1 lasts ``work_s / speedup(k)`` at each of ``counts``
+        that the table covers (between its smallest and largest count): the model's
+        efficiency ``E(k) = speedup(k) / k``, scaled with ``t1_s`` to stay within ``(0, 1]``
+        (a super-linear table is kept as it is). Empty ``eff`` when the table covers fewer
+        than two of ``counts`` (the call is then not elastic)."""
+        if not self.eff:
+            return work_s, {}
+        lo, hi = min(self.eff), max(self.eff)
+        covered = {k: self.speedup(k) / k for k in counts if lo <= k <= hi}
+        if len(covered) < 2:
+            return work_s, {}
+        scale = max(1.0, *covered.values())
+        return work_s / scale, {k: e / scale for k, e in covered.items()}
 
     def pool_spec(self) -> PoolServiceSpec:
         """The pure pool's view of this service (what ``GpuNodePool.register_service`` takes)."""

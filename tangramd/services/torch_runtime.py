@@ -8,8 +8,10 @@ initialises CUDA (forking would be unsafe) each replica is a freshly spawned wor
 
 Replicas are not bound to GPUs: every GPU is visible (NVML order, via
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID``) and each restore names the device, so one replica can be
-restored onto whatever chunk the pool picks. A multi-GPU chunk restores the module onto the
-chunk's first GPU; the module may use the others itself.
+restored onto whatever chunk of its size the pool picks. A replica for a chunk of k GPUs is
+k worker processes, forked (or spawned) together, each holding a shard of the module on its
+own GPU of the chunk (``tangramd.services.shards``: a tensor split of the linear layers;
+on simulated GPUs, k CPU workers); worker 0 runs the handler.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -152,15 +154,25 @@ class ForkServer:
         self.nbytes = int(hello["nbytes"])
         self.forkable = bool(hello.get("forkable"))
 
-    async def fork(self, threads: int) -> tuple[int, socket.socket]:
-        """A new replica process and the host's end of its socket."""
+    async def fork(
+        self,
+        threads: int,
+        *,
+        rank: int = 0,
+        ranks: int = 1,
+        peers: Sequence[socket.socket] = (),
+    ) -> tuple[int, socket.socket]:
+        """A new replica process (worker ``rank`` of a ``ranks``-GPU replica, with sockets to
+        its ``peers``) and the host's end of its socket."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         async with self._lock:
             if not self.alive or self.sock is None:
                 raise ReplicaCrashed(f"service {self.spec.name!r}: fork server is not running")
             try:
-                request = wire.pack({"op": "fork", "threads": threads})
-                socket.send_fds(self.sock, [request], [theirs.fileno()])
+                ask = {"op": "fork", "threads": threads, "rank": rank, "ranks": ranks}
+                request = wire.pack(ask)
+                fds = [theirs.fileno(), *(peer.fileno() for peer in peers)]
+                socket.send_fds(self.sock, [request], fds)
                 reply = await asyncio.wait_for(self._receive(), 30.0)
             except (OSError, TimeoutError) as exc:
                 ours.close()
@@ -196,8 +208,32 @@ class ForkServer:
         return wire.unpack(data)
 
 
+class _Worker:
+    """One process of a replica: its pid, its frames, and whether it has exited."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.pid: int | None = None
+        self.proc: asyncio.subprocess.Process | None = None  # spawned workers only
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.exited = asyncio.Event()
+        self.hello: dict[str, Any] = {}
+
+    @property
+    def alive(self) -> bool:
+        if self.pid is None or self.exited.is_set():
+            return False
+        if self.proc is not None:
+            return self.proc.returncode is None
+        return _pid_alive(self.pid)
+
+
 class TorchReplica:
-    """Host side of one replica process: framed requests, one at a time, crash detection."""
+    """Host side of one replica: ``ranks`` worker processes (one per GPU of its chunk, each
+    with a shard of the module: ``tangramd.services.shards``), framed requests, one at a
+    time, crash detection. Calls go to worker 0; restores and evictions to every worker,
+    each onto its own GPU of the chunk."""
 
     def __init__(
         self,
@@ -207,28 +243,30 @@ class TorchReplica:
         server: ForkServer | None = None,
         python: str = sys.executable,
         load_timeout_s: float = 300.0,
+        ranks: int = 1,
     ) -> None:
         self.spec = spec
         self.log_path = log_path
         self.server = server
         self.python = python
         self.load_timeout_s = load_timeout_s
-        self.proc: asyncio.subprocess.Process | None = None  # spawned replicas only
-        self._pid: int | None = None
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._exited = asyncio.Event()
+        self.ranks = ranks
+        self._workers: list[_Worker] = []
+        self._exited = asyncio.Event()  # any worker exited: the replica is gone
         self._nbytes: int | None = None
         self._lock = asyncio.Lock()
         self.batches = False  # the module has handle_batch (from the worker's hello)
 
     @property
+    def proc(self) -> asyncio.subprocess.Process | None:
+        """Worker 0's process when the host spawned it (None: forked by the fork server)."""
+        return self._workers[0].proc if self._workers else None
+
+    @property
     def alive(self) -> bool:
-        if self._pid is None or self._exited.is_set():
+        if not self._workers or self._exited.is_set():
             return False
-        if self.proc is not None:
-            return self.proc.returncode is None
-        return _pid_alive(self._pid)
+        return all(worker.alive for worker in self._workers)
 
     @property
     def nbytes(self) -> int | None:
@@ -236,59 +274,110 @@ class TorchReplica:
 
     @property
     def pid(self) -> int | None:
-        return self._pid
+        return self._workers[0].pid if self._workers else None
+
+    @property
+    def pids(self) -> list[int]:
+        """Every worker's pid, worker 0 first."""
+        return [w.pid for w in self._workers if w.pid is not None]
+
+    def workers(self) -> list[dict[str, Any]]:
+        """What each worker said when it started: its rank, pid and shard's bytes."""
+        return [
+            {"rank": w.rank, "pid": w.pid, "shard_bytes": w.hello.get("shard_bytes")}
+            for w in self._workers
+        ]
 
     async def wait_exit(self) -> None:
-        """Return when the process has exited (used to notice crashes of idle replicas)."""
+        """Return when a worker has exited (used to notice crashes of idle replicas)."""
         await self._exited.wait()
 
     async def start(self, gpus: tuple[Gpu, ...] = ()) -> None:
-        """Fork the replica from the service's fork server (restarting that server if it
-        died), or spawn a worker that builds the module itself; wait for its hello."""
+        """Fork the workers from the service's fork server (restarting that server if it
+        died), or spawn workers that build the module themselves; wait for their hellos.
+        Worker 0 gets one end of a socket pair per other worker, that worker the other."""
         server = self.server
         if server is not None and not server.alive:
             await server.start()
-        if server is not None and server.forkable:
-            try:
-                pid, sock = await server.fork(threads=os.cpu_count() or 1)
-            except ReplicaCrashed as exc:
-                raise ServiceLoadError(str(exc)) from None
-            self._pid = pid
-            self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
-            self._watch_pid(pid)
-        else:
-            await self._spawn(gpus)
-        hello = await _hello(self, self._read(), self.load_timeout_s, self.spec, self.log_path)
-        self._nbytes = int(hello["nbytes"])
-        self.batches = bool(hello.get("batch"))
+        self._workers = [_Worker(rank) for rank in range(self.ranks)]
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in self._workers[1:]]
+        try:
+            for worker in reversed(self._workers):  # the others first: the lead's peers wait
+                peers = (
+                    [ours for ours, _ in pairs] if worker.rank == 0 else [pairs[worker.rank - 1][1]]
+                )
+                if server is not None and server.forkable:
+                    await self._fork(server, worker, peers)
+                else:
+                    device = device_of(gpus[worker.rank : worker.rank + 1])
+                    await self._spawn(worker, device, peers)
+        finally:
+            for ours, theirs in pairs:
+                ours.close()
+                theirs.close()
+        hellos = await asyncio.gather(
+            *(
+                _hello(self, self._read(w), self.load_timeout_s, self.spec, self.log_path)
+                for w in self._workers
+            ),
+            return_exceptions=True,
+        )
+        for hello in hellos:
+            if isinstance(hello, BaseException):
+                await self.close(grace_s=0.0)
+                raise hello
+        for worker, hello in zip(self._workers, hellos, strict=True):
+            assert isinstance(hello, dict)
+            worker.hello = hello
+        lead = self._workers[0].hello
+        self._nbytes = int(lead["nbytes"])
+        self.batches = bool(lead.get("batch"))
 
-    async def _spawn(self, gpus: tuple[Gpu, ...]) -> None:
-        argv = [*_worker_argv(self.python, self.spec), "--device", device_of(gpus)]
+    async def _fork(self, server: ForkServer, worker: _Worker, peers: list[socket.socket]) -> None:
+        threads = max(1, (os.cpu_count() or 1) // self.ranks)
+        try:
+            pid, sock = await server.fork(
+                threads=threads, rank=worker.rank, ranks=self.ranks, peers=peers
+            )
+        except ReplicaCrashed as exc:
+            await self.close(grace_s=0.0)
+            raise ServiceLoadError(str(exc)) from None
+        worker.pid = pid
+        worker.reader, worker.writer = await asyncio.open_unix_connection(sock=sock)
+        self._watch_pid(worker)
+
+    async def _spawn(self, worker: _Worker, device: str, peers: list[socket.socket]) -> None:
+        argv = [*_worker_argv(self.python, self.spec), "--device", device]
+        if self.ranks > 1:
+            fds = ",".join(str(peer.fileno()) for peer in peers)
+            argv += ["--rank", str(worker.rank), "--ranks", str(self.ranks), "--peer-fds", fds]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            self.proc = await asyncio.create_subprocess_exec(
+            proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
                 env=_worker_env(self.spec),
                 cwd=_worker_cwd(self.spec, self.log_path),
+                pass_fds=tuple(peer.fileno() for peer in peers),
                 start_new_session=True,
             )
-        self._pid = self.proc.pid
-        self._reader, self._writer = self.proc.stdout, self.proc.stdin
-        proc = self.proc
+        worker.proc, worker.pid = proc, proc.pid
+        worker.reader, worker.writer = proc.stdout, proc.stdin
 
         async def reap() -> None:
             await proc.wait()
+            worker.exited.set()
             self._exited.set()
 
         self._reaper = asyncio.get_running_loop().create_task(reap())
 
-    def _watch_pid(self, pid: int) -> None:
-        """A forked replica is not our child: a pidfd tells us when it exits."""
+    def _watch_pid(self, worker: _Worker) -> None:
+        """A forked worker is not our child: a pidfd tells us when it exits."""
+        assert worker.pid is not None
         try:
-            fd = os.pidfd_open(pid)
+            fd = os.pidfd_open(worker.pid)
         except (AttributeError, OSError):
             return  # no pidfd (old kernel): a crash is noticed on the next request
         loop = asyncio.get_running_loop()
@@ -296,17 +385,21 @@ class TorchReplica:
         def exited() -> None:
             loop.remove_reader(fd)
             os.close(fd)
+            worker.exited.set()
             self._exited.set()
 
         loop.add_reader(fd, exited)
 
     async def restore(self, gpus: tuple[Gpu, ...]) -> Moved:
-        reply = await self._request({"op": "restore", "device": device_of(gpus)})
-        return Moved(int(reply["bytes"]), float(reply["seconds"]))
+        """Each worker restores its shard onto its GPU of the chunk (all at once)."""
+        replies = await self._each(
+            lambda w: {"op": "restore", "device": device_of(gpus[w.rank : w.rank + 1])}
+        )
+        return _moved(replies)
 
     async def evict(self) -> Moved:
-        reply = await self._request({"op": "evict"})
-        return Moved(int(reply["bytes"]), float(reply["seconds"]))
+        replies = await self._each(lambda w: {"op": "evict"})
+        return _moved(replies)
 
     async def call(self, payload: dict[str, Any], timeout: float) -> WorkerReply:
         """One call; on timeout the replica is killed (a handler cannot be interrupted)."""
@@ -348,55 +441,91 @@ class TorchReplica:
         ]
 
     async def close(self, grace_s: float = 0.5) -> None:
-        """End of stream first (an idle replica exits at once), then SIGKILL."""
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
-        pid = self._pid
-        if pid is None:
-            return
+        """End of stream first (an idle worker exits at once), then SIGKILL; every worker."""
+        workers = self._workers
+        for worker in workers:
+            writer, worker.writer = worker.writer, None
+            if writer is not None:
+                writer.close()
         deadline = time.monotonic() + grace_s
-        while self.alive and time.monotonic() < deadline:
+        while any(w.alive for w in workers) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        if self.alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if self.proc is not None:
-            await self.proc.wait()
-        else:
-            for _ in range(100):  # the kernel reaps a fork server's child at once
-                if not _pid_alive(pid):
-                    break
-                await asyncio.sleep(0.01)
-        self._exited.set()
+        for worker in workers:
+            if worker.pid is None:
+                continue
+            if worker.alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGKILL)
+            if worker.proc is not None:
+                await worker.proc.wait()
+            else:
+                for _ in range(100):  # the kernel reaps a fork server's child at once
+                    if not _pid_alive(worker.pid):
+                        break
+                    await asyncio.sleep(0.01)
+            worker.exited.set()
+        if workers:
+            self._exited.set()
 
     async def _request(self, msg: dict[str, Any], *, failed_ok: bool = False) -> dict[str, Any]:
+        """One request to worker 0 (calls)."""
         async with self._lock:
-            writer = self._writer
-            if writer is None or not self.alive:
+            if not self.alive:
                 raise ReplicaCrashed(self._gone())
-            try:
-                writer.write(wire.encode(msg))
-                await writer.drain()
-                reply = await self._read()
-            except (ConnectionError, ReplicaCrashed):
-                raise ReplicaCrashed(self._gone()) from None
+            reply = await self._exchange(self._workers[0], msg)
         if reply.get("ok") or (failed_ok and reply.get("kind") == "failed"):
             return reply
         raise ReplicaCrashed(f"service {self.spec.name!r}: worker error: {reply.get('error')}")
 
-    async def _read(self) -> dict[str, Any]:
-        if self._reader is None:
+    async def _each(self, msg: Callable[[_Worker], dict[str, Any]]) -> list[dict[str, Any]]:
+        """The same kind of request to every worker at once (restore, evict)."""
+        async with self._lock:
+            if not self.alive:
+                raise ReplicaCrashed(self._gone())
+            replies = await asyncio.gather(
+                *(self._exchange(w, msg(w)) for w in self._workers), return_exceptions=True
+            )
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        for reply in replies:
+            assert isinstance(reply, dict)
+            if not reply.get("ok"):
+                raise ReplicaCrashed(
+                    f"service {self.spec.name!r}: worker error: {reply.get('error')}"
+                )
+        return [r for r in replies if isinstance(r, dict)]
+
+    async def _exchange(self, worker: _Worker, msg: dict[str, Any]) -> dict[str, Any]:
+        writer = worker.writer
+        if writer is None or not worker.alive:
             raise ReplicaCrashed(self._gone())
         try:
-            return await wire.read_frame_async(self._reader)
+            writer.write(wire.encode(msg))
+            await writer.drain()
+            return await self._read(worker)
+        except (ConnectionError, ReplicaCrashed):
+            raise ReplicaCrashed(self._gone()) from None
+
+    async def _read(self, worker: _Worker) -> dict[str, Any]:
+        if worker.reader is None:
+            raise ReplicaCrashed(self._gone())
+        try:
+            return await wire.read_frame_async(worker.reader)
         except wire.WireError as exc:
             raise ReplicaCrashed(str(exc)) from None
 
     def _gone(self) -> str:
-        code = None if self.proc is None else self.proc.returncode
+        codes = [w.proc.returncode for w in self._workers if w.proc is not None]
+        code = next((c for c in codes if c is not None), None)
         how = "is not running" if code is None else f"exited with status {code}"
-        return f"service {self.spec.name!r}: worker {how}"
+        which = "worker" if self.ranks == 1 else f"a worker of the {self.ranks}-GPU replica"
+        return f"service {self.spec.name!r}: {which} {how}"
+
+
+def _moved(replies: list[dict[str, Any]]) -> Moved:
+    """What the workers of a replica moved together (in parallel: the slowest one's time)."""
+    return Moved(sum(int(r["bytes"]) for r in replies), max(float(r["seconds"]) for r in replies))
 
 
 async def _hello(

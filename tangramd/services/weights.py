@@ -7,6 +7,10 @@ restore is one allocation and one copy of the whole set (as fast as a bare copy 
 bytes), and an eviction drops the only reference to the working buffer, which really frees
 it (``empty_cache`` hands CUDA memory back to the driver).
 
+A worker of a multi-GPU replica holds only its shard (``shard``): the working copy is then
+the pieces of the backup that worker owns (whole tensors, or a range of a tensor's rows),
+packed, each a copy of its own; the tensors it does not own stay empty.
+
 Imports torch: only the worker process and the benchmark use this module.
 """
 
@@ -20,6 +24,17 @@ import torch
 from tangramd.services.runtime_base import Moved  # (seconds: the copy, synchronised)
 
 ALIGN = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Part of a tensor a shard holds: ``nbytes`` from ``start`` of its slot in the backup,
+    viewed with ``shape`` (a range of rows of a row-major tensor is contiguous)."""
+
+    slot: Slot
+    start: int
+    nbytes: int
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +80,21 @@ class FlatWeights:
             tensor = getattr(slot.module, slot.attr)
             _view(self.backup, slot).copy_(tensor.detach())
         self.working: torch.Tensor | None = None
+        self.pieces: list[tuple[Piece, int]] | None = None  # a shard's: (piece, working offset)
+        self.working_bytes = self.nbytes  # what a restore copies
         self.resident = True  # the factory's tensors: drop them, the backup holds the bytes
         self.evict()
+
+    def shard(self, pieces: list[Piece]) -> None:
+        """Hold only ``pieces`` from now on (one worker of a multi-GPU replica); evicted."""
+        self.evict()
+        packed: list[tuple[Piece, int]] = []
+        end = 0
+        for piece in pieces:
+            packed.append((piece, end))
+            end = -(-(end + piece.nbytes) // ALIGN) * ALIGN
+        self.pieces = packed
+        self.working_bytes = sum(piece.nbytes for piece in pieces)
 
     def pin_backup(self) -> bool:
         """Page-lock the (shared) backup for DMA; False when CUDA refuses (copies still work,
@@ -84,15 +112,28 @@ class FlatWeights:
         if self.device.type == "cuda":
             self.pin_backup()
         start = time.perf_counter()
-        working = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        working.copy_(self.backup, non_blocking=self.device.type == "cuda")
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if self.pieces is None:
+            working = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            working.copy_(self.backup, non_blocking=cuda)
+        else:
+            size = max((at + p.nbytes for p, at in self.pieces), default=0)
+            working = torch.empty(size, dtype=torch.uint8, device=self.device)
+            for piece, at in self.pieces:
+                src = self.backup[piece.slot.offset + piece.start :][: piece.nbytes]
+                working[at : at + piece.nbytes].copy_(src, non_blocking=cuda)
+        if cuda:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         self.working = working
-        self._point_at(working)
+        if self.pieces is None:
+            self._point_at(working)
+        else:
+            for piece, at in self.pieces:
+                flat = working[at : at + piece.nbytes]
+                _assign(piece.slot, flat.view(piece.slot.dtype).view(piece.shape))
         self.resident = True
-        return Moved(self.nbytes, seconds)
+        return Moved(self.working_bytes, seconds)
 
     def evict(self) -> Moved:
         """Drop the device copy: the module's tensors become empty, the buffer is freed."""
@@ -107,7 +148,7 @@ class FlatWeights:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-        return Moved(self.nbytes, time.perf_counter() - start)
+        return Moved(self.working_bytes, time.perf_counter() - start)
 
     def _point_at(self, flat: torch.Tensor) -> None:
         for slot in self.slots:

@@ -3,7 +3,9 @@
     python -m tangramd.services.worker --name NAME --entry MODULE:FACTORY [--path DIR]
         [--fd N]                              # fork server: backup once, fork replicas
         [--device cpu|cuda:N]                 # pipe mode: one replica on stdin/stdout
+          [--rank R --ranks K --peer-fds FD,…]  # … or worker R of a K-GPU replica
         [--http-port PORT]                    # http mode: the vLLM/SGLang sleep/wake subset
+          [--tensor-parallel-size K]          # (accepted as an engine's; one process)
 
 ``FACTORY()`` returns a ``torch.nn.Module`` defining ``handle(self, payload: dict) -> dict``
 and, for dynamic batching (``max_batch`` > 1), ``handle_batch(self, payloads: list[dict]) ->
@@ -12,8 +14,10 @@ The worker backs the module's tensors up in host memory once (pinned on CUDA) an
 serves requests. ``ServiceHost`` runs one fork server per torch service, which makes the
 backup once (in shared memory) and forks a replica per request, so a second replica or a
 restart costs a fork, not a model build. Replicas (and pipe mode) speak
-``tangramd.services.wire`` frames (user code's prints go to stderr). HTTP mode serves, on
-127.0.0.1 only:
+``tangramd.services.wire`` frames (user code's prints go to stderr). A replica on K GPUs is
+K workers, each holding a shard of the module (``tangramd.services.shards``): the host
+forks (or spawns) them together, worker 0 with a socket to each other worker. HTTP mode
+serves, on 127.0.0.1 only:
 
 - ``GET /health``, ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``
 - ``POST /sleep?level=1`` and ``POST /release_memory_occupation``: evict (level 1 only: the
@@ -33,10 +37,15 @@ import sys
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from tangramd.services import wire
+
+if TYPE_CHECKING:
+    import socket
+
+    from tangramd.services.shards import Peer
 
 
 class FactoryError(Exception):
@@ -59,10 +68,27 @@ class Served:
         self.weights = FlatWeights(module, torch.device(device), shared=shared)
         self.module = module
         self.calls = 0
+        self.rank, self.ranks = 0, 1
+        self.splits: list[Any] = []
+
+    def shard(self, rank: int, ranks: int, peers: list[Peer]) -> None:
+        """Become worker ``rank`` of a ``ranks``-GPU replica: hold only its shard; the lead
+        (rank 0) gathers the other workers' rows over ``peers``."""
+        from tangramd.services import shards
+
+        self.rank, self.ranks = rank, ranks
+        self.splits = shards.plan(self.module, ranks)
+        self.weights.shard(shards.pieces(self.weights, self.splits, rank))
+        if rank == 0:
+            shards.lead(self.splits, peers)
 
     def info(self) -> dict[str, Any]:
         return {
             "nbytes": self.weights.nbytes,
+            "shard_bytes": self.weights.working_bytes,
+            "rank": self.rank,
+            "ranks": self.ranks,
+            "split_layers": len(self.splits),
             "device": str(self.weights.device),
             "resident": self.weights.resident,
             "pid": os.getpid(),
@@ -94,6 +120,7 @@ class Served:
                 raise TypeError(f"handle() returned {type(result).__name__}, not a dict")
             wire.encode({"result": result})  # msgpack-able, or the caller could not get it
         except Exception as exc:
+            _reraise_lost(exc)
             return False, f"{type(exc).__name__}: {exc}", time.perf_counter() - start
         return True, result, time.perf_counter() - start
 
@@ -118,6 +145,7 @@ class Served:
                     + f", not a list of {n} answers"
                 )
         except Exception as exc:
+            _reraise_lost(exc)
             error = f"{type(exc).__name__}: {exc}"
             return [(False, error)] * n, time.perf_counter() - start
         seconds = time.perf_counter() - start
@@ -133,6 +161,18 @@ class Served:
                 continue
             out.append((True, answer))
         return out, seconds
+
+
+def _reraise_lost(exc: BaseException) -> None:
+    """A worker of the replica that is gone is the host's problem, not the handler's: the
+    call is answered as an error (infra), not as the handler's failure."""
+    from tangramd.services.shards import ShardLost
+
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ShardLost):
+            raise cause
+        cause = cause.__cause__ or cause.__context__
 
 
 def build(name: str, entry: str, path: str | None) -> Any:
@@ -171,8 +211,33 @@ def serve_pipe(args: argparse.Namespace) -> int:
     except Exception as exc:
         wire.write_frame(out, {"ok": False, "kind": "error", "error": _load_error(args, exc)})
         return 1
+    import socket
+
+    peers = [socket.socket(fileno=int(fd)) for fd in args.peer_fds.split(",") if fd]
+    return _run_rank(served, args.rank, args.ranks, sys.stdin.buffer, out, peers)
+
+
+def _run_rank(
+    served: Served, rank: int, ranks: int, inp: Any, out: Any, peers: list[socket.socket]
+) -> int:
+    """Worker ``rank`` of a ``ranks``-GPU replica (1: a whole replica): hello, then serve."""
+    if ranks > 1:
+        from tangramd.services import shards
+
+        links = [shards.Peer(r, sock) for r, sock in enumerate(peers, 1)] if rank == 0 else []
+        served.shard(rank, ranks, links)
+        if rank > 0:
+            (peer,) = peers
+            wire.write_frame(out, {"ok": True, **served.info()})
+
+            def answer(msg: dict[str, Any]) -> dict[str, Any]:
+                if msg.get("op") in ("call", "call_batch"):
+                    return {"ok": False, "kind": "error", "error": "calls go to worker 0"}
+                return _answer(served, msg)
+
+            return shards.serve_shard(served.splits, served.weights, inp, out, peer, answer)
     wire.write_frame(out, {"ok": True, **served.info()})
-    return _serve(served, sys.stdin.buffer, out)
+    return _serve(served, inp, out)
 
 
 def _serve(served: Served, inp: Any, out: Any) -> int:
@@ -213,11 +278,11 @@ def serve_zygote(args: argparse.Namespace) -> int:
     ctl.send(wire.pack({"ok": True, "forkable": forkable, **served.info()}))
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # replicas are reaped by the kernel
     while True:
-        data, fds, _, _ = socket.recv_fds(ctl, 1 << 16, 1)
+        data, fds, _, _ = socket.recv_fds(ctl, 1 << 16, 8)  # host + up to 7 peers
         if not data:
             return 0
         msg = wire.unpack(data)
-        if msg.get("op") != "fork" or len(fds) != 1:
+        if msg.get("op") != "fork" or not fds:
             for fd in fds:
                 os.close(fd)
             ctl.send(wire.pack({"ok": False, "kind": "error", "error": "expected fork + fd"}))
@@ -226,21 +291,24 @@ def serve_zygote(args: argparse.Namespace) -> int:
         if pid == 0:
             ctl.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            os._exit(_replica(served, fds[0], int(msg.get("threads") or 1)))
-        os.close(fds[0])
+            rank, ranks = int(msg.get("rank") or 0), int(msg.get("ranks") or 1)
+            os._exit(_replica(served, fds, int(msg.get("threads") or 1), rank, ranks))
+        for fd in fds:
+            os.close(fd)
         ctl.send(wire.pack({"ok": True, "pid": pid}))
 
 
-def _replica(served: Served, fd: int, threads: int) -> int:
-    """A forked replica: serve the host over its own socket (shares the zygote's backup)."""
+def _replica(served: Served, fds: list[int], threads: int, rank: int, ranks: int) -> int:
+    """A forked replica (or worker ``rank`` of one on ``ranks`` GPUs): serve the host over
+    its own socket, ``fds[0]`` (shares the zygote's backup); ``fds[1:]`` its peers."""
     import socket
 
     try:
         served.torch.set_num_threads(threads)
-        sock = socket.socket(fileno=fd)
+        sock = socket.socket(fileno=fds[0])
         inp, out = sock.makefile("rb"), sock.makefile("wb")
-        wire.write_frame(out, {"ok": True, **served.info()})
-        return _serve(served, inp, out)
+        peers = [socket.socket(fileno=fd) for fd in fds[1:]]
+        return _run_rank(served, rank, ranks, inp, out, peers)
     except BaseException:
         traceback.print_exc()
         return 1
@@ -349,7 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--path")
     parser.add_argument("--device", default=None)
     parser.add_argument("--http-port", type=int)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="http mode: ignored")
     parser.add_argument("--fd", type=int, help="fork-server mode: the control socket")
+    parser.add_argument("--rank", type=int, default=0, help="pipe mode: this worker's rank")
+    parser.add_argument("--ranks", type=int, default=1, help="pipe mode: workers of the replica")
+    parser.add_argument("--peer-fds", default="", help="pipe mode: sockets to the other workers")
     args = parser.parse_args(argv)
     if args.http_port is not None:
         return serve_http(args)

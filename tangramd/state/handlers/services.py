@@ -21,6 +21,8 @@ from tangramd.state.story import note
 if TYPE_CHECKING:
     from tangramd.state.context import Core
 
+MIN_WORK_S = 1e-6  # a call too fast to time still has a positive duration (t1_s > 0)
+
 
 # ---------------------------------------------------------------------- handlers
 @handles(ev.RegisterService)
@@ -123,15 +125,29 @@ def submit_call(core: Core, e: ev.SubmitCall, now: float, out: list[ev.Command])
     spec = core.services.specs.get(name)
     if spec is None or core.gpu is None:
         raise NotFound(f"service {name!r} is not registered (see `tangramctl service list`)")
-    # The GPU counts whose shard fits a GPU; with no elasticity known for a call, the
-    # scheduler runs it at the smallest of them (its minimum).
+    # The GPU counts whose shard fits a GPU. With a speed-up table (``eff``) covering two
+    # of them or more the call is elastic: the scheduler picks the count (the chunk DP),
+    # each count's duration the history's work over its speed-up. Without one it runs at
+    # the smallest count (its minimum); ``gpus`` in the call pins the count.
     largest, pool_spec = core.gpu.max_single(), spec.pool_spec()
     counts = [
         k
         for k in spec.gpus
         if k <= largest and any(node.fits_memory(pool_spec, k) for node in core.gpu.nodes)
     ] or [min(spec.gpus)]
+    pinned = e.spec.gpus
+    if pinned is not None:
+        if pinned not in counts:
+            raise BadRequest(
+                f"service {name!r}: gpus={pinned} is not one of the counts it can run at "
+                f"here ({', '.join(map(str, counts))})"
+            )
+        counts = [pinned]
     demand: Any = counts[0] if len(counts) == 1 else {"set": counts}
+    klass = f"service/{name}"
+    work = max(core.history.estimate(klass), MIN_WORK_S)  # seconds at speed-up 1
+    t1_s, eff = spec.elastic(counts, work)
+    dur_s = work / spec.speedup(counts[0]) if spec.eff and not eff else None
     aid = ActionId(core.new_id("c"))
     action = make_action(
         aid,
@@ -142,8 +158,11 @@ def submit_call(core: Core, e: ev.SubmitCall, now: float, out: list[ev.Command])
         job=job,
         seq=core.actions.next_seq(),
         submitted_at=now,
-        klass=f"service/{name}",
+        klass=klass,
         capacity={"gpu": largest},
+        t1_s=t1_s if eff else None,
+        eff=eff or None,
+        dur_s=dur_s,
     )
     core.jobs_seen.add(job)
     timeout = e.spec.timeout_s if e.spec.timeout_s is not None else core.cfg.call_timeout_s
@@ -152,6 +171,8 @@ def submit_call(core: Core, e: ev.SubmitCall, now: float, out: list[ev.Command])
         action, now, token=e.token, env=None, conn=e.conn, call=call, owner=e.peer
     )
     detail = f"call service={name} gpus={counts} timeout_s={timeout:g} job={job}"
+    if action.elastic:
+        detail += f" elastic over {list(action.allowed_units())}"
     note(rec, now, "submitted", detail, core.stimulus)
     if not join_batch(core, rec, now, out):
         core.enqueue(rec, now)
@@ -217,7 +238,9 @@ def send_batch(core: Core, batch: Batch, out: list[ev.Command]) -> None:
     assert leader.call is not None, "a batch is calls"
     klass = leader.action.klass
     if batch.size > 1 and core.history.count(f"{klass}@{batch.size}"):
-        leader.expected_s = core.history.estimate(f"{klass}@{batch.size}")
+        spec = core.services.specs.get(leader.call.name)
+        speedup = spec.speedup(len(batch.gpus)) if spec is not None else 1.0
+        leader.expected_s = core.history.estimate(f"{klass}@{batch.size}") / speedup
     calls = [leader, *batch.riders]
     timeout = min(r.call.timeout_s or core.cfg.call_timeout_s for r in calls if r.call)
     out.append(
@@ -273,9 +296,12 @@ def call_done(core: Core, e: ev.CallFinished, now: float, out: list[ev.Command])
         return
     riding = core.services.riding.pop(rec.action.id, None)
     if e.outcome in ("ok", "failed") and riding is None:  # once per forward pass
-        core.history.observe(rec.action.klass, e.exec_s)
+        # kept as work at speed-up 1: the pass's seconds times its GPUs' speed-up
+        spec = core.services.specs.get(rec.call.name) if rec.call is not None else None
+        work = e.exec_s * (spec.speedup(len(rec.units) or 1) if spec is not None else 1.0)
+        core.history.observe(rec.action.klass, work)
         if e.batch > 1:  # what a pass of this size takes (``send_batch``'s estimate)
-            core.history.observe(f"{rec.action.klass}@{e.batch}", e.exec_s)
+            core.history.observe(f"{rec.action.klass}@{e.batch}", work)
     if e.h2d_bytes_per_s and core.gpu is not None:
         node = core.gpu.node_of_action(rec.action.id)
         if node is not None:
