@@ -38,6 +38,7 @@ from tangram.protocol import ConnectionFailed, InfraError, parse_size
 from tangram.protocol.ops import MAX_FORK
 from tangram.tarsafe import extract_all
 from tangramctl.render import NODE_COLUMNS, humanize_sizes, kv, node_rows, table, to_json
+from tangramctl.service_profile import service_profile
 
 EXIT_UNREACHABLE = 2
 EXIT_REFUSED = 1
@@ -1048,7 +1049,7 @@ def parse_gpus(text: str) -> int | list[int]:
 
 @cli.group()
 def service() -> None:
-    """GPU model services: register, list, remove (call one with `tangramctl call`)."""
+    """GPU model services: register, list, profile, remove (call one with `tangramctl call`)."""
 
 
 @service.command("register")
@@ -1175,6 +1176,9 @@ def service_list(ctl: Ctl, as_json: bool) -> None:
     emit(as_json, {"services": rows}, human)
 
 
+service.add_command(service_profile, "profile")
+
+
 @service.command("remove")
 @click.argument("name")
 @json_option
@@ -1213,11 +1217,23 @@ def call_exit_code(result: CallResult) -> int:
     metavar="NAME",
     help="The job it belongs to (fair share across jobs) [default: $TANGRAM_JOB, else 'default'].",
 )
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    metavar="K",
+    help="Run at exactly K GPUs [default: the scheduler picks, by the service's eff].",
+)
 @json_option
 @click.argument("payload", metavar="-- PAYLOAD_JSON")
 @pass_ctl
 def call(
-    ctl: Ctl, name: str, timeout_s: float | None, job: str | None, as_json: bool, payload: str
+    ctl: Ctl,
+    name: str,
+    timeout_s: float | None,
+    job: str | None,
+    gpus: int | None,
+    as_json: bool,
+    payload: str,
 ) -> None:
     """Call service NAME with a JSON object: tangramctl call NAME -- '{"x": 1}'.
 
@@ -1232,7 +1248,7 @@ def call(
     if not isinstance(body, dict):
         raise click.BadParameter("must be a JSON object", param_hint="PAYLOAD_JSON")
     try:
-        result = ctl.client.call(name, body, timeout_s=timeout_s, job=job)
+        result = ctl.client.call(name, body, timeout_s=timeout_s, job=job, gpus=gpus)
     except ConnectionFailed as exc:
         fail(unreachable_message(ctl.path, exc), EXIT_INFRA)
     except TangramError as exc:

@@ -253,6 +253,16 @@ class RemoveService(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class SetServiceEff(Event):
+    """``service.set_eff``: a registered service's new speed-up table (``tangramctl service
+    profile`` saves what it measured); the host keeps it with the registration."""
+
+    name: str
+    eff: Any
+    token: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceUnloaded(Event):
     """The host stopped the service's replicas and forgot its registration."""
 

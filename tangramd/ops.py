@@ -289,6 +289,12 @@ async def _service_register(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return await ex.request(lambda tok: ev.RegisterService(args=spec, token=tok))
 
 
+async def _service_set_eff(ex: Executor, args: Args, conn: ConnInfo) -> Any:
+    return await ex.request(
+        lambda tok: ev.SetServiceEff(name=args["name"], eff=args["eff"], token=tok)
+    )
+
+
 async def _service_remove(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     return await ex.request(lambda tok: ev.RemoveService(name=args["name"], token=tok))
 
@@ -359,6 +365,7 @@ ASYNC_OPS: dict[str, Callable[[Executor, Args, ConnInfo], Awaitable[Any]]] = {
     "lease.release": _lease_release,
     "service.register": _service_register,
     "service.remove": _service_remove,
+    "service.set_eff": _service_set_eff,
     "call": _call,
     "cancel": _cancel,
 }

@@ -48,6 +48,7 @@ def test_every_documented_result_is_what_the_daemon_sends(tmp_path) -> None:
             "profile.get": {"name": "p"},
             "node.drain": {"name": "local"},
             "node.undrain": {"name": "local"},
+            "service.set_eff": {"name": "s", "eff": "1:1"},
             "service.remove": {"name": "s"},
             "cancel": {"id": result["action_id"]},  # ended: answered with its outcome
         }

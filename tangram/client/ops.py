@@ -389,6 +389,12 @@ class Ops:
         """Registered services with their replicas, calls and restores."""
         return self._op("service.list", {}, _field("services", list))
 
+    def service_set_eff(self, name: str, eff: str | Mapping[int, float]) -> dict[str, Any]:
+        """Give a registered service a new speed-up table per GPU count (``"1:1,2:1.8"``
+        or ``{1: 1.0, 2: 1.8}``); returns its ``service list`` entry."""
+        table = eff if isinstance(eff, str) else {str(k): float(v) for k, v in eff.items()}
+        return self._op("service.set_eff", {"name": name, "eff": table}, _as_dict)
+
     def service_remove(self, name: str) -> dict[str, Any]:
         """Remove a service (its queued calls end ``rejected``)."""
         return self._op("service.remove", {"name": name}, _as_dict)

@@ -440,6 +440,7 @@ SERVICE_FIELDS: Final = (
     "runtime: str",
     "mem_gb: float",
     "gpus: [int]",
+    "eff: str|null",
     "min_resident: int",
     "warm: int",
     "replicas: [{gpus, state, node, restores, ...}]",
@@ -782,6 +783,23 @@ OPS: Final[dict[str, Op]] = {
             "service.list",
             "registered GPU services with their replicas and restore counts",
             result=("services: [map]",),
+        ),
+        Op(
+            "service.set_eff",
+            "give a registered service a new speed-up table (what `tangramctl service profile`"
+            " measured): calls submitted from then on are scheduled by it; persists",
+            (
+                Arg("name", NAME, True, "the service"),
+                Arg(
+                    "eff",
+                    OneOf((Str(), MapOf(Number(min=0, exclusive=True), key_pattern=r"^[0-9]+$"))),
+                    True,
+                    "speed-up per GPU count: '1:1,2:1.8' or {\"2\": 1.8}; counts in gpus",
+                ),
+            ),
+            result=SERVICE_FIELDS,
+            errors=("not_found", "bad_request"),
+            operator_only=True,
         ),
         Op(
             "service.remove",

@@ -27,7 +27,7 @@ import asyncio
 import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -40,7 +40,7 @@ from tangramd.services.runtime_base import (
     ServiceError,
     ServiceLoadError,
 )
-from tangramd.services.spec import ServiceRegistry, ServiceSpec
+from tangramd.services.spec import ServiceRegistry, ServiceSpec, format_eff
 from tangramd.services.torch_runtime import ForkServer, TorchReplica
 
 STATES = ("loading", "resident", "backed_up", "failed")
@@ -178,7 +178,10 @@ class ServiceHost:
         spec is a no-op; a different spec under a known name is a ``ValueError``."""
         known = self._services.get(spec.name)
         if known is not None:
-            if known.spec != spec:
+            if replace(known.spec, eff=spec.eff) == spec and known.spec != spec:
+                known.spec = spec  # a new speed-up table (service.set_eff): kept, persisted
+                self.registry.add(spec)
+            elif known.spec != spec:
                 raise ValueError(f"service {spec.name!r} is already registered; remove it first")
             return self._describe(known)
         hosted = Hosted(spec)
@@ -591,6 +594,7 @@ class ServiceHost:
             "runtime": spec.runtime,
             "mem_gb": spec.mem_gb,
             "gpus": list(spec.gpus),
+            "eff": format_eff(spec.eff) if spec.eff else None,
             "min_resident": spec.min_resident,
             "warm": sum(1 for slot in hosted.slots if slot.state == "resident" and slot.gpus),
             "replicas": replicas,

@@ -1,6 +1,9 @@
 """The http runtime: a model server started by the node, driven over loopback HTTP.
 
-A replica is one server process bound to one chunk (``CUDA_VISIBLE_DEVICES``). Eviction and
+A replica is one server process bound to one chunk (``CUDA_VISIBLE_DEVICES``: the chunk's
+GPUs), told the chunk's size: ``{tp}`` in the command line becomes the GPU count, and a
+command without ``{tp}`` gets ``--tensor-parallel-size K`` appended on chunks of K > 1 GPUs
+(vLLM's and SGLang's flag; a one-GPU server runs the command as written). Eviction and
 restore use the server's own API, as documented upstream:
 
 - vLLM (``api = "vllm"``), server started with ``--enable-sleep-mode`` and
@@ -114,6 +117,15 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def server_argv(cmd: str, port: int, gpus: int) -> list[str]:
+    """The server's command line for a chunk of ``gpus`` GPUs: ``{port}`` and ``{tp}``
+    filled in, or ``--tensor-parallel-size`` appended (more than one GPU, no ``{tp}``)."""
+    argv = shlex.split(cmd.replace("{port}", str(port)).replace("{tp}", str(max(gpus, 1))))
+    if gpus > 1 and "{tp}" not in cmd:
+        argv += ["--tensor-parallel-size", str(gpus)]
+    return argv
+
+
 class HttpReplica:
     """One model server process on one chunk of GPUs."""
 
@@ -136,7 +148,7 @@ class HttpReplica:
     async def start(self, gpus: tuple[Gpu, ...]) -> None:
         """Start the server on ``gpus`` and wait until ``GET /health`` answers 200."""
         self.port = free_port()
-        argv = shlex.split(str(self.spec.cmd).replace("{port}", str(self.port)))
+        argv = server_argv(str(self.spec.cmd), self.port, len(gpus))
         env = dict(os.environ)
         env.update(self.spec.env)
         env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus)

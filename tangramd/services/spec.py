@@ -23,6 +23,8 @@ from tangram.pools.gpu import ServiceSpec as PoolServiceSpec
 GB: Final = 1_000_000_000  # decimal gigabytes, as the simulator's cluster files use
 RUNTIMES: Final = ("torch", "http")
 HTTP_APIS: Final = ("vllm", "sglang")  # which sleep/wake endpoints an http server offers
+# an engine's tensor-parallel flags (vLLM, SGLang): the node sets them per replica
+TP_FLAGS: Final = ("--tensor-parallel-size", "-tp", "--tp-size", "--tp")
 REGISTRY_FILE: Final = "services.json"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -48,8 +50,9 @@ class ServiceSpec:
     (sharded evenly over a multi-GPU instance). ``gpus`` lists the allowed GPUs per
     instance (each a DoP variant of the service to the cache). ``entry``/``path`` name the
     torch factory; ``cmd`` is the http server command line with ``{port}`` where the node
-    puts the loopback port it chose; ``route`` is the path calls are POSTed to and
-    ``api`` the server's sleep/wake flavour.
+    puts the loopback port it chose (and optionally ``{tp}``: the replica's GPU count,
+    else ``--tensor-parallel-size K`` is appended on K > 1 GPUs); ``route`` is the path
+    calls are POSTed to and ``api`` the server's sleep/wake flavour.
     """
 
     name: str
@@ -104,9 +107,17 @@ class ServiceSpec:
             if not self.cmd or "{port}" not in self.cmd:
                 raise SpecError("cmd", "runtime 'http' needs a command line containing {port}")
             try:
-                shlex.split(self.cmd)
+                words = shlex.split(self.cmd)
             except ValueError as exc:
                 raise SpecError("cmd", f"cannot be split into arguments: {exc}") from None
+            fixed = [w for w in words if w.split("=")[0] in TP_FLAGS]
+            if fixed and "{tp}" not in self.cmd and max(self.gpus) > 1:
+                raise SpecError(
+                    "cmd",
+                    f"fixes {fixed[0].split('=')[0]}, but the service runs on "
+                    f"{'/'.join(map(str, self.gpus))} GPUs: write {{tp}} where the node puts "
+                    "each replica's GPU count (or leave the flag out: it is appended)",
+                )
             if self.api not in HTTP_APIS:
                 raise SpecError("api", f"{self.api!r} is not one of {', '.join(HTTP_APIS)}")
             if not self.route.startswith("/"):

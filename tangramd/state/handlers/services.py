@@ -116,6 +116,24 @@ def service_unloaded(core: Core, e: ev.ServiceUnloaded, now: float, out: list[ev
     keep_warm(core, out)  # its memory is free now
 
 
+@handles(ev.SetServiceEff)
+def set_service_eff(core: Core, e: ev.SetServiceEff, now: float, out: list[ev.Command]) -> None:
+    """A new speed-up table for a registered service: the host persists the spec with it
+    (``LoadService``, a registration that differs only in ``eff``) and calls submitted
+    from then on are scheduled by it."""
+    spec = core.services.specs.get(e.name)
+    if spec is None:
+        raise NotFound(f"service {e.name!r} is not registered (see `tangramctl service list`)")
+    if e.name in core.services.registering or e.name in core.services.removing:
+        raise BadRequest(f"service {e.name!r} is being registered or removed; try again")
+    try:
+        updated = replace(spec, eff=e.eff)
+    except SpecError as exc:
+        raise BadRequest(str(exc)) from None
+    core.services.registering[e.name] = e.token
+    out.append(ev.LoadService(spec=updated, cause=core.stimulus))
+
+
 @handles(ev.SubmitCall)
 def submit_call(core: Core, e: ev.SubmitCall, now: float, out: list[ev.Command]) -> None:
     if core.shutting_down:
