@@ -2,6 +2,7 @@
 
     python bench/device/cuda_check.py torch OUT.json   # torch runtime on the first NVML GPU
     python bench/device/cuda_check.py vllm OUT.json    # http runtime against a real vLLM
+    python bench/device/cuda_check.py elastic OUT.json # a 2-GPU replica, 2 replicas, batching
 
 Each check writes one JSON object with ``"ok"`` and what it measured; the process exits 0
 when the check passed, 1 when it ran and failed, 2 when it could not run (what is missing).
@@ -26,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 from tangramd.services import ServiceHost, ServiceSpec, discover  # noqa: E402
 
 EXAMPLES = ROOT / "examples" / "services"
+TEST_SERVICES = ROOT / "tests" / "data" / "services"
 RAMP = """
 import torch
 
@@ -206,12 +208,100 @@ async def check_vllm() -> dict[str, Any]:
     return result
 
 
+async def check_elastic() -> dict[str, Any]:
+    """Elastic GPU calls on real GPUs (issue 33 item 2): the layered test service on one GPU
+    and as a 2-GPU replica (two workers, one per device: both devices hold memory while it
+    is resident, and the answer is the 1-GPU answer, to the bit); then two 1-GPU replicas of
+    a batching service, each sent a batch of 4 calls at once (one forward pass per replica,
+    every caller its own answer). With one GPU the 2-GPU parts are recorded as skipped and
+    the batching runs on the one replica."""
+    inventory = discover()
+    real = [gpu for gpu in inventory.gpus if not gpu.simulated]
+    if not real:
+        raise SystemExit(_skip(f"no NVML GPU: {inventory.nvml_error}"))
+    result: dict[str, Any] = {"gpus": [gpu.to_json() for gpu in real]}
+    two = len(real) >= 2
+    x = {"x": [3, -1, 4, 1, -5, 9]}
+    with tempfile.TemporaryDirectory() as state:
+        host = ServiceHost(inventory, state)
+        try:
+            mlp = ServiceSpec(
+                "mlp",
+                "torch",
+                0.05,
+                gpus=(1, 2),
+                entry="mlp_services:small",
+                path=str(TEST_SERVICES),
+            )
+            batch = ServiceSpec(
+                "batch",
+                "torch",
+                0.05,
+                entry="batch_services:small",
+                path=str(TEST_SERVICES),
+                max_batch=4,
+            )
+            await asyncio.gather(host.register(mlp), host.register(batch))
+            one = await host.call("mlp", [real[0].local], x, 120)
+            result["one_gpu"] = one._asdict()
+            await host.evict("mlp", [real[0].local])
+            ok = one.outcome == "ok"
+            if two:
+                pair = [real[0].local, real[1].local]
+                before = [gpu_used_bytes(g.cuda_index) for g in real[:2]]
+                spread = await host.call("mlp", pair, x, 120)
+                during = [gpu_used_bytes(g.cuda_index) for g in real[:2]]
+                row = next(r for r in host.list() if r["name"] == "mlp")
+                workers = next(r for r in row["replicas"] if r["gpus"] == pair)["workers"]
+                await host.evict("mlp", pair)
+                result["two_gpus"] = {
+                    "call": spread._asdict(),
+                    "gpu_used_before": before,
+                    "gpu_used_resident": during,
+                    "workers": workers,
+                }
+                ok = ok and bool(
+                    spread.outcome == "ok"
+                    and spread.result is not None
+                    and one.result is not None
+                    and spread.result["y"] == one.result["y"]
+                    and len({w["pid"] for w in workers}) == 2
+                    and all(d > b for d, b in zip(during, before, strict=True))
+                )
+            else:
+                result["two_gpus"] = {"skipped": f"{len(real)} NVML GPU(s)"}
+            chunks = [[gpu.local] for gpu in real[:2]]
+            payloads = [{"x": float(i), "id": f"c{i}"} for i in range(4)]
+            batches = await asyncio.gather(
+                *(host.call_batch("batch", chunk, payloads, 120) for chunk in chunks)
+            )
+            result["batches"] = [[r._asdict() for r in replies] for replies in batches]
+            pids = {r.result["pid"] for replies in batches for r in replies if r.result}
+            ok = ok and bool(
+                all(r.outcome == "ok" and r.batch == 4 for replies in batches for r in replies)
+                and all(
+                    r.result is not None and r.result["id"] == p["id"] and r.result["batch"] == 4
+                    for replies in batches
+                    for r, p in zip(replies, payloads, strict=True)
+                )
+                and len(pids) == len(chunks)  # one replica (process) per chunk
+            )
+            result["services"] = host.list()
+            result["ok"] = ok
+        finally:
+            await host.close()
+    return result
+
+
+CHECKS = {"torch": check_torch, "vllm": check_vllm, "elastic": check_elastic}
+
+
 def main() -> int:
     global _OUT
     which, out = sys.argv[1], Path(sys.argv[2])
     _OUT = out
     try:
-        result = asyncio.run(check_torch() if which == "torch" else check_vllm())
+        result = asyncio.run(CHECKS[which]())
     except SystemExit as stop:
         return int(stop.code or 0)
     except Exception as exc:  # report, do not lose the other checks' output
