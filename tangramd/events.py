@@ -313,6 +313,20 @@ class NodeJoined(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class NodeGpus(Event):
+    """A joined node's GPUs (cluster mode), fed once its welcome is on its way: a node the
+    gpu pool does not hold joins it (``count`` GPUs of ``mem_per_gpu`` bytes, restored at
+    ``h2d_bytes_per_s``) with no replica resident, and ``min_resident`` replicas are
+    restored where there is room. A node still held (back within the heartbeat timeout)
+    keeps its residency."""
+
+    node: str
+    count: int
+    mem_per_gpu: int
+    h2d_bytes_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class NodeLost(Event):
     """A node missed its heartbeats for the timeout (or its link stayed closed that long)."""
 

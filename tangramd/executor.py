@@ -27,8 +27,7 @@ from tangramd.diskfull import DiskWatch, is_disk_full
 from tangramd.lifecycle import loop_name
 from tangramd.logs import log_soon
 from tangramd.records import RecordJournal, read_json, write_json
-from tangramd.run.effects import Effects
-from tangramd.services import ServiceHost
+from tangramd.run.effects import Effects, ServiceList
 from tangramd.state import Core
 from tangramd.transport import ConnInfo, Later, UnixServer
 
@@ -144,8 +143,8 @@ class Executor:
         }
 
     @property
-    def services(self) -> ServiceHost | None:
-        """The GPU service host the effects run calls on (None: no GPUs here)."""
+    def services(self) -> ServiceList | None:
+        """The GPU services the effects run calls on (None: no GPUs here)."""
         return self.effects.services
 
     # ------------------------------------------------------------------ life cycle

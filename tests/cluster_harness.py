@@ -151,7 +151,7 @@ class InProcessCluster:
         self.workdir = Path(workdir)
         self.daemons: list[InProcessDaemon] = []
         self.lines: dict[str, list[str]] = {}
-        self._orphans: list[Any] = []  # backends of killed nodes
+        self._orphans: list[Callable[[], Awaitable[None]]] = []  # ends of killed nodes' work
         self._env = {key: os.environ.get(key) for key in env or {}}
         os.environ.update(env or {})
         self._umask = os.umask(0o077)
@@ -298,7 +298,9 @@ class InProcessCluster:
                 task.cancel()  # SIGKILL: no goodbye, nothing removed
                 await asyncio.wait({task})
                 await agent.abort()
-                self._orphans.append(agent.backend)
+                self._orphans.append(agent.backend.shutdown)
+                if agent.host is not None:  # its service workers, as its backend's commands
+                    self._orphans.append(agent.host.close)
                 daemon.ended(code)
 
             daemon.halt = halt
@@ -328,8 +330,8 @@ class InProcessCluster:
         left, stop the loop; fail (``check``) if a task or a child process is left over."""
         try:
             self.stop_all()
-            for backend in self._orphans:
-                self.call("", backend.shutdown)
+            for end in self._orphans:
+                self.call("", end)
             leftover = self.call("", _leftover_tasks)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)

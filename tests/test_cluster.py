@@ -227,9 +227,9 @@ def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, InProc
         answers["lease.renew"] = c.request(
             "lease.renew", {"lease": lease["lease_id"], "ttl_s": 30.0}
         )  # before lease.release
-        # GPU services run in `tangramd up` only (nodes report no GPUs yet): the coordinator
-        # refuses them with the documented errors, and lists no service
-        with pytest.raises(BadRequest, match="no GPUs"):
+        # GPU services need a node with GPUs (none here): the coordinator refuses them with
+        # the documented errors, and lists no service (tests/test_cluster_services.py)
+        with pytest.raises(BadRequest, match="no node with GPUs"):
             c.request("service.register", {"name": "s", "runtime": "torch", "mem_gb": 1,
                                            "entry": "m:f"})  # fmt: skip
         with pytest.raises(NotFound, match="not registered"):

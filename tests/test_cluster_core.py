@@ -84,6 +84,7 @@ def test_rejoin_of_a_known_node_keeps_its_pool() -> None:
         "closing": [],
         "running": [running.action_id],
         "killing": [],
+        "calls": [],
     }
     # a cancel is killing it: a rejoin sends the kill again (it may have been lost)
     kill = [c for c in core.handle(ev.CancelAction(action_id=running.action_id), 2.0)]

@@ -14,7 +14,9 @@ Contract:
   and a restore copies the shards in parallel: ``mem_bytes / (h2d_bytes_per_s * d)`` s.
 - ``GpuCluster`` is the scheduler's single ``gpu`` pool over all GPU nodes. Chunks never span
   nodes, so the nodes' free chunk counts add up into one ``ChunkOperator``. Unit ids are
-  global: ``node_index * GPU_STRIDE + local_gpu``; ``locate`` maps them back.
+  global: ``slot * GPU_STRIDE + local_gpu``; ``locate`` maps them back. A node's slot is
+  fixed when it first joins and kept for its name: nodes join (``add_node``) and leave
+  (``remove_node``, a cluster node lost) without changing any other node's ids.
 - Chunk choice for a service (``buddy.choose_chunk``): a free aligned chunk where the variant
   is already resident wins (no restore; this is what ``extra_cost`` assumes); otherwise the
   smallest free chunk that holds the request, preferring more resident GPUs of the variant,
@@ -45,7 +47,7 @@ from tangram.pools.buddy import (
 )
 from tangram.sched.operators import CHUNK_SIZES, ChunkOperator, chunk_level
 
-GPU_STRIDE = CHUNK_SIZES[-1]  # global GPU id = node index * GPU_STRIDE + local GPU
+GPU_STRIDE = CHUNK_SIZES[-1]  # global GPU id = node slot * GPU_STRIDE + local GPU
 ALLOWED_GPU_COUNTS: tuple[int, ...] = CHUNK_SIZES
 
 ServiceKey = tuple[str, int]  # (service name, DoP): each DoP variant is its own service
@@ -414,9 +416,10 @@ class GpuCluster:
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate GPU node ids in {ids}")
         self._nodes: tuple[GpuNodePool, ...] = tuple(nodes)
-        self._index = {node.node_id: i for i, node in enumerate(self._nodes)}
+        self._index = {node.node_id: i for i, node in enumerate(self._nodes)}  # id -> slot
+        self._by_slot: dict[int, GpuNodePool] = dict(enumerate(self._nodes))
         self._services: dict[str, ServiceSpec] = {}
-        self._where: dict[ActionId, int] = {}  # action -> node index
+        self._where: dict[ActionId, int] = {}  # action -> node slot
         for name, spec in services.items():
             if name != spec.name:
                 raise ValueError(f"service registered as {name!r} is named {spec.name!r}")
@@ -429,7 +432,31 @@ class GpuCluster:
         return self._nodes
 
     def node(self, node_id: str) -> GpuNodePool:
-        return self._nodes[self._index[node_id]]
+        return self._by_slot[self._index[node_id]]
+
+    def add_node(self, node: GpuNodePool) -> None:
+        """A node joins (cluster mode): its GPUs take the slot its name had before, else the
+        next free one; every registered service gets its host backup there."""
+        if node.node_id in self._index and self._index[node.node_id] in self._by_slot:
+            raise ValueError(f"GPU node {node.node_id!r} is already in the pool")
+        slot = self._index.get(node.node_id, max(self._index.values(), default=-1) + 1)
+        for spec in self._services.values():
+            node.register_service(spec)
+        self._index[node.node_id] = slot
+        self._by_slot[slot] = node
+        self._nodes = tuple(self._by_slot[s] for s in sorted(self._by_slot))
+
+    def remove_node(self, node_id: str) -> None:
+        """A node leaves with its residency; ``ValueError`` while an action holds its GPUs
+        (release them first). Its slot stays reserved for its name."""
+        slot = self._index.get(node_id)
+        node = None if slot is None else self._by_slot.get(slot)
+        if slot is None or node is None:
+            raise KeyError(f"no GPU node {node_id!r}")
+        if node.actions():
+            raise ValueError(f"GPU node {node_id!r}: actions {list(node.actions())} hold GPUs")
+        del self._by_slot[slot]
+        self._nodes = tuple(self._by_slot[s] for s in sorted(self._by_slot))
 
     @property
     def services(self) -> Mapping[str, ServiceSpec]:
@@ -438,9 +465,10 @@ class GpuCluster:
     def locate(self, global_id: int) -> tuple[str, int]:
         """``(node_id, local_gpu)`` of a global GPU id."""
         index, local = divmod(global_id, GPU_STRIDE)
-        if not (0 <= index < len(self._nodes) and local < self._nodes[index].n_gpus):
+        node = self._by_slot.get(index)
+        if node is None or not 0 <= local < node.n_gpus:
             raise ValueError(f"no GPU with global id {global_id}")
-        return self._nodes[index].node_id, local
+        return node.node_id, local
 
     def global_ids(self, node_id: str, local: Sequence[int]) -> tuple[int, ...]:
         base = self._index[node_id] * GPU_STRIDE
@@ -460,8 +488,8 @@ class GpuCluster:
         """Forget the service everywhere; evictions carry global GPU ids."""
         self._services.pop(name, None)
         evicted: list[Eviction] = []
-        for index, node in enumerate(self._nodes):
-            base = index * GPU_STRIDE
+        for node in self._nodes:
+            base = self._index[node.node_id] * GPU_STRIDE
             for ev in node.unregister_service(name):
                 evicted.append(ev._replace(gpu=base + ev.gpu))
         return tuple(evicted)
@@ -600,7 +628,7 @@ class GpuCluster:
                 return None
             index, start = chosen
             copies[index].split(start, size)
-            base = index * GPU_STRIDE
+            base = self._index[self._nodes[index].node_id] * GPU_STRIDE
             picked[i] = tuple(base + gpu for gpu in range(start, start + size))
         return picked
 
@@ -615,7 +643,7 @@ class GpuCluster:
         if len(node_ids) != 1:
             raise ValueError(f"gpu: {units} span nodes {sorted(node_ids)}")
         index = self._index[located[0][0]]
-        self._nodes[index].allocate_gpus(action_id, [local for _, local in located])
+        self._by_slot[index].allocate_gpus(action_id, [local for _, local in located])
         self._where[action_id] = index
 
     def release(self, action_id: ActionId) -> tuple[int, ...]:
@@ -624,7 +652,7 @@ class GpuCluster:
         except KeyError:
             raise KeyError(f"gpu: action {action_id} holds no GPUs") from None
         base = index * GPU_STRIDE
-        return tuple(base + gpu for gpu in self._nodes[index].release(action_id))
+        return tuple(base + gpu for gpu in self._by_slot[index].release(action_id))
 
     # ------------------------------------------------------------------ residency
 
@@ -633,11 +661,11 @@ class GpuCluster:
         if index is None:
             return ()
         base = index * GPU_STRIDE
-        return tuple(base + gpu for gpu in self._nodes[index].held(action_id))
+        return tuple(base + gpu for gpu in self._by_slot[index].held(action_id))
 
     def node_of_action(self, action_id: ActionId) -> str | None:
         index = self._where.get(action_id)
-        return None if index is None else self._nodes[index].node_id
+        return None if index is None else self._by_slot[index].node_id
 
     def restore_for(self, action_id: ActionId, service: str, tick: int) -> RestorePlan:
         """Make ``service`` (variant = the chunk size) resident on the action's GPUs.
@@ -650,7 +678,7 @@ class GpuCluster:
         spec = self._services.get(service)
         if spec is None:
             raise KeyError(f"service {service!r} is not registered")
-        node = self._nodes[index]
+        node = self._by_slot[index]
         plan = node.restore(spec, node.held(action_id), tick)
         base = index * GPU_STRIDE
         evicted = tuple(ev._replace(gpu=base + ev.gpu) for ev in plan.evicted)
@@ -668,8 +696,8 @@ class GpuCluster:
         for node in self._nodes:
             node.validate()
         for action_id, index in self._where.items():
-            assert self._nodes[index].held(action_id), f"action {action_id} lost its GPUs"
-        for index, node in enumerate(self._nodes):
+            assert self._by_slot[index].held(action_id), f"action {action_id} lost its GPUs"
+        for index, node in self._by_slot.items():
             for action_id in node.actions():
                 assert self._where.get(action_id) == index, f"action {action_id} misplaced"
 

@@ -110,6 +110,8 @@ _RUN_AS = Arg("run_as", UID_GID, doc="[uid, gid] to run as (default: the environ
 _ENV_ID = Arg("env_id", ID, True, "the environment")
 _SESSION_ID = Arg("session_id", ID, True, "the session")
 _ACTION_ID = Arg("action_id", ID, True, "the exec action")
+_SERVICE = Arg("name", ID, True, "the service")
+_GPUS = Arg("gpus", ListOf(Int(min=0), min_len=1), True, "the node's local GPU ids (one chunk)")
 
 # --------------------------------------------------------------------------- the table
 
@@ -153,7 +155,7 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
                 ),
                 Arg("backend", Str(), True, "its backend (process, docker)"),
                 Arg("envs", IDS, True, "the environments it holds"),
-                Arg("running", IDS, True, "the exec actions it still runs"),
+                Arg("running", IDS, True, "the exec actions and service calls it still runs"),
                 Arg("outbox", IDS, True, "keys of the outcomes it holds, not yet acknowledged"),
                 Arg("credential", Str(), doc="the credential a welcome gave it earlier"),
                 Arg("token", Str(), doc="the join token (its first join)"),
@@ -204,6 +206,19 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
                 ),
                 Arg("keep", IDS, True, "environments the node still owns; it removes the rest"),
                 Arg("cancel", IDS, True, "actions the coordinator has ended; it kills them"),
+                Arg(
+                    "services",
+                    ListOf(MAP),
+                    doc="the GPU services registered (`ServiceSpec.to_json`), sent to a node"
+                    " with GPUs: it loads each (replacing one it holds under another spec)"
+                    " and removes any other",
+                ),
+                Arg(
+                    "services_reset",
+                    Bool(),
+                    doc="the coordinator had lost this node and forgot its GPUs' residency:"
+                    " the node evicts every replica it still holds",
+                ),
             ),
             join=True,
         ),
@@ -378,6 +393,59 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             (_SESSION_ID,),
         ),
         LinkMessage(
+            "load_service",
+            "coordinator",
+            "register a GPU service on the node (torch: its fork server runs the factory and"
+            " makes the host backup); the node answers `service_loaded`. A node with GPUs"
+            " gets each registration, and those made while it was away with its `welcome`",
+            (Arg("spec", MAP, True, "the registration (`ServiceSpec.to_json`)"),),
+        ),
+        LinkMessage(
+            "unload_service",
+            "coordinator",
+            "remove a GPU service from the node: its replicas stop, calls in them end"
+            " `rejected` (the node answers `service_unloaded`)",
+            (_SERVICE,),
+        ),
+        LinkMessage(
+            "run_call",
+            "coordinator",
+            "carry out the gpu pool's restore plan on the node's GPUs (the evictions, then"
+            " the restore, which the pool timed with the node's restore bandwidth) and run"
+            " the call there, its riders in the same forward pass; the node answers one"
+            " `call_done` per call, the riders' first",
+            (
+                Arg("action_id", ID, True, "the call that holds the GPUs"),
+                _SERVICE,
+                _GPUS,
+                Arg(
+                    "evicted",
+                    ListOf(ListOf(AnyType())),
+                    True,
+                    "`[gpu, service, dop]`: the replicas to drop first (local GPU ids)",
+                ),
+                Arg("payload", MAP, True, "the call's payload"),
+                Arg(
+                    "timeout_s",
+                    Number(min=0, exclusive=True, unit="seconds"),
+                    True,
+                    "limit of the handler's run",
+                ),
+                Arg(
+                    "riders",
+                    ListOf(ListOf(AnyType())),
+                    doc="`[action_id, payload]` of the calls batched with it",
+                ),
+            ),
+        ),
+        LinkMessage(
+            "warm_service",
+            "coordinator",
+            "restore a replica with no call (`min_resident`): the pool found the memory free"
+            " there, so nothing is evicted (no answer)",
+            (_SERVICE, _GPUS),
+        ),
+        LinkMessage(
             "env_created",
             "node",
             "outcome of a `create_env`",
@@ -441,6 +509,64 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "node",
             "outcome of a `close_session`",
             (_key("sc", "session_id"), _SESSION_ID),
+        ),
+        LinkMessage(
+            "service_loaded",
+            "node",
+            "outcome of a `load_service`",
+            (
+                _key("sl", "name"),
+                _SERVICE,
+                Arg("info", MAP, doc="its `service list` row on this node (loaded)"),
+                Arg("error", ERROR_TEXT, doc="why it could not be loaded (absent or null: loaded)"),
+                Arg(
+                    "code",
+                    Str(),
+                    doc="with `error`: the registering client's error code (`bad_request`: the"
+                    " spec or its module; `infra_error`: the node)",
+                ),
+            ),
+        ),
+        LinkMessage(
+            "service_unloaded",
+            "node",
+            "outcome of an `unload_service`",
+            (_key("su", "name"), _SERVICE),
+        ),
+        LinkMessage(
+            "call_done",
+            "node",
+            "outcome of one call of a `run_call`, sent as it ends; the coordinator defers its"
+            " `ack` to ride with its next message to that node",
+            (
+                _key("cd", "action_id"),
+                Arg("action_id", ID, True, "the call (the `run_call`'s or a rider's)"),
+                Arg(
+                    "outcome",
+                    Enum(("ok", "failed", "timeout", "rejected", "infra_error")),
+                    True,
+                    "how it ended",
+                ),
+                Arg("result", MAP, doc="the handler's answer (`ok`)"),
+                Arg("error", ERROR_TEXT, doc="why it is not `ok`"),
+                Arg("exec_s", Number(min=0, unit="seconds"), True, "the handler's run"),
+                Arg("restore_s", Number(min=0, unit="seconds"), True, "the evictions and restore"),
+                Arg(
+                    "h2d_bytes_per_s",
+                    Number(min=0, exclusive=True),
+                    doc="the restore's measured bandwidth (real GPUs only): it feeds the"
+                    " pool's restore-time estimate for this node",
+                ),
+                Arg("batch", Int(min=1), True, "calls in its forward pass"),
+            ),
+        ),
+        LinkMessage(
+            "services_state",
+            "node",
+            "the node's GPU services as `service list` shows them, one row per service with"
+            " its replicas here: sent after each change (a load, a call, a warm-up), the"
+            " latest replacing the one before (no `ack`)",
+            (Arg("services", ListOf(MAP), True, "the rows"),),
         ),
         LinkMessage(
             "ack",

@@ -8,10 +8,18 @@ its Unix socket, and a TLS link server for nodes. A command for a node (``Create
 the event the core expects (``EnvCreated``, ``ExecFinished``, ``EnvRemoved``). Client
 requests that nodes forward from their own sockets run through the same op handlers.
 
+GPU services: a node's hello lists its GPUs, which join the core's gpu pool
+(``NodeGpus``, once its welcome is on its way), so the core places calls on them and plans
+evictions and restores as ``tangramd up``'s does (with the node's restore bandwidth); the
+``RunCall`` goes to that node, which runs it on its own service host and answers each call
+(``call_done``). Registrations are replicated to the nodes with GPUs
+(:mod:`tangramd.cluster.services`).
+
 Failure: a node whose link has been silent for ``heartbeat_timeout_s`` is lost
-(``NodeLost``: its actions end ``infra_error`` naming it, its environments are lost, its
-pool leaves). A node that comes back is reconciled: the welcome lists the environments it
-still owns, and what was in flight across a short drop is resent or ended.
+(``NodeLost``: its actions end ``infra_error`` naming it, its calls too, its environments
+are lost, its pools leave, its GPUs' residency with them). A node that comes back is
+reconciled: the welcome lists the environments it still owns (and the services), and
+what was in flight across a short drop is resent or ended.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from tangram.protocol.errors import (
     UnknownOp,
     error_to_wire,
 )
-from tangram.protocol.link import make_message
+from tangram.protocol.link import check_message, make_message
 from tangram.protocol.results import ExecResult
 from tangram.version import __version__
 from tangramd import events as ev
@@ -43,6 +51,7 @@ from tangramd.cluster.config import ClusterConfig
 from tangramd.cluster.link import Link, LinkClosed, split_host_port
 from tangramd.cluster.pki import CoordinatorPki
 from tangramd.cluster.registry import NodeRecord, NodeRegistry, Refused
+from tangramd.cluster.services import ClusterServices
 from tangramd.cluster.store import Store, StoreEnvRecords
 from tangramd.diskfull import is_disk_full
 from tangramd.executor import Executor, OpHandlers
@@ -85,16 +94,22 @@ class CoordinatorExecutor(Executor):
         cluster: ClusterConfig,
         pki: CoordinatorPki | None,
         handlers: OpHandlers,
+        services: ClusterServices | None = None,
         **server_options: Any,
     ) -> None:
+        """``services``: the GPU service registrations (default: none declared, kept in
+        ``state_dir``)."""
         store = Store(state_dir)
-        # the core's commands go to the nodes (each to the node holding its environment)
+        # the core's commands go to the nodes (each to the node holding its environment,
+        # or its GPUs)
         self.remote = RemoteEffects(
             lambda node, msg: self._send(node, msg),
             lambda cmd: self._reply_on_node(cmd),
             lambda cmd: self._put_on_node(cmd),
             request_timeout_s=cluster.node_request_timeout_s,
             overdue=lambda node, why: self._suspect(node, why),
+            services=services or ClusterServices(state_dir),
+            gpu_nodes=lambda: self._gpu_nodes(),
         )
         super().__init__(
             core,
@@ -128,6 +143,7 @@ class CoordinatorExecutor(Executor):
     async def start(self) -> None:
         self.feed(ev.ProfilesLoaded(profiles=self._read_profiles()))
         self._restore()
+        self.feed(ev.ServicesRecovered(specs=await self.remote.recover_services()))
         # The nodes' port first: a local client that reaches the socket can be told it
         # (cluster.join), so it must be bound, and known, by then.
         tls = self.pki.server_context() if self.pki is not None else None
@@ -306,6 +322,14 @@ class CoordinatorExecutor(Executor):
         link = self.registry.link_of(node)
         return link is not None and link.send(msg)
 
+    def _gpu_nodes(self) -> list[str]:
+        """The connected nodes with GPUs (where a registration goes)."""
+        return [
+            rec.name
+            for rec in self.registry.nodes.values()
+            if rec.gpus and self.registry.link_of(rec.name) is not None
+        ]
+
     # ------------------------------------------------------------------ node links
     async def _serve_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         link = Link(reader, writer, max_frame=self.max_frame)
@@ -376,10 +400,15 @@ class CoordinatorExecutor(Executor):
             cancel=[
                 a for a in _str_list(hello, "running") if self.core.read.action_node(a) != name
             ],
+            services=[spec.to_json() for spec in self.remote.service_specs()] if gpus else None,
+            services_reset=True if gpus and was_lost else None,
         )
         link.send(welcome)
         if not was_lost:
             self._resume_inflight(name, hello, work)
+        if gpus:  # (after the welcome: a restore it lets start goes out after it)
+            count, per_gpu, h2d = _gpu_capacity(gpus)
+            self.feed(ev.NodeGpus(node=name, count=count, mem_per_gpu=per_gpu, h2d_bytes_per_s=h2d))
         log.info(
             "node_joined",
             node=name,
@@ -415,6 +444,10 @@ class CoordinatorExecutor(Executor):
             if action_id not in running and f"x:{action_id}" not in pending:
                 detail = f"node {node} lost track of the action while its link was down"
                 self.feed(ev.ExecFinished(action_id, ExecResult("infra_error", detail=detail)))
+        for action_id in work["calls"]:  # a run_call (or its call_done) lost with the link
+            if action_id not in running and f"cd:{action_id}" not in pending:
+                detail = f"node {node} lost track of the call while its link was down"
+                self.feed(ev.CallFinished(action_id, outcome="infra_error", error=detail))
         for kill in work["killing"]:  # a cancel_exec may have been lost with the link
             if kill["action_id"] in running:
                 msg = make_message(
@@ -519,6 +552,45 @@ class CoordinatorExecutor(Executor):
         self.remote.answered(f"sc:{msg['session_id']}")
         self.feed(ev.SessionClosed(session_id=str(msg["session_id"])))
         link.send(make_message("ack", key=str(msg["key"])))
+
+    def _on_service_loaded(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        name, info = str(msg["name"]), msg.get("info")
+        error = None if msg.get("error") is None else str(msg["error"])
+        if error is not None:
+            log.warning("service_load_failed", node=rec.name, service=name, error=error)
+        code = str(msg.get("code") or "infra_error")
+        self.remote.service_loaded(
+            rec.name, name, info if isinstance(info, dict) else {}, error, code
+        )
+        link.send(make_message("ack", key=str(msg["key"])))
+
+    def _on_service_unloaded(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        self.remote.service_unloaded(rec.name, str(msg["name"]))
+        link.send(make_message("ack", key=str(msg["key"])))
+
+    def _on_call_done(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        check_message(msg)  # (its outcome, times and batch go to the core as they are)
+        action_id = str(msg["action_id"])
+        if self.core.read.call_node(action_id) == rec.name:  # not ended already (node lost)
+            result, h2d = msg.get("result"), msg.get("h2d_bytes_per_s")
+            self.feed(
+                ev.CallFinished(
+                    action_id=action_id,
+                    outcome=str(msg["outcome"]),
+                    result=result if isinstance(result, dict) else None,
+                    error=None if msg.get("error") is None else str(msg["error"]),
+                    exec_s=float(msg["exec_s"]),
+                    restore_s=float(msg["restore_s"]),
+                    h2d_bytes_per_s=float(h2d) if isinstance(h2d, int | float) else None,
+                    batch=int(msg["batch"]),
+                )
+            )
+        link.defer(make_message("ack", key=str(msg["key"])))  # see Link.defer
+
+    def _on_services_state(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        rows = msg["services"]
+        if self.remote.services is not None and isinstance(rows, list):
+            self.remote.services.reported(rec.name, rows)
 
     def _remote_inline(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> bool:
         """Answer a forwarded view (status, nodes, ...) at once, and submit an ``exec`` at
@@ -698,6 +770,10 @@ RECEIVES: Final[Mapping[str, Handler]] = MappingProxyType(
         "transfer_done": CoordinatorExecutor._on_transfer_done,
         "session_opened": CoordinatorExecutor._on_session_opened,
         "session_closed": CoordinatorExecutor._on_session_closed,
+        "service_loaded": CoordinatorExecutor._on_service_loaded,
+        "service_unloaded": CoordinatorExecutor._on_service_unloaded,
+        "call_done": CoordinatorExecutor._on_call_done,
+        "services_state": CoordinatorExecutor._on_services_state,
         "bye": CoordinatorExecutor._on_bye,
     }
 )
@@ -752,8 +828,8 @@ MAX_GPUS = 64
 
 def _parse_gpus(value: Any) -> tuple[dict[str, Any], ...]:
     """The GPUs of a hello (``[{local, name, mem_bytes, h2d_bytes_per_s, simulated}]``);
-    Refused when malformed. Capacity for the ``nodes`` view: GPU services are placed on
-    ``tangramd up`` hosts only so far (docs/design.md)."""
+    Refused when malformed. The ``nodes`` view shows them; the gpu pool takes them as
+    :func:`_gpu_capacity` says."""
     if value is None:
         return ()
     if not isinstance(value, list) or len(value) > MAX_GPUS:
@@ -782,6 +858,17 @@ def _parse_gpus(value: Any) -> tuple[dict[str, Any], ...]:
             }
         )
     return tuple(gpus)
+
+
+def _gpu_capacity(gpus: tuple[dict[str, Any], ...]) -> tuple[int, int, float]:
+    """What the gpu pool takes of a node's GPUs: their count, and the smallest memory and
+    restore bandwidth among them (the pool's GPUs are uniform; ``NodeGpus`` uses the
+    largest count the buddy chunks take)."""
+    return (
+        len(gpus),
+        min(int(g["mem_bytes"]) for g in gpus),
+        min(float(g["h2d_bytes_per_s"]) for g in gpus),
+    )
 
 
 def _fetch_from(rec: NodeRecord, msg: dict[str, Any]) -> dict[str, Any] | None:

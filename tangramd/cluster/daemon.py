@@ -21,6 +21,7 @@ import structlog
 
 from tangram.model import TangramError
 from tangram.pools.cpu import CpuCluster
+from tangram.pools.gpu import GpuCluster
 from tangramd import ops
 from tangramd.cluster import config as cluster_config
 from tangramd.cluster.link import is_loopback, split_host_port
@@ -72,8 +73,8 @@ def _run(config: Any, serve: Any) -> None:
         log.warning(
             "config_services_not_registered",
             services=[service.name for service in config.services],
-            detail="[[service]] entries are registered at start by `tangramd up` only: the "
-            "coordinator and its nodes place no GPU services yet",
+            detail="[[service]] entries are registered at start by `tangramd up` only (not yet "
+            "by a coordinator: `tangramctl service register` there)",
         )
     os.umask(0o077)
     try:
@@ -106,7 +107,8 @@ def build_coordinator(
     config: Any, cluster: ClusterConfig, listen: tuple[str, int], *, insecure: bool
 ) -> CoordinatorExecutor:
     """The coordinator as ``tangramd coordinator`` composes it, not started (the
-    in-process test cluster builds it here too): its PKI unless ``insecure``, its core."""
+    in-process test cluster builds it here too): its PKI unless ``insecure``, its core
+    (its cpu and gpu pools empty until nodes join)."""
     from tangramd.cluster.coordinator import CoordinatorExecutor
     from tangramd.cluster.pki import ensure_pki
     from tangramd.runtime import api_pools, core_config, server_options
@@ -114,9 +116,10 @@ def build_coordinator(
 
     pki = None if insecure else ensure_pki(config.daemon.state_dir, [listen[0]])
     # the environments' records go to the coordinator's SQLite store (StoreEnvRecords)
-    core = Core(
-        CpuCluster([]), api_pools(config), dataclasses.replace(core_config(config), forks=False)
+    cfg = dataclasses.replace(
+        core_config(config), forks=False, call_timeout_s=config.gpu.call_timeout_s
     )
+    core = Core(CpuCluster([]), api_pools(config), cfg, gpu=GpuCluster([], {}))
     return CoordinatorExecutor(
         core,
         socket_path=config.daemon.socket,
@@ -197,12 +200,24 @@ def build_node(
     capacity: tuple[tuple[tuple[int, ...], ...], int],
 ) -> NodeAgent:
     """The node as ``tangramd node`` composes it, not started (the in-process test cluster
-    builds it here too): its backend and GPU inventory from ``config``."""
+    builds it here too): its backend, GPU inventory and service host from ``config``."""
     from tangramd.cluster.node import NodeAgent
     from tangramd.cluster.pki import normalise_pin
     from tangramd.runtime import gpu_inventory, make_backend, server_options
+    from tangramd.services import ServiceHost
 
     layout, mem = capacity
+    inventory = gpu_inventory(config.gpu)
+    host = None
+    if len(inventory):  # its replicas' logs under the state dir; registrations not kept
+        host = ServiceHost(
+            inventory,
+            config.daemon.state_dir,
+            load_timeout_s=config.gpu.load_timeout_s,
+            http_load_timeout_s=config.gpu.http_load_timeout_s,
+            restore_timeout_s=config.gpu.restore_timeout_s,
+            node=name,
+        )
     return NodeAgent(
         name=name,
         coordinator=coordinator,
@@ -214,7 +229,8 @@ def build_node(
         state_dir=config.daemon.state_dir,
         cores_by_numa=layout,
         mem_bytes=mem,
-        gpus=gpu_inventory(config.gpu).gpus,
+        gpus=inventory.gpus,
+        services=host,
         **server_options(config),
     )
 

@@ -10,6 +10,11 @@ The node has no core: the coordinator decides. It
 - carries out ``create_env`` / ``remove_env`` / ``run_exec`` on its local backend and
   reports each outcome until the coordinator acknowledges it (an outcome that finishes
   while the link is down is sent when it is back);
+- with GPUs, runs the coordinator's GPU services on its own ``ServiceHost``: it loads the
+  registrations the coordinator sends (``load_service``, and all of them with its
+  ``welcome``), carries out the gpu pool's plans (``run_call``: evict, restore, call;
+  ``warm_service``) and reports each call (``call_done``) and its services' rows
+  (``services_state``, what ``service list`` shows of this node);
 - serves the client protocol on its Unix socket by forwarding every request to the
   coordinator, so ``Client``, ``AsyncClient`` and ``tangramctl`` work unchanged;
 - reconnects with backoff when the link drops, and when the coordinator has been silent
@@ -31,6 +36,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import functools
 import itertools
 import json
 import random
@@ -44,6 +50,7 @@ from typing import Any, Final, NamedTuple
 
 import structlog
 
+from tangram.pools.gpu import Eviction
 from tangram.protocol.codec import FrameError, encode
 from tangram.protocol.errors import BadRequest, InfraError, error_from_wire
 from tangram.protocol.link import (
@@ -79,7 +86,9 @@ from tangramd.lifecycle import loop_name
 from tangramd.logs import log_soon
 from tangramd.records import RecordJournal, write_json
 from tangramd.run.local import LocalEffects, owner_of
+from tangramd.services import ServiceHost, ServiceLoadError, ServiceNotFound
 from tangramd.services.inventory import Gpu
+from tangramd.services.spec import ServiceSpec
 from tangramd.transport import ConnInfo, Later, UnixServer
 
 log = structlog.get_logger("tangramd")
@@ -116,10 +125,12 @@ class NodeAgent:
         cores_by_numa: tuple[tuple[int, ...], ...],
         mem_bytes: int,
         gpus: tuple[Gpu, ...] = (),
+        services: ServiceHost | None = None,
         clock: Callable[[], float] = time.monotonic,
         **server_options: Any,
     ) -> None:
-        """``server_options`` go to the local ``UnixServer`` (limits, peer allowlist)."""
+        """``server_options`` go to the local ``UnixServer`` (limits, peer allowlist);
+        ``services``: the host of the GPU services on ``gpus`` (None: no GPUs)."""
         self.name = name
         self.coordinator = coordinator
         self.token = token
@@ -176,9 +187,16 @@ class NodeAgent:
         self._sessions: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
+        # GPU services: the last load or removal of each (a call waits for it), the calls
+        # handed to the effects and not ended (leaders and riders), and the rows last told
+        self.host = services
+        self._service_ops: dict[str, asyncio.Task[None]] = {}
+        self._calls: set[str] = set()
+        self._told: list[dict[str, Any]] | None = None
+        self._tell_soon: asyncio.Handle | None = None
         # what the coordinator asks is carried out as tangramd up does it (LocalEffects);
         # each outcome becomes a link message (_outcome)
-        self.effects = LocalEffects(backend)
+        self.effects = LocalEffects(backend, services, max_frame=self.max_frame)
         self.effects.bind(self._outcome, self._spawn)
 
     @property
@@ -331,7 +349,7 @@ class NodeAgent:
             ],
             backend=self.backend.name,
             envs=sorted(self._envs),
-            running=sorted(self._running),
+            running=sorted(self._running) + sorted(self._calls),
             outbox=list(self._outbox),
             credential=self._stored_credential(),
             token=self.token or None,
@@ -358,6 +376,9 @@ class NodeAgent:
         for env_id in sorted(self._envs - keep):
             log.info("env_not_owned_removed", node=self.name, env=env_id)
             self._remove_env(env_id)
+        if isinstance(answer.get("services"), list):
+            self._sync_services(answer["services"], reset=answer.get("services_reset") is True)
+        self._told = None  # (the coordinator hears this node's rows afresh)
         log.info("node_joined", node=self.name, coordinator=self.addr, keep=len(keep))
 
     async def _serve(self, link: Link) -> None:
@@ -382,6 +403,7 @@ class NodeAgent:
                 link.abort()
                 return
             link.send(make_message("hb"))
+            self._tell_services()  # (what changed with no message: a warm-up, a crash)
             await asyncio.sleep(self.heartbeat_s)
 
     def _patience(self) -> float:
@@ -591,7 +613,9 @@ class NodeAgent:
             sid = event.session_id
             self._sessions.pop(sid, None)
             self._report(make_message("session_closed", key=f"sc:{sid}", session_id=sid))
-        else:  # pragma: no cover - a node runs no GPU services
+        elif isinstance(event, ev.CallFinished):
+            self._call_done(event)
+        else:  # pragma: no cover - loads and removals are the node's own (_load, _unload)
             log.warning("node_outcome_unexpected", node=self.name, event=type(event).__name__)
 
     async def _cancel(self, action_id: str) -> None:
@@ -831,6 +855,209 @@ class NodeAgent:
         else:
             owed.set_result(final.to_wire())
         return True
+
+    # ------------------------------------------------------------------ GPU services
+    # The registrations are the coordinator's: this node loads what it is sent (with
+    # ``persist=False``: nothing of them is kept here, the welcome brings them back). The
+    # loads and removals of one service run in turn, and a call or warm-up of a service
+    # waits for the one under way (a node that just joined gets its calls right after the
+    # welcome whose loads it is still making).
+
+    def _on_load_service(self, msg: dict[str, Any]) -> None:
+        raw = msg["spec"]
+        try:
+            spec = ServiceSpec.from_json(raw)
+        except (ValueError, TypeError) as exc:  # (SpecError is a ValueError)
+            name = raw.get("name") if isinstance(raw, dict) else None
+            if not isinstance(name, str) or not name:
+                raise
+            error = f"service {name!r}: {exc}"
+            self._report(make_message("service_loaded", key=f"sl:{name}", name=name, error=error))
+            return
+        self._in_turn(spec.name, lambda: self._load(spec, answer=True))
+
+    def _on_unload_service(self, msg: dict[str, Any]) -> None:
+        name = str(msg["name"])
+        self._in_turn(name, lambda: self._unload(name, answer=True))
+
+    def _sync_services(self, raw: list[Any], *, reset: bool) -> None:
+        """The welcome's services: load each (one held under another spec is removed
+        first), remove the others; ``reset``: the coordinator forgot this node's
+        residency, so every replica still resident is evicted."""
+        if self.host is None:
+            return
+        specs: dict[str, ServiceSpec] = {}
+        for item in raw:
+            try:
+                spec = ServiceSpec.from_json(item)
+            except (ValueError, TypeError) as exc:
+                log.warning("service_spec_bad", node=self.name, error=str(exc)[:300])
+                continue
+            specs[spec.name] = spec
+        for known in self.host.specs():
+            if known.name not in specs:
+                self._in_turn(known.name, functools.partial(self._unload, known.name))
+        for spec in specs.values():
+            self._in_turn(spec.name, functools.partial(self._load, spec, reset=reset))
+
+    def _in_turn(self, name: str, step: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``step()`` once the load or removal of ``name`` under way has ended."""
+        before = self._service_ops.get(name)
+
+        async def after() -> None:
+            if before is not None and not before.done():
+                await asyncio.wait({before})
+            await step()
+
+        task = asyncio.get_running_loop().create_task(after())
+        self._service_ops[name] = task
+        self._tasks.add(task)
+
+        def done(_: asyncio.Task[None]) -> None:
+            self._tasks.discard(task)
+            if self._service_ops.get(name) is task:
+                del self._service_ops[name]
+
+        task.add_done_callback(done)
+
+    def _when_ready(self, name: str, go: Callable[[], None]) -> None:
+        """``go()`` now, or once the load or removal of ``name`` under way has ended."""
+        pending = self._service_ops.get(name)
+        if pending is None:
+            go()
+        else:
+            pending.add_done_callback(lambda _: go())
+
+    async def _load(self, spec: ServiceSpec, *, answer: bool = False, reset: bool = False) -> None:
+        """Register ``spec`` on the host; one that fails to load stays registered here
+        (``failed``, retried by its next call, as after a restart of ``tangramd up``);
+        ``answer``: say how it went (``service_loaded``)."""
+        host = self.host
+        assert host is not None, "load_service goes to nodes with GPUs"
+        error, code, info = None, "bad_request", None
+        try:
+            known = next((s for s in host.specs() if s.name == spec.name), None)
+            if known is not None and known != spec:  # registered afresh while away
+                await host.remove(spec.name)
+            elif known is not None and reset:
+                await self._evict_all(host, spec.name)
+            info = await host.register(spec, persist=False)
+        except (ServiceLoadError, ValueError) as exc:
+            error = str(exc)
+        except Exception as exc:  # the host failed, not the service
+            error, code = f"service {spec.name!r}: {type(exc).__name__}: {exc}", "infra_error"
+            log.exception("service_register_failed", node=self.name, service=spec.name)
+        if error is None:
+            log.info("service_registered", node=self.name, service=spec.name)
+        else:
+            log.warning("service_load_failed", node=self.name, service=spec.name, error=error)
+        if answer:
+            key = f"sl:{spec.name}"
+            msg = make_message(
+                "service_loaded",
+                key=key,
+                name=spec.name,
+                info=info,
+                error=error,
+                code=code if error is not None else None,
+            )
+            self._report(msg)
+        self._tell_services(soon=True)
+
+    @staticmethod
+    async def _evict_all(host: ServiceHost, name: str) -> None:
+        for row in host.list():
+            if row["name"] != name:
+                continue
+            for replica in row["replicas"]:
+                if replica["state"] == "resident" and replica["gpus"]:
+                    await host.evict(name, replica["gpus"])
+
+    async def _unload(self, name: str, *, answer: bool = False) -> None:
+        """Remove ``name`` from the host (its calls end ``rejected``); ``answer``: say so
+        (``service_unloaded``)."""
+        assert self.host is not None, "unload_service goes to nodes with GPUs"
+        try:
+            await self.host.remove(name)
+        except ServiceNotFound:
+            pass
+        except Exception:
+            log.exception("service_remove_failed", node=self.name, service=name)
+        log.info("service_removed", node=self.name, service=name)
+        if answer:
+            self._report(make_message("service_unloaded", key=f"su:{name}", name=name))
+        self._tell_services(soon=True)
+
+    def _on_run_call(self, msg: dict[str, Any]) -> None:
+        """A placed call (and its riders): run once its service is loaded here."""
+        action_id = str(msg["action_id"])
+        try:
+            riders = tuple((str(aid), dict(payload)) for aid, payload in msg.get("riders") or ())
+            cmd = ev.RunCall(
+                action_id=action_id,
+                service=str(msg["name"]),
+                node=self.name,
+                gpus=tuple(int(g) for g in msg["gpus"]),
+                evicted=tuple(Eviction(int(g), str(s), int(d)) for g, s, d in msg["evicted"]),
+                payload=dict(msg["payload"]),
+                timeout_s=float(msg["timeout_s"]),
+                riders=riders,
+            )
+        except (KeyError, TypeError, ValueError) as exc:  # no call hangs on a bad message
+            why = f"malformed run_call: {str(exc)[:200]}"
+            self._call_done(ev.CallFinished(action_id, outcome="infra_error", error=why))
+            raise
+        self._calls.update([action_id, *(aid for aid, _ in riders)])
+        self._when_ready(cmd.service, lambda: self._run_call(cmd))
+
+    def _run_call(self, cmd: ev.RunCall) -> None:
+        if self.host is None or cmd.service not in {s.name for s in self.host.specs()}:
+            why = f"service {cmd.service!r} is not loaded on node {self.name}"
+            batch = 1 + len(cmd.riders)
+            for aid in [*(aid for aid, _ in cmd.riders), cmd.action_id]:
+                self._call_done(ev.CallFinished(aid, outcome="infra_error", error=why, batch=batch))
+            return
+        self.effects.run_call(cmd)
+        self._tell_services(soon=True)
+
+    def _on_warm_service(self, msg: dict[str, Any]) -> None:
+        cmd = ev.WarmService(
+            service=str(msg["name"]), node=self.name, gpus=tuple(int(g) for g in msg["gpus"])
+        )
+        self._when_ready(cmd.service, lambda: self.effects.warm_service(cmd))
+
+    def _call_done(self, done: ev.CallFinished) -> None:
+        self._calls.discard(done.action_id)
+        self._report(
+            make_message(
+                "call_done",
+                key=f"cd:{done.action_id}",
+                action_id=done.action_id,
+                outcome=done.outcome,
+                result=None if done.result is None else dict(done.result),
+                error=done.error,
+                exec_s=done.exec_s,
+                restore_s=done.restore_s,
+                h2d_bytes_per_s=done.h2d_bytes_per_s,
+                batch=done.batch,
+            )
+        )
+        self._tell_services(soon=True)
+
+    def _tell_services(self, *, soon: bool = False) -> None:
+        """Send the services' rows if they changed since last told: at the end of this
+        loop turn (``soon``: after the outcomes of the turn), or now."""
+        if self.host is None:
+            return
+        if soon:
+            if self._tell_soon is None:
+                self._tell_soon = asyncio.get_running_loop().call_soon(self._tell_services)
+            return
+        self._tell_soon = None
+        rows = self.host.list()
+        if rows != self._told and self.link is not None:
+            self.link.send(make_message("services_state", services=rows))
+            self._told = rows
 
     # ------------------------------------------------------------------ client requests
     def _forward_later(self, op: str, args: dict[str, Any], conn: ConnInfo) -> Later:
@@ -1108,6 +1335,10 @@ RECEIVES: Final[Mapping[str, Callable[[NodeAgent, dict[str, Any]], None]]] = Map
         "interrupt_session": NodeAgent._on_interrupt_session,
         "cancel_exec": NodeAgent._on_cancel_exec,
         "close_session": NodeAgent._on_close_session,
+        "load_service": NodeAgent._on_load_service,
+        "unload_service": NodeAgent._on_unload_service,
+        "run_call": NodeAgent._on_run_call,
+        "warm_service": NodeAgent._on_warm_service,
     }
 )
 

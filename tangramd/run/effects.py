@@ -10,22 +10,31 @@ A method never raises for the work's own failure: that is the reported event's e
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from tangramd import events as ev
 
-if TYPE_CHECKING:
-    from tangramd.services import ServiceHost
-
 Report = Callable[[ev.Event], None]
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
+
+
+class ServiceList(Protocol):
+    """What ``service list`` reads: this host's ``ServiceHost``, or a coordinator's
+    ``ClusterServices`` (its nodes' rows merged)."""
+
+    def list(self) -> list[dict[str, Any]]: ...
 
 
 class Effects(Protocol):
     """Carries out the core's commands on environments, execs, files, shells and services."""
 
     name: str  # what ``status`` shows as the backend
-    services: ServiceHost | None  # the GPU service host the effects run calls on, if any
+
+    @property
+    def services(self) -> ServiceList | None:
+        """The GPU services the effects run calls on, if any."""
+        ...
+
     # True: execs run here and each one's end is reported by these effects (the executor
     # logs it); False: they run on another host, which logs them (a coordinator's nodes)
     runs_execs_here: bool

@@ -6,8 +6,11 @@ back, which the coordinator's link handlers feed to the core. What is reported h
 only what never reached a node: a node that is not connected fails the command at once
 (on the next turn of the loop, never inside the ``feed`` that issued it).
 
-A coordinator has no GPUs of its own: its core refuses services, so the service commands
-never come; should one come, it fails as an ``infra_error``.
+The GPU commands go the same way to the node that holds the GPUs (``run_call``,
+``warm_service``); a registration goes to every connected node with GPUs (``load_service``)
+and is answered once all of them have loaded it, a removal likewise (``unload_service``).
+The coordinator's service list is :class:`~tangramd.cluster.services.ClusterServices`
+(``services``): the registrations and what the nodes report.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from tangramd import events as ev
 from tangramd.run.effects import Report, Spawn
 
 if TYPE_CHECKING:
-    from tangramd.services import ServiceHost
+    from tangramd.cluster.services import ClusterServices
+    from tangramd.services.spec import ServiceSpec
 
 Send = Callable[[str, dict[str, Any]], bool]  # (node, message) -> sent
 
@@ -69,7 +73,19 @@ class _Owed:
         self.started = False
 
 
-NO_GPUS = "this coordinator places no GPU services (cluster GPU scheduling is not built yet)"
+NO_GPUS = "no node with GPUs is connected to this coordinator"
+
+
+class _Asked:
+    """A registration or removal sent to the nodes with GPUs: who has not answered yet,
+    and what those who did said (``(node, info, error, code)``)."""
+
+    __slots__ = ("answers", "spec", "waiting")
+
+    def __init__(self, spec: ServiceSpec | None, waiting: set[str]) -> None:
+        self.spec = spec
+        self.waiting = waiting
+        self.answers: list[tuple[str, dict[str, Any], str | None, str]] = []
 
 
 def _unbound(event: ev.Event) -> None:  # pragma: no cover - bind() comes first
@@ -80,7 +96,6 @@ class RemoteEffects:
     """The :class:`~tangramd.run.effects.Effects` of a coordinator (see the module doc)."""
 
     name = "cluster"
-    services: ServiceHost | None = None  # no GPUs of its own (see the module doc)
     runs_execs_here = False  # the nodes run them and log their ends
 
     def __init__(
@@ -91,6 +106,8 @@ class RemoteEffects:
         *,
         request_timeout_s: float = 60.0,
         overdue: Callable[[str, str], None] = lambda node, why: None,
+        services: ClusterServices | None = None,
+        gpu_nodes: Callable[[], list[str]] = list,
     ) -> None:
         """Every command that a node answers has a deadline: a ``create_env``,
         ``transfer``, ``open_session``, ``close_session`` or ``remove_env`` its node has not
@@ -113,6 +130,10 @@ class RemoteEffects:
         self._report: Report = _unbound
         self._transfers: dict[str, ev.RunTransfer] = {}  # sent to a node, not answered yet
         self._transfer_ids = itertools.count(1)
+        self.services = services  # registrations and the nodes' rows (``service list``)
+        self._gpu_nodes = gpu_nodes  # the connected nodes with GPUs
+        self._loading: dict[str, _Asked] = {}  # registrations the nodes are loading
+        self._unloading: dict[str, _Asked] = {}  # removals under way
 
     def bind(self, report: Report, spawn: Spawn) -> None:
         self._report = report
@@ -131,7 +152,16 @@ class RemoteEffects:
         return tuple(records)  # the nodes reconcile theirs when they rejoin
 
     async def recover_services(self) -> tuple[Any, ...]:
-        return ()
+        """The registrations an earlier run kept, and the config's ``[[service]]``: the
+        nodes load them as they join (their ``welcome``)."""
+        return () if self.services is None else self.services.recover()
+
+    def service_specs(self) -> list[ServiceSpec]:
+        """What a node with GPUs that joins now loads: the registrations, and those being
+        made (should one fail, its removal reaches that node too)."""
+        kept = [] if self.services is None else self.services.specs()
+        loading = [asked.spec for asked in self._loading.values() if asked.spec is not None]
+        return kept + [spec for spec in loading if spec not in kept]
 
     async def shutdown(self, keep: list[str]) -> None:
         """Nothing to end here: environments and running work stay on their nodes."""
@@ -316,11 +346,20 @@ class RemoteEffects:
                 owed.deadline = now + owed.run_s
 
     def node_gone(self, node: str) -> None:
-        """A node is lost: what it owed is ended with it (``NodeLost``), not at a deadline."""
+        """A node is lost: what it owed is ended with it (``NodeLost``), not at a deadline;
+        a registration or removal no longer waits for it."""
         for key in [k for k, owed in self._owed.items() if owed.node == node]:
             del self._owed[key]
         for session_id in [s for s, n in self._late_sessions.items() if n == node]:
             del self._late_sessions[session_id]  # (it dropped them, if it opened them)
+        if self.services is not None:
+            self.services.node_gone(node)
+        for name, asked in list(self._loading.items()):
+            if node in asked.waiting:
+                self.service_loaded(node, name, {}, f"node {node} was lost", "infra_error")
+        for name, asked in list(self._unloading.items()):
+            if node in asked.waiting:
+                self.service_unloaded(node, name)
 
     def late_session(self, session_id: str) -> bool:
         """True once for a session whose ``session_opened`` came after its deadline (it
@@ -361,14 +400,94 @@ class RemoteEffects:
             self._report(ev.EnvRemoved(env_id=name))
         self._overdue(node, why)
 
+    # ------------------------------------------------------------------ GPU services
     def load_service(self, cmd: ev.LoadService) -> None:
-        self._fail(ev.ServiceLoaded(spec=cmd.spec, error=NO_GPUS, code="infra_error"))
+        """To every connected node with GPUs; answered once all of them have (an error on
+        one fails the registration, and the others drop it again)."""
+        spec = cmd.spec
+        msg = make_message("load_service", spec=spec.to_json())
+        nodes = {node for node in self._gpu_nodes() if self._send(node, msg)}
+        if not nodes:
+            self._fail(ev.ServiceLoaded(spec=spec, error=NO_GPUS, code="infra_error"))
+            return
+        self._loading[spec.name] = _Asked(spec, nodes)
+
+    def service_loaded(
+        self, node: str, name: str, info: dict[str, Any], error: str | None, code: str
+    ) -> None:
+        """A node's ``service_loaded`` (or its loss): the registration is answered once
+        every node it went to has answered. One that nothing waits for (the welcome's
+        loads) is only logged by the caller."""
+        asked = self._loading.get(name)
+        if asked is None or node not in asked.waiting:
+            return
+        asked.waiting.discard(node)
+        asked.answers.append((node, info, error, code))
+        if asked.waiting:
+            return
+        del self._loading[name]
+        spec = asked.spec
+        assert spec is not None, "a registration has its spec"
+        failed = [(n, e, c) for n, _, e, c in asked.answers if e is not None]
+        loaded = [n for n, _, e, _ in asked.answers if e is None]
+        if not failed or (loaded and all(c == "infra_error" for _, _, c in failed)):
+            # loaded where it could be: a node lost meanwhile loads it when it is back
+            if self.services is not None:
+                self.services.added(spec)
+            rows = {n: i for n, i, e, _ in asked.answers if e is None}
+            info = self.services.row(spec, rows) if self.services is not None else {}
+            self._report(ev.ServiceLoaded(spec=spec, info=info))
+            return
+        for other in self._gpu_nodes():  # (a node that joined meanwhile has it too)
+            self._send(other, make_message("unload_service", name=name))
+        where, why, code = failed[0]
+        self._report(ev.ServiceLoaded(spec=spec, error=f"node {where}: {why}", code=code))
 
     def unload_service(self, cmd: ev.UnloadService) -> None:
-        self._fail(ev.ServiceUnloaded(name=cmd.name))
+        """Every connected node with GPUs drops it (its calls end ``rejected``); the
+        removal is answered once all of them have."""
+        if self.services is not None:
+            self.services.removed(cmd.name)
+        msg = make_message("unload_service", name=cmd.name)
+        nodes = {node for node in self._gpu_nodes() if self._send(node, msg)}
+        if not nodes:
+            self._fail(ev.ServiceUnloaded(name=cmd.name))
+            return
+        self._unloading[cmd.name] = _Asked(None, nodes)
+
+    def service_unloaded(self, node: str, name: str) -> None:
+        """A node's ``service_unloaded`` (or its loss)."""
+        asked = self._unloading.get(name)
+        if asked is None or node not in asked.waiting:
+            return
+        asked.waiting.discard(node)
+        if not asked.waiting:
+            del self._unloading[name]
+            self._report(ev.ServiceUnloaded(name=name))
 
     def run_call(self, cmd: ev.RunCall) -> None:
-        self._fail(ev.CallFinished(action_id=cmd.action_id, outcome="infra_error", error=NO_GPUS))
+        """To the node that holds the GPUs: it evicts, restores and calls, and answers
+        each call of the batch (``call_done``); not connected, every call fails."""
+        msg = make_message(
+            "run_call",
+            action_id=cmd.action_id,
+            name=cmd.service,
+            gpus=list(cmd.gpus),
+            evicted=[[v.gpu, v.service, v.dop] for v in cmd.evicted],
+            payload=dict(cmd.payload),
+            timeout_s=cmd.timeout_s,
+            riders=[[aid, dict(payload)] for aid, payload in cmd.riders] or None,
+        )
+        if self._send(cmd.node, msg):
+            return
+        why = self._unreachable(cmd.node)
+        batch = 1 + len(cmd.riders)
+        for action_id in [*(aid for aid, _ in cmd.riders), cmd.action_id]:
+            self._fail(
+                ev.CallFinished(action_id=action_id, outcome="infra_error", error=why, batch=batch)
+            )
 
-    def warm_service(self, cmd: ev.WarmService) -> None:  # pragma: no cover - no services here
-        """Never sent: a coordinator's core has no GPU pool (see the module doc)."""
+    def warm_service(self, cmd: ev.WarmService) -> None:
+        """To the node that holds the GPUs (no answer: a restore that fails there leaves
+        the replica to its next call, as on ``tangramd up``)."""
+        self._send(cmd.node, make_message("warm_service", name=cmd.service, gpus=list(cmd.gpus)))

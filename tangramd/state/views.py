@@ -274,7 +274,8 @@ class ReadModel:
         """What the core expects of one node (cluster reconciliation after a reconnect):
         the environments it still owns, those being created (with image and memory) or
         removed there, the exec actions running there, and those of them a ``cancel`` is
-        killing (``{"action_id", "session"}``: the kill is sent again)."""
+        killing (``{"action_id", "session"}``: the kill is sent again), and the service
+        calls sent there that have not ended (``calls``)."""
         keep: list[str] = []
         creating: list[dict[str, Any]] = []
         closing: list[str] = []
@@ -304,7 +305,35 @@ class ReadModel:
             "closing": closing,
             "running": [rec.action.id for rec in here],
             "killing": killing,
+            "calls": self.node_calls(node),
         }
+
+    def call_node(self, action_id: str) -> str | None:
+        """The node a running service call runs on, a batch's rider too (None: not
+        running)."""
+        rec = self.core.actions.get(action_id)
+        if rec is None or rec.state != "running" or rec.call is None:
+            return None
+        riding = self.core.services.riding.get(rec.action.id)
+        if riding is not None:
+            return riding[0]
+        gpu = self.core.gpu
+        return None if gpu is None else gpu.node_of_action(rec.action.id)
+
+    def node_calls(self, node: str) -> list[str]:
+        """The calls sent to ``node`` that have not ended (not those of a batch that is
+        still forming: it has not been sent)."""
+        forming = {
+            rec.action.id
+            for batches in self.core.services.forming.values()
+            for batch in batches
+            for rec in (batch.leader, *batch.riders)
+        }
+        return [
+            aid
+            for aid, rec in self.core.actions.live.items()
+            if rec.call is not None and aid not in forming and self.call_node(aid) == node
+        ]
 
     def env_node(self, env_id: str) -> str | None:
         """The node holding an environment (None: unknown or not placed)."""

@@ -47,6 +47,11 @@ def register_service(core: Core, e: ev.RegisterService, now: float, out: list[ev
     known = core.services.specs.get(name)
     if known is not None and known != spec:
         raise BadRequest(f"service {name!r} is already registered differently; remove it first")
+    if not core.gpu.nodes:  # a coordinator whose nodes with GPUs are all away
+        raise BadRequest(
+            f"service {name!r}: no node with GPUs has joined this coordinator (start one with"
+            " [gpu] simulated = { count = N, mem_gb = G } or NVML GPUs)"
+        )
     pool_spec = spec.pool_spec()
     if not any(node.fits_memory(pool_spec, k) for node in core.gpu.nodes for k in spec.gpus):
         largest = max(node.mem_per_gpu for node in core.gpu.nodes)
