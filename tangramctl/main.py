@@ -990,7 +990,8 @@ def lease_release(ctl: Ctl, lease_id: str, as_json: bool) -> None:
 @json_option
 @pass_ctl
 def jobs_cmd(ctl: Ctl, as_json: bool) -> None:
-    """Jobs: weight, priority, queued and running actions, cores and GPUs held, share, ACT."""
+    """Jobs: weight, priority, queued, running and ended actions, cores and GPUs held, share,
+    ACT (ended actions and ACTs are kept across daemon restarts)."""
     rows = ctl.client.jobs()
     preferred = (
         "name",
@@ -1001,6 +1002,7 @@ def jobs_cmd(ctl: Ctl, as_json: bool) -> None:
         "cores",
         "gpus",
         "share",
+        "done",
         "act_p50",
         "act_p99",
     )

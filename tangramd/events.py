@@ -147,6 +147,14 @@ class ProfilesLoaded(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class JobStatsLoaded(Event):
+    """The jobs' ACT statistics the state dir kept from an earlier run (fed once at
+    start-up; ``tangramd.state.jobstats`` has the shape)."""
+
+    stats: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class EnvsRecovered(Event):
     """Persistent environments an earlier run of the daemon left and the backend still has
     (fed once at start-up, from the records ``PersistEnvs`` wrote)."""
@@ -419,6 +427,14 @@ class PersistProfiles(Command):
     """Write every profile to the state dir (after a change, before the reply counts)."""
 
     profiles: Mapping[str, Mapping[str, Any]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PersistJobStats(Command):
+    """Write the jobs' ACT statistics to the state dir (at most every few seconds after a
+    change, and at shutdown); no reply waits for it, and a write that fails is only logged."""
+
+    stats: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -29,6 +29,7 @@ from tangramd.logs import log_soon
 from tangramd.records import RecordJournal, read_json, write_json
 from tangramd.run.effects import Effects, ServiceList
 from tangramd.state import Core
+from tangramd.state.jobstats import parse_job_stats
 from tangramd.transport import ConnInfo, Later, UnixServer
 
 log = structlog.get_logger("tangramd")
@@ -138,6 +139,7 @@ class Executor:
             ev.LoadService: effects.load_service,
             ev.UnloadService: effects.unload_service,
             ev.PersistProfiles: self._persist_profiles,
+            ev.PersistJobStats: self._persist_job_stats,
             ev.RecordEnv: self._record_env,
             ev.PersistEnvs: self._persist_envs,
         }
@@ -157,6 +159,7 @@ class Executor:
             log.info("envs_readopted", envs=[r["id"] for r in kept], lost=len(records) - len(kept))
         self.feed(ev.EnvsRecovered(envs=kept))
         self.feed(ev.ProfilesLoaded(profiles=self._read_profiles()))
+        self.feed(ev.JobStatsLoaded(stats=self._read_job_stats()))
         if self.services is not None:
             self.feed(ev.ServicesRecovered(specs=await self.effects.recover_services()))
         await self.server.start()
@@ -419,6 +422,27 @@ class Executor:
         # before the reply that acknowledges the change
         write_json(self._profiles_path(), dict(cmd.profiles), indent=1)
 
+    def save_job_stats(self) -> None:
+        """Write the jobs' ACT statistics now if they changed since the last save (a
+        coordinator's stop, which feeds the core no ``Shutdown``)."""
+        if self.core.job_stats.dirty:
+            self._persist_job_stats(ev.PersistJobStats(stats=self.core.read.job_stats()))
+
+    def _persist_job_stats(self, cmd: ev.PersistJobStats) -> None:
+        """Write the jobs' ACT statistics; no reply waits for them, so a write that fails
+        (a full disk: counted by ``self.disk`` as any other) is logged and dropped, never
+        raised (the next change writes them whole again)."""
+        path = self._job_stats_path()
+        if self.disk.full and self.disk.refusal() is not None:
+            return
+        try:
+            write_json(path, dict(cmd.stats))
+        except Exception as exc:
+            if is_disk_full(exc):
+                self.disk.failed("the jobs' ACT statistics", exc, str(path))
+            else:
+                log.warning("job_stats_unwritable", path=str(path), error=str(exc))
+
     def _record_env(self, cmd: ev.RecordEnv) -> None:
         self._env_records.put(cmd.env_id, cmd.record)  # one line, however many are open
 
@@ -435,6 +459,20 @@ class Executor:
             "profiles_unreadable",
             lambda data: isinstance(data, dict),
             "not a JSON object",
+        )
+        return loaded if loaded is not None else {}
+
+    def _job_stats_path(self) -> Path:
+        return self.state_dir / "job_stats.json"
+
+    def _read_job_stats(self) -> dict[str, Any]:
+        """What ``job_stats.json`` kept ({} when missing; unreadable or ill-shaped: logged
+        as ``job_stats_unreadable``, and the stats start fresh)."""
+        loaded = read_json(
+            self._job_stats_path(),
+            "job_stats_unreadable",
+            parse_job_stats,
+            "not the jobs' ACT statistics (tangramd.state.jobstats, version 1)",
         )
         return loaded if loaded is not None else {}
 

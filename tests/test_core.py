@@ -246,7 +246,8 @@ def test_shutdown_goes_through_the_core_and_keeps_persistent_envs():
     assert [type(c) for c in out] == [ev.PersistEnvs]  # nothing removed yet
     assert [r["id"] for r in out[0].envs] == [persistent]
     result = ExecResult("infra_error", detail="daemon shutting down")
-    reply, remove = core.handle(ev.ExecFinished(action_id=run.action_id, result=result), 0.6)
+    stats, reply, remove = core.handle(ev.ExecFinished(action_id=run.action_id, result=result), 0.6)
+    assert isinstance(stats, ev.PersistJobStats)  # an ACT while it stops: written at once
     assert reply.result["outcome"] == "infra_error"
     assert isinstance(remove, ev.RemoveEnv) and remove.env_id == create.env_id
     core.handle(ev.EnvRemoved(env_id=create.env_id), 0.7)

@@ -745,7 +745,8 @@ OPS: Final[dict[str, Op]] = {
             "jobs",
             "the jobs (configured [[job]] or seen on an action): weight, priority, caps, "
             "queued and running actions, cores and GPUs held, share (dominant share over "
-            "weight) and recent ACT p50/p99 (null before one finished)",
+            "weight), done (its actions ended) and recent ACT p50/p99 (null before one "
+            "finished; done and the ACTs survive a restart)",
             result=("jobs: [map]",),
         ),
         Op(

@@ -142,6 +142,7 @@ class CoordinatorExecutor(Executor):
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> None:
         self.feed(ev.ProfilesLoaded(profiles=self._read_profiles()))
+        self.feed(ev.JobStatsLoaded(stats=self._read_job_stats()))
         self._restore()
         self.feed(ev.ServicesRecovered(specs=await self.remote.recover_services()))
         # The nodes' port first: a local client that reaches the socket can be told it
@@ -206,6 +207,7 @@ class CoordinatorExecutor(Executor):
         for fut in self._futures.values():
             if not fut.done():
                 fut.set_exception(InfraError("coordinator shutting down"))
+        self.save_job_stats()  # (no Shutdown goes through its core)
         self.store.close()
         log.info("coordinator_stopped")
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from collections import deque
-
     from tangram.model import HistoryEstimator
     from tangram.pools.api import ApiPool
     from tangram.pools.cpu import CpuCluster
@@ -22,6 +20,7 @@ if TYPE_CHECKING:
     from tangramd.state.actions import ActionBook, ActionRec
     from tangramd.state.config import CoreConfig
     from tangramd.state.envs import EnvBook, EnvRec
+    from tangramd.state.jobstats import JobStats
     from tangramd.state.leases import LeaseBook
     from tangramd.state.passes import PassBook
     from tangramd.state.services import ServiceBook
@@ -51,7 +50,7 @@ class Core(Protocol):
     stimulus: int  # the id of the event being handled: every command's and entry's cause
     idle_due: float | None
     jobs_seen: set[str]  # every job an action was submitted under (issue 34)
-    job_acts: dict[str, deque[float]]  # each job's recent ACTs (the ``jobs`` op)
+    job_stats: JobStats  # each job's recent ACTs and count (the ``jobs`` op)
 
     def new_id(self, prefix: str) -> str: ...
 

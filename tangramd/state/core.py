@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -55,6 +54,7 @@ from tangramd.state.envs import EnvBook, EnvDefaults, EnvRec
 from tangramd.state.handlers import (  # noqa: F401  (each registers its handlers)
     actions,
     envs,
+    jobs,
     leases,
     nodes,
     profiles,
@@ -63,6 +63,7 @@ from tangramd.state.handlers import (  # noqa: F401  (each registers its handler
     services,
     sessions,
 )
+from tangramd.state.jobstats import JobStats
 from tangramd.state.leases import LeaseBook
 from tangramd.state.passes import PassBook
 from tangramd.state.services import ServiceBook
@@ -119,9 +120,10 @@ class Core:
         # a lower bound of the earliest idle deadline (None: scan the environments)
         self.idle_due: float | None = None
         # jobs (issue 34): every job an action was submitted under (two or more: passes
-        # read the whole queue in fair-share order) and each job's recent ACTs (``jobs`` op)
+        # read the whole queue in fair-share order) and each job's recent ACTs (``jobs`` op,
+        # kept across restarts: tangramd.state.jobstats)
         self.jobs_seen: set[str] = set(self.cfg.jobs)
-        self.job_acts: dict[str, deque[float]] = {}
+        self.job_stats = JobStats()
 
     # ------------------------------------------------------------------ entry point
     def handle(self, event: ev.Event, now: float) -> list[ev.Command]:
@@ -156,6 +158,7 @@ class Core:
                 self.passer.due,
                 self.actions.deadlines.first(),
                 self.envs.deadlines.first(),
+                self.job_stats.due,
                 self.passer.windows.first(),  # an API's quota window opens
             )
             if t is not None

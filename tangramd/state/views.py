@@ -185,9 +185,11 @@ class ReadModel:
     def job_rows(self) -> list[dict[str, Any]]:
         """One row per job (configured, or seen on an action since start): its terms, its
         queued and running actions, the cores and GPUs they hold, its share (dominant
-        share of the cluster over its weight, tangram.sched.share) and its recent ACTs."""
+        share of the cluster over its weight, tangram.sched.share), how many of its actions
+        ended (``done``) and its recent ACTs (both kept across restarts: a job known only
+        from them has a row too)."""
         core = self.core
-        names = set(core.jobs_seen) | set(core.cfg.jobs) | {DEFAULT_JOB}
+        names = set(core.jobs_seen) | set(core.cfg.jobs) | {DEFAULT_JOB} | set(core.job_stats)
         queued: dict[str, int] = {}
         for rec in core.actions.queue.values():
             queued[rec.action.job] = queued.get(rec.action.job, 0) + 1
@@ -206,7 +208,7 @@ class ReadModel:
         for name in sorted(names):
             spec = core.cfg.jobs.get(name) or Job(name)
             mine = held.get(name, {})
-            acts = sorted(core.job_acts.get(name, ()))
+            acts = sorted(core.job_stats.get(name))
             rows.append(
                 {
                     "name": name,
@@ -219,11 +221,16 @@ class ReadModel:
                     "cores": mine.get("cpu", 0),
                     "gpus": mine.get("gpu", 0),
                     "share": round(dominant_share(mine, totals, spec.weight), 6),
+                    "done": core.job_stats.count(name),
                     "act_p50": _pct(acts, 0.50),
                     "act_p99": _pct(acts, 0.99),
                 }
             )
         return rows
+
+    def job_stats(self) -> dict[str, Any]:
+        """The jobs' ACT statistics as ``job_stats.json`` holds them (jobstats.py)."""
+        return self.core.job_stats.snapshot()
 
     def api_rows(self) -> list[dict[str, Any]]:
         waiting: dict[str, int] = {}

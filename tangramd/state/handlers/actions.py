@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -23,9 +22,6 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------------- how actions end
-JOB_ACTS = 1000  # ACTs kept per job for the ``jobs`` op's percentiles
-
-
 def finish_action(
     core: Core,
     rec: ActionRec,
@@ -64,10 +60,9 @@ def finish_action(
         result = ExecResult(outcome, exec_s=exec_s, detail=detail)  # type: ignore[arg-type]
     books.finished.append((rec.action.kind, queue_s, result.exec_s))
     if rec.started_at is not None:  # its ACT, for the ``jobs`` op's percentiles
-        acts = core.job_acts.get(rec.action.job)
-        if acts is None:
-            acts = core.job_acts[rec.action.job] = deque(maxlen=JOB_ACTS)
-        acts.append(now - rec.submitted_at)
+        core.job_stats.record(rec.action.job, now - rec.submitted_at, now, core.cfg.jobs)
+        if core.shutting_down:  # no later tick writes it: now
+            out.append(ev.PersistJobStats(stats=core.job_stats.take(), cause=core.stimulus))
     if env is not None:
         env.active = max(0, env.active - 1)
         env.last_used = now

@@ -8,6 +8,7 @@ from tangramd import events as ev
 from tangramd.state.dispatch import handles
 from tangramd.state.handlers.actions import close_env, expire_waits, finish_action
 from tangramd.state.handlers.envs import persist_envs
+from tangramd.state.handlers.jobs import save_job_stats
 from tangramd.state.handlers.leases import end_lease, expire_leases
 from tangramd.state.handlers.scheduling import run_pass
 from tangramd.state.handlers.services import send_batches
@@ -29,6 +30,7 @@ def _tick(core: Core, e: ev.Tick, now: float, out: list[ev.Command]) -> None:
         passer.dirty = True
     if (passer.due is not None and now >= passer.due) or passer.dirty:
         run_pass(core, now, out)
+    save_job_stats(core, now, out)
 
 
 @handles(ev.ConnClosed)
@@ -88,3 +90,4 @@ def _shutdown(core: Core, e: ev.Shutdown, now: float, out: list[ev.Command]) -> 
         elif not env.throwaway and env.state in ("creating", "waiting_mem"):
             close_env(core, env, now, out, "daemon shutting down before it was ready")
     persist_envs(core, out)
+    save_job_stats(core, now, out, force=True)
