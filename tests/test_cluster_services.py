@@ -304,3 +304,48 @@ def test_a_node_killed_mid_call_fails_its_call_and_the_next_call_restores_elsewh
         assert rows(c)["s"]["calls"] >= 2  # the lost node's calls still count
     stop_all([coord, other])
     check_clean(coord, other)
+
+
+# ---------------------------------------------------------------------- [[service]]
+
+
+def test_config_services_are_deployed_by_the_coordinator_as_nodes_join(
+    here: InProcessCluster,
+) -> None:
+    """The coordinator's `[[service]]` entries are registered at its start (listed before
+    any node joins); nodes with GPUs load them as they join, a `min_resident = 1` one is
+    restored before any call (its first call restores nothing), and a node's own
+    `[[service]]` is not registered (it says so in its log)."""
+    declared = f"""
+[[service]]
+name = "warm"
+entry = "tiny_services:small"
+path = "{SERVICES}"
+mem_gb = {MEM_GB}
+min_resident = 1
+
+[[service]]
+name = "cold"
+entry = "tiny_services:medium"
+path = "{SERVICES}"
+mem_gb = {MEM_GB}
+"""
+    coord = here.coordinator(COORDINATOR + declared)
+    with coord.client(timeout_s=120) as c:
+        assert {name: row["replicas"] for name, row in rows(c).items()} == {
+            "warm": [],
+            "cold": [],
+        }
+        a = here.node(coord, "a", config=NODE + declared.replace('"warm"', '"mine"'))
+        b = here.node(coord, "b", config=NODE)
+        wait_for(lambda: rows(c)["warm"]["warm"] == 1, 60, "the warm replica")
+        assert rows(c)["warm"]["restores"] == 1
+        first = c.call("warm", {"x": 2.0})
+        assert first.outcome == "ok" and first.restore_s == 0.0, first
+        assert first.result is not None and first.result["y"] == want("small", 2.0)
+        cold = c.call("cold", {"x": 1.0})  # the other GPU is free: nothing evicted
+        assert cold.outcome == "ok" and cold.restore_s > 0.0 and cold.node != first.node
+        assert set(rows(c)) == {"warm", "cold"}
+    assert "config_services_not_registered" in a.log() and "mine" in a.log()
+    assert "config_services_not_registered" not in coord.log()
+    finish({"coordinator": coord, "a": a, "b": b})

@@ -4,6 +4,8 @@ takes its calls (``infra_error``) and its residency with it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tangram.model import ActionId
@@ -11,6 +13,7 @@ from tangram.pools.cpu import CpuCluster
 from tangram.pools.gpu import GPU_STRIDE, GpuCluster, GpuNodePool, ServiceSpec
 from tangram.protocol.results import CallSpec
 from tangramd import events as ev
+from tangramd.cluster.services import ClusterServices
 from tangramd.services.spec import ServiceSpec as Registration
 from tangramd.state import Core, CoreConfig
 
@@ -158,3 +161,31 @@ def test_a_lost_node_takes_its_open_batch_and_its_warm_replica_moves() -> None:
     else:
         assert moved == []
     assert core.handle(ev.Tick(), 1.0) == []  # nothing left to send
+
+
+def test_the_coordinator_keeps_registrations_and_merges_its_nodes_rows(tmp_path: Path) -> None:
+    """Registrations outlive the coordinator (services.json; the config's ``[[service]]``
+    replace a kept one of the same name); ``service list`` merges the nodes' rows: every
+    replica, the counters summed, and a lost node's counters kept without its replicas."""
+    kept = ClusterServices(tmp_path)
+    kept.recover()
+    kept.added(SMALL)
+    kept.added(OTHER)
+    declared = Registration("t", "torch", 0.05, entry="m:h")
+    again = ClusterServices(tmp_path, [declared])
+    assert again.recover() == (SMALL, declared)
+    replica = {"gpus": [0], "state": "resident", "restores": 1}
+    for node, calls in (("a", 3), ("b", 4)):
+        row = {"name": "s", "calls": calls, "restores": 1, "warm": 1, "module_bytes": 9}
+        again.reported(node, [{**row, "replicas": [{**replica, "node": node}]}])
+    failed = {"name": "s", "calls": 4, "restores": 1, "warm": 1, "error": "boom"}
+    again.reported("b", [{**failed, "replicas": [{**replica, "node": "b"}]}])
+    (s, t) = again.list()
+    assert (s["calls"], s["restores"], s["warm"], s["module_bytes"]) == (7, 2, 2, 9)
+    assert [r["node"] for r in s["replicas"]] == ["a", "b"] and s["error"] == "node b: boom"
+    assert t["replicas"] == [] and t["calls"] == 0 and t["mem_gb"] == 0.05
+    again.node_gone("b")
+    (s, _) = again.list()
+    assert (s["calls"], s["warm"], [r["node"] for r in s["replicas"]]) == (7, 1, ["a"])
+    again.removed("t")
+    assert [spec.name for spec in ClusterServices(tmp_path).recover()] == ["s"]

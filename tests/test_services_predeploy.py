@@ -151,18 +151,23 @@ def test_the_readme_service_example_is_a_valid_config(tmp_path: Path) -> None:
     )
 
 
-def test_a_coordinator_validates_service_tables_and_says_it_registers_none(
+def test_a_coordinator_validates_service_tables_and_registers_them(
     tmp_path: Path,
 ) -> None:
     """`tangramd coordinator` checks `[[service]]` as `tangramd up` does (a bad key stops it
-    with one line naming it) and, with valid ones, says at start that it registers none."""
+    with one line naming it) and registers valid ones at start, before any node with GPUs
+    has joined (tests/test_cluster_services.py deploys them on nodes)."""
     from tangram.testing import spawn_coordinator
 
     services = CONFIG.split("[gpu]")[0] + "[[service]]" + CONFIG.split("[[service]]", 1)[1]
     coordinator = spawn_coordinator(tmp_path / "ok", services)
     try:
-        wait_for(lambda: "config_services_not_registered" in coordinator.log(), 30, "the line")
-        assert "'warm'" in coordinator.log() or '"warm"' in coordinator.log()
+        with Client(coordinator.socket) as c:
+            assert {row["name"]: row["replicas"] for row in c.service_list()} == {
+                "warm": [],
+                "cold": [],
+            }
+        assert "config_services_not_registered" not in coordinator.log()
     finally:
         coordinator.stop()
     bad = tmp_path / "bad.toml"

@@ -69,13 +69,6 @@ def _address(text: str, what: str) -> tuple[str, int]:
 def _run(config: Any, serve: Any) -> None:
     """Lock the state dir, serve until SIGTERM/SIGINT; errors become one clear line."""
     configure_logging(config.daemon.log_format, config.daemon.log_level)
-    if config.services:  # validated like `tangramd up`'s, but nothing here can run them
-        log.warning(
-            "config_services_not_registered",
-            services=[service.name for service in config.services],
-            detail="[[service]] entries are registered at start by `tangramd up` only (not yet "
-            "by a coordinator: `tangramctl service register` there)",
-        )
     os.umask(0o077)
     try:
         lock = lock_state_dir(config.daemon.state_dir)
@@ -108,9 +101,10 @@ def build_coordinator(
 ) -> CoordinatorExecutor:
     """The coordinator as ``tangramd coordinator`` composes it, not started (the
     in-process test cluster builds it here too): its PKI unless ``insecure``, its core
-    (its cpu and gpu pools empty until nodes join)."""
+    (its cpu and gpu pools empty until nodes join), the config's ``[[service]]``."""
     from tangramd.cluster.coordinator import CoordinatorExecutor
     from tangramd.cluster.pki import ensure_pki
+    from tangramd.cluster.services import ClusterServices
     from tangramd.runtime import api_pools, core_config, server_options
     from tangramd.state import Core
 
@@ -120,6 +114,7 @@ def build_coordinator(
         core_config(config), forks=False, call_timeout_s=config.gpu.call_timeout_s
     )
     core = Core(CpuCluster([]), api_pools(config), cfg, gpu=GpuCluster([], {}))
+    declared = tuple(service.spec() for service in config.services)
     return CoordinatorExecutor(
         core,
         socket_path=config.daemon.socket,
@@ -129,6 +124,7 @@ def build_coordinator(
         pki=pki,
         handlers=ops,
         operator_uids=config.daemon.operator_uids,
+        services=ClusterServices(config.daemon.state_dir, declared),
         **server_options(config),
     )
 
@@ -207,6 +203,14 @@ def build_node(
     from tangramd.services import ServiceHost
 
     layout, mem = capacity
+    if config.services:  # validated like `tangramd up`'s, registered nowhere
+        log.warning(
+            "config_services_not_registered",
+            services=[service.name for service in config.services],
+            detail="a node's [[service]] entries are not registered: a cluster's services are "
+            "registered on its coordinator (its [[service]] or `tangramctl service register`), "
+            "which loads them on every node with GPUs",
+        )
     inventory = gpu_inventory(config.gpu)
     host = None
     if len(inventory):  # its replicas' logs under the state dir; registrations not kept
