@@ -123,6 +123,7 @@ class GpuNodePool:
         self._specs: dict[str, ServiceSpec] = {}  # host backups
         # gpu -> resident variant -> (last-use tick, insertion order): the LRU key
         self._resident: list[dict[ServiceKey, tuple[int, int]]] = [{} for _ in range(n_gpus)]
+        self._used = [0] * n_gpus  # bytes of the resident shards per GPU (mem_used, kept)
         self._order = 0
 
     # ------------------------------------------------------------------ chunks
@@ -219,12 +220,12 @@ class GpuNodePool:
 
     def unregister_service(self, name: str) -> tuple[Eviction, ...]:
         """Drop the backup and evict every variant of the service from every GPU."""
-        self._specs.pop(name, None)
         evicted: list[Eviction] = []
         for gpu in range(self.n_gpus):
             for key in [key for key in self._resident[gpu] if key[0] == name]:
                 if key in self._resident[gpu]:
                     evicted.extend(self.evict(key, gpu))
+        self._specs.pop(name, None)  # (after: an eviction gives back its shard's bytes)
         return tuple(evicted)
 
     def service(self, name: str) -> ServiceSpec:
@@ -302,7 +303,7 @@ class GpuNodePool:
         return tuple(sorted(entries, key=lambda key: entries[key]))
 
     def mem_used(self, gpu: int) -> int:
-        return sum(self._specs[name].mem_per_gpu(dop) for name, dop in self._resident[gpu])
+        return self._used[gpu]
 
     def mem_free(self, gpu: int) -> int:
         return self.mem_per_gpu - self.mem_used(gpu)
@@ -333,6 +334,7 @@ class GpuNodePool:
         evicted = self._make_room(range(start, start + size), shard)
         for gpu in range(start, start + size):
             self._resident[gpu][key] = (tick, self._next_order())
+            self._used[gpu] += shard
         return RestorePlan(tuple(evicted), True, self.restore_time_s(service, size))
 
     def touch(self, service: str, gpus: Sequence[int], tick: int) -> None:
@@ -351,6 +353,7 @@ class GpuNodePool:
         dropped: list[Eviction] = []
         for member in range(first, first + dop):
             if self._resident[member].pop(key, None) is not None:
+                self._used[member] -= self._specs[name].mem_per_gpu(dop)
                 dropped.append(Eviction(member, name, dop))
         return dropped
 
@@ -391,6 +394,8 @@ class GpuNodePool:
             free |= span
         assert free | seen == set(range(self.n_gpus)), "a GPU is neither free nor held"
         for gpu in range(self.n_gpus):
+            held = sum(self._specs[name].mem_per_gpu(dop) for name, dop in self._resident[gpu])
+            assert self._used[gpu] == held, f"GPU {gpu} memory accounted {self._used[gpu]}"
             assert self.mem_used(gpu) <= self.mem_per_gpu, f"GPU {gpu} memory over-committed"
             for name, dop in self._resident[gpu]:
                 first = gpu - gpu % dop
@@ -618,12 +623,17 @@ class GpuCluster:
                 (copy, node.resident_score(action.service, size) if by_residency else None)
                 for copy, node in zip(copies, self._nodes, strict=True)
             ]
-            evicts = (
-                [node.evict_score(action.service, size) for node in self._nodes]
-                if by_residency
-                else []
-            )
-            chosen = choose_chunk(scored, size, evicts)
+            chosen = fully_resident(scored, size) if by_residency else None
+            if chosen is None:
+                evicts = (  # (read only where a restore is needed, on nodes with room)
+                    [
+                        node.evict_score(action.service, size) if copy.has_chunk(size) else None
+                        for copy, node in zip(copies, self._nodes, strict=True)
+                    ]
+                    if by_residency
+                    else []
+                )
+                chosen = choose_chunk(scored, size, evicts)
             if chosen is None:
                 return None
             index, start = chosen
