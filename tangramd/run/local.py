@@ -359,7 +359,9 @@ class LocalEffects:
             restore_s = restored.seconds
             real = not all(host.inventory.gpu(g).simulated for g in cmd.gpus)
             if restored.needed and real and restored.nbytes and restored.copy_s > 0:
-                rate = restored.nbytes / restored.copy_s
+                # per GPU, as the pool's estimate is: a k-GPU replica's k workers copy
+                # their shards at once (copy_s is the slowest one's)
+                rate = restored.nbytes / restored.copy_s / len(cmd.gpus)
             payloads = [dict(payload) for _, payload in calls]
             results = await host.call_batch(cmd.service, cmd.gpus, payloads, cmd.timeout_s)
             restore_s += results[0].restore_s
