@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tangramd.services.spec import ServiceRegistry, ServiceSpec
+from tangramd.services.spec import ServiceRegistry, ServiceSpec, format_eff
 
 # the counters of a ``service list`` row: summed over nodes
 COUNTERS = (
@@ -128,6 +128,7 @@ def merge_rows(
         "runtime": spec.runtime,
         "mem_gb": spec.mem_gb,
         "gpus": list(spec.gpus),
+        "eff": format_eff(spec.eff) if spec.eff else None,
         "min_resident": spec.min_resident,
         "warm": sum(int(_number(row.get("warm"))) for row in rows),
         "replicas": replicas,
