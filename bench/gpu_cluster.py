@@ -7,7 +7,11 @@ Each mode starts a real ``tangramd up`` on a temp socket with ``[gpu] simulated`
 the services declared as ``[[service]]`` (``min_resident = 1``: warm before the first
 call), then ``--clients`` asyncio clients, each on its own connection, send ``--calls``
 calls in all (service i drawn with weight 1/(i+1): the first is the most popular) and wait
-for each answer before sending the next. ``single`` registers the services with
+for each answer before sending the next. With ``--nodes N`` > 1 it starts a real
+``tangramd coordinator`` (the ``[[service]]`` entries) and N ``tangramd node``s, each with
+``--gpus`` simulated GPUs: the coordinator places the replicas on the nodes' GPUs, and the
+clients connect to the nodes' sockets in turn (a call through any node runs on any node's
+GPUs); ``calls_by_node`` says where the calls ran. ``single`` registers the services with
 ``max_batch = 1`` (one call per forward pass), ``batch`` with ``max_batch = --max-batch``
 (concurrent calls to a resident replica merged into one ``handle_batch`` pass).
 
@@ -20,8 +24,9 @@ the load), ``act_p50_s``/``act_p99_s`` (the daemon's ``act_s``: submission to an
 more) and ``mean_batch``; ``speedup`` is batch over single calls/s (goal >= 3) and
 ``p99_ratio`` batch over single p99 ACT (goal <= 1).
 
-Topology: one node for now (``--nodes`` > 1 needs services placed by a coordinator on its
-nodes' GPUs, issue 33 item 1, not built yet; it exits 2 saying so).
+Topology: ``--nodes 1`` is one ``tangramd up``; ``--nodes 2`` (the issue's: 2 nodes x 4
+simulated GPUs, 3 services, 1,000 calls from 64 clients) a coordinator and two nodes on
+this host, all on loopback.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tangram import Client
 from tangram.client.aio import AsyncClient
-from tangram.testing import spawn_daemon, wait_for
+from tangram.testing import spawn_coordinator, spawn_daemon, spawn_node, wait_for
 
 MODEL = '''
 import time
@@ -75,15 +80,23 @@ def make(seed):
 '''
 
 
-def config(args: argparse.Namespace, model_dir: str, max_batch: int) -> str:
-    text = f"""
-[sched]
-coalesce_ms = 1.0
-
+def gpu_config(args: argparse.Namespace) -> str:
+    """``[gpu]``: this host's simulated GPUs (tangramd up's, or one node's)."""
+    return f"""
 [gpu]
 simulated = {{ count = {args.gpus}, mem_gb = {args.gpu_mem_gb}, h2d_gbps = 25 }}
 nvml = false
 """
+
+
+def config(args: argparse.Namespace, model_dir: str, max_batch: int) -> str:
+    """``tangramd up``'s config, or (``--nodes`` > 1) the coordinator's: no ``[gpu]``."""
+    text = """
+[sched]
+coalesce_ms = 1.0
+"""
+    if args.nodes == 1:
+        text += gpu_config(args)
     for i in range(args.services):
         text += f"""
 [[service]]
@@ -103,22 +116,23 @@ def write_model(args: argparse.Namespace, model_dir: Path) -> None:
     (model_dir / "scorer.py").write_text(source)
 
 
-async def load(socket: str, args: argparse.Namespace) -> tuple[float, list[Any]]:
-    """``--calls`` calls from ``--clients`` clients; (wall seconds, results)."""
+async def load(sockets: list[str], args: argparse.Namespace) -> tuple[float, list[Any]]:
+    """``--calls`` calls from ``--clients`` clients, client k on ``sockets[k % n]``;
+    (wall seconds, results)."""
     rng = random.Random(7)
     weights = [1.0 / (i + 1) for i in range(args.services)]
     names = rng.choices([f"svc{i}" for i in range(args.services)], weights, k=args.calls)
     todo = list(enumerate(names))
     results: list[Any] = [None] * args.calls
 
-    async def client() -> None:
+    async def client(socket: str) -> None:
         async with AsyncClient(socket) as c:
             while todo:
                 i, name = todo.pop()
                 results[i] = await c.call(name, {"x": i / args.calls, "id": i}, timeout_s=120)
 
     start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(args.clients)))
+    await asyncio.gather(*(client(sockets[k % len(sockets)]) for k in range(args.clients)))
     return time.perf_counter() - start, results
 
 
@@ -127,25 +141,57 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def start(args: argparse.Namespace, text: str, work: Path) -> tuple[list[Any], list[str]]:
+    """The daemons (the one to stop last first) and the sockets the clients use: one
+    ``tangramd up``, or a coordinator and ``--nodes`` nodes (the clients on the nodes')."""
+    if args.nodes == 1:
+        daemon = spawn_daemon(work, text, ready_timeout_s=300)
+        return [daemon], [daemon.socket]
+    coordinator = spawn_coordinator(work, text, ready_timeout_s=120)
+    daemons: list[Any] = [coordinator]
+    try:
+        for k in range(args.nodes):
+            daemons.append(
+                spawn_node(work, coordinator, f"n{k}", config=gpu_config(args), ready_timeout_s=120)
+            )
+    except BaseException:
+        stop(daemons)
+        raise
+    return daemons, [d.socket for d in daemons[1:]]
+
+
+def stop(daemons: list[Any]) -> None:
+    for daemon in reversed(daemons):  # nodes first, the coordinator last
+        daemon.stop()
+
+
 def run_mode(args: argparse.Namespace, mode: str, work: Path, model_dir: Path) -> dict[str, Any]:
     max_batch = 1 if mode == "single" else args.max_batch
-    daemon = spawn_daemon(work / mode, config(args, str(model_dir), max_batch), ready_timeout_s=300)
+    daemons, sockets = start(args, config(args, str(model_dir), max_batch), work / mode)
     try:
-        with Client(daemon.socket, timeout_s=300) as c:
+        with Client(daemons[0].socket, timeout_s=300) as c:
 
             def warm() -> bool:
                 return all(row["warm"] >= 1 for row in c.service_list())
 
             wait_for(warm, 300, "the services warm")
             before = sum(row["restores"] for row in c.service_list())
-        wall, results = asyncio.run(load(daemon.socket, args))
-        with Client(daemon.socket, timeout_s=60) as c:
+        wall, results = asyncio.run(load(sockets, args))
+        with Client(daemons[0].socket, timeout_s=60) as c:
+
+            def told() -> bool:  # (a node tells its rows at the end of its loop turn)
+                return sum(row["calls"] for row in c.service_list()) >= args.calls
+
+            wait_for(told, 30, "the nodes' rows")
             rows = c.service_list()
     finally:
-        daemon.stop()
+        stop(daemons)
     ok = [r for r in results if r is not None and r.outcome == "ok"]
     wrong = [r for i, r in enumerate(results) if r is not None and r.ok and r.result["id"] != i]
     acts = [r.act_s for r in ok]
+    by_node: dict[str, int] = {}
+    for r in ok:
+        by_node[str(r.node)] = by_node.get(str(r.node), 0) + 1
     return {
         "mode": mode,
         "max_batch": max_batch,
@@ -160,12 +206,15 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, model_dir: Path) -
         "batched_share": round(sum(1 for r in ok if r.batch > 1) / max(len(ok), 1), 3),
         "mean_batch": round(statistics.fmean(r.batch for r in ok), 2) if ok else 0.0,
         "batches": sum(row["batches"] for row in rows),
+        "calls_by_node": dict(sorted(by_node.items())),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--nodes", type=int, default=1, help="nodes (only 1 for now)")
+    p.add_argument(
+        "--nodes", type=int, default=1, help="1: tangramd up; N > 1: a coordinator and N nodes"
+    )
     p.add_argument("--gpus", type=int, default=4, help="simulated GPUs per node")
     p.add_argument("--gpu-mem-gb", type=float, default=8.0)
     p.add_argument("--services", type=int, default=3)
@@ -177,13 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="single,batch")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if args.nodes != 1:
-        print(
-            "bench/gpu_cluster.py: --nodes > 1 needs cluster GPU services (a coordinator "
-            "placing replicas on its nodes' GPUs, issue 33 item 1), not built yet",
-            file=sys.stderr,
-        )
-        return 2
+    if args.nodes < 1:
+        p.error("--nodes must be 1 or more")
     modes = [m for m in args.modes.split(",") if m]
     with tempfile.TemporaryDirectory(prefix="tangram-gpu-cluster-") as tmp:
         work = Path(tmp)

@@ -19,7 +19,14 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from cluster_harness import InProcessCluster, InProcessDaemon, check_clean, stop_all
+from cluster_harness import (
+    FaultProxy,
+    InProcessCluster,
+    InProcessDaemon,
+    check_clean,
+    stop_all,
+    wait_node_state,
+)
 
 from tangram import Client
 from tangram.client import CallResult
@@ -27,7 +34,7 @@ from tangram.protocol.errors import BadRequest
 from tangram.protocol.link import check_message
 from tangram.testing import wait_for
 from tangramctl.main import cli
-from tangramd.cluster.link import Link
+from tangramd.cluster.link import Link, split_host_port
 
 SERVICES = Path(__file__).parent / "data" / "services"
 sys.path.insert(0, str(SERVICES))
@@ -349,3 +356,28 @@ mem_gb = {MEM_GB}
     assert "config_services_not_registered" in a.log() and "mine" in a.log()
     assert "config_services_not_registered" not in coord.log()
     finish({"coordinator": coord, "a": a, "b": b})
+
+
+def test_a_node_back_after_it_was_lost_restores_afresh(here: InProcessCluster) -> None:
+    """A node cut off past the heartbeat timeout is lost (its replica leaves the pool); when
+    its link is back it joins afresh and evicts what it still held, so the pool and the
+    node agree: a call placed there restores again and answers right."""
+    coord = here.coordinator(COORDINATOR)
+    proxy = FaultProxy(split_host_port(coord.join["coordinator"]))
+    try:
+        far = here.node(coord, "far", config=NODE, address=proxy.start())
+        with coord.client(timeout_s=120) as c:
+            register(c, "s", "small")
+            assert c.call("s", {"x": 1.0}).restore_s > 0.0
+            assert c.call("s", {"x": 1.0}).restore_s == 0.0  # resident
+            proxy.partition()
+            wait_node_state(coord, "far", "lost", HEARTBEAT_TIMEOUT_S + 20)
+            proxy.heal()
+            wait_node_state(coord, "far", "ready", 30)
+            again = c.call("s", {"x": 5.0})
+            assert again.outcome == "ok" and again.node == "far", again
+            assert again.result is not None and again.result["y"] == want("small", 5.0)
+            assert again.restore_s > 0.0, again  # evicted at the rejoin, as the pool knows
+    finally:
+        proxy.close()
+    finish({"coordinator": coord, "far": far})

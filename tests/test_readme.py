@@ -12,7 +12,7 @@ carry over), a ```python block through ``python - <<EOF``, each with its own tim
 each for the stated reason (see ``edited``):
 
 - every ``/tmp/`` path moves under a fresh temporary directory (parallel runs, other
-  daemons on the host), and the cluster's port 7317 becomes a free loopback port;
+  daemons on the host), and the clusters' ports 7317 and 7318 become a free loopback port;
 - the line ``. .venv/bin/activate`` is skipped: the test runs with its own interpreter,
   whose bin directory comes first on PATH (the venv's, under scripts/test.sh), with this
   tree first on PYTHONPATH (whatever the interpreter's install of arl-tangram points at).
@@ -77,6 +77,7 @@ SHELLS = {
     ],
     "gpu-services": [("cat > /tmp/tangram-gpu.toml", 180)],
     "cluster": [("tangramd coordinator", 120)],
+    "gpu-cluster": [("mkdir -p /tmp/tg-gpu", 240)],
     "simulator": [("tangramctl simulate", 60)],
 }
 
@@ -154,7 +155,9 @@ def test_using_it_starts_with_the_venv() -> None:
 
 def edited(block: Block, tmp: str, port: int) -> str:
     """The block as this test runs it (``EDITS`` in the module docstring)."""
-    text = block.text.replace("/tmp/", f"{tmp}/").replace("127.0.0.1:7317", f"127.0.0.1:{port}")
+    text = block.text.replace("/tmp/", f"{tmp}/")
+    for listen in ("127.0.0.1:7317", "127.0.0.1:7318"):  # (one cluster per shell)
+        text = text.replace(listen, f"127.0.0.1:{port}")
     lines = [
         f"# skipped by tests/test_readme.py: {ln}" if ln.strip() == ACTIVATE else ln
         for ln in text.splitlines()
@@ -330,6 +333,15 @@ def test_cluster_on_one_host(shell: Shell) -> None:
     for i in (1, 2, 3):
         assert re.search(rf"^node-{i}\s+ready\s", out, re.M), out
     assert '"node": "node-1"' in out
+
+
+def test_gpu_services_on_a_cluster(shell: Shell) -> None:
+    """The "GPU services on a cluster" block: a coordinator and two nodes with simulated
+    GPUs, the example reward model registered through one node and called through the
+    other; the answer and `service list` name the node each replica is on."""
+    (out,) = run_shell(shell, "gpu-cluster")
+    assert '"outcome": "ok"' in out and '"model": "reward_small"' in out, out
+    assert re.search(r'"node": "gpu-[ab]"', out), out
 
 
 def test_simulator(shell: Shell) -> None:
