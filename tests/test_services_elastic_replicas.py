@@ -109,14 +109,20 @@ def test_a_module_without_linear_layers_runs_whole_on_worker_0(
 def test_a_dead_worker_fails_the_call_as_infra_and_the_next_call_restarts_it(
     loop: asyncio.AbstractEventLoop, host: ServiceHost
 ) -> None:
-    """Killing worker 1 of a resident 2-GPU replica: the next call there is an
-    ``infra_error`` (not the handler's failure), and the call after that runs on new
-    workers with the same answer."""
+    """Killing worker 1 of a 2-GPU replica while worker 0 runs a call (before its forward
+    reaches a split layer): that call is an ``infra_error`` (not the handler's failure),
+    and the next call runs on new workers with the same answer."""
     first = loop.run_until_complete(host.call("m", (2, 3), X, 60))
     assert first.outcome == "ok"
     victim = replica(host, "m", (2, 3))["workers"][1]["pid"]
-    os.kill(victim, signal.SIGKILL)
-    lost = loop.run_until_complete(host.call("m", (2, 3), X, 60))
+
+    async def kill_during_a_call() -> Any:
+        call = asyncio.ensure_future(host.call("m", (2, 3), {**X, "sleep": 1.0}, 60))
+        await asyncio.sleep(0.3)  # worker 0 is in the handler's sleep
+        os.kill(victim, signal.SIGKILL)
+        return await call
+
+    lost = loop.run_until_complete(kill_during_a_call())
     assert lost.outcome == "infra_error", lost
     again = loop.run_until_complete(host.call("m", (2, 3), X, 60))
     assert again.outcome == "ok" and again.result is not None and first.result is not None
