@@ -242,7 +242,8 @@ def test_evictions_and_restores_run_on_the_node_that_holds_the_gpus(
 ) -> None:
     """Three services take turns on node g's one GPU, called through node c (no GPUs):
     each call evicts the one resident before it there and restores its own, and every
-    answer is right (all the weights came back); the restore time is the node's."""
+    answer is right (all the weights came back); the restore time is the node's. A new
+    speed-up table (`service.set_eff`) reaches the node, which keeps the replica resident."""
     coord = here.coordinator(COORDINATOR)
     c_node = here.node(coord, "c")
     g = here.node(coord, "g", config=NODE)
@@ -258,7 +259,11 @@ def test_evictions_and_restores_run_on_the_node_that_holds_the_gpus(
                 assert r.node == "g" and r.gpus == (0,), r
                 assert r.restore_s > 0.0, r  # the one before it held the GPU
         assert c.call("large", {"x": 0.5}).restore_s == 0.0  # resident: no restore
-        wait_for(lambda: sum(row["calls"] for row in rows(c).values()) == 7, 30, "the rows")
+        # a new speed-up table reaches the node, which keeps the replica as it is
+        assert c.request("service.set_eff", {"name": "large", "eff": "1:1"})["eff"] == "1:1"
+        assert c.call("large", {"x": 0.5}).restore_s == 0.0
+        assert '"service_removed"' not in g.log()
+        wait_for(lambda: sum(row["calls"] for row in rows(c).values()) == 8, 30, "the rows")
         listed = rows(c)
         assert sum(row["evictions"] for row in listed.values()) == 5, listed
         assert [row["restores"] for row in listed.values()] == [2, 2, 2], listed

@@ -937,8 +937,9 @@ class NodeAgent:
         error, code, info = None, "bad_request", None
         try:
             known = next((s for s in host.specs() if s.name == spec.name), None)
-            if known is not None and known != spec:  # registered afresh while away
-                await host.remove(spec.name)
+            if known is not None and dataclasses.replace(known, eff=spec.eff) != spec:
+                await host.remove(spec.name)  # registered afresh while this node was away
+            # (a new eff alone, service.set_eff, is kept by register as it is)
             elif known is not None and reset:
                 await self._evict_all(host, spec.name)
             info = await host.register(spec, persist=False)
