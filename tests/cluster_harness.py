@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -53,6 +53,8 @@ __all__ = [
     "InProcessDaemon",
     "check_clean",
     "node_row",
+    "off_the_table",
+    "record_links",
     "spawn_coordinator",
     "spawn_node",
     "stop_all",
@@ -83,6 +85,42 @@ def check_clean(*daemons: AnyDaemon) -> None:
         for text in texts:
             assert "Traceback" not in text, text
             assert "invariant_violated" not in text, text
+
+
+def record_links(monkeypatch: Any, *, deferred: bool = True) -> list[dict[str, Any]]:
+    """Every message any link sends (``Link.send``; with ``deferred``, ``Link.defer`` too)
+    until ``monkeypatch`` (the test's) undoes it, in order."""
+    from tangramd.cluster.link import Link
+
+    seen: list[dict[str, Any]] = []
+    send, defer = Link.send, Link.defer
+
+    def record_send(self: Link, msg: Mapping[str, Any]) -> bool:
+        seen.append(dict(msg))
+        return send(self, msg)
+
+    def record_defer(self: Link, msg: Mapping[str, Any]) -> bool:
+        seen.append(dict(msg))
+        return defer(self, msg)
+
+    monkeypatch.setattr(Link, "send", record_send)
+    if deferred:
+        monkeypatch.setattr(Link, "defer", record_defer)
+    return seen
+
+
+def off_the_table(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Why each of ``messages`` fails the link table's full check (types included)."""
+    from tangram.protocol.errors import BadRequest
+    from tangram.protocol.link import check_message
+
+    bad = []
+    for msg in messages:
+        try:
+            check_message(msg)
+        except BadRequest as exc:
+            bad.append(f"{exc}: {str(msg)[:200]}")
+    return bad
 
 
 @contextlib.contextmanager

@@ -24,6 +24,8 @@ from cluster_harness import (
     InProcessCluster,
     InProcessDaemon,
     check_clean,
+    off_the_table,
+    record_links,
     stop_all,
     wait_node_state,
 )
@@ -31,10 +33,9 @@ from cluster_harness import (
 from tangram import Client
 from tangram.client import CallResult
 from tangram.protocol.errors import BadRequest
-from tangram.protocol.link import check_message
 from tangram.testing import wait_for
 from tangramctl.main import cli
-from tangramd.cluster.link import Link, split_host_port
+from tangramd.cluster.link import split_host_port
 
 SERVICES = Path(__file__).parent / "data" / "services"
 sys.path.insert(0, str(SERVICES))
@@ -99,20 +100,7 @@ def replicas(c: Client, name: str, state: str = "resident") -> list[tuple[str, l
 @pytest.fixture
 def sent_on_links(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """Every message any link sends or defers during the test, in order."""
-    seen: list[dict[str, Any]] = []
-    send, defer = Link.send, Link.defer
-
-    def record_send(self: Link, msg: Mapping[str, Any]) -> bool:
-        seen.append(dict(msg))
-        return send(self, msg)
-
-    def record_defer(self: Link, msg: Mapping[str, Any]) -> bool:
-        seen.append(dict(msg))
-        return defer(self, msg)
-
-    monkeypatch.setattr(Link, "send", record_send)
-    monkeypatch.setattr(Link, "defer", record_defer)
-    return seen
+    return record_links(monkeypatch)
 
 
 @pytest.fixture
@@ -204,12 +192,7 @@ def test_services_are_registered_on_the_coordinator_and_called_through_any_node(
     for node in (a, b):
         wait_for(lambda node=node: '"service_removed"' in node.log(), 10, "the removal")
     finish(d)
-    bad = []
-    for msg in sent_on_links:
-        try:
-            check_message(msg)
-        except BadRequest as exc:
-            bad.append(f"{exc}: {str(msg)[:200]}")
+    bad = off_the_table(sent_on_links)
     assert not bad, "\n".join(bad)
     assert {msg["t"] for msg in sent_on_links} >= GPU_MESSAGES
 

@@ -13,14 +13,14 @@ import socket
 import ssl
 import time
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 from unittest.mock import MagicMock
 
 import pytest
-from cluster_harness import InProcessCluster
+from cluster_harness import InProcessCluster, off_the_table, record_links
 from structlog.testing import capture_logs
 
 from tangram import Client
@@ -37,7 +37,6 @@ from tangram.protocol.link import (
 from tangram.testing import wait_for
 from tangramd.backends.base import Backend
 from tangramd.cluster import coordinator, node
-from tangramd.cluster.link import Link
 
 ROOT = Path(__file__).resolve().parent.parent
 # what a node with GPUs and the coordinator exchange about services (test_cluster_services)
@@ -481,19 +480,7 @@ def test_real_link_traffic_matches_the_table(
     """Every message a real coordinator and node exchange (a join, execs, transfers, a
     session and its interrupt, a cancel, a goodbye) passes the table's full check, types included;
     together they use every message but the two that turn a join down."""
-    seen: list[dict[str, Any]] = []
-    send, defer = Link.send, Link.defer
-
-    def record_send(self: Link, msg: Mapping[str, Any]) -> bool:
-        seen.append(dict(msg))
-        return send(self, msg)
-
-    def record_defer(self: Link, msg: Mapping[str, Any]) -> bool:
-        seen.append(dict(msg))
-        return defer(self, msg)
-
-    monkeypatch.setattr(Link, "send", record_send)
-    monkeypatch.setattr(Link, "defer", record_defer)
+    seen = record_links(monkeypatch)
     with InProcessCluster(tmp_path) as here:
         coord = here.coordinator(LINK_CONFIG)
         a = here.node(coord, "a")
@@ -521,12 +508,7 @@ def test_real_link_traffic_matches_the_table(
             with pytest.raises(NotFound):
                 c.request("env.get", {"id": "no-such-env", "path": "f.txt"})
         here.stop_all()
-    bad = []
-    for msg in seen:
-        try:
-            check_message(msg)
-        except BadRequest as exc:
-            bad.append(f"{exc}: {str(msg)[:200]}")
+    bad = off_the_table(seen)
     assert not bad, "\n".join(bad)
     unseen = set(LINK_MESSAGES) - {msg["t"] for msg in seen}
     # a join turned down: test_cluster*.py; the GPU services' messages (a node with GPUs):
@@ -537,15 +519,7 @@ def test_real_link_traffic_matches_the_table(
 @pytest.fixture
 def sent_on_links(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """Every message any link sends during the test (``Link.send``), in order."""
-    seen: list[dict[str, Any]] = []
-    send = Link.send
-
-    def record_send(self: Link, msg: Mapping[str, Any]) -> bool:
-        seen.append(dict(msg))
-        return send(self, msg)
-
-    monkeypatch.setattr(Link, "send", record_send)
-    return seen
+    return record_links(monkeypatch, deferred=False)
 
 
 def test_an_exec_input_crosses_the_link_once(
