@@ -1161,6 +1161,7 @@ def service_list(ctl: Ctl, as_json: bool) -> None:
         flat = [
             {
                 **{k: row.get(k) for k in ("name", "runtime", "mem_gb", "gpus", "calls")},
+                "eff": row.get("eff") or "-",
                 "warm": f"{row.get('warm', 0)}/{row.get('min_resident', 0)}",
                 "batched": f"{row.get('batched_calls', 0)}/{row.get('batches', 0)}",
                 "restores": row.get("restores"),
