@@ -42,6 +42,8 @@ GPU_TAGS = ("teacher", "reward")
 TANGRAMS = ("tangram", "tangram-wait", "tangram-paper")
 SHAPES = {"4x1": (4, 1), "2x2": (2, 2), "1x4": (1, 4)}  # replicas x GPUs per service
 SKEWS = (1.0, 10.0, 1000.0)
+# (c): tangram's GPU counts, 4 to 40: whole 8-GPU nodes plus a node of 1, 2 or 4 GPUs
+SWEEP = sorted({4} | {g for k in range(1, 6) for r in (0, 1, 2, 4) if (g := 8 * k + r) <= 40})
 MAX_BATCH = 64  # calls one replica batches (SGLang's running requests, assumed for prefill)
 # a full batch's throughput per GPU over one call alone on one GPU: 1 = the service time
 # model's own (batching only removes the multi-GPU loss E(g)); 2 = assumed batching gain
@@ -72,7 +74,7 @@ def main() -> None:
     ap.add_argument("--baselines-only", action="store_true", help="only table (c)")
     ap.add_argument("--skews", default=",".join(f"{s:g}" for s in SKEWS))
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--sweep", default=",".join(str(g) for g in range(4, 41, 4)))
+    ap.add_argument("--sweep", default=",".join(map(str, SWEEP)))
     ap.add_argument("--batch", type=int, default=1024, help="(c): RL batch size")
     ap.add_argument("--workload", default="mopd+search", help="(c): mopd+search or mopd")
     ap.add_argument("--max-batch", type=int, default=MAX_BATCH)
