@@ -41,11 +41,12 @@ SERVICES = Path(__file__).parent / "data" / "services"
 sys.path.insert(0, str(SERVICES))
 from tiny_services import expected  # noqa: E402  # the services' own formula, without torch
 
-HEARTBEAT_TIMEOUT_S = 2.0
-COORDINATOR = f"""
+HEARTBEAT_TIMEOUT_S = 2.0  # the tests that lose a node; the others keep the default 10 s
+COORDINATOR = """
 [sched]
 coalesce_ms = 1.0
-
+"""
+LOSES_NODES = f"""{COORDINATOR}
 [cluster]
 heartbeat_s = 0.1
 heartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S}
@@ -266,7 +267,7 @@ def test_a_node_killed_mid_call_fails_its_call_and_the_next_call_restores_elsewh
     counters stay), and the service's next call restores a replica on the other node,
     with the right answer, at that node's restore-time estimate (its h2d bandwidth)."""
     fast = NODE.replace("h2d_gbps = 1", "h2d_gbps = 2")
-    coord = here.coordinator(COORDINATOR)
+    coord = here.coordinator(LOSES_NODES)
     a = here.node(coord, "a", config=NODE)
     b = here.node(coord, "b", config=fast)
     with coord.client(timeout_s=120) as c:
@@ -350,7 +351,7 @@ def test_a_node_back_after_it_was_lost_restores_afresh(here: InProcessCluster) -
     """A node cut off past the heartbeat timeout is lost (its replica leaves the pool); when
     its link is back it joins afresh and evicts what it still held, so the pool and the
     node agree: a call placed there restores again and answers right."""
-    coord = here.coordinator(COORDINATOR)
+    coord = here.coordinator(LOSES_NODES)
     proxy = FaultProxy(split_host_port(coord.join["coordinator"]))
     try:
         far = here.node(coord, "far", config=NODE, address=proxy.start())
