@@ -236,7 +236,9 @@ def test_every_op_answers_through_a_node_as_documented(cluster: dict[str, InProc
             c.request("call", {"name": "s", "payload": {}})
         with pytest.raises(NotFound, match="not registered"):
             c.request("service.remove", {"name": "s"})
-        gpu_ops = ("service.register", "call", "service.remove", "env.fork")
+        with pytest.raises(NotFound, match="not registered"):
+            c.request("service.set_eff", {"name": "s", "eff": "1:1,2:1.8"})
+        gpu_ops = ("service.register", "call", "service.remove", "service.set_eff", "env.fork")
         local_only = ("cluster.join", "node.lost", "node.forget")
         for op in [o for o in OPS if o not in answers and o not in local_only + gpu_ops]:
             answers[op] = c.request(op, args.get(op, {}))
