@@ -1,10 +1,12 @@
 """Many RL jobs on one cluster (issue 34, Measure): fair share across jobs in the simulator.
 
 Usage: python bench/paper/tenancy.py [--json] [--seed N] [--repeat N] [--half-life H]
-       python bench/paper/tenancy.py --burst-seeds A-B [--json]
+       python bench/paper/tenancy.py --burst-seeds A-B [--even] [--json]
 
 ``--burst-seeds A-B``: only the burst scenario, A alone and with fair share (no FCFS, no
-weight 1.5), once per seed A..B: how much A's p99 rise depends on its own draw.
+weight 1.5), once per seed A..B: how much A's p99 rise depends on its own draw. With
+``--even``, A's trajectories arrive evenly spaced at the same rate, with the same calls:
+its load is 50% of the cluster in every window, not a Poisson draw.
 
 ``--half-life H``: the fair-share runs count each job's decayed usage (``[sched]
 share_half_life_s = H``, docs/design.md §4.10) instead of the units it holds now (0).
@@ -209,9 +211,12 @@ def offered_load(trajs: list[Trajectory], start: float, end: float) -> float:
     return work / (end - start) / CORES
 
 
-def burst(seed: int, full: bool = True, a_weight: float = 1.0) -> dict[str, Any]:
+def burst(
+    seed: int, full: bool = True, a_weight: float = 1.0, even: bool = False
+) -> dict[str, Any]:
     """``full`` False: A alone and with fair share only (``--burst-seeds``); ``a_weight``:
-    A's weight in that fair-share run (B's is 1)."""
+    A's weight in that fair-share run (B's is 1); ``even``: A's trajectories arrive evenly
+    spaced at the same rate (the same calls otherwise): its load is 50% in every window."""
     rng = random.Random(seed)
     mean_work = 3 * 10.0  # 3 calls of U(4, 16)
     a_rate = 0.5 * CORES / mean_work
@@ -220,6 +225,8 @@ def burst(seed: int, full: bool = True, a_weight: float = 1.0) -> dict[str, Any]
         traj(f"A{i}", "A", t, [rng.uniform(4, 16) for _ in range(3)], 1.0)
         for i, t in enumerate(poisson(rng, a_rate, 0.0, A_END_S))
     ]
+    if even:
+        a = [dataclasses.replace(t, arrival_s=round(i / a_rate, 3)) for i, t in enumerate(a)]
     b = [
         traj(f"B{i}", "B", t, [rng.uniform(4, 16) for _ in range(3)], 1.0)
         for i, t in enumerate(poisson(rng, b_rate, *BURST_S))
@@ -238,6 +245,7 @@ def burst(seed: int, full: bool = True, a_weight: float = 1.0) -> dict[str, Any]
     head = {
         "scenario": "burst",
         "seed": seed,
+        "a_arrivals": "even" if even else "poisson",
         "a_load_burst": round(offered_load(a, *BURST_S), 4),
         "a_load_contended": round(offered_load(a, BURST_S[0], A_END_S), 4),
         "b_last_start_s": round(max(r.start_s for r in by_tag(fair, "B")), 1),
@@ -357,6 +365,11 @@ def main() -> None:
         metavar="A-B",
         help="only the burst scenario (A alone, and with fair share), for seeds A..B",
     )
+    ap.add_argument(
+        "--even",
+        action="store_true",
+        help="with --burst-seeds: A's trajectories arrive evenly spaced (50%% load throughout)",
+    )
     args = ap.parse_args()
     global HALF_LIFE_S
     HALF_LIFE_S = args.half_life
@@ -364,7 +377,7 @@ def main() -> None:
     if args.burst_seeds:
         lo, _, hi = args.burst_seeds.partition("-")
         seeds = range(int(lo), int(hi or lo) + 1)
-        rows = [burst(seed, full=False) for seed in seeds]
+        rows = [burst(seed, full=False, even=args.even) for seed in seeds]
         if args.json:
             print(json.dumps({"share_half_life_s": HALF_LIFE_S, "burst_seeds": rows}))
             return
