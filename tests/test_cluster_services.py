@@ -218,6 +218,29 @@ def test_a_module_that_fails_on_a_node_fails_the_registration_everywhere(
     finish(d)
 
 
+def test_a_cold_call_is_placed_on_the_node_that_restores_it_fastest(
+    here: InProcessCluster,
+) -> None:
+    """Node a joins first (the lowest GPU ids) with a slower copy bandwidth (`[gpu]
+    simulated` h2d_gbps, reported in its hello) than node b: the first call of a service,
+    resident nowhere, restores on b, the node whose own estimate is quicker (the story
+    gives b's estimate); once resident there, the next call stays on b."""
+    slow = NODE.replace("h2d_gbps = 1", "h2d_gbps = 0.25")
+    coord = here.coordinator(COORDINATOR)
+    a = here.node(coord, "a", config=slow)
+    b = here.node(coord, "b", config=NODE)
+    with coord.client(timeout_s=120) as c:
+        register(c, "s", "small")
+        out = ctl(coord, "call", "s", "--json", "--", json.dumps({"x": 2.0}))
+        assert out["outcome"] == "ok" and out["result"]["y"] == want("small", 2.0), out
+        assert out["node"] == "b" and out["gpus"] == [0] and out["restore_s"] > 0.0, out
+        story = json.dumps(c.story(out["action_id"]))
+        assert f"restore onto node=b gpus=[0] est_s={0.06 / 1:.3g}" in story, story
+        again = c.call("s", {"x": 3.0})
+        assert again.node == "b" and again.restore_s == 0.0, again
+    finish({"coordinator": coord, "a": a, "b": b})
+
+
 # ---------------------------------------------------------------------- evict and restore
 
 

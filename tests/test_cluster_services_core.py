@@ -91,7 +91,8 @@ def test_a_gpu_node_keeps_its_slot_and_the_others_keep_their_ids() -> None:
 
 def test_a_call_goes_to_the_node_that_holds_its_gpus() -> None:
     """A call is placed on a joined node's GPUs and sent there with the node's local GPU
-    ids and a restore timed at that node's bandwidth; with no node, a registration is
+    ids and a restore timed at that node's bandwidth (resident nowhere: the node that
+    restores it fastest, b, not the first to join); with no node, a registration is
     refused and a call is unschedulable."""
     core = coordinator_core(SMALL)
     (reply,) = core.handle(ev.SubmitCall(spec=CallSpec("s", {}), token=1), 0.0)
@@ -103,15 +104,15 @@ def test_a_call_goes_to_the_node_that_holds_its_gpus() -> None:
     assert gpus_join(core, "b", h2d=2e9) == []
     gpus_join(core, "b", h2d=2e9)  # back within the timeout: as it was
     (run,) = call(core, 2)
-    assert isinstance(run, ev.RunCall) and (run.node, run.gpus) == ("a", (0,))
+    assert isinstance(run, ev.RunCall) and (run.node, run.gpus) == ("b", (0,))
     story = str(core.read.story(run.action_id, 0.0))
-    assert "restore onto node=a gpus=[0] est_s=0.06" in story
-    assert core.read.call_node(run.action_id) == "a"
-    assert core.read.node_work("a")["calls"] == [run.action_id]
+    assert "restore onto node=b gpus=[0] est_s=0.03" in story
+    assert core.read.call_node(run.action_id) == "b"
+    assert core.read.node_work("b")["calls"] == [run.action_id]
     (reply,) = core.handle(
         ev.CallFinished(action_id=run.action_id, outcome="ok", result={"y": 1}), 0.5
     )
-    assert reply.result["node"] == "a" and reply.result["gpus"] == [0]
+    assert reply.result["node"] == "b" and reply.result["gpus"] == [0]
 
 
 def test_a_lost_node_fails_its_calls_and_its_replicas_leave_the_pool() -> None:

@@ -386,6 +386,75 @@ def test_cluster_restore_reports_global_evictions() -> None:
     assert c.node("g1").resident(1) == (("b", 1),)
 
 
+def speeds(*h2d: float, mem: int = 80 * GB, **services: int) -> GpuCluster:
+    """Nodes g0, g1, ... with these bandwidth estimates (bytes/s per GPU)."""
+    nodes = [
+        GpuNodePool(f"g{i}", 8, mem_per_gpu=mem, h2d_bytes_per_s=rate) for i, rate in enumerate(h2d)
+    ]
+    return GpuCluster(nodes, {name: ServiceSpec(name, size) for name, size in services.items()})
+
+
+def test_a_cold_call_goes_to_the_node_that_restores_it_fastest() -> None:
+    """Nothing resident: the call lands on the node with the smallest restore time by its
+    own estimate (the one extra_cost prices it at), not on the lowest node; a node with no
+    room is passed over; a measured bandwidth that moves the estimates moves the choice."""
+    c = speeds(H2D, 4 * H2D, rm=40 * GB)
+    action = service_action("a", "rm")
+    assert c.extra_cost(action, 2) == pytest.approx(40 * GB / (4 * H2D * 2))  # g1's
+    assert c.pick_units([(action, 2)]) == [(8, 9)]
+    assert c.pick_units([(service_action("b", "rm"), 8)]) == [tuple(range(8, 16))]
+    # two at once: both prefer g1, which holds both
+    two = c.pick_units([(action, 4), (service_action("b", "rm"), 4)])
+    assert two == [(8, 9, 10, 11), (12, 13, 14, 15)]
+    # g1 full: g0 takes it
+    c.allocate(aid("big"), tuple(range(8, 16)))
+    assert c.pick_units([(action, 2)]) == [(0, 1)]
+    c.release(aid("big"))
+    # g1's measured restores come in slower than g0's estimate: g0 is the quicker now
+    for _ in range(20):
+        c.node("g1").observe_h2d(H2D / 2)
+    assert c.node("g1").h2d_bytes_per_s < c.node("g0").h2d_bytes_per_s
+    assert c.pick_units([(action, 2)]) == [(0, 1)]
+    c.validate()
+
+
+def test_a_resident_replica_beats_a_faster_node() -> None:
+    """The variant resident on the slow node: the call goes there (no restore at all)."""
+    c = speeds(H2D, 4 * H2D, rm=40 * GB)
+    c.allocate(aid("warm"), (4, 5))
+    assert c.restore_for(aid("warm"), "rm", tick=1).needed
+    c.release(aid("warm"))
+    action = service_action("a", "rm")
+    assert c.extra_cost(action, 2) == 0.0
+    assert c.pick_units([(action, 2)]) == [(4, 5)]
+    # another variant (4 GPUs) is resident nowhere: the fast node
+    assert c.pick_units([(action, 4)]) == [(8, 9, 10, 11)]
+
+
+def test_equal_estimates_choose_as_before_and_a_node_keeps_its_eviction_tie_breaks() -> None:
+    """Equal bandwidths: the smallest enclosing free chunk, then the lowest node, as
+    without the estimates; a slower node with that small chunk loses it to a faster one.
+    Within the chosen node, the chunk whose memory takes the shard without evicting wins."""
+    for h2d_g1, want in ((H2D, (15,)), (H2D / 2, (0,))):
+        c = speeds(H2D, h2d_g1, rm=40 * GB)
+        c.allocate(aid("x"), tuple(range(8, 12)))  # g1: only GPU 15 left free
+        c.allocate(aid("y"), (12, 13))
+        c.allocate(aid("z"), (14,))
+        assert c.pick_units([(service_action("a", "rm"), 1)]) == [want]
+    # memory pressure on the fast node: it still takes the call, on GPUs with room
+    c = speeds(H2D, 4 * H2D, mem=50 * GB, a=40 * GB, b=40 * GB)
+    c.allocate(aid("w"), (8,))
+    c.restore_for(aid("w"), "a", tick=1)
+    c.release(aid("w"))
+    assert c.pick_units([(service_action("b", "b"), 1)]) == [(12,)]
+    # the same pools at equal bandwidths: the lowest node, as before
+    same = speeds(H2D, H2D, mem=50 * GB, a=40 * GB, b=40 * GB)
+    same.allocate(aid("w"), (8,))
+    same.restore_for(aid("w"), "a", tick=1)
+    same.release(aid("w"))
+    assert same.pick_units([(service_action("b", "b"), 1)]) == [(0,)]
+
+
 def test_cluster_never_fits() -> None:
     """More GPUs than one node, unknown services and oversized shards never fit."""
     c = gpu_cluster(2, mem=40 * GB, small=GB, huge=8 * 50 * GB, wide=4 * 30 * GB)

@@ -3,8 +3,9 @@
 A chunk ``(start, size)`` has ``size = 2^a`` GPUs, ``a ∈ {0, 1, 2, 3}``, and ``start`` divisible
 by ``size``. Taking a chunk splits the free chunk around it buddy-wise; giving one back merges
 it with its free buddy upwards. ``choose_chunk`` picks where a request lands across nodes,
-preferring GPUs where the requested service variant is already resident, then, among
-equally good chunks, GPUs whose memory holds it without evicting anything.
+preferring GPUs where the requested service variant is already resident, then the node
+that restores it quickest, then, among equally good chunks, GPUs whose memory holds it
+without evicting anything.
 
 Pure: no I/O, no clock. ``split``/``merge`` are ``O(log g)``; ``choose_chunk`` is ``O(g)`` per
 node for ``g`` GPUs.
@@ -121,28 +122,34 @@ def choose_chunk(
     nodes: Sequence[tuple[BuddyChunks, ResidentScore | None]],
     size: int,
     evicts: Sequence[EvictScore | None] = (),
+    restore_s: Sequence[float] = (),
 ) -> tuple[int, int] | None:
     """``(node index, start)`` of the chunk of ``size`` GPUs to take, or None if none is free.
 
     A fully resident aligned chunk inside any free chunk wins (smallest enclosing free chunk,
-    then node, then start). Otherwise the smallest enclosing free chunk, more resident GPUs,
-    fewer evictions (``evicts[i]`` scores node ``i``; none given: no eviction anywhere),
-    node, start; then split towards the half with more resident GPUs, and between halves
-    as resident, towards the one where the shard fits without evicting, then the one with
-    fewer GPUs that would evict (else the low one).
+    then node, then start). Otherwise the node whose restore is quickest (``restore_s[i]``:
+    node ``i``'s expected restore seconds; none given: the same everywhere), then the
+    smallest enclosing free chunk, more resident GPUs, fewer evictions (``evicts[i]``
+    scores node ``i``; none given: no eviction anywhere), node, start; then split towards
+    the half with more resident GPUs, and between halves as resident, towards the one where
+    the shard fits without evicting, then the one with fewer GPUs that would evict (else
+    the low one).
     """
     resident = fully_resident(nodes, size)
     if resident is not None:
         return resident
-    best: tuple[int, int, int, int, int] | None = None  # (outer, -score, evicts, node, start)
+    # (restore s, outer, -score, evicts, node, start)
+    best: tuple[float, int, int, int, int, int] | None = None
     for index, (buddy, score) in enumerate(nodes):
         if score is resident_nowhere:
             score = None  # scores 0 everywhere, as no score does
         cost = evicts[index] if index < len(evicts) else None
+        seconds = restore_s[index] if index < len(restore_s) else 0.0
         for start, outer in buddy.chunks():
             if outer < size:
                 continue
             key = (
+                seconds,
                 outer,
                 -(score(start, outer) if score else 0),
                 least_evictions(cost, start, outer, size),
@@ -153,7 +160,7 @@ def choose_chunk(
                 best = key
     if best is None:
         return None
-    outer, _, _, index, start = best
+    _, outer, _, _, index, start = best
     score = nodes[index][1]
     if score is resident_nowhere:
         score = None

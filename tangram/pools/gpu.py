@@ -19,10 +19,13 @@ Contract:
   (``remove_node``, a cluster node lost) without changing any other node's ids.
 - Chunk choice for a service (``buddy.choose_chunk``): a free aligned chunk where the variant
   is already resident wins (no restore; this is what ``extra_cost`` assumes); otherwise the
-  smallest free chunk that holds the request, preferring more resident GPUs of the variant,
-  then a chunk whose memory takes the shard without evicting another service (``evict_score``),
-  then the lowest node and start. Splitting descends into the half with more resident GPUs,
-  and between halves as resident into the one that evicts nothing.
+  node with the smallest expected restore time (``restore_time_s``, from that node's own
+  bandwidth estimate: ``extra_cost`` prices the call at the quickest node with room, and the
+  call goes there), then the smallest free chunk that holds the request, preferring more
+  resident GPUs of the variant, then a chunk whose memory takes the shard without evicting
+  another service (``evict_score``), then the lowest node and start. Splitting descends
+  into the half with more resident GPUs, and between halves as resident into the one that
+  evicts nothing.
 - Pure: no I/O, no clock; LRU order comes from caller-supplied integer ticks.
   Choosing a chunk is ``O(g)`` per node for ``g`` GPUs; eviction ``O(g·s)`` for ``s``
   resident services.
@@ -593,8 +596,10 @@ class GpuCluster:
 
         First in request order preferring chunks where the service is resident; if that
         splits a chunk a later request needed, the requests are packed residency-blind,
-        largest first, into the smallest fitting chunk, which always succeeds when the
-        ``ChunkOperator`` accepted them (buddy sizes divide each other).
+        largest first, into the smallest fitting chunk of the quickest node to restore them,
+        which always succeeds when the ``ChunkOperator`` accepted them (buddy sizes divide
+        each other: with the larger requests placed first, any free chunk that holds a
+        request leaves as much room for the smaller ones as any other).
         """
         picked = self._pick(requests, range(len(requests)), by_residency=True)
         if picked is None:
@@ -633,7 +638,7 @@ class GpuCluster:
                     if by_residency
                     else []
                 )
-                chosen = choose_chunk(scored, size, evicts)
+                chosen = choose_chunk(scored, size, evicts, self._restore_s(action, size))
             if chosen is None:
                 return None
             index, start = chosen
@@ -717,6 +722,14 @@ class GpuCluster:
         self, service: str | None, size: int
     ) -> list[tuple[BuddyChunks, ResidentScore | None]]:
         return [(node.buddy, node.resident_score(service, size)) for node in self._nodes]
+
+    def _restore_s(self, action: Action, size: int) -> list[float]:
+        """Each node's expected seconds to restore the action's service at ``size`` GPUs
+        (its own bandwidth estimate; evictions cost no time); empty for no service."""
+        spec = None if action.service is None else self._services.get(action.service)
+        if spec is None:
+            return []
+        return [node.restore_time_s(spec, size) for node in self._nodes]
 
     def _memory_fits(self, spec: ServiceSpec, dop: int) -> bool:
         return any(node.fits_memory(spec, dop) for node in self._nodes)
