@@ -2,11 +2,13 @@
 with the join token, answers what the test lets it answer and never the rest. Every
 coordinator->node request it leaves unanswered ends within `[cluster]
 node_request_timeout_s` (`infra_error` for what the client waits on) and the node is
-drained as suspect; an exec it said it started has its own timeout plus that grace."""
+drained as suspect; an exec it said it started has its own timeout plus that grace, and
+a service call its timeout plus `[gpu] restore_timeout_s` plus that grace."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -25,16 +27,22 @@ from tangramd.cluster.pki import client_context
 
 TIMEOUT_S = 1.0
 CONFIG = f"[cluster]\nnode_request_timeout_s = {TIMEOUT_S}\nheartbeat_timeout_s = 60.0\n"
+RESTORE_TIMEOUT_S = 0.5
+GPU_CONFIG = f"{CONFIG}[gpu]\nrestore_timeout_s = {RESTORE_TIMEOUT_S}\n"
+ONE_GPU = [{"mem_bytes": 1 << 30, "h2d_bytes_per_s": 1e9, "simulated": True}]
 
 
 class RogueNode:
     """A node of its own making on its own loop: it answers ``create_env`` (so that the
     client has an environment there), heartbeats, and whatever ``answers`` lets it:
-    ``exec_started`` (say each exec started, never that it ended), ``open_session``;
-    everything else it receives is only recorded."""
+    ``exec_started`` (say each exec started, never that it ended), ``open_session``,
+    ``run_call`` (answer each call ``ok``); with ``gpus`` it says each ``load_service``
+    loaded. Everything else it receives is only recorded."""
 
-    def __init__(self, join: dict[str, Any], name: str = "rogue") -> None:
-        self.join, self.name = join, name
+    def __init__(
+        self, join: dict[str, Any], name: str = "rogue", gpus: list[dict[str, Any]] | None = None
+    ) -> None:
+        self.join, self.name, self.gpus = join, name, gpus or []
         self.answers: set[str] = set()
         self.received: list[dict[str, Any]] = []
         self.link: Link | None = None
@@ -64,7 +72,7 @@ class RogueNode:
             version=__version__,
             cores_by_numa=[[0]],
             mem_bytes=1 << 30,
-            gpus=[],
+            gpus=self.gpus,
             backend="process",
             envs=[],
             running=[],
@@ -98,6 +106,11 @@ class RogueNode:
         elif kind == "open_session" and "open_session" in self.answers:
             sid = msg["session_id"]
             link.send(make_message("session_opened", key=f"so:{sid}", session_id=sid))
+        elif kind == "load_service" and self.gpus:
+            name = msg["spec"]["name"]
+            link.send(make_message("service_loaded", key=f"sl:{name}", name=name, info={}))
+        elif kind == "run_call" and "run_call" in self.answers:
+            link.send(call_done(msg["action_id"], {"y": 1.0}))
 
     def close(self) -> None:
         async def stop() -> None:
@@ -112,6 +125,20 @@ class RogueNode:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         self.loop.close()
+
+
+def call_done(action_id: str, result: dict[str, Any]) -> dict[str, Any]:
+    """A node's ``call_done`` for a call that answered ``result``."""
+    return make_message(
+        "call_done",
+        key=f"cd:{action_id}",
+        action_id=action_id,
+        outcome="ok",
+        result=result,
+        exec_s=0.01,
+        restore_s=0.0,
+        batch=1,
+    )
 
 
 @pytest.fixture
@@ -202,3 +229,50 @@ def test_session_open_and_close_the_node_never_answers(cluster):
         c.env_close(env)
         assert "did not answer remove_env" in coord.log()
         assert not [r for r in c.request("env.list", {})["envs"] if r["id"] == env]
+
+
+def test_a_call_the_node_never_answers_fails_infra_error_and_frees_its_gpu(tmp_path):
+    """run_call swallowed by a node with a GPU: the call ends `infra_error` naming the node
+    once its timeout plus `[gpu] restore_timeout_s` plus node_request_timeout_s have
+    passed, not before; the node is drained as suspect; the GPU is free again in the pool
+    (the next call is placed on it, and answered); the late `call_done` of the first call
+    is acknowledged and changes nothing."""
+    coord = spawn_coordinator(tmp_path / "c", GPU_CONFIG)
+    rogue = None
+    try:
+        rogue = RogueNode(coord.join, gpus=ONE_GPU)
+        wait_for(lambda: _state(coord) == "ready", 20, "the rogue node joined")
+        with Client(coord.socket) as c:
+            c.service_register("s", mem_gb=0.1, entry="tiny_services:small", path=str(tmp_path))
+            started = time.monotonic()
+            res = c.call("s", {"x": 1.0}, timeout_s=1.5)
+            took = time.monotonic() - started
+            limit = 1.5 + RESTORE_TIMEOUT_S + TIMEOUT_S
+            assert res.outcome == "infra_error", res
+            assert f"node rogue did not answer run_call for call {res.action_id}" in (
+                res.error or ""
+            ), res
+            assert f"within {limit:.3g} s" in (res.error or ""), res
+            assert limit <= took < 20, took
+            assert node_row(coord, "rogue")["state"] == "draining"
+            (first,) = rogue.kinds("run_call")
+            assert first["action_id"] == res.action_id and first["gpus"] == [0]
+            # the GPU went back to the pool: the next call is placed on it and answered
+            rogue.answers.add("run_call")
+            again = c.call("s", {"x": 2.0}, timeout_s=1.5)
+            assert again.outcome == "ok" and again.result == {"y": 1.0}, again
+            assert again.node == "rogue" and again.gpus == (0,), again
+            # the first call's answer, late: acknowledged, and the call stays as it ended
+            rogue.send(call_done(res.action_id, {"y": 2.0}))
+            wait_for(
+                lambda: any(m.get("key") == f"cd:{res.action_id}" for m in rogue.kinds("ack")),
+                10,
+                "the late call_done acknowledged",
+            )
+            story = json.dumps(c.story(res.action_id))
+            assert "did not answer run_call" in story and '"y": 2.0' not in story, story
+            assert "node_suspect" in coord.log()
+    finally:
+        if rogue is not None:
+            rogue.close()
+        stop_all([coord])

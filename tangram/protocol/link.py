@@ -413,7 +413,9 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "carry out the gpu pool's restore plan on the node's GPUs (the evictions, then"
             " the restore, which the pool timed with the node's restore bandwidth) and run"
             " the call there, its riders in the same forward pass; the node answers one"
-            " `call_done` per call, the riders' first",
+            " `call_done` per call, the riders' first, within the call's `timeout_s` plus"
+            " `[gpu] restore_timeout_s` plus `[cluster] node_request_timeout_s`, else each"
+            " call left fails `infra_error` (its GPUs freed) and the node is drained as suspect",
             (
                 Arg("action_id", ID, True, "the call that holds the GPUs"),
                 _SERVICE,

@@ -95,10 +95,12 @@ class CoordinatorExecutor(Executor):
         pki: CoordinatorPki | None,
         handlers: OpHandlers,
         services: ClusterServices | None = None,
+        restore_timeout_s: float = 600.0,
         **server_options: Any,
     ) -> None:
         """``services``: the GPU service registrations (default: none declared, kept in
-        ``state_dir``)."""
+        ``state_dir``); ``restore_timeout_s`` (``[gpu] restore_timeout_s``): what a node's
+        restore may take, part of a call's deadline (``RemoteEffects``)."""
         store = Store(state_dir)
         # the core's commands go to the nodes (each to the node holding its environment,
         # or its GPUs)
@@ -107,6 +109,7 @@ class CoordinatorExecutor(Executor):
             lambda cmd: self._reply_on_node(cmd),
             lambda cmd: self._put_on_node(cmd),
             request_timeout_s=cluster.node_request_timeout_s,
+            restore_timeout_s=restore_timeout_s,
             overdue=lambda node, why: self._suspect(node, why),
             services=services or ClusterServices(state_dir),
             gpu_nodes=lambda: self._gpu_nodes(),
@@ -448,6 +451,7 @@ class CoordinatorExecutor(Executor):
                 self.feed(ev.ExecFinished(action_id, ExecResult("infra_error", detail=detail)))
         for action_id in work["calls"]:  # a run_call (or its call_done) lost with the link
             if action_id not in running and f"cd:{action_id}" not in pending:
+                self.remote.answered(f"cl:{action_id}")  # (ended here: no deadline left)
                 detail = f"node {node} lost track of the call while its link was down"
                 self.feed(ev.CallFinished(action_id, outcome="infra_error", error=detail))
         for kill in work["killing"]:  # a cancel_exec may have been lost with the link
@@ -573,7 +577,9 @@ class CoordinatorExecutor(Executor):
     def _on_call_done(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         check_message(msg)  # (its outcome, times and batch go to the core as they are)
         action_id = str(msg["action_id"])
-        if self.core.read.call_node(action_id) == rec.name:  # not ended already (node lost)
+        self.remote.answered(f"cl:{action_id}")
+        # not ended already (node lost, or past its deadline), and this node's
+        if self.core.read.call_node(action_id) == rec.name:
             result, h2d = msg.get("result"), msg.get("h2d_bytes_per_s")
             self.feed(
                 ev.CallFinished(

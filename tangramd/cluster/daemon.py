@@ -125,6 +125,7 @@ def build_coordinator(
         handlers=ops,
         operator_uids=config.daemon.operator_uids,
         services=ClusterServices(config.daemon.state_dir, declared),
+        restore_timeout_s=config.gpu.restore_timeout_s,
         **server_options(config),
     )
 

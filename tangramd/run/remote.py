@@ -61,7 +61,7 @@ FETCH_GRACE_S = 30.0
 class _Owed:
     """An answer a node owes (see :meth:`RemoteEffects._watch_answer`): ``what`` names the
     request for the error; an exec's ``run_s`` bounds its run once the node has said it
-    started (None: no bound, its spec has no timeout)."""
+    started (None: no bound, its spec has no timeout); a call's is its whole deadline."""
 
     __slots__ = ("deadline", "node", "run_s", "session", "started", "what")
 
@@ -105,6 +105,7 @@ class RemoteEffects:
         put_on_node: PutsOnNode,
         *,
         request_timeout_s: float = 60.0,
+        restore_timeout_s: float = 600.0,
         overdue: Callable[[str, str], None] = lambda node, why: None,
         services: ClusterServices | None = None,
         gpu_nodes: Callable[[], list[str]] = list,
@@ -116,11 +117,17 @@ class RemoteEffects:
         done), and ``overdue(node, why)`` is told (the coordinator drains it). A started
         exec has its own timeout plus ``request_timeout_s`` (plus ``FETCH_GRACE_S`` when it
         pulls its input) to end; past that it fails the same way and the node is told to
-        kill it. A late answer is dropped (the core has moved on)."""
+        kill it. A ``run_call`` has its ``timeout_s`` plus ``restore_timeout_s`` (``[gpu]
+        restore_timeout_s``: what the node's restore may take) plus ``request_timeout_s``
+        for each of its calls' ``call_done``; past that each call left fails
+        ``infra_error`` naming the node (the core releases its GPUs) and the node is
+        drained the same way. A late answer is dropped (the core has moved on)."""
         self._send = send
         self.request_timeout_s = request_timeout_s
+        self.restore_timeout_s = restore_timeout_s
         self._overdue = overdue
-        self._owed: dict[str, _Owed] = {}  # "x:<action>", "so:"/"sc:<session>", "r:<env>"
+        # "x:<action>" (an exec), "cl:<action>" (a call), "so:"/"sc:<session>", "r:<env>"
+        self._owed: dict[str, _Owed] = {}
         self._sweep: asyncio.TimerHandle | None = None
         self._late_sessions: dict[str, str] = {}  # opened past their deadline: id -> node
         self._creating: dict[str, asyncio.TimerHandle] = {}  # env id: its deadline
@@ -314,11 +321,13 @@ class RemoteEffects:
         what: str,
         run_s: float | None = None,
         session: str | None = None,
+        within_s: float | None = None,
     ) -> None:
-        """Expect the node's answer to ``key`` within ``request_timeout_s``. One timer
-        sweeps them all (an exec adds a map entry, not a timer of its own)."""
+        """Expect the node's answer to ``key`` within ``within_s`` (default
+        ``request_timeout_s``). One timer sweeps them all (an exec adds a map entry, not a
+        timer of its own)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.request_timeout_s
+        deadline = loop.time() + (self.request_timeout_s if within_s is None else within_s)
         self._owed[key] = _Owed(node, what, deadline, run_s, session)
         if self._sweep is None:
             self._sweep = loop.call_later(self._sweep_s(), self._sweep_owed)
@@ -385,12 +394,21 @@ class RemoteEffects:
             )
         elif kind == "x":
             why = f"node {node} did not acknowledge run_exec within {limit:g} s"
+        elif kind == "cl":
+            assert owed.run_s is not None
+            why = (
+                f"node {node} did not answer run_call for call {name} within"
+                f" {owed.run_s:.3g} s (its timeout_s, [gpu] restore_timeout_s and"
+                " [cluster] node_request_timeout_s)"
+            )
         else:
             why = f"node {node} did not answer {owed.what} within {limit:g} s"
         if kind == "x":
             kill = make_message("cancel_exec", action_id=name, session=owed.session)
             self._send(node, kill)  # in case it runs after all
             self._report(ev.ExecFinished(name, ExecResult("infra_error", detail=why)))
+        elif kind == "cl":  # the core releases its GPUs; a late call_done is dropped
+            self._report(ev.CallFinished(name, outcome="infra_error", error=why))
         elif kind == "so":
             self._late_sessions[name] = node
             self._report(ev.SessionOpened(session_id=name, error=why))
@@ -467,7 +485,9 @@ class RemoteEffects:
 
     def run_call(self, cmd: ev.RunCall) -> None:
         """To the node that holds the GPUs: it evicts, restores and calls, and answers
-        each call of the batch (``call_done``); not connected, every call fails."""
+        each call of the batch (``call_done``) within the call's ``timeout_s`` plus the
+        restore's and the request's grace (else it fails there: see ``__init__``); not
+        connected, every call fails."""
         msg = make_message(
             "run_call",
             action_id=cmd.action_id,
@@ -479,6 +499,10 @@ class RemoteEffects:
             riders=[[aid, dict(payload)] for aid, payload in cmd.riders] or None,
         )
         if self._send(cmd.node, msg):
+            limit = cmd.timeout_s + self.restore_timeout_s + self.request_timeout_s
+            for action_id in [*(aid for aid, _ in cmd.riders), cmd.action_id]:  # riders first
+                key = f"cl:{action_id}"
+                self._watch_answer(key, cmd.node, "run_call", run_s=limit, within_s=limit)
             return
         why = self._unreachable(cmd.node)
         batch = 1 + len(cmd.riders)
