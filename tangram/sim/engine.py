@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import heapq
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from tangram.model import Action, ActionId, Choices, EnvId, HistoryEstimator, Range
 from tangram.pools.api import ApiPool
@@ -46,6 +46,40 @@ from tangram.sim.trace import TraceAction, Trajectory
 DONE, POD_READY, RETRY, GEN_DONE, ARRIVE, WAKE, POD_BIND, BATCH_DONE = range(8)
 
 _SEQ = operator.attrgetter("seq")
+_V = TypeVar("_V")
+
+
+class _OnDemand(Mapping[str, _V]):
+    """A snapshot map built on demand: ``make(key)`` for a key of ``keys``, once. The pass
+    reads a pool's running actions and load only where it runs that pool's queue (a pool
+    with a queue and a free unit), not for every pool it could give a new trajectory to."""
+
+    __slots__ = ("_keys", "_make", "_got")
+
+    def __init__(self, keys: Collection[str], make: Callable[[str], _V]) -> None:
+        self._keys = keys
+        self._make = make
+        self._got: dict[str, _V] = {}
+
+    def __getitem__(self, key: str) -> _V:
+        got = self._got.get(key)
+        if got is None:
+            if key not in self._keys:
+                raise KeyError(key)
+            got = self._got[key] = self._make(key)
+        return got
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class Engine:
@@ -153,6 +187,10 @@ class Engine:
         # per CPU node: the runs queued on it since its queue last went into a pass (the
         # scheduler's never-fits check has not seen them)
         self._unchecked: dict[str, list[Run]] = {}
+        # the most free memory of a CPU node (-1: to be read again). Only the scheduler's
+        # placements and trajectory ends reserve and free it while trajectories wait
+        # node-less (the k8s baseline reserves its own, but sends none to the scheduler).
+        self._mem_most = -1
         self.meter = LoadMeter()  # recent offered load per CPU node, for the "priced" rule
         self._wakes: set[tuple[str, float]] = set()
         # baselines (set up in _build_steps once the trace is known)
@@ -246,6 +284,7 @@ class Engine:
         if pid is not None:
             self.envs_on[pid] -= 1
             self.cpu[pid].unreserve_mem(EnvId(tid))
+            self._mem_most = -1
             self.dirty.add(pid)  # memory freed: a new trajectory may fit now
         group = st.group
         self._left[group] -= 1
@@ -414,7 +453,10 @@ class Engine:
         nodeless = bool(unassigned)
         if unassigned:
             dirty = dirty | self._cpu_ids
-            if min(self._unassigned_mem) > max(n.mem_free for n in cpu.values()):
+            most = self._mem_most
+            if most < 0:  # memory was reserved or freed since it was last read
+                most = self._mem_most = max([n.mem_free for n in cpu.values()])
+            if min(self._unassigned_mem) > most:
                 # No node has the memory free for any of them: the scheduler gives none a
                 # node (tangram.sched.schedule._assign_nodes), so only those new since the
                 # last pass go in, for its never-fits check (a cluster's capacities do not
@@ -472,19 +514,24 @@ class Engine:
                 if also not in pools and also in all_pools:
                     pools[also] = all_pools[also]
         waiting.sort(key=_SEQ)
-        running = {pid: list(self.running[pid].values()) for pid in pools if pid not in full}
+        live = [pid for pid in pools if pid not in full]
+        on = self.running
+        meter, envs_on = self.meter, self.envs_on
         snap = Snapshot(
             waiting=waiting,
             pools=pools,
             affinity=self.affinity,
-            running=running,
+            running=_OnDemand(live, lambda pid: list(on[pid].values())),
             estimate=self.history.estimate,
             env_mem=self._env_mem,
-            load={
-                pid: self.meter.load(pid, now, self.envs_on.get(pid, 0))
-                for pid in pools
-                if pid in cpu and pid not in full
-            },
+            # A pool's load is read (and its window pruned) at the passes that run its
+            # queue, which include every pass where it starts an action (the meter's only
+            # sums): pruning lazily pops the same entries in the same order between two
+            # additions, so the loads read are the same as when every node was read.
+            load=_OnDemand(
+                [pid for pid in live if pid in cpu],
+                lambda pid: meter.load(pid, now, envs_on.get(pid, 0)),
+            ),
             jobs=self.jobs,
             held=self.held,
             totals=self.totals,
@@ -508,6 +555,7 @@ class Engine:
                 if not node.reserve_mem(EnvId(tid), need):
                     continue  # (not reached: the check above is reserve_mem's)
                 mem_free[pid] = free - need
+                self._mem_most = -1
                 self.affinity[tid] = pid
                 self.envs_on[pid] = self.envs_on.get(pid, 0) + 1
                 del unassigned[action.id]
