@@ -108,6 +108,7 @@ class CpuNodePool:
         self._held: dict[ActionId, tuple[int, ...]] = {}  # action -> its cores
         self.mem_total = mem_bytes
         self._mem: dict[EnvId, int] = {}  # environment -> reserved bytes
+        self._mem_used = 0  # sum of _mem's values (read every pass, per node: not summed)
 
     # ------------------------------------------------------------------ SchedPool
 
@@ -229,7 +230,7 @@ class CpuNodePool:
 
     @property
     def mem_reserved(self) -> int:
-        return sum(self._mem.values())
+        return self._mem_used
 
     @property
     def mem_free(self) -> int:
@@ -249,11 +250,14 @@ class CpuNodePool:
         if nbytes > self.mem_free:
             return False
         self._mem[env_id] = nbytes
+        self._mem_used += nbytes
         return True
 
     def unreserve_mem(self, env_id: EnvId) -> int:
         """Return an environment's memory; the bytes freed (0 if it reserved none)."""
-        return self._mem.pop(env_id, 0)
+        freed = self._mem.pop(env_id, 0)
+        self._mem_used -= freed
+        return freed
 
     def mem_of(self, env_id: EnvId) -> int | None:
         return self._mem.get(env_id)
@@ -268,6 +272,7 @@ class CpuNodePool:
                 seen.add(core)
         assert seen == set(self._holder), "core holders disagree with held cores"
         assert seen <= set(self._numa_of), "unknown core held"
+        assert self._mem_used == sum(self._mem.values()), "memory total out of date"
         assert self.mem_reserved <= self.mem_total, "memory over-reserved"
 
     def __repr__(self) -> str:

@@ -188,6 +188,10 @@ class Decision:
     # summed over the pools where greedy eviction had a choice (>= 2 elastic candidates)
     objective: float
     evicted: int  # elastic candidates sent back to the queue by greedy eviction
+    # the nodes given this pass to trajectories' first actions (action, pool id), placed
+    # or queued there (a driver that passes only some node-less actions checks with it
+    # that the memory left could not have gone to those it left out: tangram.sim.engine)
+    assigned: tuple[tuple[ActionId, str], ...] = ()
 
     def placed_ids(self) -> set[ActionId]:
         return {p.action_id for p in self.placements}
@@ -208,6 +212,7 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
     queues: dict[str, list[Action]] = {}
     new_nodes: set[ActionId] = set()
     unplaced_new: list[Action] = []
+    gave: list[tuple[ActionId, str]] = []  # Decision.assigned
     # per pool: the pool, its never_fits memo, its queue (None: no such pool)
     lanes: dict[str, tuple[SchedPool, dict[str, Shortfall | None], list[Action]] | None] = {}
     # read as a dict and a list (the daemon's and the benchmarks' types): compiled, their
@@ -277,6 +282,7 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
         for action, pid in assigned:
             joining.setdefault(pid, []).append(action)
             new_nodes.add(action.id)
+            gave.append((action.id, pid))
         rank: dict[ActionId, int] = {}
         if fair is not None:  # joiners go in fair-share order, not seq order
             rank = {a.id: i for i, a in enumerate(ordered)}
@@ -289,7 +295,7 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
 
     if joint:
         joined, objective, evicted = _schedule_joint(queues, new_nodes, snapshot, now, cfg)
-        return _decision(joined, everyone, infeasible, objective, evicted)
+        return _decision(joined, everyone, infeasible, objective, evicted, gave)
     placements: list[Placement] = []
     objective = 0.0
     evicted = 0
@@ -305,7 +311,7 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
             placements.append(
                 Placement(action.id, pid, amount, unit_ids, dur, action.id in new_nodes)
             )
-    return _decision(placements, everyone, infeasible, objective, evicted)
+    return _decision(placements, everyone, infeasible, objective, evicted, gave)
 
 
 def _decision(
@@ -314,12 +320,13 @@ def _decision(
     infeasible: list[Infeasible],
     objective: float,
     evicted: int,
+    gave: list[tuple[ActionId, str]],
 ) -> Decision:
     gone = {p.action_id for p in placements}  # placed or infeasible: not waiting
     for inf in infeasible:
         gone.add(inf.action_id)
     waiting = tuple([aid for a in everyone if (aid := a.id) not in gone])
-    return Decision(tuple(placements), waiting, tuple(infeasible), objective, evicted)
+    return Decision(tuple(placements), waiting, tuple(infeasible), objective, evicted, tuple(gave))
 
 
 def _extra_never(action: Action, pools: Mapping[str, SchedPool]) -> Shortfall | None:
@@ -473,6 +480,7 @@ def _assign_nodes(
     fit_sets: dict[tuple[str, int], set[int]] = {}  # the same, as sets (when not all)
     most_free = max(cores_free, default=0)
     at_most = cores_free.count(most_free)  # how many nodes have most_free cores free
+    most_mem = max(mem_free, default=0)  # every choice below needs the memory free
     # From _RANK_NODES nodes on, the nodes with a free core are kept in (memory load, index)
     # order, the order the choice below prefers; a node leaves when its last free core is
     # taken (no key amount is 0). Fewer: each choice scans them (cheaper there).
@@ -507,6 +515,8 @@ def _assign_nodes(
             )
             never.append(Infeasible(action.id, Shortfall("cpu", action.min_units, 0, cap, reason)))
             continue
+        if need_mem > most_mem:
+            continue  # no node has its memory free: it waits node-less (as below, sooner)
         at = -1  # k's place in ranked, when found there
         if len(fits_ever) == 1:  # one node it can ever fit: no choice to make
             k = fits_ever[0]
@@ -554,8 +564,12 @@ def _assign_nodes(
             total = mem_total[k]
             if rank and cores_free[k] > 0 and at < 0:  # in the ranking, chosen without it
                 at = _bisect_left(ranked, mem_used[k] / total if total else 1.0, k)
+            if mem_free[k] == most_mem:
+                most_mem = -1  # (read again below)
             mem_free[k] -= need_mem
             mem_used[k] += need_mem
+            if most_mem < 0:
+                most_mem = max(mem_free)
             cores = cores_free[k]
             left = cores - need
             cores_free[k] = left if left > 0 else 0
