@@ -9,7 +9,7 @@ from typing import Any
 
 from tangram.protocol.results import ExecSpec
 from tangramd import events as ev
-from tangramd.run.remote import OnNode, RemoteEffects
+from tangramd.run.remote import OnNode, PutOnNode, RemoteEffects
 
 
 def _remote(sent: list[tuple[str, dict[str, Any]]], on_node: OnNode, up: bool = True):
@@ -97,3 +97,52 @@ def test_the_executor_keeps_no_placement_for_execs_another_host_runs(tmp_path) -
     asyncio.run(place())
     assert [msg["t"] for _, msg in sent] == ["run_exec"]
     assert ex._placed == {}
+
+
+def test_a_call_batch_the_node_never_answers_fails_each_call_left() -> None:
+    """A run_call with riders: each call owes its call_done within the call's timeout plus
+    [gpu] restore_timeout_s plus the request grace; the one answered in time is not
+    failed, the others end infra_error naming the node (riders first, then the call that
+    holds the GPUs), and the node is reported overdue."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+    reported: list[ev.Event] = []
+    overdue: list[str] = []
+
+    def send(node: str, msg: dict[str, Any]) -> bool:
+        sent.append((node, msg))
+        return True
+
+    effects = RemoteEffects(
+        send,
+        lambda cmd: OnNode(),
+        lambda cmd: PutOnNode(),
+        request_timeout_s=0.05,
+        restore_timeout_s=0.05,
+        overdue=lambda node, why: overdue.append(node),
+    )
+    effects.bind(reported.append, lambda coro: None)
+    cmd = ev.RunCall(
+        action_id="c1",
+        service="s",
+        node="a",
+        gpus=(0,),
+        evicted=(),
+        payload={},
+        timeout_s=0.05,
+        riders=(("r1", {}), ("r2", {})),
+    )
+
+    async def go() -> None:
+        effects.run_call(cmd)
+        assert effects.answered("cl:r2")  # r2's call_done came in time
+        while len(reported) < 2:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+    assert [m["t"] for _, m in sent] == ["run_call"]
+    assert [getattr(e, "action_id", None) for e in reported] == ["r1", "c1"]
+    for done in reported:
+        assert isinstance(done, ev.CallFinished) and done.outcome == "infra_error"
+        assert f"node a did not answer run_call for call {done.action_id}" in (done.error or "")
+    assert set(overdue) == {"a"}
+    assert not effects.answered("cl:c1")  # a late answer finds nothing owed
