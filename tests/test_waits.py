@@ -207,14 +207,19 @@ def test_cli_env_open_timeout_exits_124_naming_the_memory(daemon, full):
 
 
 def test_gateway_requests_are_bounded_by_their_timeouts(daemon, full, tmp_path):
-    """POST /envs waits at most its timeout; run_code's run_timeout bounds its wait for
-    memory and the abandoned request never runs later."""
+    """POST /envs waits at most its timeout (then 504; any other refusal 502); run_code's
+    run_timeout bounds its wait for memory and the abandoned request never runs later."""
     c, envs = full
     marker = tmp_path / "ran"
     with spawn_gateway(daemon.socket, tmp_path) as gw:
         started = time.monotonic()
         got = httpx.post(f"{gw.url}/envs", json={"timeout": 0.5}, timeout=30)
-        assert got.status_code >= 500 and NO_MEM in got.text, got.text
+        # a wait that ran out is the gateway's 504 (Gateway Timeout), not a failure's 502
+        assert got.status_code == 504 and NO_MEM in got.text, got.text
+        assert got.json()["detail"].startswith("timeout: "), got.text
+        # a refusal that is no timeout stays 502: more memory than the daemon has
+        big = httpx.post(f"{gw.url}/envs", json={"mem": 8 << 30, "timeout": 5}, timeout=30)
+        assert big.status_code == 502 and "unschedulable" in big.text, big.text
         code = f"open({str(marker)!r}, 'w').write('x')"
         body = {"code": code, "language": "python", "run_timeout": 1}
         got = httpx.post(f"{gw.url}/run_code", json=body, timeout=30)

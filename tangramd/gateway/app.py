@@ -19,8 +19,9 @@ after ``/k/``: ``set_endpoint("http://HOST:PORT/k/KEY")`` makes it post to
 ``/k/KEY/run_code``, which is served as ``/run_code``. (Such a URL holds the key: keep it
 out of logs you share; the gateway logs no request lines.) Errors never take the process down:
 a malformed body is a 422 with FastAPI's JSON detail, an unexpected exception on a SWE-ReX
-route is SWE-ReX's 511 transfer, a refusal of the daemon elsewhere a 4xx/502 with a JSON
-body (anything else is a bug: a 500, logged with its traceback).
+route is SWE-ReX's 511 transfer, a refusal of the daemon elsewhere a 4xx, a 504 (its
+``timeout``: a wait that ran out) or a 502 with a JSON body (anything else is a bug: a
+500, logged with its traceback).
 
 Limits (``[http]`` in the config): a body larger than ``max_body`` is a 413, refused on its
 ``Content-Length`` or, for a chunked body, as soon as the bytes received pass the limit,
@@ -50,6 +51,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tangram.client import AsyncClient, ExecResult
 from tangram.model import TangramError
+from tangram.protocol.errors import BAD_REQUEST, NOT_FOUND, TIMEOUT
 from tangramd.gateway import jupyter, swerex
 from tangramd.gateway import sandbox_fusion as sf
 from tangramd.gateway.callers import CALLER, PEER_STATE, Caller
@@ -63,6 +65,9 @@ KEY_PREFIX = "/k/"  # /k/KEY/run_code: the key in the path, for clients that sen
 SCRAPE_TIMEOUT_S = 2.0
 MAX_BODY = 16 << 20  # [http] max_body's default
 MAX_RUN_TIMEOUT_S = 3600.0  # [http] max_run_timeout_s's default
+# a daemon's refusal outside the SWE-ReX routes (which answer SWE-ReX's 511): any other
+# code is a 502
+STATUS_OF_CODE = {NOT_FOUND: 404, BAD_REQUEST: 400, TIMEOUT: 504}
 
 
 class Refusal(HTTPException):
@@ -296,8 +301,10 @@ def _client(default: AsyncClient) -> AsyncClient:
 
 
 def refusal_response(exc: TangramError) -> JSONResponse:
-    """A refusal of the daemon outside the SWE-ReX routes, as JSON."""
-    status = 404 if exc.code == "not_found" else 400 if exc.code == "bad_request" else 502
+    """A refusal of the daemon outside the SWE-ReX routes, as JSON: 404 ``not_found``,
+    400 ``bad_request``, 504 ``timeout`` (the request's wait ran out, e.g. ``POST /envs``
+    waiting for memory), else 502 (the daemon behind the gateway failed it)."""
+    status = STATUS_OF_CODE.get(exc.code, 502)
     return JSONResponse({"detail": f"{exc.code}: {exc.message}"}, status_code=status)
 
 

@@ -127,7 +127,7 @@ class OpenEnvRequest(BaseModel):
     image: str | None = None
     mem: int | None = None
     trajectory: str | None = None
-    # the most the open waits for memory, then 502 "timeout: waited … for memory: needs …"
+    # the most the open waits for memory, then 504 "timeout: waited … for memory: needs …"
     timeout: float | None = Field(default=OPEN_TIMEOUT_S, gt=0)
 
 
