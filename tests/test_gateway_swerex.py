@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
+import socket
 import subprocess
 import time
 from typing import Any
@@ -31,7 +33,7 @@ from swerex.runtime.abstract import (
 )
 from swerex.runtime.remote import RemoteRuntime
 
-from tangram.testing import free_port, wait_for_async
+from tangram.testing import free_port, wait_for, wait_for_async
 
 KEY = "swe-key"
 AUTH = {"X-API-Key": KEY}
@@ -382,3 +384,35 @@ def test_an_interactive_program_is_held_to_the_session(runtime) -> None:
 
 async def _none(pids: Any) -> bool:
     return not pids()
+
+
+def test_an_execute_whose_client_hangs_up_is_cancelled(runtime, stack) -> None:
+    """An ``execute`` without a timeout whose HTTP client disconnects is cancelled: its
+    command is killed and its cores are free, not held by a result nobody will read."""
+    marker = f"sleep {random.randint(10_000, 99_999)}"
+
+    def pids() -> list[int]:
+        return [
+            proc.pid
+            for proc in psutil.process_iter(["cmdline"])
+            if proc.info["cmdline"] == marker.split()
+        ]
+
+    url = httpx.URL(f"{runtime._api_url}/execute")
+    body = json.dumps({"command": marker, "shell": True}).encode()
+    head = (
+        f"POST {url.raw_path.decode()} HTTP/1.1\r\nHost: {url.host}:{url.port}\r\n"
+        f"X-API-Key: {KEY}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    with stack.daemon.client() as c:
+        with socket.create_connection((url.host, url.port), timeout=30) as sock:
+            sock.sendall(head.encode() + body)
+            wait_for(lambda: pids(), 30, "the command running")
+            running = c.queue()["running"]
+            assert len(running) == 1, running
+        # the client is gone: the command goes, and the daemon runs nothing for it
+        wait_for(lambda: not pids(), 30, "the command killed")
+        wait_for(lambda: not c.queue()["running"], 30, "its cores free")
+        story = c.story(running[0]["action_id"])
+        assert story["outcome"] == "cancelled", story

@@ -24,7 +24,9 @@ SWE-ReX's ``close`` (``RemoteRuntime.close``) ends the runtime's sessions and cl
 environment this gateway opened, freeing its memory at once; ``DELETE /envs/{id}``
 closes any environment. An environment nobody closes goes after the daemon's idle TTL
 (``[cpu] env_idle_ttl_s``). A command's ``timeout`` bounds its wait for a core and
-memory as well as its run.
+memory as well as its run. An ``execute`` whose HTTP client disconnects is cancelled
+(by its ``ref``: withdrawn if it waits, killed if it runs), since one without a
+``timeout`` would otherwise hold its cores for as long as it runs, unread.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import itertools
 import json
 import re
 import subprocess
@@ -182,6 +185,7 @@ class Runtimes:
         self.opened: set[str] = set()
         self.owners: dict[str, str] = {}  # env -> the label of the key that opened it
         self.interactive: set[tuple[str, str]] = set()  # sessions with a program on a pty
+        self.refs = itertools.count(1)  # exec refs (unique on each client's connection)
 
     @property
     def client(self) -> Any:
@@ -359,7 +363,31 @@ class Runtimes:
             await self.client.session_close(sid)
         return {"session_type": "bash"}
 
-    async def execute(self, env: str, command: Command) -> dict[str, Any]:
+    async def exec_while_connected(
+        self, gone: Awaitable[Any], kind: str, cmd: Any, **kw: Any
+    ) -> ExecResult:
+        """``exec`` that is cancelled (``cancel`` by its ``ref``: withdrawn if it waits,
+        killed if it runs) when ``gone`` (the HTTP client hung up) comes first; its result
+        is then the ``cancelled`` one, answered to nobody."""
+        client = self.client
+        ref = f"swerex-{next(self.refs)}"
+        run = asyncio.ensure_future(self.exec(kind, cmd, ref=ref, **kw))
+        watch = asyncio.ensure_future(gone)
+        try:
+            await asyncio.wait((run, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not run.done():
+            with contextlib.suppress(TangramError):  # it ended meanwhile: nothing to cancel
+                await client.request("cancel", {"ref": ref})
+        return await run
+
+    async def execute(
+        self, env: str, command: Command, gone: Awaitable[Any] | None = None
+    ) -> dict[str, Any]:
+        """SWE-ReX's ``execute``; ``gone``: resolves when the HTTP client hangs up, which
+        cancels the command (it would otherwise run on, holding its cores, with nobody to
+        read its result: the one route whose command may have no timeout)."""
         cmd: Any = command.command
         if cmd == "" or cmd == []:  # SWE-ReX runs it: nothing, exit 0 (an exec needs a command)
             cmd = ":"
@@ -369,10 +397,11 @@ class Runtimes:
                 if isinstance(cmd, str)
                 else ["/bin/sh", "-c", 'exec 2>&1; exec "$@"', "sh", *cmd]
             )
-        result = await self.exec(
-            "execute", cmd, env=env, timeout_s=command.timeout, env_vars=command.env,
-            cwd=command.cwd,
-        )  # fmt: skip
+        kw = {"env": env, "timeout_s": command.timeout, "env_vars": command.env, "cwd": command.cwd}
+        if gone is None:
+            result = await self.exec("execute", cmd, **kw)
+        else:
+            result = await self.exec_while_connected(gone, "execute", cmd, **kw)
         if result.outcome == "timeout":
             raise RemoteError(
                 EXC + "CommandTimeoutError",
@@ -540,6 +569,14 @@ async def guard(call: Awaitable[Any]) -> Any:
         raise RemoteError(class_path, str(exc)) from None
 
 
+async def _hung_up(request: Request) -> None:
+    """Return once the HTTP client of ``request`` (its body read) has disconnected: the
+    server's ``receive`` then answers ``http.disconnect`` (also once the response is
+    complete, by which time nobody waits on this)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def router(runtimes: Runtimes) -> APIRouter:
     """The ``/swerex/{env}`` routes, ``POST /envs`` and ``POST /envs/{env}/fork``; a route
     naming an environment another key opened answers 404 ``not_found``."""
@@ -605,8 +642,8 @@ def router(runtimes: Runtimes) -> APIRouter:
         return await guard(runtimes.close_session(env, req))
 
     @api.post("/swerex/{env}/execute")
-    async def execute(env: str, command: Command) -> Any:
-        return await guard(runtimes.execute(env, command))
+    async def execute(env: str, command: Command, request: Request) -> Any:
+        return await guard(runtimes.execute(env, command, gone=_hung_up(request)))
 
     @api.post("/swerex/{env}/read_file")
     async def read_file(env: str, req: ReadFileRequest) -> Any:
