@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -36,15 +37,19 @@ class RogueNode:
     """A node of its own making on its own loop: it answers ``create_env`` (so that the
     client has an environment there), heartbeats, and whatever ``answers`` lets it:
     ``exec_started`` (say each exec started, never that it ended), ``open_session``,
-    ``run_call`` (answer each call ``ok``); with ``gpus`` it says each ``load_service``
-    loaded. Everything else it receives is only recorded."""
+    ``run_call`` (answer each call ``ok``), ``stop_call`` (say it stopped the call,
+    ``stop_delay_s`` later); with ``gpus`` it says each ``load_service`` loaded. Everything
+    else it receives is only recorded; ``trace`` has what it received and sent about calls,
+    in order (``(kind, action_id)``)."""
 
     def __init__(
         self, join: dict[str, Any], name: str = "rogue", gpus: list[dict[str, Any]] | None = None
     ) -> None:
         self.join, self.name, self.gpus = join, name, gpus or []
         self.answers: set[str] = set()
+        self.stop_delay_s = 0.0
         self.received: list[dict[str, Any]] = []
+        self.trace: list[tuple[str, str]] = []
         self.link: Link | None = None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -86,6 +91,8 @@ class RogueNode:
             while True:
                 msg = await link.recv()
                 self.received.append(msg)
+                if "action_id" in msg:
+                    self.trace.append((msg["t"], msg["action_id"]))
                 self._answer(link, msg)
         finally:
             beat.cancel()
@@ -111,6 +118,15 @@ class RogueNode:
             link.send(make_message("service_loaded", key=f"sl:{name}", name=name, info={}))
         elif kind == "run_call" and "run_call" in self.answers:
             link.send(call_done(msg["action_id"], {"y": 1.0}))
+        elif kind == "stop_call" and "stop_call" in self.answers:
+            aid = msg["action_id"]
+            stopped = make_message("call_stopped", key=f"cs:{aid}", action_id=aid, was="running")
+
+            def confirm() -> None:
+                self.trace.append(("call_stopped", aid))
+                link.send(stopped)
+
+            asyncio.get_running_loop().call_later(self.stop_delay_s, confirm)
 
     def close(self) -> None:
         async def stop() -> None:
@@ -232,15 +248,17 @@ def test_session_open_and_close_the_node_never_answers(cluster):
 
 
 def test_a_call_the_node_never_answers_fails_infra_error_and_frees_its_gpu(tmp_path):
-    """run_call swallowed by a node with a GPU: the call ends `infra_error` naming the node
-    once its timeout plus `[gpu] restore_timeout_s` plus node_request_timeout_s have
-    passed, not before; the node is drained as suspect; the GPU is free again in the pool
-    (the next call is placed on it, and answered); the late `call_done` of the first call
-    is acknowledged and changes nothing."""
+    """run_call swallowed by a node with a GPU: once its timeout plus `[gpu]
+    restore_timeout_s` plus node_request_timeout_s have passed, not before, the node is
+    told to stop the call (`stop_call`) and, once it confirms (`call_stopped`), the call
+    ends `infra_error` naming the node; the node is drained as suspect; the GPU is free
+    again in the pool (the next call is placed on it, and answered); the late `call_done`
+    of the first call is acknowledged and changes nothing."""
     coord = spawn_coordinator(tmp_path / "c", GPU_CONFIG)
     rogue = None
     try:
         rogue = RogueNode(coord.join, gpus=ONE_GPU)
+        rogue.answers.add("stop_call")
         wait_for(lambda: _state(coord) == "ready", 20, "the rogue node joined")
         with Client(coord.socket) as c:
             c.service_register("s", mem_gb=0.1, entry="tiny_services:small", path=str(tmp_path))
@@ -249,6 +267,11 @@ def test_a_call_the_node_never_answers_fails_infra_error_and_frees_its_gpu(tmp_p
             took = time.monotonic() - started
             limit = 1.5 + RESTORE_TIMEOUT_S + TIMEOUT_S
             assert res.outcome == "infra_error", res
+            assert rogue.trace[:3] == [
+                ("run_call", res.action_id),
+                ("stop_call", res.action_id),
+                ("call_stopped", res.action_id),
+            ], rogue.trace
             assert f"node rogue did not answer run_call for call {res.action_id}" in (
                 res.error or ""
             ), res
@@ -272,6 +295,68 @@ def test_a_call_the_node_never_answers_fails_infra_error_and_frees_its_gpu(tmp_p
             story = json.dumps(c.story(res.action_id))
             assert "did not answer run_call" in story and '"y": 2.0' not in story, story
             assert "node_suspect" in coord.log()
+    finally:
+        if rogue is not None:
+            rogue.close()
+        stop_all([coord])
+
+
+def test_a_call_past_its_deadline_keeps_its_gpu_until_the_node_confirms_the_stop(tmp_path):
+    """The rogue node confirms `stop_call` only a while later: the call past its deadline
+    ends then, not before, and a call that waits for the node's one GPU meanwhile is sent
+    there only after the node said the first one stopped (the GPU is never given twice)."""
+    coord = spawn_coordinator(tmp_path / "c", GPU_CONFIG)
+    rogue = None
+    try:
+        rogue = RogueNode(coord.join, gpus=ONE_GPU)
+        rogue.answers.add("stop_call")
+        rogue.stop_delay_s = TIMEOUT_S / 2
+        wait_for(lambda: _state(coord) == "ready", 20, "the rogue node joined")
+        with Client(coord.socket) as c:
+            c.service_register("s", mem_gb=0.1, entry="tiny_services:small", path=str(tmp_path))
+
+        def call(x: float) -> Any:
+            with Client(coord.socket) as c:
+                return c.call("s", {"x": x}, timeout_s=1.5)
+
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(call, 1.0)
+            wait_for(lambda: rogue.kinds("stop_call"), 30, "the node told to stop the call")
+            rogue.answers.add("run_call")  # (the next call it gets: answered)
+            second = pool.submit(call, 2.0)
+            res, again = first.result(60), second.result(60)
+        assert res.outcome == "infra_error" and "did not answer run_call" in (res.error or "")
+        assert again.outcome == "ok" and again.gpus == (0,), again
+        trace = rogue.trace
+        assert trace.index(("call_stopped", res.action_id)) < trace.index(
+            ("run_call", again.action_id)
+        ), trace
+        assert "node_suspect" in coord.log()
+    finally:
+        if rogue is not None:
+            rogue.close()
+        stop_all([coord])
+
+
+def test_a_node_that_never_confirms_a_stop_is_lost(tmp_path):
+    """A node that neither answers a call nor confirms its `stop_call` within
+    node_request_timeout_s is counted lost (though it heartbeats): that ends the call
+    `infra_error` and takes its GPUs out of the pool."""
+    coord = spawn_coordinator(tmp_path / "c", GPU_CONFIG)
+    rogue = None
+    try:
+        rogue = RogueNode(coord.join, gpus=ONE_GPU)
+        wait_for(lambda: _state(coord) == "ready", 20, "the rogue node joined")
+        with Client(coord.socket) as c:
+            c.service_register("s", mem_gb=0.1, entry="tiny_services:small", path=str(tmp_path))
+            started = time.monotonic()
+            res = c.call("s", {"x": 1.0}, timeout_s=1.5)
+            took = time.monotonic() - started
+            assert res.outcome == "infra_error", res
+            assert took >= 1.5 + RESTORE_TIMEOUT_S + 2 * TIMEOUT_S, took
+            assert [m["action_id"] for m in rogue.kinds("stop_call")] == [res.action_id]
+            assert "did not confirm stop_call for call" in coord.log()
+            assert node_row(coord, "rogue")["state"] == "lost"
     finally:
         if rogue is not None:
             rogue.close()

@@ -135,14 +135,60 @@ def test_a_call_batch_the_node_never_answers_fails_each_call_left() -> None:
     async def go() -> None:
         effects.run_call(cmd)
         assert effects.answered("cl:r2")  # r2's call_done came in time
-        while len(reported) < 2:
+        while len(sent) < 3:  # past the deadline: the node is told to stop them
             await asyncio.sleep(0.01)
+        assert reported == [] and effects.stopping("r1") and effects.stopping("c1")
+        effects.call_stopped("r1")  # the node confirms (call_stopped): each ends now
+        effects.call_stopped("c1")
 
     asyncio.run(asyncio.wait_for(go(), 30))
-    assert [m["t"] for _, m in sent] == ["run_call"]
+    assert [(m["t"], m.get("action_id")) for _, m in sent] == [
+        ("run_call", "c1"),
+        ("stop_call", "r1"),
+        ("stop_call", "c1"),
+    ]
     assert [getattr(e, "action_id", None) for e in reported] == ["r1", "c1"]
     for done in reported:
         assert isinstance(done, ev.CallFinished) and done.outcome == "infra_error"
         assert f"node a did not answer run_call for call {done.action_id}" in (done.error or "")
     assert set(overdue) == {"a"}
     assert not effects.answered("cl:c1")  # a late answer finds nothing owed
+
+
+def test_a_call_whose_stop_the_node_never_confirms_loses_the_node() -> None:
+    """Past its deadline a call is told to stop; a node that does not confirm within the
+    request grace is reported lost (the coordinator's NodeLost ends the call and frees its
+    GPUs), and nothing ends the call before that."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+    reported: list[ev.Event] = []
+    lost: list[tuple[str, str]] = []
+
+    def send(node: str, msg: dict[str, Any]) -> bool:
+        sent.append((node, msg))
+        return True
+
+    effects = RemoteEffects(
+        send,
+        lambda cmd: OnNode(),
+        lambda cmd: PutOnNode(),
+        request_timeout_s=0.05,
+        restore_timeout_s=0.05,
+        lost=lambda node, why: lost.append((node, why)),
+    )
+    effects.bind(reported.append, lambda coro: None)
+    cmd = ev.RunCall(
+        action_id="c1", service="s", node="a", gpus=(0,), evicted=(), payload={}, timeout_s=0.05
+    )
+
+    async def go() -> None:
+        effects.run_call(cmd)
+        while not lost:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+    assert [m["t"] for _, m in sent] == ["run_call", "stop_call"]
+    assert reported == []
+    assert lost == [("a", "node a did not confirm stop_call for call c1 within 0.05 s")]
+    assert not effects.stopping("c1")
+    effects.call_stopped("c1")  # a confirmation after that ends nothing more
+    assert reported == []

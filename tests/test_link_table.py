@@ -50,6 +50,8 @@ GPU_MESSAGES = frozenset(
         "service_unloaded",
         "call_done",
         "services_state",
+        "stop_call",  # (a call past its deadline: test_cluster_services_stop.py)
+        "call_stopped",
     }
 )
 LINK_CONFIG = """

@@ -414,8 +414,9 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             " the restore, which the pool timed with the node's restore bandwidth) and run"
             " the call there, its riders in the same forward pass; the node answers one"
             " `call_done` per call, the riders' first, within the call's `timeout_s` plus"
-            " `[gpu] restore_timeout_s` plus `[cluster] node_request_timeout_s`, else each"
-            " call left fails `infra_error` (its GPUs freed) and the node is drained as suspect",
+            " `[gpu] restore_timeout_s` plus `[cluster] node_request_timeout_s`, else the node"
+            " is drained as suspect and told to stop each call left (`stop_call`), which then"
+            " fails `infra_error`",
             (
                 Arg("action_id", ID, True, "the call that holds the GPUs"),
                 _SERVICE,
@@ -439,6 +440,17 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
                     doc="`[action_id, payload]` of the calls batched with it",
                 ),
             ),
+        ),
+        LinkMessage(
+            "stop_call",
+            "coordinator",
+            "stop a call past its deadline (the coordinator gave up on it): the node kills the"
+            " workers of the replica running it (its riders' too: one forward pass) and frees"
+            " their residency, as `tangramd up` does with a call past its timeout (the next"
+            " call restarts the replica); a call still waiting there never runs. The node"
+            " answers `call_stopped`; until then the call's GPUs stay held, and a node that"
+            " has not answered within `[cluster] node_request_timeout_s` is lost",
+            (Arg("action_id", ID, True, "the call (the `run_call`'s or a rider's)"),),
         ),
         LinkMessage(
             "warm_service",
@@ -534,6 +546,23 @@ LINK_MESSAGES: Final[dict[str, LinkMessage]] = {
             "node",
             "outcome of an `unload_service`",
             (_key("su", "name"), _SERVICE),
+        ),
+        LinkMessage(
+            "call_stopped",
+            "node",
+            "answer to a `stop_call`: the call runs on none of the node's GPUs now (the"
+            " coordinator frees them); its `call_done`, if it ended meanwhile, is dropped",
+            (
+                _key("cs", "action_id"),
+                Arg("action_id", ID, True, "the call named by the `stop_call`"),
+                Arg(
+                    "was",
+                    Enum(("running", "waiting", "ended")),
+                    True,
+                    "the node's view when the stop came: its workers were killed, it had not"
+                    " started (it never will), or it had ended already (its `call_done` sent)",
+                ),
+            ),
         ),
         LinkMessage(
             "call_done",

@@ -111,6 +111,7 @@ class CoordinatorExecutor(Executor):
             request_timeout_s=cluster.node_request_timeout_s,
             restore_timeout_s=restore_timeout_s,
             overdue=lambda node, why: self._suspect(node, why),
+            lost=lambda node, why: self._lose_named(node, why),
             services=services or ClusterServices(state_dir),
             gpu_nodes=lambda: self._gpu_nodes(),
         )
@@ -281,6 +282,13 @@ class CoordinatorExecutor(Executor):
         log.warning("node_suspect", node=node, reason=why)
         self.feed(ev.DrainNode(node=node, drain=True))
 
+    def _lose_named(self, node: str, why: str) -> None:
+        """A node that did not confirm it stopped a call (``RemoteEffects``): lost now, as
+        ``node.lost`` does (its GPUs leave the pool; alive, it rejoins afresh)."""
+        rec = self.registry.nodes.get(node)
+        if rec is not None:
+            self._lose(rec, why)
+
     def lose_node(self, name: str, why: str) -> dict[str, Any]:
         """``node.lost``: what the heartbeat timeout does, now (an outside monitor such as
         Ray saw the host die). A node that is in fact alive reconnects and joins afresh."""
@@ -450,8 +458,14 @@ class CoordinatorExecutor(Executor):
                 detail = f"node {node} lost track of the action while its link was down"
                 self.feed(ev.ExecFinished(action_id, ExecResult("infra_error", detail=detail)))
         for action_id in work["calls"]:  # a run_call (or its call_done) lost with the link
-            if action_id not in running and f"cd:{action_id}" not in pending:
+            stopped = f"cs:{action_id}" in pending
+            if action_id in running and not stopped:  # a stop_call may have been lost too
+                self.remote.resend_stop(node, action_id)
+            elif action_id not in running and f"cd:{action_id}" not in pending and not stopped:
                 self.remote.answered(f"cl:{action_id}")  # (ended here: no deadline left)
+                if self.remote.stopping(action_id):  # it was told to stop: it has
+                    self.remote.call_stopped(action_id)
+                    continue
                 detail = f"node {node} lost track of the call while its link was down"
                 self.feed(ev.CallFinished(action_id, outcome="infra_error", error=detail))
         for kill in work["killing"]:  # a cancel_exec may have been lost with the link
@@ -578,8 +592,10 @@ class CoordinatorExecutor(Executor):
         check_message(msg)  # (its outcome, times and batch go to the core as they are)
         action_id = str(msg["action_id"])
         self.remote.answered(f"cl:{action_id}")
+        if self.remote.stopping(action_id):  # past its deadline: it ended there meanwhile
+            self.remote.call_stopped(action_id)
         # not ended already (node lost, or past its deadline), and this node's
-        if self.core.read.call_node(action_id) == rec.name:
+        elif self.core.read.call_node(action_id) == rec.name:
             result, h2d = msg.get("result"), msg.get("h2d_bytes_per_s")
             self.feed(
                 ev.CallFinished(
@@ -594,6 +610,16 @@ class CoordinatorExecutor(Executor):
                 )
             )
         link.defer(make_message("ack", key=str(msg["key"])))  # see Link.defer
+
+    def _on_call_stopped(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
+        """The node stopped a call past its deadline (or found it ended): it ends now
+        (``infra_error``), and its GPUs go back to the pool."""
+        check_message(msg)
+        action_id = str(msg["action_id"])
+        if self.core.read.call_node(action_id) == rec.name:
+            log.info("call_stopped", node=rec.name, action_id=action_id, was=str(msg["was"]))
+            self.remote.call_stopped(action_id)
+        link.send(make_message("ack", key=str(msg["key"])))
 
     def _on_services_state(self, rec: NodeRecord, link: Link, msg: dict[str, Any]) -> None:
         rows = msg["services"]
@@ -781,6 +807,7 @@ RECEIVES: Final[Mapping[str, Handler]] = MappingProxyType(
         "service_loaded": CoordinatorExecutor._on_service_loaded,
         "service_unloaded": CoordinatorExecutor._on_service_unloaded,
         "call_done": CoordinatorExecutor._on_call_done,
+        "call_stopped": CoordinatorExecutor._on_call_stopped,
         "services_state": CoordinatorExecutor._on_services_state,
         "bye": CoordinatorExecutor._on_bye,
     }

@@ -192,6 +192,7 @@ class NodeAgent:
         self.host = services
         self._service_ops: dict[str, asyncio.Task[None]] = {}
         self._calls: set[str] = set()
+        self._stop_waiting: set[str] = set()  # calls told to stop before they started
         self._told: list[dict[str, Any]] | None = None
         self._tell_soon: asyncio.Handle | None = None
         # what the coordinator asks is carried out as tangramd up does it (LocalEffects);
@@ -1011,7 +1012,34 @@ class NodeAgent:
         self._calls.update([action_id, *(aid for aid, _ in riders)])
         self._when_ready(cmd.service, lambda: self._run_call(cmd))
 
+    def _on_stop_call(self, msg: dict[str, Any]) -> None:
+        """The coordinator gave up on a call (its deadline): stop it as ``tangramd up``
+        stops a call past its timeout, then say so (``call_stopped``, with what it was)."""
+        self._spawn(self._stop_call(str(msg["action_id"])))
+
+    async def _stop_call(self, action_id: str) -> None:
+        was = "ended"
+        if action_id in self._calls:
+            if await self.effects.stop_call(action_id):
+                was = "running"  # its workers are gone; its call_done went first
+            elif action_id in self._calls:  # waiting for its service's load: never runs
+                self._stop_waiting.add(action_id)
+                was = "waiting"
+        log.warning("call_stopped", node=self.name, action_id=action_id, was=was)
+        self._report(
+            make_message("call_stopped", key=f"cs:{action_id}", action_id=action_id, was=was)
+        )
+
     def _run_call(self, cmd: ev.RunCall) -> None:
+        batch_ids = [*(aid for aid, _ in cmd.riders), cmd.action_id]
+        if self._stop_waiting.intersection(batch_ids):  # told to stop before it started
+            self._stop_waiting.difference_update(batch_ids)
+            why = "stopped before it started: the coordinator gave up on the call"
+            for aid in batch_ids:
+                self._call_done(
+                    ev.CallFinished(aid, outcome="infra_error", error=why, batch=len(batch_ids))
+                )
+            return
         if self.host is None or cmd.service not in {s.name for s in self.host.specs()}:
             why = f"service {cmd.service!r} is not loaded on node {self.name}"
             batch = 1 + len(cmd.riders)
@@ -1339,6 +1367,7 @@ RECEIVES: Final[Mapping[str, Callable[[NodeAgent, dict[str, Any]], None]]] = Map
         "load_service": NodeAgent._on_load_service,
         "unload_service": NodeAgent._on_unload_service,
         "run_call": NodeAgent._on_run_call,
+        "stop_call": NodeAgent._on_stop_call,
         "warm_service": NodeAgent._on_warm_service,
     }
 )

@@ -61,6 +61,11 @@ class LocalEffects:
         self._spawn: Spawn = _unbound  # type: ignore[assignment]
         self._running: set[str] = set()  # execs handed to the backend, not reported yet
         self._forking: dict[str, list[ev.CreateEnv]] = {}  # source -> children this turn
+        # GPU calls under way (each call of a batch -> its RunCall), the batches told to
+        # stop (their leaders) and what a stop waits on (a batch's end)
+        self._calls_on: dict[str, ev.RunCall] = {}
+        self._stopped: set[str] = set()
+        self._call_ended: dict[str, asyncio.Event] = {}
 
     def bind(self, report: Report, spawn: Spawn) -> None:
         """Where outcomes go (``report``) and how background work is started (``spawn``)."""
@@ -315,7 +320,23 @@ class LocalEffects:
             evicts=[f"{v.service}@{v.gpu}" for v in cmd.evicted] or None,
             cause=cmd.cause,
         )
+        for aid in [cmd.action_id, *(aid for aid, _ in cmd.riders)]:
+            self._calls_on[aid] = cmd
         self._spawn(self._run_call(cmd))
+
+    async def stop_call(self, action_id: str) -> bool:
+        """Stop the batch that runs call ``action_id`` (a rider's or its leader's), as a
+        call past its timeout is stopped: the replica's workers are killed (its next call
+        restarts it) and the calls end ``infra_error``. Returns once the batch has ended
+        and its replica holds nothing; False when no such call runs here."""
+        cmd = self._calls_on.get(action_id)
+        if cmd is None or self.services is None:
+            return False
+        ended = self._call_ended.setdefault(cmd.action_id, asyncio.Event())
+        self._stopped.add(cmd.action_id)
+        await self.services.stop(cmd.service, cmd.gpus)  # (the pass in flight ends now)
+        await ended.wait()
+        return True
 
     def warm_service(self, cmd: ev.WarmService) -> None:
         log.info("service_warming", service=cmd.service, gpus=list(cmd.gpus), cause=cmd.cause)
@@ -362,6 +383,8 @@ class LocalEffects:
                 # per GPU, as the pool's estimate is: a k-GPU replica's k workers copy
                 # their shards at once (copy_s is the slowest one's)
                 rate = restored.nbytes / restored.copy_s / len(cmd.gpus)
+            if cmd.action_id in self._stopped:  # stopped while it restored
+                raise RuntimeError("stopped before its handler ran")
             payloads = [dict(payload) for _, payload in calls]
             results = await host.call_batch(cmd.service, cmd.gpus, payloads, cmd.timeout_s)
             restore_s += results[0].restore_s
@@ -376,6 +399,17 @@ class LocalEffects:
         except Exception as exc:
             log.exception("call_failed", action_id=cmd.action_id, service=cmd.service)
             ended = [("infra_error", None, f"{type(exc).__name__}: {exc}", 0.0)] * len(calls)
+        if cmd.action_id in self._stopped:  # (the coordinator gave up on it: stop_call)
+            if host is not None:  # whatever it restored meanwhile holds nothing either
+                await host.stop(cmd.service, cmd.gpus)
+            why = "stopped: the coordinator gave up on the call"
+            ended = [("infra_error", None, why, 0.0)] * len(calls)
+            self._stopped.discard(cmd.action_id)
+        for aid, _ in calls:
+            self._calls_on.pop(aid, None)
+        done = self._call_ended.pop(cmd.action_id, None)
+        if done is not None:
+            done.set()
         finished = list(zip(calls, ended, strict=True))
         for (action_id, _), (outcome, answer, error, exec_s) in [*finished[1:], finished[0]]:
             log.info(

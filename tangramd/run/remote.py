@@ -107,6 +107,7 @@ class RemoteEffects:
         request_timeout_s: float = 60.0,
         restore_timeout_s: float = 600.0,
         overdue: Callable[[str, str], None] = lambda node, why: None,
+        lost: Callable[[str, str], None] = lambda node, why: None,
         services: ClusterServices | None = None,
         gpu_nodes: Callable[[], list[str]] = list,
     ) -> None:
@@ -120,12 +121,19 @@ class RemoteEffects:
         kill it. A ``run_call`` has its ``timeout_s`` plus ``restore_timeout_s`` (``[gpu]
         restore_timeout_s``: what the node's restore may take) plus ``request_timeout_s``
         for each of its calls' ``call_done``; past that each call left fails
-        ``infra_error`` naming the node (the core releases its GPUs) and the node is
-        drained the same way. A late answer is dropped (the core has moved on)."""
+        ``infra_error`` naming the node and the node is drained the same way; but first
+        the node is told to stop it (``stop_call``), and the call ends (the core releases
+        its GPUs) only once the node confirms (``call_stopped``, or its ``call_done``), so
+        its GPUs are never given to another call while it may still run there. A node that
+        does not confirm within ``request_timeout_s`` is ``lost(node, why)`` (the
+        coordinator declares it lost: that ends the call and frees its GPUs). A late
+        answer is dropped (the core has moved on)."""
         self._send = send
         self.request_timeout_s = request_timeout_s
         self.restore_timeout_s = restore_timeout_s
         self._overdue = overdue
+        self._lost = lost
+        self._stopping: dict[str, str] = {}  # calls told to stop: action id -> why it failed
         # "x:<action>" (an exec), "cl:<action>" (a call), "so:"/"sc:<session>", "r:<env>"
         self._owed: dict[str, _Owed] = {}
         self._sweep: asyncio.TimerHandle | None = None
@@ -359,6 +367,8 @@ class RemoteEffects:
         a registration or removal no longer waits for it."""
         for key in [k for k, owed in self._owed.items() if owed.node == node]:
             del self._owed[key]
+            if key.startswith("cs:"):  # (NodeLost ends the call)
+                self._stopping.pop(key[3:], None)
         for session_id in [s for s, n in self._late_sessions.items() if n == node]:
             del self._late_sessions[session_id]  # (it dropped them, if it opened them)
         if self.services is not None:
@@ -369,6 +379,24 @@ class RemoteEffects:
         for name, asked in list(self._unloading.items()):
             if node in asked.waiting:
                 self.service_unloaded(node, name)
+
+    def stopping(self, action_id: str) -> bool:
+        """The call is past its deadline, told to stop, and not confirmed stopped yet."""
+        return action_id in self._stopping
+
+    def resend_stop(self, node: str, action_id: str) -> None:
+        """A node that rejoined still runs a call told to stop: tell it again."""
+        if action_id in self._stopping:
+            self._send(node, make_message("stop_call", action_id=action_id))
+
+    def call_stopped(self, action_id: str) -> None:
+        """The node no longer runs the call (its ``call_stopped`` or ``call_done``, or it
+        rejoined without it): the call ends ``infra_error`` for missing its deadline, and
+        the core releases its GPUs. Nothing for a call not being stopped."""
+        self._owed.pop(f"cs:{action_id}", None)
+        why = self._stopping.pop(action_id, None)
+        if why is not None:
+            self._report(ev.CallFinished(action_id, outcome="infra_error", error=why))
 
     def late_session(self, session_id: str) -> bool:
         """True once for a session whose ``session_opened`` came after its deadline (it
@@ -401,14 +429,21 @@ class RemoteEffects:
                 f" {owed.run_s:.3g} s (its timeout_s, [gpu] restore_timeout_s and"
                 " [cluster] node_request_timeout_s)"
             )
+        elif kind == "cs":  # lost: that ends the call and frees its GPUs (NodeLost)
+            why = f"node {node} did not confirm stop_call for call {name} within {limit:g} s"
+            self._stopping.pop(name, None)
+            self._lost(node, why)
+            return
         else:
             why = f"node {node} did not answer {owed.what} within {limit:g} s"
         if kind == "x":
             kill = make_message("cancel_exec", action_id=name, session=owed.session)
             self._send(node, kill)  # in case it runs after all
             self._report(ev.ExecFinished(name, ExecResult("infra_error", detail=why)))
-        elif kind == "cl":  # the core releases its GPUs; a late call_done is dropped
-            self._report(ev.CallFinished(name, outcome="infra_error", error=why))
+        elif kind == "cl":  # it ends once the node confirms it stopped it (call_stopped)
+            self._stopping[name] = why
+            self._send(node, make_message("stop_call", action_id=name))
+            self._watch_answer(f"cs:{name}", node, "stop_call")
         elif kind == "so":
             self._late_sessions[name] = node
             self._report(ev.SessionOpened(session_id=name, error=why))

@@ -357,6 +357,18 @@ class ServiceHost:
             for outcome, reply in zip(outcomes, replies, strict=True)
         ]
 
+    async def stop(self, name: str, gpus: Sequence[int]) -> bool:
+        """Stop the replica at ``gpus`` whatever it runs (a call its caller gave up on):
+        its workers are killed and it is marked failed, so its GPUs hold nothing of it and
+        its next call restarts it, as after a call past its timeout. False: no replica of
+        ``name`` there (or the service is gone)."""
+        hosted = self._services.get(name)
+        slot = None if hosted is None else _find(hosted, tuple(sorted(gpus)))
+        if slot is None:
+            return False
+        await self._fail(slot, "stopped: the coordinator gave up on its call")
+        return True
+
     # ------------------------------------------------------------------ reading
 
     def list(self) -> list[dict[str, Any]]:
