@@ -190,3 +190,27 @@ def test_the_coordinator_keeps_registrations_and_merges_its_nodes_rows(tmp_path:
     assert (s["calls"], s["warm"], [r["node"] for r in s["replicas"]]) == (7, 1, ["a"])
     again.removed("t")
     assert [spec.name for spec in ClusterServices(tmp_path).recover()] == ["s"]
+
+
+def test_a_hosts_rows_and_the_coordinators_merged_rows_share_the_specs_fields(
+    tmp_path: Path,
+) -> None:
+    """``ServiceSpec.list_fields`` is the spec's part of a ``service list`` row, on a host
+    (``ServiceHost.list``) and on the coordinator (merged from the nodes' rows): the same
+    fields, the same keys in all."""
+    from tangramd.services.host import Hosted, ServiceHost
+    from tangramd.services.inventory import SimulatedGpus, discover
+
+    spec = Registration("e", "torch", 0.05, gpus=(1, 2), entry="m:h", eff={2: 1.8}, max_batch=4)
+    fields = spec.list_fields()
+    assert fields["eff"] == "2:1.8" and fields["max_batch"] == 4 and fields["gpus"] == [1, 2]
+    host = ServiceHost(discover(SimulatedGpus(1, 1.0, 50.0), use_nvml=False), tmp_path / "h")
+    host._services[spec.name] = Hosted(spec)  # (a registration without its fork server)
+    (row,) = host.list()
+    services = ClusterServices(tmp_path / "c")
+    services.recover()
+    services.added(spec)
+    services.reported("a", [row])
+    (merged,) = services.list()
+    assert {k: row[k] for k in fields} == fields == {k: merged[k] for k in fields}
+    assert list(row) == list(merged)

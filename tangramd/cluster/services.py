@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tangramd.services.spec import ServiceRegistry, ServiceSpec, format_eff
+from tangramd.services.spec import ServiceRegistry, ServiceSpec
 
 # the counters of a ``service list`` row: summed over nodes
 COUNTERS = (
@@ -124,16 +124,10 @@ def merge_rows(
         if key != "restore_s_total":
             counters[key] = int(counters[key])
     return {
-        "name": spec.name,
-        "runtime": spec.runtime,
-        "mem_gb": spec.mem_gb,
-        "gpus": list(spec.gpus),
-        "eff": format_eff(spec.eff) if spec.eff else None,
-        "min_resident": spec.min_resident,
+        **spec.list_fields(),
         "warm": sum(int(_number(row.get("warm"))) for row in rows),
         "replicas": replicas,
         "calls": counters["calls"],
-        "max_batch": spec.max_batch,
         "batches": counters["batches"],
         "batched_calls": counters["batched_calls"],
         "restores": counters["restores"],

@@ -40,7 +40,7 @@ from tangramd.services.runtime_base import (
     ServiceError,
     ServiceLoadError,
 )
-from tangramd.services.spec import ServiceRegistry, ServiceSpec, format_eff
+from tangramd.services.spec import ServiceRegistry, ServiceSpec
 from tangramd.services.torch_runtime import ForkServer, TorchReplica
 
 STATES = ("loading", "resident", "backed_up", "failed")
@@ -602,16 +602,10 @@ class ServiceHost:
                 entry["error"] = slot.error
             replicas.append(entry)
         return {
-            "name": spec.name,
-            "runtime": spec.runtime,
-            "mem_gb": spec.mem_gb,
-            "gpus": list(spec.gpus),
-            "eff": format_eff(spec.eff) if spec.eff else None,
-            "min_resident": spec.min_resident,
+            **spec.list_fields(),
             "warm": sum(1 for slot in hosted.slots if slot.state == "resident" and slot.gpus),
             "replicas": replicas,
             "calls": hosted.calls,
-            "max_batch": spec.max_batch,
             "batches": hosted.batches,
             "batched_calls": hosted.batched_calls,
             "restores": hosted.restores,

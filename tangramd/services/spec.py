@@ -165,6 +165,19 @@ class ServiceSpec:
         """The pure pool's view of this service (what ``GpuNodePool.register_service`` takes)."""
         return PoolServiceSpec(self.name, self.mem_bytes)
 
+    def list_fields(self) -> dict[str, Any]:
+        """The spec's part of a ``service list`` row (``ServiceHost.list`` on a host, the
+        coordinator's merged rows): the rest of a row is what its replicas did."""
+        return {
+            "name": self.name,
+            "runtime": self.runtime,
+            "mem_gb": self.mem_gb,
+            "gpus": list(self.gpus),
+            "eff": format_eff(self.eff) if self.eff else None,
+            "min_resident": self.min_resident,
+            "max_batch": self.max_batch,
+        }
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "name": self.name,
