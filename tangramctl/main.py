@@ -975,12 +975,12 @@ def lease_renew(ctl: Ctl, lease_id: str, ttl_s: float, as_json: bool) -> None:
 @json_option
 @pass_ctl
 def lease_release(ctl: Ctl, lease_id: str, as_json: bool) -> None:
-    """Give a lease back now (its API slot goes to the next waiting one). Exit 1 if there is
-    no such lease."""
+    """Give a lease back now (its API slot goes to the next waiting one), or withdraw one
+    still waiting for its slot. Exit 1 if there is no such lease."""
     answer = ctl.client.request("lease.release", {"lease_id": lease_id})
-    released = bool(answer.get("released"))
-    said = f"{lease_id}: released" if released else f"{lease_id}: not granted, nothing released"
-    emit(as_json, {"lease_id": lease_id, "released": released}, lambda: said)
+    released, state = bool(answer.get("released")), str(answer.get("state"))
+    said = f"{lease_id}: {state}" if released else f"{lease_id}: {state}, nothing released"
+    emit(as_json, {"lease_id": lease_id, "released": released, "state": state}, lambda: said)
 
 
 # --------------------------------------------------------------------------- jobs

@@ -41,7 +41,7 @@ def test_lease_renew_outlives_the_first_ttl_and_release_gives_it_back(daemon):
         assert (r.exit_code, r.output.strip()) == (0, f"{renewed}: granted, expires in 30 s")
         r = ctl(sock, "lease", "release", renewed, "--json")
         assert r.exit_code == 0, r.output
-        assert json.loads(r.output) == {"lease_id": renewed, "released": True}
+        assert json.loads(r.output) == {"lease_id": renewed, "released": True, "state": "released"}
         assert c.story(renewed)["outcome"] == "ok"
 
         r = ctl(sock, "lease", "renew", plain, "--ttl", "5")  # expired: not found

@@ -179,6 +179,42 @@ def test_dead_client_returns_its_lease(daemon):
         c2.release_lease(lid)
 
 
+def test_release_withdraws_a_waiting_lease(daemon):
+    """lease.release of a lease still waiting for its API's one slot withdraws it (answered
+    so): it leaves the queue, its lease.acquire fails not_found, its story ends cancelled,
+    and the slot, once given back, goes to nobody."""
+    answer: dict[str, object] = {}
+
+    def acquire() -> None:
+        with daemon.client() as waiter:
+            try:
+                answer["lease"] = waiter.acquire_lease("strict", policy="wait")
+            except NotFound as exc:
+                answer["error"] = exc
+
+    with daemon.client() as holder, daemon.client() as c:
+        held = holder.acquire_lease("strict")  # concurrency 1: the slot is taken
+        thread = threading.Thread(target=acquire)
+        thread.start()
+
+        def waiting_lease() -> list[dict[str, object]] | None:
+            rows = [r for r in c.queue()["waiting"] if r["kind"] == "api"]
+            return rows or None
+
+        waiting = str(wait_for(waiting_lease, 10, "the second lease waiting")[0]["action_id"])
+        released = c.request("lease.release", {"lease_id": waiting})
+        assert released == {"released": True, "state": "withdrawn"}, released
+        thread.join(10)
+        assert "lease" not in answer and "withdrawn" in str(answer.get("error")), answer
+        assert waiting_lease() is None
+        assert c.story(waiting)["outcome"] == "cancelled"
+        released = holder.request("lease.release", {"lease_id": held})
+        assert released == {"released": True, "state": "released"}, released
+        assert {a["name"]: a for a in c.api_list()}["strict"]["in_use"] == 0
+        lid = c.acquire_lease("strict")  # policy reject: succeeds only if the slot is free
+        c.release_lease(lid)
+
+
 def test_story_tells_what_happened(daemon):
     """`story` lists submission, environment, queue, placement (cores, node), run and outcome."""
     with daemon.client() as c:

@@ -279,7 +279,7 @@ class Ops:
         return self._op("lease.acquire", args, _field("lease_id", str))
 
     def release_lease(self, lease_id: str) -> None:
-        """Give a lease back."""
+        """Give a lease back, or withdraw one still waiting for its slot."""
         return self._op("lease.release", {"lease_id": lease_id}, _none)
 
     def lease_renew(self, lease_id: str, ttl_s: float) -> dict[str, Any]:

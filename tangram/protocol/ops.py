@@ -724,9 +724,11 @@ OPS: Final[dict[str, Op]] = {
         ),
         Op(
             "lease.release",
-            "give a lease back",
+            "give a lease back (state released), or withdraw one still waiting (state "
+            "withdrawn: it leaves the queue and its lease.acquire fails not_found); a lease "
+            "that had just ended answers released false and its state (expired, failed)",
             (Arg("lease_id", ID, True),),
-            result=("released: bool",),
+            result=("released: bool", "state: str"),
             errors=("not_found",),
         ),
         Op(

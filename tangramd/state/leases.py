@@ -14,12 +14,13 @@ from tangramd.state.story import StoryLog, transition
 if TYPE_CHECKING:
     pass
 
-LeaseState = Literal["new", "waiting", "granted", "released", "expired", "failed"]
+LeaseState = Literal["new", "waiting", "granted", "released", "expired", "failed", "withdrawn"]
 
 LEASE_EDGES: dict[tuple[LeaseState, LeaseState], str] = {
     ("new", "waiting"): "lease.acquire queued the lease action",
     ("waiting", "granted"): "the scheduler placed the lease action on the API pool",
     ("waiting", "failed"): "deadline passed or client disconnected before a grant",
+    ("waiting", "withdrawn"): "lease.release before a grant",
     ("granted", "released"): "lease.release, or the holder's connection closed",
     ("granted", "expired"): "TTL passed without a release",
 }
@@ -70,6 +71,8 @@ class LeaseBook:
 
     def drop_ended(self) -> None:
         for lease_id in [
-            k for k, v in self._leases.items() if v.state in ("released", "expired", "failed")
+            k
+            for k, v in self._leases.items()
+            if v.state in ("released", "expired", "failed", "withdrawn")
         ]:
             del self._leases[lease_id]

@@ -99,14 +99,26 @@ def end_lease(
 
 @handles(ev.ReleaseLease)
 def release(core: Core, e: ev.ReleaseLease, now: float, out: list[ev.Command]) -> None:
+    """``lease.release``: a granted lease is given back (``released``); one still waiting
+    is withdrawn (``withdrawn``: its action leaves the queue, ``cancelled``, and its
+    ``lease.acquire`` fails ``not_found``); one that had just ended answers its state and
+    ``released`` False."""
     lease = core.leases.get(e.lease_id)
     if lease is None:
         raise NotFound(f"lease {e.lease_id!r} not found")
-    released = lease.state == "granted"
-    if released:
+    released = lease.state in ("granted", "waiting")
+    if lease.state == "granted":
         end_lease(core, lease, now, out, "released")
+    elif lease.state == "waiting":
+        rec = core.actions[lease.action_id]
+        core.leases.move(lease, "withdrawn", now, "lease.release before a grant", core.stimulus)
+        why = f"lease {lease.action_id} withdrawn by lease.release before it was granted"
+        finish_action(
+            core, rec, now, out, outcome="cancelled", detail="lease withdrawn",
+            error=("not_found", why),
+        )  # fmt: skip
     if e.token is not None:
-        out.append(core.reply(e.token, result={"released": released}))
+        out.append(core.reply(e.token, result={"released": released, "state": lease.state}))
 
 
 @handles(ev.RenewLease)
