@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
+import tarfile
 
 import docker
 import pytest
 from harness import running_daemon
+
+from tangram.protocol.errors import BadRequest
 
 pytestmark = pytest.mark.docker
 
@@ -112,3 +117,32 @@ def test_containers_of_a_killed_daemon_are_readopted_or_reconciled(tmp_path):
             assert c.exec("cat f", env=env).stdout == "state\n"
         assert ours(orphan) == []
         assert len(ours(env)) == 1
+
+
+def _tar(members: int, declared: int) -> bytes:
+    """A gzipped tar stream of ``members`` empty files, the first declaring ``declared``
+    bytes (its data left out: only the headers are read before it is refused)."""
+    raw = io.BytesIO()
+    for n in range(members):
+        info = tarfile.TarInfo(f"m{n}")
+        info.size = declared if n == 0 else 0
+        raw.write(info.tobuf(format=tarfile.GNU_FORMAT))
+    raw.write(b"\0" * 1024)
+    return gzip.compress(raw.getvalue(), compresslevel=1)
+
+
+def test_a_tar_put_over_the_extraction_caps_is_refused_before_extracting(daemon):
+    """env.put of a tar stream into a container is checked as on the process backend: one
+    whose headers declare over 1 GiB, or over 100,000 members, is bad_request naming the
+    cap, and nothing of it lands in the container; one within the caps is extracted."""
+    with daemon.client() as c:
+        env = c.env_open(image=IMAGE)
+        with pytest.raises(BadRequest, match="unpacks to more than"):
+            c.put(env, "/w/bomb", _tar(1, 3 << 30), tar=True)
+        with pytest.raises(BadRequest, match="more than 100000 tar members"):
+            c.put(env, "/w/many", _tar(100_001, 0), tar=True)
+        r = c.exec("ls -A /w/bomb /w/many 2>/dev/null | wc -l", env=env)
+        assert (r.outcome, r.stdout) == ("ok", "0\n"), r
+        c.put(env, "/w/few", _tar(3, 0), tar=True)
+        assert c.exec("ls /w/few", env=env).stdout.split() == ["m0", "m1", "m2"]
+        c.env_close(env)

@@ -24,8 +24,10 @@
   adopts running ones labelled with our own owner id and removes all others.
 
 - Files go in and out through the engine's archive API (``put_archive`` / ``get_archive``,
-  tar streams), paths relative to the working directory; an exec's input goes to the agent
-  (or, with ``docker exec``, through a file it reads first).
+  tar streams), paths relative to the working directory (a tar stream put is refused, as
+  on the process backend, when its headers declare over 1 GiB or 100,000 members); an
+  exec's input goes to the agent (or, with ``docker exec``, through a file it reads
+  first).
 - Shell sessions live in the agent (persistent interactive bash, ``agent.py``); the daemon
   writes each run's script (``shell.py``), and the container's cpuset pinning before the
   run re-pins the shell with it. Without the agent there are no sessions.
@@ -60,7 +62,7 @@ import docker.errors
 import requests.exceptions
 
 from tangramd.backends import agent as agent_mod
-from tangramd.backends import files
+from tangramd.backends import files, nsfiles
 from tangramd.backends import shell as shell_mod
 from tangramd.backends.base import (
     EXEC_OOM_SCORE_ADJ,
@@ -756,9 +758,14 @@ class DockerBackend:
     async def put(self, env_id: str, path: str, data: bytes, *, tar: bool = False) -> int:
         """Write a file (or extract a tar stream into a directory) inside the container.
 
-        Paths are relative to the working directory; the container is the confinement."""
+        Paths are relative to the working directory; the container is the confinement. A
+        tar stream is checked as the process backend checks one (``nsfiles.check_tar``:
+        its headers declare at most 1 GiB and 100,000 members, TooLarge otherwise) before
+        any engine call, off the event loop (a gzip stream is inflated to read them)."""
         env = self._live(env_id)
         target = container_cwd(path)
+        if tar:
+            await asyncio.to_thread(nsfiles.check_tar, data, path)
         mkdir = posixpath.dirname(target) if not tar else target
         result = await self._call(
             env_container(self.client, env).exec_run, ["mkdir", "-p", "--", mkdir]
