@@ -651,9 +651,11 @@ def finish_exec(result: ExecResult, as_json: bool, job: str | None = None) -> No
 def cancel(ctl: Ctl, action_id: str | None, job: str | None, all_: bool, as_json: bool) -> None:
     """Cancel an exec or call by its action id (see `tangramctl queue`): a waiting one never
     runs; a running exec is killed with everything it started, and this returns once it is
-    gone. Its client gets outcome cancelled (`tangramctl exec` exits 130). An action that
-    already ended prints its outcome; a running GPU call runs to its end. Exit 0 then too;
-    1 if there is no such action of yours.
+    gone; a running GPU call is stopped (its replica's workers killed, the next call
+    restarts it; a batch's rider is detached, its leader's whole pass stopped), and this
+    returns once it has ended. Its client gets outcome cancelled (`tangramctl exec` exits
+    130). An action that already ended prints its outcome. Exit 0 then too; 1 if there is
+    no such action of yours.
 
     `cancel --job NAME --all` cancels every queued and running exec and call of job NAME
     that you may see (an operator: all of them; others: their own) in one step, and
@@ -686,7 +688,7 @@ def cancel(ctl: Ctl, action_id: str | None, job: str | None, all_: bool, as_json
 def _cancel_line(action_id: str, result: dict[str, Any]) -> str:
     """``a5: cancelled`` (or why not) for one action of a cancel's answer."""
     if result.get("state") == "running":
-        return f"{action_id}: a running GPU call; it runs to its end"
+        return f"{action_id}: still running"
     if result.get("cancelled"):
         return f"{action_id}: cancelled"
     return f"{action_id}: already ended ({result.get('outcome')})"

@@ -523,6 +523,17 @@ class RunCall(Command):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StopCall(Command):
+    """Stop the forward pass that runs call ``action_id`` (``cancel``; its ``RunCall``'s
+    leader) on ``node``, as a call past its timeout is stopped: the replica's workers are
+    killed (its next call restarts it). Its calls' ends are reported as usual
+    (``CallFinished``, once the replica holds nothing), and only then are its GPUs free."""
+
+    action_id: str
+    node: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WarmService(Command):
     """Make ``service`` resident on ``gpus`` of ``node`` with no call (``min_resident``):
     the pool found the memory free there, so the restore evicts nothing. Nothing is

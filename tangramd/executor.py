@@ -135,6 +135,7 @@ class Executor:
             ev.KillExec: effects.kill_exec,
             ev.EndShell: effects.end_shell,
             ev.RunCall: effects.run_call,
+            ev.StopCall: effects.stop_running_call,
             ev.WarmService: effects.warm_service,
             ev.LoadService: effects.load_service,
             ev.UnloadService: effects.unload_service,

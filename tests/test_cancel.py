@@ -2,7 +2,8 @@
 
 A queued exec leaves the queue and never runs; a running one is killed with everything it
 started (no process of it is left when the cancel is answered); both end ``cancelled``, as
-their own clients are told. Cancelling an ``AsyncClient.exec`` coroutine cancels its action.
+their own clients are told. A running GPU call is stopped (its replica's worker killed; the
+next call restarts it). Cancelling an ``AsyncClient.exec`` coroutine cancels its action.
 A renewed lease outlives its first TTL; an unrenewed one expires.
 """
 
@@ -292,15 +293,37 @@ SERVICES = Path(__file__).parent / "data" / "services"
 ONE_GPU = "[gpu]\nsimulated = { count = 1, mem_gb = 0.1 }\nnvml = false\n"
 
 
-def test_cancel_a_queued_call_and_a_running_one_runs_on(tmp_path):
+def _worker_pid(c) -> int | None:
+    """The pid of service s's replica (None: none with a process yet)."""
+    for row in c.service_list():
+        for replica in row["replicas"] if row["name"] == "s" else ():
+            if replica.get("pid"):
+                return int(replica["pid"])
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_cancel_a_queued_call_and_a_running_one(tmp_path):
     """A GPU call waiting for the one GPU leaves the queue (its caller gets cancelled); a
-    running call is not interrupted: the answer says so and it ends ok."""
+    running call (its handler sleeps 30 s) is stopped: the cancel answers once it has
+    ended, its replica's worker is gone, it ends `cancelled` for its caller and in its
+    story; the next call restarts the replica on the freed GPU and answers right."""
+    started = tmp_path / "started"
     with running_daemon(tmp_path, config=ONE_GPU) as d, d.client() as c:
         spec = {"name": "s", "runtime": "torch", "mem_gb": 0.01, "entry": "tiny_services:small"}
         c.request("service.register", {**spec, "path": str(SERVICES)})
-        running = in_thread(lambda: d.client().call("s", {"x": 1, "sleep": 2.0}))
-        rows = wait_for(lambda: c.queue()["running"], 20, "the call running")
-        running_id = rows[0]["action_id"]
+        payload = {"x": 1, "sleep": 30.0, "started": str(started)}
+        running = in_thread(lambda: d.client().call("s", payload, timeout_s=120))
+        wait_for(started.exists, 60, "the call in its handler")
+        running_id = c.queue()["running"][0]["action_id"]
+        pid = wait_for(lambda: _worker_pid(c), 30, "the worker in service list", every_s=0.2)
         queued = in_thread(lambda: d.client().call("s", {"x": 1}))
         rows = wait_for(lambda: c.queue()["waiting"], 20, "the second call queued")
         assert c.cancel(rows[0]["action_id"])["outcome"] == "cancelled"
@@ -308,12 +331,22 @@ def test_cancel_a_queued_call_and_a_running_one_runs_on(tmp_path):
         assert queued["result"].outcome == "cancelled"
         assert c.cancel(running_id) == {
             "action_id": running_id,
-            "cancelled": False,
-            "state": "running",
-            "outcome": None,
+            "cancelled": True,
+            "state": "done",
+            "outcome": "cancelled",
         }
+        assert not _alive(pid)
         running["thread"].join(20)
-        assert running["result"].outcome == "ok"
+        res = running["result"]
+        assert res.outcome == "cancelled" and res.result is None, res
+        story = c.story(running_id)
+        assert story["outcome"] == "cancelled", story
+        assert any(event["event"] == "cancel" for event in story["events"]), story
+        again = c.call("s", {"x": 2.0})
+        assert again.outcome == "ok" and again.gpus == (0,), again
+        assert again.result is not None and again.result["pid"] != pid, again  # restarted
+        assert again.result["y"] == pytest.approx(2.0 * sum(i / 1000 for i in range(1000)) + 0.5)
+        assert c.queue()["running"] == []
 
 
 def test_cancel_of_a_job_takes_only_what_the_caller_may_see():

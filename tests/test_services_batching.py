@@ -216,3 +216,54 @@ def test_an_http_engine_is_sent_a_batch_at_once(daemon: SpawnedDaemon, tmp_path:
     assert max(r.batch for r in results[1:]) > 1, results
     with Client(daemon.socket, timeout_s=120) as c:
         assert c.service_remove("h")["removed"] is True
+
+
+def test_cancel_a_rider_and_then_the_leader_of_a_running_pass(
+    daemon: SpawnedDaemon, tmp_path: Path
+) -> None:
+    """Four calls to `win` run as one pass whose handler sleeps 30 s. Cancelling a rider
+    detaches it (it ends `cancelled` at once; the pass runs on); cancelling the leader
+    (the call that holds the GPU) stops the whole pass: the worker is killed, the leader
+    and the riders left end `cancelled`; the next call restarts the replica."""
+    started = tmp_path / "started"
+    jobs = [("win", {"x": 1.0, "id": "p-0", "sleep": 30.0, "started": str(started)})]
+    jobs += [("win", {"x": float(i), "id": f"p-{i}"}) for i in range(1, 4)]
+
+    def stories(c: Client) -> dict[str, str]:
+        """Each running call's id -> its story as text."""
+        return {r["action_id"]: str(c.story(r["action_id"])) for r in c.queue()["running"]}
+
+    async def run() -> tuple[list[CallResult], dict[str, Any], dict[str, Any], int]:
+        async with AsyncClient(daemon.socket) as ac:
+            calls = [asyncio.ensure_future(ac.call(name, body)) for name, body in jobs]
+            await wait_for_async(started.exists, 60, "the pass in its handler")
+            with Client(daemon.socket) as c:
+                told = stories(c)
+                assert len(told) == 4, told
+                (leader,) = [a for a, s in told.items() if "batched with" not in s]
+                rider = next(a for a in told if a != leader)
+                pid = next(
+                    int(r["pid"])
+                    for row in c.service_list()
+                    if row["name"] == "win"
+                    for r in row["replicas"]
+                    if r.get("pid")
+                )
+                detached = await asyncio.to_thread(c.cancel, rider)
+                assert sorted(stories(c)) == sorted(a for a in told if a != rider)
+                stopped = await asyncio.to_thread(c.cancel, leader)
+            results = list(await asyncio.gather(*calls))
+            return results, detached, stopped | {"leader": leader, "rider": rider}, pid
+
+    results, detached, stopped, pid = asyncio.run(run())
+    assert detached["outcome"] == "cancelled" and detached["state"] == "done", detached
+    assert stopped["outcome"] == "cancelled" and stopped["state"] == "done", stopped
+    assert [r.outcome for r in results] == ["cancelled"] * 4, results
+    assert all(r.result is None for r in results), results
+    with Client(daemon.socket) as c:
+        rider_story = str(c.story(stopped["rider"]))
+        assert "detached from its batch" in rider_story, rider_story
+        assert "stopping its forward pass" in str(c.story(stopped["leader"]))
+    again = asyncio.run(call_many(daemon.socket, [("win", {"x": 2.0, "id": "after"})]))
+    check_answer("win", {"x": 2.0, "id": "after"}, again[0])
+    assert again[0].result is not None and again[0].result["pid"] != pid, again  # restarted

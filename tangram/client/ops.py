@@ -288,8 +288,10 @@ class Ops:
         return self._op("lease.renew", {"lease": lease_id, "ttl_s": ttl_s}, _as_dict)
 
     def cancel(self, action_id: str) -> dict[str, Any]:
-        """Cancel an exec or call: a waiting one never runs, a running exec is killed (the
-        answer comes once it is gone); its outcome is ``cancelled``. Returns
+        """Cancel an exec or call: a waiting one never runs, a running exec is killed and a
+        running GPU call stopped (its replica's workers killed; a batch's rider is
+        detached, its leader's pass stopped with its riders): the answer comes once it
+        is gone; its outcome is ``cancelled``. Returns
         ``{"action_id", "cancelled", "state", "outcome"}``: an action that had already
         ended gives its outcome and ``cancelled`` False. NotFound for an unknown action,
         or another user's."""
@@ -298,8 +300,8 @@ class Ops:
     def cancel_job(self, job: str) -> dict[str, Any]:
         """Cancel every queued and running exec and call of ``job`` that this caller may
         see (an operator: all of them; others: their own) in one step; answered once the
-        running execs among them are gone. Returns ``{"job", "actions": [{"action_id",
-        "cancelled", "state", "outcome"}]}`` (a running GPU call: state running)."""
+        running ones among them are gone. Returns ``{"job", "actions": [{"action_id",
+        "cancelled", "state", "outcome"}]}``."""
         return self._op("cancel", {"job": job, "all": True}, _as_dict)
 
     def api_list(self) -> list[dict[str, Any]]:

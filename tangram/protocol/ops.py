@@ -390,7 +390,7 @@ _EXEC_ARGS: Final = (
 CANCEL_RESULT: Final = (
     "action_id: str",
     "cancelled: bool",  # this cancel (or an earlier one) ended it
-    "state: str",  # done, or running (a GPU call runs to its end)
+    "state: str",  # done (a running exec or call is answered once it has ended)
     "outcome: str|null",  # its final outcome once done
 )
 
@@ -689,12 +689,18 @@ OPS: Final[dict[str, Op]] = {
             "exec is killed with everything it started (its process group and cgroup) and "
             "answered when it is gone. Its outcome is cancelled, which its own client gets "
             "too (a running exec that had already exited 0 stays ok). An action that had "
-            "already ended is answered with its outcome (cancelled false), not an error; a "
-            "running GPU call runs to its end (state running). Only the user who submitted "
+            "already ended is answered with its outcome (cancelled false), not an error. A "
+            "running GPU call is stopped: its replica's workers are killed (its next call "
+            "restarts it), its GPUs stay held until that is done, and it is answered then. "
+            "A call riding another's forward pass (a batch's rider) is detached at once, "
+            "the pass running on for the others; cancelling the pass's leader (the call "
+            "that holds the GPUs) stops the whole pass, its riders ending cancelled too. "
+            "On a cluster the coordinator has the call's node stop it (stop_call) and "
+            "answers once the node confirms. Only the user who submitted "
             "it, or root, may cancel it: another user's action is not_found. A lease is "
             "given back with lease.release. With job and all: every queued and running exec "
             "and call of that job the caller may see (an operator: all of them; others: "
-            "their own) in one step, answered once the running execs among them are gone",
+            "their own) in one step, answered once the running ones among them are gone",
             (
                 Arg("id", ID, doc="the action id (`action_id` of queue, story, exec's result)"),
                 Arg("ref", ID, doc="the exec's `ref`, on the connection that sent that exec"),

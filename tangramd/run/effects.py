@@ -66,6 +66,11 @@ class Effects(Protocol):
 
     def run_call(self, cmd: ev.RunCall) -> None: ...
 
+    def stop_running_call(self, cmd: ev.StopCall) -> None:
+        """Stop a running call's forward pass (``cancel``): its calls' ``CallFinished``
+        come once the replica holds nothing."""
+        ...
+
     def warm_service(self, cmd: ev.WarmService) -> None:
         """Restore a replica with no call (reports nothing)."""
         ...

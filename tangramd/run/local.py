@@ -64,7 +64,7 @@ class LocalEffects:
         # GPU calls under way (each call of a batch -> its RunCall), the batches told to
         # stop (their leaders) and what a stop waits on (a batch's end)
         self._calls_on: dict[str, ev.RunCall] = {}
-        self._stopped: set[str] = set()
+        self._stopped: dict[str, str] = {}  # leader -> why its calls end
         self._call_ended: dict[str, asyncio.Event] = {}
 
     def bind(self, report: Report, spawn: Spawn) -> None:
@@ -324,7 +324,21 @@ class LocalEffects:
             self._calls_on[aid] = cmd
         self._spawn(self._run_call(cmd))
 
-    async def stop_call(self, action_id: str) -> bool:
+    def stop_running_call(self, cmd: ev.StopCall) -> None:
+        """``cancel`` of a running call: its pass is stopped as :meth:`stop_call` stops
+        one (the replica's workers killed, its next call restarts it); its calls'
+        ``CallFinished`` come once that is done (the core ends them ``cancelled``)."""
+        log.info("call_stopping", action_id=cmd.action_id, node=cmd.node, cause=cmd.cause)
+        why = "cancelled: stopped while running (the replica's workers were killed)"
+
+        async def stop() -> None:
+            await self.stop_call(cmd.action_id, why)
+
+        self._spawn(stop())
+
+    async def stop_call(
+        self, action_id: str, why: str = "stopped: the coordinator gave up on the call"
+    ) -> bool:
         """Stop the batch that runs call ``action_id`` (a rider's or its leader's), as a
         call past its timeout is stopped: the replica's workers are killed (its next call
         restarts it) and the calls end ``infra_error``. Returns once the batch has ended
@@ -333,7 +347,7 @@ class LocalEffects:
         if cmd is None or self.services is None:
             return False
         ended = self._call_ended.setdefault(cmd.action_id, asyncio.Event())
-        self._stopped.add(cmd.action_id)
+        self._stopped.setdefault(cmd.action_id, why)
         await self.services.stop(cmd.service, cmd.gpus)  # (the pass in flight ends now)
         await ended.wait()
         return True
@@ -399,12 +413,11 @@ class LocalEffects:
         except Exception as exc:
             log.exception("call_failed", action_id=cmd.action_id, service=cmd.service)
             ended = [("infra_error", None, f"{type(exc).__name__}: {exc}", 0.0)] * len(calls)
-        if cmd.action_id in self._stopped:  # (the coordinator gave up on it: stop_call)
+        if cmd.action_id in self._stopped:  # (stop_call: the coordinator gave up, a cancel)
             if host is not None:  # whatever it restored meanwhile holds nothing either
                 await host.stop(cmd.service, cmd.gpus)
-            why = "stopped: the coordinator gave up on the call"
+            why = self._stopped.pop(cmd.action_id)
             ended = [("infra_error", None, why, 0.0)] * len(calls)
-            self._stopped.discard(cmd.action_id)
         for aid, _ in calls:
             self._calls_on.pop(aid, None)
         done = self._call_ended.pop(cmd.action_id, None)

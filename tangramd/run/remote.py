@@ -546,6 +546,20 @@ class RemoteEffects:
                 ev.CallFinished(action_id=action_id, outcome="infra_error", error=why, batch=batch)
             )
 
+    def stop_running_call(self, cmd: ev.StopCall) -> None:
+        """``cancel`` of a running call: its node is told to stop it (``stop_call``); its
+        deadline entry goes (the node is not suspect for it), and the call ends once the
+        node confirms (``call_stopped`` or its ``call_done``; the core ends it
+        ``cancelled``), or with the node, lost if it does not confirm within
+        ``node_request_timeout_s``."""
+        aid = cmd.action_id
+        if aid in self._stopping:
+            return
+        self._owed.pop(f"cl:{aid}", None)
+        self._stopping[aid] = f"cancelled: stopped on node {cmd.node} while running"
+        self._send(cmd.node, make_message("stop_call", action_id=aid))  # (or on its rejoin)
+        self._watch_answer(f"cs:{aid}", cmd.node, "stop_call")
+
     def warm_service(self, cmd: ev.WarmService) -> None:
         """To the node that holds the GPUs (no answer: a restore that fails there leaves
         the replica to its next call, as on ``tangramd up``)."""

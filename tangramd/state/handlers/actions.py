@@ -252,7 +252,9 @@ def exec_done(core: Core, e: ev.ExecFinished, now: float, out: list[ev.Command])
 @handles(ev.CancelAction)
 def cancel(core: Core, e: ev.CancelAction, now: float, out: list[ev.Command]) -> None:
     """``cancel``: a waiting action ends ``cancelled`` at once; a running exec is killed
-    (``KillExec``) and the cancel answered when its end comes back; an action that has
+    (``KillExec``), a running GPU call's pass stopped (``StopCall``, :func:`_stop_call`),
+    and the cancel answered when its end comes back (a batch's rider is detached at once:
+    :func:`_detach`); an action that has
     ended is answered with its outcome. Another user's action is not found. With a job:
     every action of it (:func:`cancel_job`)."""
     if e.job is not None:
@@ -278,21 +280,24 @@ def cancel(core: Core, e: ev.CancelAction, now: float, out: list[ev.Command]) ->
         if e.token is not None:
             out.append(core.reply(e.token, result=cancel_answer(aid, "done", "cancelled")))
         return
-    if rec.action.kind != "exec":  # a running GPU call: its handler cannot be stopped safely
-        note(rec, now, "cancel refused", "a running call runs to its end", core.stimulus)
+    if rec.action.kind != "exec" and _detach(core, rec, now, out, f"by {who}"):
         if e.token is not None:
-            out.append(core.reply(e.token, result=cancel_answer(aid, "running", None)))
+            out.append(core.reply(e.token, result=cancel_answer(aid, "done", "cancelled")))
         return
     if e.token is not None:
         rec.cancel_tokens.append(e.token)
-    _kill(core, rec, now, out, f"by {who}")
+    if rec.action.kind == "exec":
+        _kill(core, rec, now, out, f"by {who}")
+    else:
+        _stop_call(core, rec, now, out, f"by {who}")
 
 
 def cancel_job(core: Core, e: ev.CancelAction, now: float, out: list[ev.Command]) -> None:
     """``cancel`` with job and all: every queued and running exec and call of job
     ``e.job`` that ``e.peer`` owns (every one when ``e.everyone``), in this one event.
-    Waiting ones end ``cancelled`` now, running execs are killed, running calls run on;
-    the answer lists each with its outcome once the killed execs have ended. Leases are
+    Waiting ones end ``cancelled`` now, running execs are killed and running GPU calls
+    stopped (:func:`_stop_call`; a batch's rider is detached); the answer lists each with
+    its outcome once the killed and stopped ones have ended. Leases are
     not cancelled (``lease.release`` gives one back)."""
     job = e.job or ""
     group = JobCancel(e.token, job)
@@ -308,13 +313,16 @@ def cancel_job(core: Core, e: ev.CancelAction, now: float, out: list[ev.Command]
             finish_action(core, rec, now, out, outcome="cancelled", detail=f"cancelled {who}")
             group.rows[aid] = cancel_answer(aid, "done", "cancelled")
             continue
-        group.rows[aid] = cancel_answer(aid, "running", None)
-        if rec.action.kind != "exec":  # a running GPU call runs to its end
-            note(rec, now, "cancel refused", "a running call runs to its end", core.stimulus)
+        if rec.action.kind != "exec" and _detach(core, rec, now, out, who):
+            group.rows[aid] = cancel_answer(aid, "done", "cancelled")
             continue
+        group.rows[aid] = cancel_answer(aid, "running", None)
         group.pending.add(aid)
         rec.job_cancels.append(group)
-        _kill(core, rec, now, out, who)
+        if rec.action.kind == "exec":
+            _kill(core, rec, now, out, who)
+        else:
+            _stop_call(core, rec, now, out, who)
     if not group.pending and e.token is not None:
         out.append(core.reply(e.token, result=group.answer()))
 
@@ -335,6 +343,50 @@ def _kill(core: Core, rec: ActionRec, now: float, out: list[ev.Command], who: st
             cause=core.stimulus,
         )
     )
+
+
+def _detach(core: Core, rec: ActionRec, now: float, out: list[ev.Command], who: str) -> bool:
+    """A running call that rides another's forward pass (a batch's rider, holding no
+    GPUs) ends ``cancelled`` now; the pass runs on for the others and its answer for
+    this call is dropped. False for a call that holds its GPUs (the pass's leader)."""
+    batch = core.services.riding.pop(rec.action.id, None)
+    if batch is None:
+        return False
+    for batches in core.services.forming.values():  # (not sent yet: not sent with it)
+        for forming in batches:
+            if rec in forming.riders:
+                forming.riders.remove(rec)
+    why = f"cancelled {who}: detached from its batch's forward pass, which runs on"
+    note(rec, now, "cancel", why, core.stimulus)
+    finish_action(core, rec, now, out, outcome="cancelled", detail=why)
+    return True
+
+
+def _stop_call(core: Core, rec: ActionRec, now: float, out: list[ev.Command], who: str) -> None:
+    """Stop a running GPU call (``StopCall``): the replica's workers are killed, the
+    call and its pass's riders end ``cancelled`` when their ``CallFinished`` comes back,
+    and only then are its GPUs released. A call whose pass is still forming (its batch
+    window) is sent now, with its riders, so that the host has it to stop."""
+    if rec.cancelling:
+        return  # already being stopped: answered with the first cancel
+    assert core.gpu is not None and rec.call is not None, "running calls hold GPUs"
+    rec.cancelling = True
+    node, local = gpu_place(core.gpu, rec.units)
+    for name, batches in list(core.services.forming.items()):
+        for batch in [b for b in batches if b.leader is rec]:
+            from tangramd.state.handlers.services import send_batch  # (it imports this)
+
+            batches.remove(batch)
+            send_batch(core, batch, out)
+        if not batches:
+            del core.services.forming[name]
+    riders = [aid for aid, place in core.services.riding.items() if place == (node, local)]
+    for aid in riders:  # (they end with it: its pass is stopped)
+        rider = core.actions[aid]
+        rider.cancelling = True
+        note(rider, now, "cancel", f"its pass's leader {rec.action.id} is stopped", core.stimulus)
+    note(rec, now, "cancel", f"{who}: stopping its forward pass", core.stimulus)
+    out.append(ev.StopCall(action_id=rec.action.id, node=node, cause=core.stimulus))
 
 
 def _cancel_target(core: Core, e: ev.CancelAction) -> ActionRec | None:

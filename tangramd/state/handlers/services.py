@@ -318,6 +318,10 @@ def call_done(core: Core, e: ev.CallFinished, now: float, out: list[ev.Command])
     if rec is None or rec.state != "running":
         return
     riding = core.services.riding.pop(rec.action.id, None)
+    if rec.cancelling and e.outcome != "ok":  # its pass was stopped (``StopCall``); one
+        # that had finished first stays ``ok``, as a killed exec that had exited 0
+        why = "cancelled: stopped while running" + (f" ({e.error})" if e.error else "")
+        e = replace(e, outcome="cancelled", result=None, error=why)
     if e.outcome in ("ok", "failed") and riding is None:  # once per forward pass
         # kept as work at speed-up 1: the pass's seconds times its GPUs' speed-up
         spec = core.services.specs.get(rec.call.name) if rec.call is not None else None
