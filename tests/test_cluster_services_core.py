@@ -214,3 +214,29 @@ def test_a_hosts_rows_and_the_coordinators_merged_rows_share_the_specs_fields(
     (merged,) = services.list()
     assert {k: row[k] for k in fields} == fields == {k: merged[k] for k in fields}
     assert list(row) == list(merged)
+
+
+def test_cancel_of_a_running_call_holds_its_gpu_until_the_stop_is_confirmed() -> None:
+    """`cancel --job --all` with a call running on the node's one GPU and another waiting:
+    the waiting one ends cancelled now, the running one gets a ``StopCall`` to its node
+    and keeps the GPU (a third call is not placed) until its ``CallFinished`` comes back;
+    then it ends cancelled, the job cancel answers both, and the GPU goes to the third."""
+    core = coordinator_core(SMALL)
+    gpus_join(core, "a")
+    (run,) = [c for c in call(core, 1) if isinstance(c, ev.RunCall)]
+    assert not [c for c in call(core, 2) if isinstance(c, ev.RunCall)]
+    (waiting,) = core.actions.queue
+    out = core.handle(ev.CancelAction(token=9, job="default", everyone=True), 0.1)
+    stops = [c for c in out if isinstance(c, ev.StopCall)]
+    assert stops == [ev.StopCall(action_id=run.action_id, node="a", cause=stops[0].cause)]
+    assert {c.token for c in out if isinstance(c, ev.Reply)} == {2}  # the waiting call
+    assert not [c for c in call(core, 3, now=0.2) if isinstance(c, ev.RunCall)]  # GPU held
+    done = ev.CallFinished(run.action_id, outcome="infra_error", error="stopped")
+    out = core.handle(done, 0.3) + core.handle(ev.Tick(), 0.3)
+    answers = {c.token: c for c in out if isinstance(c, ev.Reply)}
+    assert answers[1].result is not None and answers[1].result["outcome"] == "cancelled"
+    rows = {r["action_id"]: r for r in (answers[9].result or {})["actions"]}
+    assert rows[run.action_id]["outcome"] == "cancelled", rows
+    assert rows[waiting]["outcome"] == "cancelled", rows
+    (nxt,) = [c for c in out if isinstance(c, ev.RunCall)]
+    assert nxt.node == "a" and nxt.gpus == (0,), nxt

@@ -192,3 +192,48 @@ def test_a_call_whose_stop_the_node_never_confirms_loses_the_node() -> None:
     assert not effects.stopping("c1")
     effects.call_stopped("c1")  # a confirmation after that ends nothing more
     assert reported == []
+
+
+def test_a_cancelled_call_is_stopped_on_its_node_and_its_deadline_is_dropped() -> None:
+    """``StopCall`` (a cancel of a running call) sends ``stop_call`` at once and drops the
+    call's run deadline (its node is not suspect for it); the node's ``call_stopped``
+    ends the call (one ``CallFinished``, which the core ends cancelled); a second
+    StopCall sends nothing more, and nothing reports the node lost."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+    reported: list[ev.Event] = []
+    lost: list[tuple[str, str]] = []
+
+    def send(node: str, msg: dict[str, Any]) -> bool:
+        sent.append((node, msg))
+        return True
+
+    effects = RemoteEffects(
+        send,
+        lambda cmd: OnNode(),
+        lambda cmd: PutOnNode(),
+        request_timeout_s=5.0,
+        restore_timeout_s=0.01,
+        lost=lambda node, why: lost.append((node, why)),
+    )
+    effects.bind(reported.append, lambda coro: None)
+    run = ev.RunCall(
+        action_id="c1", service="s", node="a", gpus=(0,), evicted=(), payload={}, timeout_s=0.01
+    )
+
+    async def go() -> None:
+        effects.run_call(run)
+        effects.stop_running_call(ev.StopCall(action_id="c1", node="a"))
+        effects.stop_running_call(ev.StopCall(action_id="c1", node="a"))
+        assert not effects.answered("cl:c1")  # its run deadline is gone
+        assert effects.stopping("c1")
+        effects.call_stopped("c1")
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+    assert [(n, m["t"], m.get("action_id")) for n, m in sent] == [
+        ("a", "run_call", "c1"),
+        ("a", "stop_call", "c1"),
+    ]
+    (done,) = reported
+    assert isinstance(done, ev.CallFinished) and done.action_id == "c1", done
+    assert done.error is not None and done.error.startswith("cancelled"), done
+    assert lost == [] and not effects.stopping("c1")
