@@ -32,7 +32,14 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from tangram.client import CallResult, Client, ExecInterrupted, ExecResult, default_socket_path
+from tangram.client import (
+    CallInterrupted,
+    CallResult,
+    Client,
+    ExecInterrupted,
+    ExecResult,
+    default_socket_path,
+)
 from tangram.model import TangramError
 from tangram.protocol import ConnectionFailed, InfraError, parse_size
 from tangram.protocol.ops import MAX_FORK
@@ -1245,6 +1252,8 @@ def call(
     Prints the handler's answer as JSON (with --json: outcome, result, error, queue_s,
     restore_s, exec_s, act_s, gpus, node, action_id, batch, job). Exit 0 ok, 1 failed,
     124 timeout, 125 infrastructure error, 130 cancelled, 2 usage or request error.
+    Ctrl-C cancels the call (a queued one never runs; a running one's forward pass is
+    stopped, the replica's workers killed) and exits 130 once it has ended.
     """
     try:
         body = json.loads(payload)
@@ -1254,6 +1263,8 @@ def call(
         raise click.BadParameter("must be a JSON object", param_hint="PAYLOAD_JSON")
     try:
         result = ctl.client.call(name, body, timeout_s=timeout_s, job=job, gpus=gpus)
+    except CallInterrupted as exc:  # Ctrl-C: the client cancelled the call
+        result = call_interrupted_result(exc)
     except ConnectionFailed as exc:
         fail(unreachable_message(ctl.path, exc), EXIT_INFRA)
     except TangramError as exc:
@@ -1267,6 +1278,18 @@ def call(
     else:
         click.echo(f"tangramctl: {result.outcome}: {result.error or 'no answer'}", err=True)
     sys.exit(call_exit_code(result))
+
+
+def call_interrupted_result(exc: CallInterrupted) -> CallResult:
+    """Ctrl-C on ``call``: the client cancelled the call and it has ended; how (exit 130
+    when it was cancelled; its own status when it had ended before)."""
+    result = exc.result
+    if result is None:  # its answer could not be read (a second Ctrl-C)
+        return CallResult("cancelled", error="interrupted (Ctrl-C); its answer was not read")
+    if result.outcome == "cancelled":
+        why = f"interrupted (Ctrl-C): {result.error}" if result.error else "interrupted (Ctrl-C)"
+        return replace(result, error=why)
+    return result
 
 
 # --------------------------------------------------------------------------- attached

@@ -116,10 +116,10 @@ class RenewLease(Event):
 
 @dataclass(frozen=True, slots=True)
 class CancelAction(Event):
-    """``cancel``: end an exec or call, by its id or by the ``ref`` its exec carried on
-    connection ``conn``; ``peer`` must own it (or be root). With ``job``: every queued and
-    running exec and call of that job ``peer`` owns (all of them when ``everyone``, an
-    operator's cancel)."""
+    """``cancel``: end an exec or call, by its id or by the ``ref`` its exec or call
+    carried on connection ``conn``; ``peer`` must own it (or be root). With ``job``: every
+    queued and running exec and call of that job ``peer`` owns (all of them when
+    ``everyone``, an operator's cancel)."""
 
     token: int | None = None
     action_id: str | None = None

@@ -301,7 +301,12 @@ async def _service_remove(ex: Executor, args: Args, conn: ConnInfo) -> Any:
 
 async def _call(ex: Executor, args: Args, conn: ConnInfo) -> Any:
     spec = CallSpec(
-        args["name"], args["payload"], args.get("timeout_s"), args.get("job"), args.get("gpus")
+        args["name"],
+        args["payload"],
+        args.get("timeout_s"),
+        args.get("job"),
+        args.get("gpus"),
+        args.get("ref"),
     )
     return await ex.request(
         lambda tok: ev.SubmitCall(spec=spec, token=tok, conn=conn.id, peer=conn.peer)

@@ -8,7 +8,7 @@ every op (:mod:`tangram.client.ops`).
 
 from tangram.client.aio import AsyncClient
 from tangram.client.ops import Cpus, Env, Size
-from tangram.client.sync import Client, ExecInterrupted
+from tangram.client.sync import CallInterrupted, Client, ExecInterrupted
 from tangram.protocol import (
     SOCKET_ENV,
     SYSTEM_SOCKET,
@@ -25,6 +25,7 @@ __all__ = [
     "SYSTEM_SOCKET",
     "AsyncClient",
     "AsyncEnv",
+    "CallInterrupted",
     "CallResult",
     "Client",
     "Cpus",

@@ -86,9 +86,9 @@ class _ClientProtocol(asyncio.Protocol):
 class AsyncClient(Ops):
     """asyncio client: any number of concurrent calls pipelined over one connection.
 
-    Cancelling the coroutine of an ``exec`` cancels its action (``cancel`` by the exec's
-    ``ref``): withdrawn if it waits, killed if it runs; ``cancel_abandoned=False`` leaves
-    it running instead."""
+    Cancelling the coroutine of an ``exec`` or a ``call`` cancels its action (``cancel``
+    by its ``ref``): withdrawn if it waits, killed (an exec) or its forward pass stopped (a
+    call) if it runs; ``cancel_abandoned=False`` leaves it running instead."""
 
     def __init__(
         self,
@@ -101,15 +101,16 @@ class AsyncClient(Ops):
     ) -> None:
         self.path = os.fspath(path) if path is not None else default_socket_path()
         self.job = job or os.environ.get("TANGRAM_JOB") or None  # the actions' job
-        # an exec whose awaiting coroutine is cancelled is cancelled too (``_exec``); False:
-        # it runs on, as a disconnected client's running exec does (the HTTP gateway's rule)
+        # an exec or call whose awaiting coroutine is cancelled is cancelled too
+        # (``_cancellable``); False: it runs on, as a disconnected client's running exec
+        # does (the HTTP gateway's rule)
         self.cancel_abandoned = cancel_abandoned
         self.connect_timeout_s = connect_timeout_s
         self.max_frame = max_frame
         self._protocol: _ClientProtocol | None = None
         self._connecting: asyncio.Lock | None = None
         self._ids = itertools.count(1)
-        self._refs = itertools.count(1)  # exec refs, unique on each connection
+        self._refs = itertools.count(1)  # exec and call refs, unique on each connection
 
     async def connect(self) -> None:
         """Connect now (calls connect lazily anyway); raise ConnectionFailed."""
@@ -176,22 +177,22 @@ class AsyncClient(Ops):
     def _op(  # type: ignore[override]  # the async client's ops return coroutines
         self, op: str, args: Mapping[str, Any], parse: Callable[[Any], T]
     ) -> Coroutine[Any, Any, T]:
-        if op == "exec" and self.cancel_abandoned:
-            return self._exec(args, parse)
+        if op in ("exec", "call") and self.cancel_abandoned:
+            return self._cancellable(op, args, parse)
         return self._parsed(op, args, parse)
 
-    async def _exec(self, args: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
-        """An exec that a cancelled caller takes back: the coroutine carries a ``ref``
-        (unless the caller named one) and, when it is cancelled while the daemon has the
-        request, sends ``cancel`` with that ref on the same connection (not awaited: the
-        caller is leaving). The action never runs if it still waits; a running one is
-        killed."""
+    async def _cancellable(self, op: str, args: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
+        """An exec or call that a cancelled caller takes back: the coroutine carries a
+        ``ref`` (unless the caller named one) and, when it is cancelled while the daemon
+        has the request, sends ``cancel`` with that ref on the same connection (not
+        awaited: the caller is leaving). The action never runs if it still waits; a
+        running exec is killed, a running call's forward pass stopped."""
         ref = args.get("ref")
         if ref is None:
             ref = f"aio-{next(self._refs)}"
             args = {**args, "ref": ref}
         try:
-            return parse(await self.request("exec", args))
+            return parse(await self.request(op, args))
         except asyncio.CancelledError:
             self._send_cancel(ref)
             raise

@@ -410,6 +410,7 @@ class Ops:
         timeout_s: float | None = None,
         job: str | None = None,
         gpus: int | None = None,
+        ref: str | None = None,
     ) -> CallResult:
         """Call a service as one GPU action; failures of the call are in the result.
 
@@ -417,11 +418,18 @@ class Ops:
         handler; None: the daemon's ``[gpu] call_timeout_s``. ``job``: the job it counts
         against (fair share across jobs); unset: the client's, as for ``exec``. ``gpus``:
         run at exactly that many GPUs (one of the service's counts); unset: the scheduler
-        picks the count by the service's speed-up table (``eff``), its smallest without."""
+        picks the count by the service's speed-up table (``eff``), its smallest without.
+
+        ``ref`` names the call on this connection, as for ``exec``: ``cancel`` by it
+        reaches a call still waiting for its answer. :class:`~tangram.client.Client` sets one
+        on every call and, on Ctrl-C, cancels it (a queued call never runs, a running one's
+        forward pass is stopped) and raises ``CallInterrupted``;
+        :class:`~tangram.client.AsyncClient` does so when the awaiting coroutine is
+        cancelled."""
         if timeout is not None and timeout_s is not None and timeout != timeout_s:
             raise ValueError("give timeout or timeout_s, not two different values")
         limit = timeout if timeout is not None else timeout_s
-        spec = CallSpec(name, dict(payload), limit, job or self.job, gpus)
+        spec = CallSpec(name, dict(payload), limit, job or self.job, gpus, ref)
         return self._op("call", spec.to_wire(), CallResult.from_wire)
 
 

@@ -8,7 +8,9 @@ answer raises ``ConnectionFailed``, since the action may or may not have run.
 Ctrl-C (``KeyboardInterrupt``) while an ``exec`` waits for its answer cancels its action
 (``cancel`` by the exec's ``ref``, on the same connection) and raises
 :class:`ExecInterrupted` once the action has ended: withdrawn if it waited, killed with
-everything it started if it ran.
+everything it started if it ran. The same for a ``call`` (a GPU service call), which
+raises :class:`CallInterrupted`: withdrawn from the queue if it waited, its forward pass
+stopped (the replica's workers killed) if it ran.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tangram.client.ops import Env, Ops, Size
 from tangram.model import TangramError
 from tangram.protocol import (
     DEFAULT_MAX_FRAME,
+    CallResult,
     ConnectionFailed,
     ExecResult,
     FrameDecoder,
@@ -55,6 +58,19 @@ class ExecInterrupted(KeyboardInterrupt):
         self.result = result
 
 
+class CallInterrupted(KeyboardInterrupt):
+    """Ctrl-C while a blocking ``call`` waited: the call was cancelled and has ended (a
+    sibling of :class:`ExecInterrupted`; catch ``KeyboardInterrupt`` for both).
+
+    ``result`` is how it ended (outcome ``cancelled``, or its real outcome when it ended
+    before the cancel reached it); None when that answer could not be read (a second
+    Ctrl-C, the connection lost)."""
+
+    def __init__(self, result: CallResult | None) -> None:
+        super().__init__("call interrupted: the service call was cancelled")
+        self.result = result
+
+
 class Client(Ops):
     """Blocking client; one connection, one request at a time (thread-safe, serialized).
 
@@ -74,10 +90,10 @@ class Client(Ops):
     ) -> None:
         self.path = os.fspath(path) if path is not None else default_socket_path()
         self.job = job or os.environ.get("TANGRAM_JOB") or None  # the actions' job
-        # Ctrl-C during an exec cancels its action (``_exec``); False: the connection is
-        # dropped, so a waiting action is withdrawn and a running one runs to its end
+        # Ctrl-C during an exec or a call cancels its action (``_cancellable``); False: the
+        # connection is dropped, so a waiting action is withdrawn and a running one runs on
         self.cancel_interrupted = cancel_interrupted
-        self._refs = itertools.count(1)  # exec refs, unique on each connection
+        self._refs = itertools.count(1)  # exec and call refs, unique on each connection
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_frame = max_frame
@@ -196,20 +212,21 @@ class Client(Ops):
     # -- the op methods (declared once, in tangram.client.ops)
 
     def _op(self, op: str, args: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
-        if op == "exec" and self.cancel_interrupted:
-            return parse(self._exec(args))
+        if op in ("exec", "call") and self.cancel_interrupted:
+            return parse(self._cancellable(op, args))
         return parse(self.request(op, args))
 
-    def _exec(self, args: Mapping[str, Any]) -> Any:
-        """``request("exec", args)`` with a ``ref`` (unless the caller named one), so that
-        a Ctrl-C while the daemon has it cancels the action (:meth:`_interrupted`)."""
+    def _cancellable(self, op: str, args: Mapping[str, Any]) -> Any:
+        """``request(op, args)`` for an ``exec`` or a ``call``, with a ``ref`` (unless the
+        caller named one), so that a Ctrl-C while the daemon has it cancels the action
+        (:meth:`_interrupted`)."""
         ref = args.get("ref")
         if ref is None:
             ref = f"sync-{next(self._refs)}"
             args = {**args, "ref": ref}
         with self._lock:
             request_id = next(self._ids)
-            frame = encode(make_request(request_id, "exec", args), max_frame=self.max_frame)
+            frame = encode(make_request(request_id, op, args), max_frame=self.max_frame)
             try:
                 self._send(frame)
             except TangramError:
@@ -218,21 +235,22 @@ class Client(Ops):
                 self._drop()  # interrupted while sending: the stream state is unknown
                 raise
             try:
-                return self._receive(request_id, "exec").unwrap()
+                return self._receive(request_id, op).unwrap()
             except TangramError:
                 raise
             except KeyboardInterrupt:
-                raise self._interrupted(request_id, ref) from None
+                raise self._interrupted(op, request_id, ref) from None
             except BaseException:
                 self._drop()
                 raise
 
-    def _interrupted(self, request_id: int, ref: str) -> ExecInterrupted:
-        """Ctrl-C while the exec ``request_id`` waited for its answer: send ``cancel`` by
-        its ``ref`` on this connection and read both answers (the cancel's comes once a
-        running exec is gone). A second Ctrl-C, or a broken connection, stops the wait and
-        drops the connection (a waiting action is withdrawn with it)."""
-        result: ExecResult | None = None
+    def _interrupted(self, op: str, request_id: int, ref: str) -> ExecInterrupted | CallInterrupted:
+        """Ctrl-C while the exec or call ``request_id`` waited for its answer: send
+        ``cancel`` by its ``ref`` on this connection and read both answers (the cancel's
+        comes once a running exec is gone, or a running call's pass stopped). A second
+        Ctrl-C, or a broken connection, stops the wait and drops the connection (a waiting
+        action is withdrawn with it)."""
+        result: Any = None
         try:
             cancel_id = next(self._ids)
             assert self._sock is not None
@@ -244,10 +262,11 @@ class Client(Ops):
                     break  # a connection-level error: the daemon closed it
                 waiting.discard(response.id)
                 if response.id == request_id and response.ok:
-                    result = ExecResult.from_wire(response.result)
+                    parse = CallResult.from_wire if op == "call" else ExecResult.from_wire
+                    result = parse(response.result)
         except (TangramError, OSError, KeyboardInterrupt):
             self._drop()
-        return ExecInterrupted(result)
+        return CallInterrupted(result) if op == "call" else ExecInterrupted(result)
 
     @contextlib.contextmanager
     def env(

@@ -332,6 +332,15 @@ def _check_fork(args: Mapping[str, Any]) -> None:
         raise BadRequest(f"n: expected int from 1 to {MAX_FORK}, got {n}")
 
 
+# ``ref`` of exec and call: one declaration, one check (a string) for both; the daemon
+# finds the action by it on the connection that sent it (``cancel`` with ``ref``)
+REF_ARG: Final = Arg(
+    "ref",
+    Str(),
+    doc="the client's name for this action, unique on its connection: `cancel` with "
+    "`ref` on the same connection cancels it before its action id is known",
+)
+
 _EXEC_ARGS: Final = (
     Arg(
         "cmd",
@@ -372,12 +381,7 @@ _EXEC_ARGS: Final = (
         doc="most it may wait to start (cores, memory, its environment), then outcome "
         "timeout; unset: timeout_s bounds the wait and the run together",
     ),
-    Arg(
-        "ref",
-        Str(),
-        doc="the client's name for this action, unique on its connection: `cancel` with "
-        "`ref` on the same connection cancels it before its action id is known",
-    ),
+    REF_ARG,
     Arg("job", NAME, doc="the job it belongs to (fair share across jobs; default 'default')"),
     Arg(
         "api",
@@ -703,7 +707,11 @@ OPS: Final[dict[str, Op]] = {
             "their own) in one step, answered once the running ones among them are gone",
             (
                 Arg("id", ID, doc="the action id (`action_id` of queue, story, exec's result)"),
-                Arg("ref", ID, doc="the exec's `ref`, on the connection that sent that exec"),
+                Arg(
+                    "ref",
+                    ID,
+                    doc="the exec's or call's `ref`, on the connection that sent that request",
+                ),
                 Arg("job", NAME, doc="cancel this job's actions (with all; not with id or ref)"),
                 Arg("all", Bool(), doc="true: every action of job (required with job)"),
             ),
@@ -836,6 +844,7 @@ OPS: Final[dict[str, Op]] = {
                     doc="run at exactly this many GPUs, one of the service's counts "
                     "(default: the scheduler picks, by the service's eff)",
                 ),
+                REF_ARG,
             ),
             result=CALL_RESULT_FIELDS,
             errors=("not_found", "unschedulable", "shutting_down"),

@@ -290,6 +290,9 @@ class CallSpec:
     timeout_s: float | None = None
     job: str | None = None  # the job it belongs to (fair share, issue 34); None: "default"
     gpus: int | None = None  # run at exactly this many GPUs; None: the scheduler picks
+    # the client's name for the call, as an exec's ``ref``: ``cancel``'s ``ref`` finds it
+    # on its connection before its action id is known (the clients set one per call)
+    ref: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "payload": dict(self.payload)}
@@ -299,6 +302,8 @@ class CallSpec:
             out["job"] = self.job
         if self.gpus is not None:
             out["gpus"] = self.gpus
+        if self.ref is not None:
+            out["ref"] = self.ref
         return out
 
 

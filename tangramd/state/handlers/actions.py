@@ -395,9 +395,16 @@ def _cancel_target(core: Core, e: ev.CancelAction) -> ActionRec | None:
     if e.ref is None or e.conn is None:
         return None
     for rec in core.actions:
-        if rec.conn == e.conn and rec.spec is not None and rec.spec.ref == e.ref:
+        if rec.conn == e.conn and _ref_of(rec) == e.ref:
             return rec
     return None
+
+
+def _ref_of(rec: ActionRec) -> str | None:
+    """The client's ``ref`` of an exec or a call (``cancel`` finds it by that)."""
+    if rec.spec is not None:
+        return rec.spec.ref
+    return rec.call.ref if rec.call is not None else None
 
 
 def cancel_answer(action_id: str, state: str, outcome: str | None) -> dict[str, Any]:
