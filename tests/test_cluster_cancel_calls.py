@@ -10,6 +10,7 @@ drained as suspect for it (the call's deadline entry is cleared).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -22,6 +23,8 @@ import pytest
 from click.testing import CliRunner
 from cluster_harness import InProcessCluster, check_clean, off_the_table, record_links, stop_all
 
+from tangram.client import AsyncClient
+from tangram.protocol.errors import NotFound
 from tangram.testing import wait_for
 from tangramctl.main import cli
 
@@ -118,3 +121,39 @@ def test_a_running_call_is_cancelled_on_its_node(
     assert "node_suspect" not in coord.log()
     stop_all([coord, a, b])
     check_clean(coord, a, b)
+
+
+def test_a_call_is_cancelled_by_its_ref_through_a_node(
+    here: InProcessCluster, tmp_path: Path
+) -> None:
+    """A call sent through a node's socket with a `ref` is found by `cancel {"ref"}` on
+    that same connection (the node forwards the ref to the coordinator, as exec's): the
+    call ends cancelled, its worker gone; the same ref on another connection of that node
+    is not_found; the next call answers."""
+    coord = here.coordinator(COORDINATOR)
+    a = here.node(coord, "a", config=NODE)
+    started = tmp_path / "started"
+    with coord.client(timeout_s=120) as c:
+        c.service_register("s", mem_gb=0.06, entry="tiny_services:small", path=str(SERVICES))
+
+        async def scenario() -> tuple[dict[str, Any], Any, int]:
+            async with AsyncClient(a.socket) as ac, AsyncClient(a.socket) as other:
+                payload = {"x": 1.0, "sleep": 30.0, "started": str(started)}
+                task = asyncio.ensure_future(ac.call("s", payload, ref="r1", timeout_s=120))
+                while not started.exists():
+                    assert not task.done(), task
+                    await asyncio.sleep(0.05)
+                pid = wait_for(lambda: _worker_pid(c), 30, "the worker", every_s=0.2)
+                with pytest.raises(NotFound, match="r1"):
+                    await other.request("cancel", {"ref": "r1"})
+                answer = await ac.request("cancel", {"ref": "r1"})
+                return answer, await task, pid
+
+        answer, res, pid = asyncio.run(scenario())
+        assert answer["cancelled"] is True and answer["outcome"] == "cancelled", answer
+        assert res.outcome == "cancelled" and res.action_id == answer["action_id"], res
+        wait_for(lambda: not _alive(pid), 30, "the cancelled call's worker gone")
+        assert c.story(answer["action_id"])["outcome"] == "cancelled"
+        assert c.call("s", {"x": 2.0}).outcome == "ok"
+    stop_all([coord, a])
+    check_clean(coord, a)
