@@ -12,6 +12,7 @@ from tangram.protocol.errors import BadRequest, EnvLost, InfraError, NotFound, S
 from tangram.protocol.results import CallResult, ExecResult, cancelled
 from tangramd import events as ev
 from tangramd.state.actions import ActionRec, JobCancel, may_touch
+from tangramd.state.batches import send_batch
 from tangramd.state.dispatch import handles
 from tangramd.state.services import gpu_place
 from tangramd.state.story import note
@@ -374,8 +375,6 @@ def _stop_call(core: Core, rec: ActionRec, now: float, out: list[ev.Command], wh
     node, local = gpu_place(core.gpu, rec.units)
     for name, batches in list(core.services.forming.items()):
         for batch in [b for b in batches if b.leader is rec]:
-            from tangramd.state.handlers.services import send_batch  # (it imports this)
-
             batches.remove(batch)
             send_batch(core, batch, out)
         if not batches:

@@ -13,6 +13,7 @@ from tangram.protocol.results import CallResult, ExecResult
 from tangramd import events as ev
 from tangramd.services.spec import ServiceSpec, SpecError
 from tangramd.state.actions import ActionRec
+from tangramd.state.batches import send_batch
 from tangramd.state.dispatch import handles
 from tangramd.state.handlers.actions import finish_action
 from tangramd.state.services import Batch, gpu_place
@@ -252,33 +253,6 @@ def ride(core: Core, batch: Batch, rec: ActionRec, now: float) -> None:
     core.actions.move(rec, "running", now, why, core.stimulus)
     core.services.riding[rec.action.id] = (batch.node, batch.gpus)
     batch.riders.append(rec)
-
-
-def send_batch(core: Core, batch: Batch, out: list[ev.Command]) -> None:
-    """The batch to the host: its leader's ``RunCall`` carries the riders' payloads. The
-    leader's expected duration is the history's for a pass of this batch size."""
-    leader = batch.leader
-    assert leader.call is not None, "a batch is calls"
-    klass = leader.action.klass
-    if batch.size > 1 and core.history.count(f"{klass}@{batch.size}"):
-        spec = core.services.specs.get(leader.call.name)
-        speedup = spec.speedup(len(batch.gpus)) if spec is not None else 1.0
-        leader.expected_s = core.history.estimate(f"{klass}@{batch.size}") / speedup
-    calls = [leader, *batch.riders]
-    timeout = min(r.call.timeout_s or core.cfg.call_timeout_s for r in calls if r.call)
-    out.append(
-        ev.RunCall(
-            action_id=leader.action.id,
-            service=leader.call.name,
-            node=batch.node,
-            gpus=batch.gpus,
-            evicted=batch.evicted,
-            payload=leader.call.payload,
-            timeout_s=timeout,
-            riders=tuple((r.action.id, r.call.payload) for r in batch.riders if r.call),
-            cause=core.stimulus,
-        )
-    )
 
 
 def join_batch(core: Core, rec: ActionRec, now: float, out: list[ev.Command]) -> bool:
