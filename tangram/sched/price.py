@@ -96,7 +96,7 @@ NO_LOAD = PoolLoad()
 # probed index, the band per pick, and the last N / C with its band. A pure memo: the same
 # bands either way (the same floats multiplied in the same order); cleared when full.
 class _Priced:
-    __slots__ = ("action", "band_at", "ds", "ks", "last", "refined", "share")
+    __slots__ = ("action", "band_at", "ds", "ks", "last", "refined")
 
     def __init__(self, action: Action, ks: tuple[int, ...], ds: list[float]) -> None:
         self.action = action
@@ -104,8 +104,8 @@ class _Priced:
         self.ds = ds
         self.refined: dict[int, tuple[tuple[int, ...], list[float]]] = {}
         self.band_at: dict[int, tuple[int, ...]] = {}
-        self.share = -1.0
-        self.last: tuple[int, ...] = ()
+        # (N / C, its band): one attribute, set at once (a pass in another thread reads a pair)
+        self.last: tuple[float, tuple[int, ...]] = (-1.0, ())
 
 
 _PRICED: dict[tuple[ActionId, int], _Priced] = {}
@@ -215,9 +215,11 @@ def price_bands(
                     ks = probe(amounts)
                     ds = [dur(a, k) for k in ks] if durs is None else durs(a, ks)
                     seen = memo[(a.id, memo_at)] = _Priced(a, ks, ds)
-                elif seen.share == share:
-                    out[a.id] = seen.last
-                    continue
+                else:
+                    last = seen.last
+                    if last[0] == share:
+                        out[a.id] = last[1]
+                        continue
                 ks, ds = seen.ks, seen.ds
             else:
                 ks = probe(amounts)
@@ -255,6 +257,6 @@ def price_bands(
                 picked = seen.band_at.get(pick)
                 if picked is None:
                     picked = seen.band_at[pick] = band(amounts, pick)
-                out[a.id] = seen.last = picked
-                seen.share = share
+                out[a.id] = picked
+                seen.last = (share, picked)
     return out
