@@ -87,6 +87,31 @@ from tangram.sched.load import PoolLoad
 NO_LOAD = PoolLoad()
 
 
+# What pricing read of an action, kept across passes where it is a function of the action
+# and the pool's largest single amount alone: its durations are its own
+# (``Action.own_duration`` never None: an elasticity or a known duration; the action is
+# frozen) and the pool adds no extra cost (a CPU node's is 0). A node's queue is priced again
+# on every pass while any trajectory waits node-less (10x: 3-5 nodes a pass, ~30 queued
+# actions each). Kept: the probed amounts and their durations, the refined ones per least
+# probed index, the band per pick, and the last N / C with its band. A pure memo: the same
+# bands either way (the same floats multiplied in the same order); cleared when full.
+class _Priced:
+    __slots__ = ("action", "band_at", "ds", "ks", "last", "refined")
+
+    def __init__(self, action: Action, ks: tuple[int, ...], ds: list[float]) -> None:
+        self.action = action
+        self.ks = ks
+        self.ds = ds
+        self.refined: dict[int, tuple[tuple[int, ...], list[float]]] = {}
+        self.band_at: dict[int, tuple[int, ...]] = {}
+        # (N / C, its band): one attribute, set at once (a pass in another thread reads a pair)
+        self.last: tuple[float, tuple[int, ...]] = (-1.0, ())
+
+
+_PRICED: dict[tuple[ActionId, int], _Priced] = {}
+_PRICED_MAX = 1 << 16
+
+
 def short_reserve(load: PoolLoad) -> float:
     """Units kept for short calls: offered load plus its square root (0 when there are none)."""
     a = load.short_units
@@ -158,10 +183,14 @@ def price_bands(
     amounts_of: Callable[[Action], tuple[int, ...]],
     dur: Callable[[Action, int], float],
     durs: Callable[[Action, tuple[int, ...]], list[float]] | None = None,
+    memo_at: int = -1,
 ) -> dict[ActionId, tuple[int, ...]]:
     """The band of amounts each elastic action of ``queue`` may start at in this pass.
 
-    ``durs(a, ks)``: ``[dur(a, k) for k in ks]`` in one call, where the caller has it."""
+    ``durs(a, ks)``: ``[dur(a, k) for k in ks]`` in one call, where the caller has it.
+    ``memo_at`` >= 0: the pool adds no extra cost to durations and ``amounts_of`` is the
+    allowed amounts up to ``memo_at`` units; bands of actions whose durations are their own
+    are then memoised across passes (``_BANDS``)."""
     load = load or NO_LOAD
     elastic = [(a, amounts_of(a)) for a in queue if a.elastic]
     if not elastic:
@@ -174,11 +203,28 @@ def price_bands(
     # priced_dop()'s loop, with each amount's price factor computed once for the queue
     factor: dict[int, float] = {}
     out: dict[ActionId, tuple[int, ...]] = {}
+    memo = _PRICED
+    if memo_at >= 0 and len(memo) > _PRICED_MAX:
+        memo.clear()
     for a, amounts in elastic:
         if len(amounts) > 1:
+            seen: _Priced | None = None
+            if memo_at >= 0 and (a.elasticity is not None or a.dur_s is not None):
+                seen = memo.get((a.id, memo_at))
+                if seen is None or seen.action is not a:
+                    ks = probe(amounts)
+                    ds = [dur(a, k) for k in ks] if durs is None else durs(a, ks)
+                    seen = memo[(a.id, memo_at)] = _Priced(a, ks, ds)
+                else:
+                    last = seen.last
+                    if last[0] == share:
+                        out[a.id] = last[1]
+                        continue
+                ks, ds = seen.ks, seen.ds
+            else:
+                ks = probe(amounts)
+                ds = [dur(a, k) for k in ks] if durs is None else durs(a, ks)
             best, pick, at = math.inf, amounts[-1], 0
-            ks = probe(amounts)
-            ds = [dur(a, k) for k in ks] if durs is None else durs(a, ks)
             for i, (k, d) in enumerate(zip(ks, ds, strict=True)):
                 f = factor.get(k)
                 if f is None:
@@ -186,9 +232,18 @@ def price_bands(
                 cost = d * f
                 if cost < best:
                     best, pick, at = cost, k, i
-            more = between(amounts, ks, at)
+            if seen is None:
+                more = between(amounts, ks, at)
+                ds = [dur(a, k) for k in more] if durs is None or not more else durs(a, more)
+            else:
+                got = seen.refined.get(at)
+                if got is None:
+                    more = between(amounts, ks, at)
+                    ds = [dur(a, k) for k in more] if durs is None or not more else durs(a, more)
+                    seen.refined[at] = (more, ds)
+                else:
+                    more, ds = got
             if more:  # refined: the amounts between the least probed one's neighbours
-                ds = [dur(a, k) for k in more] if durs is None else durs(a, more)
                 for k, d in zip(more, ds, strict=True):
                     f = factor.get(k)
                     if f is None:
@@ -196,5 +251,12 @@ def price_bands(
                     cost = d * f
                     if cost < best:
                         best, pick = cost, k
-            out[a.id] = band(amounts, pick)
+            if seen is None:
+                out[a.id] = band(amounts, pick)
+            else:
+                picked = seen.band_at.get(pick)
+                if picked is None:
+                    picked = seen.band_at[pick] = band(amounts, pick)
+                out[a.id] = picked
+                seen.last = (share, picked)
     return out

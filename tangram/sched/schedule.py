@@ -72,6 +72,7 @@ from operator import attrgetter
 from typing import Any, Literal, NamedTuple
 
 from tangram.model import Action, ActionId, Shortfall, TrajectoryId
+from tangram.pools.cpu import CpuNodePool
 from tangram.sched.dp import DPTable
 from tangram.sched.load import PoolLoad
 from tangram.sched.operators import BaseOperator, Operator
@@ -641,6 +642,8 @@ def _schedule_pool(
                 lambda a: elastic_amounts(a, max_single),
                 dur,
                 dur.many,
+                # a CPU node adds no extra cost: bands memoised across passes (price.py)
+                max_single if type(pool) is CpuNodePool else -1,
             )
         )
     running_at = snap.running.get(pool.pool_id, ())
