@@ -21,7 +21,7 @@ from tangram.sched.operators import Operator
 
 class SchedPool(Protocol):
     pool_id: str  # "cpu:<node>", "gpu", "api:<name>"
-    resource: str  # the key resource it provides: "cpu", "gpu" or "api:<name>"
+    resource: str  # the key resource it provides: "cpu" (adds no extra_cost), "gpu" or "api:<name>"
 
     @property
     def capacity(self) -> int: ...

@@ -72,7 +72,6 @@ from operator import attrgetter
 from typing import Any, Literal, NamedTuple
 
 from tangram.model import Action, ActionId, Shortfall, TrajectoryId
-from tangram.pools.cpu import CpuNodePool
 from tangram.sched.dp import DPTable
 from tangram.sched.load import PoolLoad
 from tangram.sched.operators import BaseOperator, Operator
@@ -642,8 +641,9 @@ def _schedule_pool(
                 lambda a: elastic_amounts(a, max_single),
                 dur,
                 dur.many,
-                # a CPU node adds no extra cost: bands memoised across passes (price.py)
-                max_single if type(pool) is CpuNodePool else -1,
+                # a CPU node adds no extra cost (SchedPool.resource): bands memoised
+                # across passes (price.py)
+                max_single if pool.resource == "cpu" else -1,
             )
         )
     running_at = snap.running.get(pool.pool_id, ())
