@@ -146,3 +146,22 @@ def api_execs_wait_then_run_one_at_a_time(
     for (_, end), (start, _) in itertools.pairwise(spans):
         assert start >= end, spans  # never two at once
     return results
+
+
+def pid_alive(pid: int) -> bool:
+    """Running (a zombie its parent has not reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def service_worker_pid(c: Any, name: str = "s") -> int | None:
+    """The pid of service ``name``'s replica (None: none with a process yet; through a
+    coordinator, as last told by the node: its rows come with its heartbeats)."""
+    for row in c.service_list():
+        for replica in row["replicas"] if row["name"] == name else ():
+            if replica.get("pid"):
+                return int(replica["pid"])
+    return None

@@ -20,7 +20,7 @@ from pathlib import Path
 import msgpack
 import psutil
 import pytest
-from harness import frame, running_daemon
+from harness import frame, pid_alive, running_daemon, service_worker_pid
 from hostile_user import in_child_as, local_user
 
 from tangram.client import AsyncClient
@@ -293,23 +293,6 @@ SERVICES = Path(__file__).parent / "data" / "services"
 ONE_GPU = "[gpu]\nsimulated = { count = 1, mem_gb = 0.1 }\nnvml = false\n"
 
 
-def _worker_pid(c) -> int | None:
-    """The pid of service s's replica (None: none with a process yet)."""
-    for row in c.service_list():
-        for replica in row["replicas"] if row["name"] == "s" else ():
-            if replica.get("pid"):
-                return int(replica["pid"])
-    return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_cancel_a_queued_call_and_a_running_one(tmp_path):
     """A GPU call waiting for the one GPU leaves the queue (its caller gets cancelled); a
     running call (its handler sleeps 30 s) is stopped: the cancel answers once it has
@@ -323,7 +306,7 @@ def test_cancel_a_queued_call_and_a_running_one(tmp_path):
         running = in_thread(lambda: d.client().call("s", payload, timeout_s=120))
         wait_for(started.exists, 60, "the call in its handler")
         running_id = c.queue()["running"][0]["action_id"]
-        pid = wait_for(lambda: _worker_pid(c), 30, "the worker in service list", every_s=0.2)
+        pid = wait_for(lambda: service_worker_pid(c), 30, "the worker in service list", every_s=0.2)
         queued = in_thread(lambda: d.client().call("s", {"x": 1}))
         rows = wait_for(lambda: c.queue()["waiting"], 20, "the second call queued")
         assert c.cancel(rows[0]["action_id"])["outcome"] == "cancelled"
@@ -335,7 +318,7 @@ def test_cancel_a_queued_call_and_a_running_one(tmp_path):
             "state": "done",
             "outcome": "cancelled",
         }
-        assert not _alive(pid)
+        assert not pid_alive(pid)
         running["thread"].join(20)
         res = running["result"]
         assert res.outcome == "cancelled" and res.result is None, res

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from harness import running_daemon
+from harness import pid_alive, running_daemon, service_worker_pid
 
 from tangram.client import AsyncClient
 from tangram.protocol.errors import BadRequest, NotFound
@@ -37,23 +36,6 @@ def daemon(tmp_path_factory):
         with d.client() as c:
             c.request("service.register", {**SPEC, "path": str(SERVICES)})
         yield d
-
-
-def _worker_pid(c) -> int | None:
-    """The pid of service s's replica (None: none with a process yet)."""
-    for row in c.service_list():
-        for replica in row["replicas"] if row["name"] == "s" else ():
-            if replica.get("pid"):
-                return int(replica["pid"])
-    return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _ctl_call(sock: str, payload: dict, *flags: str) -> subprocess.Popen:
@@ -78,7 +60,9 @@ def test_ctrl_c_on_tangramctl_call_cancels_a_running_and_a_queued_call(daemon, t
         with daemon.client() as c:
             wait_for(started.exists, 60, "the call in its handler")
             running_id = c.queue()["running"][0]["action_id"]
-            pid = wait_for(lambda: _worker_pid(c), 30, "the worker in service list", every_s=0.2)
+            pid = wait_for(
+                lambda: service_worker_pid(c), 30, "the worker in service list", every_s=0.2
+            )
 
             queued = _ctl_call(sock, {"x": 1, "started": str(never)}, "--json")
             procs.append(queued)
@@ -97,7 +81,7 @@ def test_ctrl_c_on_tangramctl_call_cancels_a_running_and_a_queued_call(daemon, t
             _, err = running.communicate(timeout=30)
             assert running.returncode == 130, err
             assert "tangramctl: cancelled: interrupted (Ctrl-C)" in err, err
-            assert not _alive(pid)  # the replica's worker was killed before the answer
+            assert not pid_alive(pid)  # the replica's worker was killed before the answer
             story = c.story(running_id)
             assert story["outcome"] == "cancelled", story
             assert any(event["event"] == "cancel" for event in story["events"]), story

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from cluster_harness import InProcessCluster, check_clean, off_the_table, record_links, stop_all
+from harness import pid_alive, service_worker_pid
 
 from tangram.client import AsyncClient
 from tangram.protocol.errors import NotFound
@@ -47,22 +47,6 @@ nvml = false
 def here(tmp_path: Path) -> Iterator[InProcessCluster]:
     with InProcessCluster(tmp_path, env={"TANGRAM_VALIDATE": "1"}) as cluster:
         yield cluster
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _worker_pid(c: Any) -> int | None:
-    for row in c.service_list():
-        for replica in row["replicas"] if row["name"] == "s" else ():
-            if replica.get("pid"):
-                return int(replica["pid"])
-    return None
 
 
 def test_a_running_call_is_cancelled_on_its_node(
@@ -91,7 +75,7 @@ def test_a_running_call_is_cancelled_on_its_node(
         wait_for(started.exists, 60, "the call in its handler")
         (row,) = c.queue()["running"]
         aid = row["action_id"]
-        pid = wait_for(lambda: _worker_pid(c), 30, "the worker in service list", every_s=0.2)
+        pid = wait_for(lambda: service_worker_pid(c), 30, "the worker in service list", every_s=0.2)
         out = CliRunner().invoke(cli, ["--socket", coord.socket, "cancel", aid, "--json"])
         assert out.exit_code == 0, out.output
         answer = json.loads(out.output)
@@ -106,7 +90,7 @@ def test_a_running_call_is_cancelled_on_its_node(
         assert res.outcome == "cancelled" and res.result is None, res
         node = res.node
         assert node in ("a", "b"), res
-        wait_for(lambda: not _alive(pid), 30, "the cancelled call's worker gone")
+        wait_for(lambda: not pid_alive(pid), 30, "the cancelled call's worker gone")
         story = c.story(aid)
         assert story["outcome"] == "cancelled", story
         assert any(event["event"] == "cancel" for event in story["events"]), story
@@ -143,7 +127,7 @@ def test_a_call_is_cancelled_by_its_ref_through_a_node(
                 while not started.exists():
                     assert not task.done(), task
                     await asyncio.sleep(0.05)
-                pid = wait_for(lambda: _worker_pid(c), 30, "the worker", every_s=0.2)
+                pid = wait_for(lambda: service_worker_pid(c), 30, "the worker", every_s=0.2)
                 with pytest.raises(NotFound, match="r1"):
                     await other.request("cancel", {"ref": "r1"})
                 answer = await ac.request("cancel", {"ref": "r1"})
@@ -152,7 +136,7 @@ def test_a_call_is_cancelled_by_its_ref_through_a_node(
         answer, res, pid = asyncio.run(scenario())
         assert answer["cancelled"] is True and answer["outcome"] == "cancelled", answer
         assert res.outcome == "cancelled" and res.action_id == answer["action_id"], res
-        wait_for(lambda: not _alive(pid), 30, "the cancelled call's worker gone")
+        wait_for(lambda: not pid_alive(pid), 30, "the cancelled call's worker gone")
         assert c.story(answer["action_id"])["outcome"] == "cancelled"
         assert c.call("s", {"x": 2.0}).outcome == "ok"
     stop_all([coord, a])

@@ -26,6 +26,7 @@ from cluster_harness import (
     wait_for,
     wait_node_state,
 )
+from harness import pid_alive
 
 from tangram import Client, EnvLost
 from tangramd.cluster.link import split_host_port
@@ -71,15 +72,6 @@ def _host_pid(token: str) -> int | None:
         if (proc.info["cmdline"] or [""])[-1] == token:
             return int(proc.pid)
     return None
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie its parent has not reaped yet counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def _run_in_thread(socket: str, cmd: list[str], env: str) -> tuple[threading.Thread, dict]:
@@ -146,7 +138,7 @@ def test_long_partition_is_a_node_failure_then_reconciled(partitioned: dict[str,
     wait_for(lambda: not env_dir.exists(), 10, "far removes the environment it lost")
     assert f'"env": "{env}"' in far.log() and "env_not_owned_removed" in far.log()
     # the exec the coordinator ended is killed, not left to run its 30 s
-    wait_for(lambda: not _alive(pid), 10, "far kills the exec the coordinator ended")
+    wait_for(lambda: not pid_alive(pid), 10, "far kills the exec the coordinator ended")
     assert "exec_cancelled" in far.log()
     with near.client() as c:
         fresh = _env_on(c, "far")

@@ -10,7 +10,6 @@ only then does the call end `infra_error` and its GPU go back to the pool.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 from cluster_harness import InProcessCluster, check_clean, off_the_table, record_links, stop_all
+from harness import pid_alive, service_worker_pid
 
 from tangram.testing import wait_for
 
@@ -53,24 +53,6 @@ def here(tmp_path: Path) -> Iterator[InProcessCluster]:
         yield cluster
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _worker_pid(c: Any) -> int | None:
-    """The pid of service s's replica (None: none with a process yet, as last told by
-    the node: its rows come with its heartbeats when they changed)."""
-    for row in c.service_list():
-        for replica in row["replicas"] if row["name"] == "s" else ():
-            if replica.get("pid"):
-                return int(replica["pid"])
-    return None
-
-
 def test_a_call_past_its_deadline_is_stopped_on_its_node_before_its_gpu_is_reused(
     here: InProcessCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -96,8 +78,8 @@ def test_a_call_past_its_deadline_is_stopped_on_its_node_before_its_gpu_is_reuse
         )
         slow.start()
         wait_for(started.exists, 60, "the slow call in its handler")
-        pid = wait_for(lambda: _worker_pid(c), 30, "the worker in service list", every_s=0.2)
-        assert _alive(pid)
+        pid = wait_for(lambda: service_worker_pid(c), 30, "the worker in service list", every_s=0.2)
+        assert pid_alive(pid)
         nxt = threading.Thread(target=call, args=("next", {"x": 2.0}))
         nxt.start()  # waits for the node's one GPU
         slow.join(120)
@@ -105,7 +87,7 @@ def test_a_call_past_its_deadline_is_stopped_on_its_node_before_its_gpu_is_reuse
         res, again = results["slow"], results["next"]
         assert res.outcome == "infra_error", res
         assert f"node a did not answer run_call for call {res.action_id}" in (res.error or "")
-        wait_for(lambda: not _alive(pid), 30, "the stopped call's worker gone")
+        wait_for(lambda: not pid_alive(pid), 30, "the stopped call's worker gone")
         assert again.outcome == "ok" and again.node == "a" and again.gpus == (0,), again
         assert again.result is not None and again.result["y"] == expected(1000, 0.5, 2.0)
         assert again.result["pid"] != pid and again.restore_s > 0.0, again  # restarted
