@@ -99,28 +99,37 @@ def test_the_executor_keeps_no_placement_for_execs_another_host_runs(tmp_path) -
     assert ex._placed == {}
 
 
+class _Recorded:
+    """A coordinator's ``RemoteEffects`` whose link, reports and node verdicts are lists."""
+
+    def __init__(self, request_timeout_s: float, restore_timeout_s: float) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+        self.reported: list[ev.Event] = []
+        self.overdue: list[str] = []
+        self.lost: list[tuple[str, str]] = []
+        self.effects = RemoteEffects(
+            self._send,
+            lambda cmd: OnNode(),
+            lambda cmd: PutOnNode(),
+            request_timeout_s=request_timeout_s,
+            restore_timeout_s=restore_timeout_s,
+            overdue=lambda node, why: self.overdue.append(node),
+            lost=lambda node, why: self.lost.append((node, why)),
+        )
+        self.effects.bind(self.reported.append, lambda coro: None)
+
+    def _send(self, node: str, msg: dict[str, Any]) -> bool:
+        self.sent.append((node, msg))
+        return True
+
+
 def test_a_call_batch_the_node_never_answers_fails_each_call_left() -> None:
     """A run_call with riders: each call owes its call_done within the call's timeout plus
     [gpu] restore_timeout_s plus the request grace; the one answered in time is not
     failed, the others end infra_error naming the node (riders first, then the call that
     holds the GPUs), and the node is reported overdue."""
-    sent: list[tuple[str, dict[str, Any]]] = []
-    reported: list[ev.Event] = []
-    overdue: list[str] = []
-
-    def send(node: str, msg: dict[str, Any]) -> bool:
-        sent.append((node, msg))
-        return True
-
-    effects = RemoteEffects(
-        send,
-        lambda cmd: OnNode(),
-        lambda cmd: PutOnNode(),
-        request_timeout_s=0.05,
-        restore_timeout_s=0.05,
-        overdue=lambda node, why: overdue.append(node),
-    )
-    effects.bind(reported.append, lambda coro: None)
+    rec = _Recorded(request_timeout_s=0.05, restore_timeout_s=0.05)
+    sent, reported, overdue, effects = rec.sent, rec.reported, rec.overdue, rec.effects
     cmd = ev.RunCall(
         action_id="c1",
         service="s",
@@ -159,23 +168,8 @@ def test_a_call_whose_stop_the_node_never_confirms_loses_the_node() -> None:
     """Past its deadline a call is told to stop; a node that does not confirm within the
     request grace is reported lost (the coordinator's NodeLost ends the call and frees its
     GPUs), and nothing ends the call before that."""
-    sent: list[tuple[str, dict[str, Any]]] = []
-    reported: list[ev.Event] = []
-    lost: list[tuple[str, str]] = []
-
-    def send(node: str, msg: dict[str, Any]) -> bool:
-        sent.append((node, msg))
-        return True
-
-    effects = RemoteEffects(
-        send,
-        lambda cmd: OnNode(),
-        lambda cmd: PutOnNode(),
-        request_timeout_s=0.05,
-        restore_timeout_s=0.05,
-        lost=lambda node, why: lost.append((node, why)),
-    )
-    effects.bind(reported.append, lambda coro: None)
+    rec = _Recorded(request_timeout_s=0.05, restore_timeout_s=0.05)
+    sent, reported, lost, effects = rec.sent, rec.reported, rec.lost, rec.effects
     cmd = ev.RunCall(
         action_id="c1", service="s", node="a", gpus=(0,), evicted=(), payload={}, timeout_s=0.05
     )
@@ -199,23 +193,8 @@ def test_a_cancelled_call_is_stopped_on_its_node_and_its_deadline_is_dropped() -
     call's run deadline (its node is not suspect for it); the node's ``call_stopped``
     ends the call (one ``CallFinished``, which the core ends cancelled); a second
     StopCall sends nothing more, and nothing reports the node lost."""
-    sent: list[tuple[str, dict[str, Any]]] = []
-    reported: list[ev.Event] = []
-    lost: list[tuple[str, str]] = []
-
-    def send(node: str, msg: dict[str, Any]) -> bool:
-        sent.append((node, msg))
-        return True
-
-    effects = RemoteEffects(
-        send,
-        lambda cmd: OnNode(),
-        lambda cmd: PutOnNode(),
-        request_timeout_s=5.0,
-        restore_timeout_s=0.01,
-        lost=lambda node, why: lost.append((node, why)),
-    )
-    effects.bind(reported.append, lambda coro: None)
+    rec = _Recorded(request_timeout_s=5.0, restore_timeout_s=0.01)
+    sent, reported, lost, effects = rec.sent, rec.reported, rec.lost, rec.effects
     run = ev.RunCall(
         action_id="c1", service="s", node="a", gpus=(0,), evicted=(), payload={}, timeout_s=0.01
     )
