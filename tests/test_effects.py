@@ -216,3 +216,31 @@ def test_a_cancelled_call_is_stopped_on_its_node_and_its_deadline_is_dropped() -
     assert isinstance(done, ev.CallFinished) and done.action_id == "c1", done
     assert done.error is not None and done.error.startswith("cancelled"), done
     assert lost == [] and not effects.stopping("c1")
+
+
+def test_an_exec_a_rejoined_node_lost_track_of_owes_nothing_more() -> None:
+    """A node back after a drop shorter than the timeout that neither runs an exec nor
+    holds its outcome: the coordinator's resume ends it ``infra_error`` and drops its
+    deadline too (as it does for a call), so the node is never drained as suspect for an
+    exec that has already ended."""
+    from tangramd.cluster.coordinator import CoordinatorExecutor
+
+    rec = _Recorded(request_timeout_s=0.05, restore_timeout_s=0.05)
+    fed: list[ev.Event] = []
+    coordinator: Any = type("Stub", (), {})()
+    coordinator.remote, coordinator.feed, coordinator._send = rec.effects, fed.append, rec._send
+    hello = {"envs": ["e1"], "running": [], "outbox": []}
+    work = {"creating": [], "closing": [], "running": ["a1"], "calls": [], "killing": []}
+
+    async def go() -> None:
+        rec.effects.run_exec(RUN)  # the run_exec went out; then the link dropped
+        CoordinatorExecutor._resume_inflight(coordinator, "a", hello, work)
+        await asyncio.sleep(0.3)  # well past the run_exec's deadline
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+    (done,) = fed
+    assert isinstance(done, ev.ExecFinished) and done.result.outcome == "infra_error"
+    assert "node a lost track of the action" in (done.result.detail or "")
+    assert rec.overdue == [], "the node was drained as suspect for an exec already ended"
+    assert rec.reported == [] and [m["t"] for _, m in rec.sent] == ["run_exec"]
+    assert not rec.effects.answered("x:a1")  # nothing owed

@@ -455,6 +455,7 @@ class CoordinatorExecutor(Executor):
         self.remote.started(sorted(running))  # (an exec_started may have been lost)
         for action_id in work["running"]:
             if action_id not in running and f"x:{action_id}" not in pending:
+                self.remote.answered(f"x:{action_id}")  # (ended here: no deadline left)
                 detail = f"node {node} lost track of the action while its link was down"
                 self.feed(ev.ExecFinished(action_id, ExecResult("infra_error", detail=detail)))
         for action_id in work["calls"]:  # a run_call (or its call_done) lost with the link
