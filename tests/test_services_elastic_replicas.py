@@ -107,7 +107,7 @@ def test_a_module_without_linear_layers_runs_whole_on_worker_0(
 
 
 def test_a_dead_worker_fails_the_call_as_infra_and_the_next_call_restarts_it(
-    loop: asyncio.AbstractEventLoop, host: ServiceHost
+    loop: asyncio.AbstractEventLoop, host: ServiceHost, tmp_path: Path
 ) -> None:
     """Killing worker 1 of a 2-GPU replica while worker 0 runs a call (before its forward
     reaches a split layer): that call is an ``infra_error`` (not the handler's failure),
@@ -117,8 +117,13 @@ def test_a_dead_worker_fails_the_call_as_infra_and_the_next_call_restarts_it(
     victim = replica(host, "m", (2, 3))["workers"][1]["pid"]
 
     async def kill_during_a_call() -> Any:
-        call = asyncio.ensure_future(host.call("m", (2, 3), {**X, "sleep": 1.0}, 60))
-        await asyncio.sleep(0.3)  # worker 0 is in the handler's sleep
+        started = tmp_path / "started"
+        payload = {**X, "sleep": 1.0, "started": str(started)}
+        call = asyncio.ensure_future(host.call("m", (2, 3), payload, 60))
+        deadline = loop.time() + 30
+        while not started.exists():  # worker 0 is in the handler (its sleep)
+            assert loop.time() < deadline, "the call never reached worker 0's handler"
+            await asyncio.sleep(0.01)
         os.kill(victim, signal.SIGKILL)
         return await call
 
