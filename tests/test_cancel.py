@@ -202,6 +202,36 @@ def test_cancelling_a_waiting_async_exec_withdraws_it(daemon):
     assert not processes_with(waiting_mark)
 
 
+def test_a_ref_names_one_live_exec_on_its_connection(daemon):
+    """A second exec with the ref of a live one on the same connection is a bad_request
+    naming the ref; another connection may use it (its exec waits for the one core), and
+    so may this one once the first has ended."""
+    mark = marker()
+
+    async def scenario():
+        async with AsyncClient(daemon.socket) as ac, AsyncClient(daemon.socket) as other:
+            first = asyncio.ensure_future(ac.exec(sleeper(mark), ref="r"))
+            await asyncio.to_thread(
+                wait_for, lambda: len(processes_with(mark)) >= 2, 20, "the exec running"
+            )
+            with pytest.raises(BadRequest, match="ref: 'r' already names live action"):
+                await ac.exec(f"true {mark}-dup", ref="r")
+            queued = asyncio.ensure_future(other.exec("true", ref="r"))  # one core: it waits
+            with daemon.client() as c:
+                await asyncio.to_thread(
+                    wait_for, lambda: c.queue()["waiting"], 20, "the other connection's exec"
+                )
+            answer = await ac.request("cancel", {"ref": "r"})
+            done, elsewhere = await first, await queued
+            again = await ac.exec("true", ref="r")
+            return elsewhere, answer, done, again
+
+    elsewhere, answer, done, again = asyncio.run(scenario())
+    assert elsewhere.outcome == "ok", elsewhere
+    assert answer["outcome"] == "cancelled" and done.outcome == "cancelled", (answer, done)
+    assert again.outcome == "ok" and again.action_id != done.action_id, again
+
+
 def _raw_as(path: str, uid: int, gid: int, request: dict) -> dict:
     def work() -> bytes:
         import socket

@@ -100,8 +100,9 @@ def test_ctrl_c_on_tangramctl_call_cancels_a_running_and_a_queued_call(daemon, t
 def test_cancel_finds_a_call_by_its_ref_on_its_own_connection(daemon, tmp_path):
     """A `call` with `ref` is cancelled by `cancel {"ref"}` on its connection; the same
     ref on another connection, or an unknown one, is not_found (as for exec); a ref that
-    is not a string is a bad_request naming the field. Cancelling an `AsyncClient.call`
-    coroutine (it sets its own ref) stops the running call."""
+    is not a string, or one naming another live action on the connection, is a
+    bad_request naming the field (free again once that action ends). Cancelling an
+    `AsyncClient.call` coroutine (it sets its own ref) stops the running call."""
     started = tmp_path / "started"
 
     async def scenario() -> str:
@@ -117,10 +118,16 @@ def test_cancel_finds_a_call_by_its_ref_on_its_own_connection(daemon, tmp_path):
                 await ac.request("cancel", {"ref": "nobody-has-this"})
             with pytest.raises(BadRequest, match="ref"):
                 await ac.request("call", {"name": "s", "payload": {"x": 1}, "ref": 5})
+            # a ref names one live action on its connection: a second is refused
+            with pytest.raises(BadRequest, match="ref: 'mine' already names live action"):
+                await ac.request("call", {"name": "s", "payload": {"x": 1}, "ref": "mine"})
             answer = await ac.request("cancel", {"ref": "mine"})
             assert answer["cancelled"] is True and answer["outcome"] == "cancelled", answer
             res = await task
             assert res.outcome == "cancelled" and res.action_id == answer["action_id"], res
+            # ... until that action ends: then the ref is free again
+            again = await ac.call("s", {"x": 1}, ref="mine")
+            assert again.outcome == "ok" and again.action_id != res.action_id, again
 
             started.unlink()
             task = asyncio.ensure_future(ac.call("s", payload))

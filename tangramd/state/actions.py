@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from tangram.model import Action, ActionId, EnvId
+from tangram.protocol.errors import BadRequest
 from tangram.protocol.results import CallSpec, ExecSpec
 from tangramd.state.deadlines import Deadlines
 from tangramd.state.story import STORY_LIMIT, Stories, StoryLog, transition
@@ -105,6 +106,8 @@ class ActionBook:
         self.fresh: dict[ActionId, None] = {}
         # waiting actions that give up at a deadline (their timeout or queue timeout)
         self.deadlines = Deadlines()
+        # live execs' and calls' client names: (connection, ref) -> action (``cancel`` by ref)
+        self.refs: dict[tuple[int, str], ActionId] = {}
         self._seq = itertools.count(1)
 
     # ------------------------------------------------------------------ reads
@@ -122,6 +125,23 @@ class ActionBook:
 
     def next_seq(self) -> int:
         return next(self._seq)
+
+    def by_ref(self, conn: int | None, ref: str | None) -> ActionRec | None:
+        """The live action that the client on ``conn`` named ``ref``."""
+        if conn is None or ref is None:
+            return None
+        aid = self.refs.get((conn, ref))
+        return None if aid is None else self.live.get(aid)
+
+    def check_ref(self, conn: int | None, ref: str | None) -> None:
+        """Refuse a ``ref`` that already names a live action on this connection (a ref is
+        unique on its connection while its action lives; it may be reused after)."""
+        held = self.by_ref(conn, ref)
+        if held is not None:
+            raise BadRequest(
+                f"ref: {ref!r} already names live action {held.action.id} on this connection "
+                "(a ref is unique on its connection until its action ends)"
+            )
 
     # ------------------------------------------------------------------ changes
     def add(
@@ -151,6 +171,9 @@ class ActionBook:
             owner=owner,
         )
         self.live[action.id] = rec
+        ref = _ref_of(rec)
+        if conn is not None and ref is not None:  # (its handler called check_ref first)
+            self.refs[(conn, ref)] = action.id
         return rec
 
     def move(self, rec: ActionRec, new: ActionState, now: float, why: str, cause: int) -> None:
@@ -172,6 +195,9 @@ class ActionBook:
         """The action ended: drop the record (its story keeps what happened)."""
         self.live.pop(rec.action.id, None)
         self.deadlines.drop(rec.action.id)
+        key = (rec.conn, _ref_of(rec))
+        if self.refs.get(key) == rec.action.id:  # type: ignore[arg-type]
+            del self.refs[key]  # type: ignore[arg-type]
         self.recent[rec.action.id] = outcome
         if rec.owner is not None:
             self.owners[rec.action.id] = rec.owner
@@ -193,3 +219,10 @@ def may_touch(peer: tuple[int, int] | None, owner: tuple[int, int] | None) -> bo
     """Whether ``peer`` may act on a record ``owner`` submitted: its owner, root, or anyone
     when either side is unknown (the rule of environments, ``EnvBook.open_env``)."""
     return peer is None or owner is None or peer[0] in (0, owner[0])
+
+
+def _ref_of(rec: ActionRec) -> str | None:
+    """The client's ``ref`` of an exec or a call (``cancel`` finds it by that)."""
+    if rec.spec is not None:
+        return rec.spec.ref
+    return rec.call.ref if rec.call is not None else None

@@ -112,6 +112,7 @@ def submit_exec(core: Core, e: ev.SubmitExec, now: float, out: list[ev.Command])
     if core.shutting_down:
         raise ShuttingDown("daemon is shutting down")
     spec = e.spec
+    core.actions.check_ref(e.conn, spec.ref)
     job = DEFAULT_JOB if spec.job is None else check_job_name(spec.job)
     if spec.api is not None and spec.api not in core.apis:
         names = ", ".join(sorted(core.apis)) or "none"
@@ -391,19 +392,7 @@ def _stop_call(core: Core, rec: ActionRec, now: float, out: list[ev.Command], wh
 def _cancel_target(core: Core, e: ev.CancelAction) -> ActionRec | None:
     if e.action_id is not None:
         return core.actions.get(e.action_id)
-    if e.ref is None or e.conn is None:
-        return None
-    for rec in core.actions:
-        if rec.conn == e.conn and _ref_of(rec) == e.ref:
-            return rec
-    return None
-
-
-def _ref_of(rec: ActionRec) -> str | None:
-    """The client's ``ref`` of an exec or a call (``cancel`` finds it by that)."""
-    if rec.spec is not None:
-        return rec.spec.ref
-    return rec.call.ref if rec.call is not None else None
+    return core.actions.by_ref(e.conn, e.ref)
 
 
 def cancel_answer(action_id: str, state: str, outcome: str | None) -> dict[str, Any]:

@@ -145,6 +145,7 @@ def submit_call(core: Core, e: ev.SubmitCall, now: float, out: list[ev.Command])
     if core.shutting_down:
         raise ShuttingDown("daemon is shutting down")
     name = e.spec.name
+    core.actions.check_ref(e.conn, e.spec.ref)
     job = DEFAULT_JOB if e.spec.job is None else check_job_name(e.spec.job)
     spec = core.services.specs.get(name)
     if spec is None or core.gpu is None:
