@@ -26,6 +26,11 @@ from tangramd.services import ServiceHost, ServiceLoadError, ServiceNotFound
 
 log = structlog.get_logger("tangramd")
 
+
+class _StoppedEarly(Exception):
+    """A call stopped (``stop_call``, a cancel) before its handler ran."""
+
+
 # what a put or get refuses as the caller's mistake (a bad path, size, kind or tar stream)
 BAD_TRANSFER = (
     PathEscape, TooLarge, NotAFile, IsADirectoryError, NotADirectoryError, tarfile.TarError
@@ -397,8 +402,8 @@ class LocalEffects:
                 # per GPU, as the pool's estimate is: a k-GPU replica's k workers copy
                 # their shards at once (copy_s is the slowest one's)
                 rate = restored.nbytes / restored.copy_s / len(cmd.gpus)
-            if cmd.action_id in self._stopped:  # stopped while it restored
-                raise RuntimeError("stopped before its handler ran")
+            if cmd.action_id in self._stopped:  # stopped while it restored: ended below
+                raise _StoppedEarly
             payloads = [dict(payload) for _, payload in calls]
             results = await host.call_batch(cmd.service, cmd.gpus, payloads, cmd.timeout_s)
             restore_s += results[0].restore_s
@@ -410,8 +415,13 @@ class LocalEffects:
                 ended.append((outcome, answer, error, res.exec_s))
         except ServiceNotFound:
             ended = [("rejected", None, f"service {cmd.service!r} was removed", 0.0)] * len(calls)
+        except _StoppedEarly:
+            ended = []  # (the stop's verdict, below)
         except Exception as exc:
-            log.exception("call_failed", action_id=cmd.action_id, service=cmd.service)
+            if cmd.action_id in self._stopped:  # the stop cut its restore short: no fault
+                log.info("call_stopped_in_restore", action_id=cmd.action_id, error=str(exc))
+            else:
+                log.exception("call_failed", action_id=cmd.action_id, service=cmd.service)
             ended = [("infra_error", None, f"{type(exc).__name__}: {exc}", 0.0)] * len(calls)
         if cmd.action_id in self._stopped:  # (stop_call: the coordinator gave up, a cancel)
             if host is not None:  # whatever it restored meanwhile holds nothing either
