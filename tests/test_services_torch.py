@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,31 @@ def test_register_makes_backup_and_refuses_bad_factories(
     assert [r["state"] for r in services["a"]["replicas"]] == ["backed_up"]
     saved = json.loads((host.state_dir / "services.json").read_text())
     assert sorted(s["name"] for s in saved["services"]) == ["a", "b"]
+
+
+def test_a_new_speed_up_table_is_persisted_only_when_asked(
+    setup: tuple[ServiceHost, list[Any]], loop: asyncio.AbstractEventLoop, models: Path
+) -> None:
+    """Re-registering a service with only its speed-up table changed (``service.set_eff``)
+    keeps the new table; ``services.json`` gets it only with ``persist`` (a cluster node
+    registers with ``persist=False``: the coordinator keeps its registrations)."""
+    host, _ = setup
+    registry = host.state_dir / "services.json"
+
+    def saved_eff() -> str | None:
+        (entry,) = [s for s in json.loads(registry.read_text())["services"] if s["name"] == "a"]
+        return entry.get("eff")
+
+    before = saved_eff()
+    first = replace(spec("a", "tiny_models:small", models), eff={1: 1.0, 2: 1.5})
+    complete(loop, host.register(first, persist=False))
+    assert by_name(host)["a"]["eff"] == "1:1,2:1.5"
+    assert saved_eff() == before
+    second = replace(first, eff={1: 1.0, 2: 1.7})
+    complete(loop, host.register(second))
+    assert saved_eff() == "1:1,2:1.7"
+    complete(loop, host.register(spec("a", "tiny_models:small", models)))  # as it was
+    assert by_name(host)["a"]["eff"] is None
 
 
 def test_call_is_correct_after_evict_and_restore(

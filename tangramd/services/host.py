@@ -179,8 +179,9 @@ class ServiceHost:
         known = self._services.get(spec.name)
         if known is not None:
             if replace(known.spec, eff=spec.eff) == spec and known.spec != spec:
-                known.spec = spec  # a new speed-up table (service.set_eff): kept, persisted
-                self.registry.add(spec)
+                known.spec = spec  # a new speed-up table (service.set_eff): kept,
+                if persist:  # persisted where registrations are (a node's are not)
+                    self.registry.add(spec)
             elif known.spec != spec:
                 raise ValueError(f"service {spec.name!r} is already registered; remove it first")
             return self._describe(known)
