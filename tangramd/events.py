@@ -140,6 +140,15 @@ class SaveProfile(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class ProfileUnsaved(Event):
+    """The state dir had no room for a saved profile: put back what ``name`` was before
+    (``previous``; None: it was not there), as a restart would find it."""
+
+    name: str
+    previous: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ProfilesLoaded(Event):
     """The profiles the state dir kept from an earlier run (fed once at start-up)."""
 
@@ -424,9 +433,11 @@ class KillExec(Command):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PersistProfiles(Command):
-    """Write every profile to the state dir (after a change, before the reply counts)."""
+    """Write every profile to the state dir (after a change, before the reply counts);
+    ``changed``: the name saved and what it was before (put back if the write fails)."""
 
     profiles: Mapping[str, Mapping[str, Any]]
+    changed: tuple[str, Mapping[str, Any] | None] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

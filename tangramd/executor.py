@@ -272,6 +272,10 @@ class Executor:
             return error
         if isinstance(cmd, ev.PersistEnvs):
             return self.disk.failed("the environments' records", exc, self._env_records.where)
+        if isinstance(cmd, ev.PersistProfiles) and cmd.changed is not None:
+            # the file keeps the profiles as they were: so does the core (its answer fails)
+            name, previous = cmd.changed
+            asyncio.get_running_loop().call_soon(self.feed, ev.ProfileUnsaved(name, previous))
         return self.disk.failed("the profiles", exc, str(self._profiles_path()))
 
     async def request(self, make_event: Callable[[int], ev.Event]) -> Any:

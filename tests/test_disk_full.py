@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cluster_harness import node_row, spawn_coordinator, spawn_node, stop_all, wait_node_state
@@ -160,3 +161,43 @@ def test_coordinator_store_full_answers_the_nodes_clients_and_keeps_the_link(tmp
             assert [row[0] for row in db.execute("SELECT id FROM envs")] == [env]
         finally:
             db.close()
+
+
+def _profile(t1_s: float) -> dict[str, Any]:
+    return {
+        "dop": {1: t1_s, 2: t1_s / 1.8},
+        "t1_s": t1_s,
+        "eff": {1: 1.0, 2: 0.9},
+        "speedup": {1: 1.0, 2: 1.8},
+        "elastic": True,
+    }
+
+
+def test_a_profile_the_disk_could_not_keep_is_not_kept_in_memory(tmp_path):
+    """profile.save on a full state dir answers `disk_full`, and the daemon goes on with
+    the profiles as the file has them (as a restart would): a changed profile keeps its
+    old numbers, a new one is not there."""
+    work = tmp_path / "up"
+    with small_disk(work / "state") as disk:
+        daemon = spawn_daemon(work, "")
+        try:
+            with Client(daemon.socket, timeout_s=20) as c:
+                c.profile_save("old", **_profile(10.0))
+                filler = fill(disk)
+                with pytest.raises(DiskFull, match="profiles"):
+                    c.profile_save("old", **_profile(99.0))
+                with pytest.raises(DiskFull):
+                    c.profile_save("new", **_profile(5.0))
+                assert [p["name"] for p in c.profile_list()] == ["old"]
+                assert c.profile_get("old")["t1_s"] == 10.0
+                os.unlink(filler)
+            assert daemon.stop() == 0, daemon.log()
+            again = spawn_daemon(work, "")
+            try:
+                with Client(again.socket) as c:
+                    assert c.profile_get("old")["t1_s"] == 10.0
+            finally:
+                again.stop()
+        finally:
+            if daemon.proc.poll() is None:
+                daemon.stop()

@@ -19,10 +19,23 @@ def save_profile(core: Core, e: ev.SaveProfile, now: float, out: list[ev.Command
     if not prof["dop"] or prof["t1_s"] is None or not prof["eff"]:
         raise InvalidDemand("profile", "needs dop, t1_s and eff")
     prof["elastic"] = bool(prof["elastic"] if prof["elastic"] is not None else True)
+    previous = core.profiles.get(e.name)
     core.profiles[e.name] = prof
-    out.append(ev.PersistProfiles(profiles=dict(core.profiles), cause=core.stimulus))
+    out.append(
+        ev.PersistProfiles(
+            profiles=dict(core.profiles), changed=(e.name, previous), cause=core.stimulus
+        )
+    )
     if e.token is not None:
         out.append(core.reply(e.token, result={"name": e.name, "saved": True}))
+
+
+@handles(ev.ProfileUnsaved)
+def profile_unsaved(core: Core, e: ev.ProfileUnsaved, now: float, out: list[ev.Command]) -> None:
+    if e.previous is None:
+        core.profiles.pop(e.name, None)
+    else:
+        core.profiles[e.name] = dict(e.previous)
 
 
 @handles(ev.ProfilesLoaded)
