@@ -12,7 +12,9 @@ One :class:`asyncio.Protocol` per connection (cheaper than streams on the hot pa
 - a client that disconnects does not cancel its handler tasks (an exec keeps its cores
   until it ends, a lease lives until its TTL): :class:`ConnInfo` exposes ``closed`` and
   ``on_close`` so the daemon decides;
-- a connection with nothing in flight and no frame for ``idle_timeout_s`` is closed;
+- a connection with nothing in flight and no frame for ``idle_timeout_s`` is closed: its
+  reading is shut first, so a request written after that fails to send (the client knows
+  to resend it) and one written before is still read and answered;
 - a frame must arrive whole within ``frame_timeout_s`` of its first byte, else the
   connection is closed (a slow sender cannot hold a connection open byte by byte);
 - at most ``max_connections`` connections are served (past it a new one is answered
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import functools
 import itertools
 import os
@@ -38,6 +41,7 @@ import select
 import socket
 import stat
 import struct
+import termios
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, cast
@@ -112,6 +116,24 @@ class ConnInfo:
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             _run_callback(callback, self)
+
+
+def _shut_reading(transport: asyncio.BaseTransport) -> bool:
+    """``shutdown(SHUT_RD)`` the connection's socket; whether bytes it had received before
+    wait unread (a request the loop has not read yet)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    fd = sock.fileno()  # (uvloop's transport socket offers no shutdown: a plain one on its fd)
+    raw = socket.socket(fileno=fd)
+    try:
+        raw.shutdown(socket.SHUT_RD)
+        (unread,) = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))
+        return bool(unread > 0)
+    except OSError:
+        return False
+    finally:
+        raw.detach()
 
 
 def _peer_gone(transport: asyncio.BaseTransport | None) -> bool:
@@ -465,6 +487,13 @@ class _Connection(asyncio.Protocol):
         if self._tasks or self._laters:
             self._arm_idle_timer(timeout)  # waiting on us is not idling
         elif idle_for >= timeout:
+            # Stop reading first: a request the client writes from now on fails to send
+            # (EPIPE), so the client knows it was never read and resends it on a new
+            # connection. One that came in before is still read and answered (the loop
+            # then sees the EOF and closes once nothing is in flight).
+            if _shut_reading(self._transport):
+                self._arm_idle_timer(timeout)
+                return
             log.info("conn_idle_closed", conn=self.info.id, idle_s=round(idle_for, 3))
             self._closing = True
             self._transport.close()

@@ -166,6 +166,17 @@ class AsyncClient(Ops):
         protocol.pending[request_id] = future
         try:
             transport.write(frame)
+            if transport.is_closing():
+                # The write failed at once: the daemon had shut this connection (an idle
+                # close) and never read the request. Resend it on a new connection, once.
+                protocol.pending.pop(request_id, None)
+                self._protocol = None
+                protocol = await self._connected()
+                transport = protocol.transport
+                assert transport is not None
+                future = asyncio.get_running_loop().create_future()
+                protocol.pending[request_id] = future
+                transport.write(frame)
             await protocol.drain()
             response = await future
         finally:

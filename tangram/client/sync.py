@@ -2,8 +2,10 @@
 
 It connects lazily: the first call connects, and a call after the daemon dropped the
 connection reconnects. A request is resent on a fresh connection only when writing it
-failed outright (the daemon cannot have read it); a connection lost while waiting for the
-answer raises ``ConnectionFailed``, since the action may or may not have run.
+failed outright (the daemon cannot have read it: it shuts an idle connection's reading
+before closing it, so a request that races the idle close fails to send, and one that got
+in is answered); a connection lost while waiting for the answer raises
+``ConnectionFailed``, since the action may or may not have run.
 
 Ctrl-C (``KeyboardInterrupt``) while an ``exec`` waits for its answer cancels its action
 (``cancel`` by the exec's ``ref``, on the same connection) and raises
