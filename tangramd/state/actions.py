@@ -195,9 +195,13 @@ class ActionBook:
         """The action ended: drop the record (its story keeps what happened)."""
         self.live.pop(rec.action.id, None)
         self.deadlines.drop(rec.action.id)
-        key = (rec.conn, _ref_of(rec))
-        if self.refs.get(key) == rec.action.id:  # type: ignore[arg-type]
-            del self.refs[key]  # type: ignore[arg-type]
+        ref = _ref_of(rec)
+        if (
+            rec.conn is not None
+            and ref is not None
+            and self.refs.get((rec.conn, ref)) == rec.action.id
+        ):
+            del self.refs[(rec.conn, ref)]
         self.recent[rec.action.id] = outcome
         if rec.owner is not None:
             self.owners[rec.action.id] = rec.owner
