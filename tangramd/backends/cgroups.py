@@ -301,12 +301,20 @@ def probe(scope: str, *, prefer: str = "auto") -> Cgroups | None:
     return None
 
 
+# The mode of the directories EnvLimits makes, whatever the umask (the daemon's is 077): an
+# environment's processes may cross them to read their own limits by the path
+# /proc/self/cgroup names (as a JVM or Node sizes its heap), but may not list them, so no
+# environment sees the others' cgroups
+CROSSABLE = 0o711
+
+
 class EnvLimits:
     """Per-environment limits of isolated environments, on cgroup v1: ``memory`` (its
     ``mem_bytes``, swap included where accounted) and ``pids`` (``env_pids_max``). Every
     process of the environment (its keeper, its execs, its session shells) joins
     ``<controller>/<own path>/tangram/<scope>/e-<env>`` of each before it enters the
-    environment; the files are the host root's, read-only inside."""
+    environment; the files are the host root's, read-only inside, and the directories
+    ``CROSSABLE``."""
 
     CONTROLLERS = ("memory", "pids")
 
@@ -328,6 +336,8 @@ class EnvLimits:
             base = Path(point) / own.lstrip("/") / "tangram" / scope
             try:
                 base.mkdir(parents=True, exist_ok=True)
+                for level in (base.parent, base):
+                    os.chmod(level, CROSSABLE)
             except OSError:
                 return None
             bases[ctrl] = base
@@ -341,6 +351,7 @@ class EnvLimits:
         mem, pids = self.paths(env_id)
         for path in (mem, pids):
             path.mkdir(exist_ok=True)
+            os.chmod(path, CROSSABLE)
         if mem_bytes is not None:
             (mem / "memory.limit_in_bytes").write_text(str(mem_bytes))
             swap = mem / "memory.memsw.limit_in_bytes"
@@ -354,6 +365,7 @@ class EnvLimits:
         ``mem_bytes``; its ``tasks`` file (joined after the environment's)."""
         path = self.paths(env_id)[0] / name
         path.mkdir(exist_ok=True)
+        os.chmod(path, CROSSABLE)
         (path / "memory.limit_in_bytes").write_text(str(mem_bytes))
         return str(path / "tasks")
 
