@@ -46,7 +46,7 @@ def _queue(rng: random.Random, now: float) -> list[Action]:
 @pytest.mark.parametrize("rule", ["priced", "wait-eft"])
 def test_no_candidate_before_the_quiet_bound(rule: str) -> None:
     rng = random.Random(7)
-    cfg = SchedConfig(rule=rule)  # type: ignore[arg-type]
+    cfg = SchedConfig(rule=rule, quiet=True)  # type: ignore[arg-type]
     quiet_seen = later_checked = 0
     for _ in range(1500):
         now = rng.uniform(100.0, 1000.0)

@@ -110,6 +110,9 @@ class SchedConfig:
     # action may only take amounts in [k*/2, k*], k* its DoP priced by the pool's load
     # (tangram.sched.price), and elastic actions leave a reserve for short calls.
     rule: Rule = "priced"
+    # report Decision.quiet (a driver that leaves quiet nodes out asks: the simulator; the
+    # daemon does not, and its passes do not pay for the bookkeeping)
+    quiet: bool = False
     # fair share across jobs (tangram.sched.share): 0, the share counts the units each job
     # holds now (memoryless); H > 0, an exponentially decayed average of the units it held,
     # half-life H seconds (the drivers keep it with DecayedUsage and pass it as
@@ -193,7 +196,8 @@ class Decision:
     # or queued there (a driver that passes only some node-less actions checks with it
     # that the memory left could not have gone to those it left out: tangram.sim.engine)
     assigned: tuple[tuple[ActionId, str], ...] = ()
-    # the CPU nodes whose queue had no candidate this pass (nothing could start), each with
+    # (with SchedConfig.quiet) the CPU nodes whose queue had no candidate this pass (nothing
+    # could start), each with
     # the time before which, with its queue, units, running actions and load unchanged, a
     # pass would find none either (the starvation bound, the bypass of actions that have
     # waited their run time and the next expected finish move with the clock alone), and
@@ -682,7 +686,7 @@ def _schedule_pool(
     # candidate would be found
     watch: list[float] | None = None
     estimated: dict[str, tuple[float, float]] = {}
-    if cfg.order == "fcfs" and cap < 0 and pool.resource == "cpu":
+    if cfg.quiet and cfg.order == "fcfs" and cap < 0 and pool.resource == "cpu":
         watch = []
     if priced and cfg.order == "fcfs":
         cands, rest = _candidates_easy(

@@ -109,7 +109,9 @@ class Engine:
         self.jobs: dict[str, Job] = dict(jobs or {})
         self.held: dict[str, dict[str, int]] = {}
         self.policy = policy
-        self.sched = sched or SchedConfig(order=policy.order, rule=policy.rule)
+        self.sched = replace(
+            sched or SchedConfig(order=policy.order, rule=policy.rule), quiet=quiet
+        )
         # decayed usage per job (share_half_life_s > 0), advanced by the virtual clock
         h = self.sched.share_half_life_s
         self.decay: DecayedUsage | None = DecayedUsage(h) if h > 0.0 else None
