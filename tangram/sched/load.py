@@ -110,6 +110,29 @@ class LoadMeter:
             units = book.running.pop(action_id, 0)
             book.running_units -= units
 
+    def oldest(self, pool_id: str, now: float) -> float:
+        """The earliest time among the pool's entries in the window at ``now`` (its throwaway
+        start included): with no new entry, ``load`` returns the same at every later ``t``
+        with ``oldest > t - window_s`` (the test ``load`` prunes by). inf when none."""
+        book = self._books.get(pool_id)
+        if book is None:
+            return math.inf
+        since = now - self.window_s
+        out = book.throwaway_at if book.throwaway_at > since else math.inf
+        for t in book.arrivals:
+            if t > since:
+                out = min(out, t)
+                break
+        for t, _ in book.starts:
+            if t > since:
+                out = min(out, t)
+                break
+        for t, _ in book.short:
+            if t > since:
+                out = min(out, t)
+                break
+        return out
+
     def load(self, pool_id: str, now: float, envs: int = 0) -> PoolLoad:
         """The pool's load now; ``envs``: the environments living on it (0: unknown)."""
         book = self._books.get(pool_id)

@@ -65,6 +65,7 @@ loop evaluates the objective until it stops improving (usually 1–3 times).
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
@@ -109,6 +110,9 @@ class SchedConfig:
     # action may only take amounts in [k*/2, k*], k* its DoP priced by the pool's load
     # (tangram.sched.price), and elastic actions leave a reserve for short calls.
     rule: Rule = "priced"
+    # report Decision.quiet (a driver that leaves quiet nodes out asks: the simulator; the
+    # daemon does not, and its passes do not pay for the bookkeeping)
+    quiet: bool = False
     # fair share across jobs (tangram.sched.share): 0, the share counts the units each job
     # holds now (memoryless); H > 0, an exponentially decayed average of the units it held,
     # half-life H seconds (the drivers keep it with DecayedUsage and pass it as
@@ -192,6 +196,16 @@ class Decision:
     # or queued there (a driver that passes only some node-less actions checks with it
     # that the memory left could not have gone to those it left out: tangram.sim.engine)
     assigned: tuple[tuple[ActionId, str], ...] = ()
+    # (with SchedConfig.quiet) the CPU nodes whose queue had no candidate this pass (nothing
+    # could start), each with
+    # the time before which, with its queue, units, running actions and load unchanged, a
+    # pass would find none either (the starvation bound, the bypass of actions that have
+    # waited their run time and the next expected finish move with the clock alone), and
+    # what it read of the history estimates: (class, e, s) holds while the class's
+    # estimate d has d > e and, with s finite, the clock t has t < s + d. A driver may
+    # leave its queue out while all that holds (tangram.sim.engine, with a margin on the
+    # last; the load's window is the driver's to check)
+    quiet: tuple[tuple[str, float, tuple[tuple[str, float, float], ...]], ...] = ()
 
     def placed_ids(self) -> set[ActionId]:
         return {p.action_id for p in self.placements}
@@ -299,19 +313,22 @@ def schedule(snapshot: Snapshot, now: float, config: SchedConfig | None = None) 
     placements: list[Placement] = []
     objective = 0.0
     evicted = 0
+    quiet: list[tuple[str, float, tuple[tuple[str, float, float], ...]]] = []
     for pid in sorted(queues):
         pool = snapshot.pools[pid]
         result = _schedule_pool(pool, queues[pid], snapshot, now, cfg)
         objective += result.objective
         evicted += result.evicted
         if not result.placed:
+            if result.quiet > now:
+                quiet.append((pid, result.quiet, result.reads))
             continue
         units = pool.pick_units(result.placed)
         for (action, amount), unit_ids, dur in zip(result.placed, units, result.durs, strict=True):
             placements.append(
                 Placement(action.id, pid, amount, unit_ids, dur, action.id in new_nodes)
             )
-    return _decision(placements, everyone, infeasible, objective, evicted, gave)
+    return _decision(placements, everyone, infeasible, objective, evicted, gave, quiet)
 
 
 def _decision(
@@ -321,12 +338,21 @@ def _decision(
     objective: float,
     evicted: int,
     gave: list[tuple[ActionId, str]],
+    quiet: list[tuple[str, float, tuple[tuple[str, float, float], ...]]] | None = None,
 ) -> Decision:
     gone = {p.action_id for p in placements}  # placed or infeasible: not waiting
     for inf in infeasible:
         gone.add(inf.action_id)
     waiting = tuple([aid for a in everyone if (aid := a.id) not in gone])
-    return Decision(tuple(placements), waiting, tuple(infeasible), objective, evicted, tuple(gave))
+    return Decision(
+        tuple(placements),
+        waiting,
+        tuple(infeasible),
+        objective,
+        evicted,
+        tuple(gave),
+        tuple(quiet) if quiet else (),
+    )
 
 
 def _extra_never(action: Action, pools: Mapping[str, SchedPool]) -> Shortfall | None:
@@ -611,6 +637,10 @@ class _PoolResult:
     durs: list[float]
     objective: float
     evicted: int
+    # no candidate: the time before which none would be found at the same state (else -1),
+    # and on what estimates (``Decision.quiet``)
+    quiet: float = -1.0
+    reads: tuple[tuple[str, float, float], ...] = ()
 
 
 def _schedule_pool(
@@ -652,14 +682,32 @@ def _schedule_pool(
         # max(f - now, 0.0) written out (same value, NaN included; built every pass)
         return [(0.0 if f - now < 0.0 else f - now, u) for f, u in running_at]
 
+    # Decision.quiet: a CPU node (no extra cost) in FCFS order reports until when no
+    # candidate would be found
+    watch: list[float] | None = None
+    estimated: dict[str, tuple[float, float]] = {}
+    if cfg.quiet and cfg.order == "fcfs" and cap < 0 and pool.resource == "cpu":
+        watch = []
     if priced and cfg.order == "fcfs":
         cands, rest = _candidates_easy(
-            op.start(), queue, dur, running, now, now - cfg.starvation_s, load.elastic_mean_s
+            op.start(),
+            queue,
+            dur,
+            running,
+            now,
+            now - cfg.starvation_s,
+            load.elastic_mean_s,
+            watch,
+            estimated,
         )
     else:
+        # (FCFS: the first action that does not fit ends the scan; the clock is not read)
         cands, rest = _candidates(op, queue, now, cfg, dur.low)
     if not cands:
-        return _PoolResult([], [], 0.0, 0)
+        if watch is None:
+            return _PoolResult([], [], 0.0, 0)
+        reads = tuple([(k, v[0], v[1]) for k, v in estimated.items()])
+        return _PoolResult([], [], 0.0, 0, _quiet_until(watch), reads)
     fixed: list[Action] = []
     elastic: list[Action] = []
     for a in cands:
@@ -789,6 +837,16 @@ def _candidates(
     return cands, rest
 
 
+def _quiet_until(watch: list[float]) -> float:
+    """The earliest of the times in ``watch`` (a scan with no candidate may find one from
+    then on), brought forward by a margin far above the rounding of the clock's
+    subtractions (1e-6 of it, at least 1e-6 s); inf when none."""
+    if not watch:
+        return math.inf
+    at = min(watch)
+    return at - 1e-6 * max(1.0, abs(at))
+
+
 def _candidates_easy(
     free: int,
     queue: Sequence[Action],
@@ -797,6 +855,8 @@ def _candidates_easy(
     now: float,
     starved: float,
     long_s: float,
+    watch: list[float] | None = None,
+    estimated: dict[str, tuple[float, float]] | None = None,
 ) -> tuple[list[Action], list[Action]]:
     """FCFS prefix on plain unit counts where short calls pass waiting elastic actions.
 
@@ -817,6 +877,19 @@ def _candidates_easy(
     held there for longer (its slowdown stays at most 2; tool calls are most of the mean
     ACT, and the reservations for long runs come early). A blocked non-elastic action's
     reservation is strict EASY, as before (a fixed-DoP run is one).
+
+    ``watch``: where the clock alone may change the scan's outcome later (with the same
+    queue, units, running actions, durations and ``long_s``), the times are appended (read
+    only when no candidate was found; see ``Decision.quiet``): an elastic action's
+    starvation bound, the time a short call held behind an elastic action's reservation
+    will have waited its run time, and, where a reservation was computed, the next
+    expected finish (the busy list's order and the units free by the reservation hold
+    until then: a finish past the clock counts as 0). A short call held whose duration
+    is the history estimate of its class (it may change by then) goes into ``estimated``
+    instead: per class, the largest reservation it was held by (it stays held while the
+    estimate is above that: the reservation only comes closer) and, behind an elastic
+    action's reservation, the earliest submission (held while the clock is before that
+    plus the estimate).
     """
     cands: list[Action] = []
     rest: list[Action] = []
@@ -836,22 +909,57 @@ def _candidates_easy(
         if need > free:
             rest.append(a)
             elastic_waits = elastic_waits or a.elastic
-            if shadow < 0.0 and (
-                not a.elastic or a.submitted_at <= starved or dur.minimum(a) > long_s
-            ):
-                shadow, extra = _reservation(need, free, [*running(), *held])
-                bounded = a.elastic
+            if shadow < 0.0:
+                if not a.elastic or a.submitted_at <= starved or dur.minimum(a) > long_s:
+                    busy = [*running(), *held]
+                    shadow, extra = _reservation(need, free, busy)
+                    bounded = a.elastic
+                    if watch is not None:
+                        _reservation_watch(need, free, busy, now, watch)
+                elif watch is not None:  # an elastic action not starving yet
+                    watch.append(a.submitted_at + (now - starved))
             continue
         run_s = dur.minimum(a)
         if shadow >= 0.0 and run_s > shadow and not (bounded and now - a.submitted_at >= run_s):
             if need > extra:
                 rest.append(a)
+                if watch is not None and estimated is not None:  # (a shadow closer holds it)
+                    if a.elasticity is None and a.dur_s is None:
+                        sub = a.submitted_at if bounded else math.inf
+                        got = estimated.get(a.klass)
+                        if got is not None:
+                            estimated[a.klass] = (max(got[0], shadow), min(got[1], sub))
+                        else:
+                            estimated[a.klass] = (shadow, sub)
+                    elif bounded:
+                        watch.append(a.submitted_at + run_s)
                 continue
             extra -= need
         free -= need
         held.append((run_s, need))
         cands.append(a)
     return cands, rest
+
+
+def _reservation_watch(
+    need: int, free: int, busy: list[tuple[float, int]], now: float, watch: list[float]
+) -> None:
+    """``_candidates_easy``'s watch on a reservation: the next expected finish past now
+    (then it counts as 0 and the order of ``busy`` may change), or now when the finishes
+    where the reservation is met differ but are too close for their order to be sure of
+    later (a rounding tie: the units free by then could differ)."""
+    ahead = [f for f, _ in busy if f > 0.0]
+    if ahead:
+        watch.append(now + min(ahead))
+    order = sorted(busy)
+    for k in range(len(order)):
+        if free >= need:
+            # (equal finishes stay equal, and those past now stay 0)
+            gap = order[k][0] - order[k - 1][0] if k > 0 else math.inf
+            if 0.0 < gap <= 1e-6 * max(1.0, order[k][0]):
+                watch.append(now)
+            return
+        free += order[k][1]
 
 
 def _reservation(need: int, free: int, busy: list[tuple[float, int]]) -> tuple[float, int]:

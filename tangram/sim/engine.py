@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import operator
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -97,13 +98,20 @@ class Engine:
         check: bool = False,
         progress: Callable[[float, int, int], None] | None = None,
         jobs: Mapping[str, Job] | None = None,
+        quiet: bool = True,
     ) -> None:
         self.cluster = cluster
+        # leave out the queues of CPU nodes whose last pass found no candidate while the
+        # scheduler says none would be found again (Decision.quiet; see _pass). False: every
+        # pass runs them (the same decisions, tests/test_sim_quiet.py)
+        self.use_quiet = quiet
         # jobs' terms (fair share, tangram.sched.share) and the units each job holds now
         self.jobs: dict[str, Job] = dict(jobs or {})
         self.held: dict[str, dict[str, int]] = {}
         self.policy = policy
-        self.sched = sched or SchedConfig(order=policy.order, rule=policy.rule)
+        self.sched = replace(
+            sched or SchedConfig(order=policy.order, rule=policy.rule), quiet=quiet
+        )
         # decayed usage per job (share_half_life_s > 0), advanced by the virtual clock
         h = self.sched.share_half_life_s
         self.decay: DecayedUsage | None = DecayedUsage(h) if h > 0.0 else None
@@ -193,6 +201,11 @@ class Engine:
         # placements and trajectory ends reserve and free it while trajectories wait
         # node-less (the k8s baseline reserves its own, but sends none to the scheduler).
         self._mem_most = -1
+        # per CPU node whose last pass found no candidate: (until when the scheduler finds
+        # none at the same state, the oldest entry of its load window, the estimates it read
+        # as Decision.quiet gives them); dropped when the node's state changes (it is dirty)
+        self._quiet: dict[str, tuple[float, float, tuple[tuple[str, float, float], ...]]] = {}
+        self.quiet_skips = 0  # node queues left out so (tests, bench/paper/sim_scale.py)
         self.meter = LoadMeter()  # recent offered load per CPU node, for the "priced" rule
         self._wakes: set[tuple[str, float]] = set()
         # baselines (set up in _build_steps once the trace is known)
@@ -488,6 +501,21 @@ class Engine:
         unchecked = self._unchecked
         full: set[str] = set()
         left_out = False  # a queued action was left out (without it, the pass had run)
+        # A CPU node whose last pass found no candidate (nothing could start) and whose
+        # state has not changed since (not dirty: no arrival, release, start or memory
+        # freed; its load's window has lost no entry) finds none before the time the
+        # scheduler gave (Decision.quiet: the starvation bound, a short call's bypass and
+        # the next expected finish are all it reads of the clock): its queue, running
+        # actions and load are left out, as a full node's are. Should the node choice give
+        # it a node-less trajectory, the pass runs again with its queue (below). Same
+        # decisions; lean passes only (one job: no action is read beyond its own queue).
+        quiet = self._quiet
+        for pid in self.dirty:
+            quiet.pop(pid, None)
+        skipped: list[str] = []
+        window = self.meter.window_s
+        estimate = self.history.estimate
+        use_quiet = lean and self.use_quiet
         for pid in sorted(dirty):
             pool = all_pools[pid]
             if pid in apis:
@@ -506,6 +534,20 @@ class Engine:
                         waiting.extend([r.action for r in new if r.action.id in queue])
                     left_out = left_out or bool(queue)
                     continue
+            got = quiet.get(pid) if use_quiet else None
+            if got is not None:
+                if (
+                    now < got[0]
+                    and got[1] > now - window
+                    and pid not in unchecked
+                    and _holds(got[2], estimate, now)
+                ):
+                    pools[pid] = pool
+                    skipped.append(pid)
+                    self.quiet_skips += 1
+                    left_out = left_out or bool(queue)
+                    continue
+                del quiet[pid]
             pools[pid] = pool
             waiting.extend([r.action for r in queue.values()])
             if pid in unchecked:
@@ -522,41 +564,74 @@ class Engine:
                 if also not in pools and also in all_pools:
                     pools[also] = all_pools[also]
         queued = waiting[heads:]
+        head = waiting[:heads]  # the node-less ones
         waiting.sort(key=_SEQ)
-        live = [pid for pid in pools if pid not in full]
         on = self.running
         meter, envs_on = self.meter, self.envs_on
+        out = full.union(skipped)
+
+        def live(pid: str) -> bool:
+            return pid not in out
+
+        def running(pid: str) -> list[tuple[float, int]]:
+            return list(on[pid].values())
+
+        def load(pid: str) -> Any:
+            return meter.load(pid, now, envs_on.get(pid, 0))
+
         snap = Snapshot(
             waiting=waiting,
             pools=pools,
             affinity=self.affinity,
-            running=_OnDemand(live, lambda pid: list(on[pid].values())),
+            running=_OnDemand([pid for pid in pools if live(pid)], running),
             estimate=self.history.estimate,
             env_mem=self._env_mem,
             # A pool's load is read (and its window pruned) at the passes that run its
             # queue, which include every pass where it starts an action (the meter's only
             # sums): pruning lazily pops the same entries in the same order between two
             # additions, so the loads read are the same as when every node was read.
-            load=_OnDemand(
-                [pid for pid in live if pid in cpu],
-                lambda pid: meter.load(pid, now, envs_on.get(pid, 0)),
-            ),
+            load=_OnDemand([pid for pid in pools if live(pid) and pid in cpu], load),
             jobs=self.jobs,
             held=self.held,
             totals=self.totals,
             usage=self._usage(now, waiting),
         )
-        decision = schedule(snap, now, self.sched)
-        while cut >= 0 and not self._head_covers(decision, cut):
-            # the memory left after the head could have gone to one left out: again with
-            # four times as many (a pure pass, nothing applied yet; the loads read are
-            # those of the same instant)
-            waiting = []
-            cut = self._nodeless_head(waiting, fresh, 4 * heads)
-            heads = len(waiting)
-            waiting.extend(queued)
+        while True:
+            decision = schedule(snap, now, self.sched)
+            while cut >= 0 and not self._head_covers(decision, cut):
+                # the memory left after the head could have gone to one left out: again
+                # with four times as many (a pure pass, nothing applied yet; the loads read
+                # are those of the same instant)
+                head = []
+                cut = self._nodeless_head(head, fresh, 4 * heads)
+                heads = len(head)
+                waiting = [*head, *queued]
+                waiting.sort(key=_SEQ)
+                decision = schedule(replace(snap, waiting=waiting), now, self.sched)
+            if not skipped or not any(pid in skipped for _, pid in decision.assigned):
+                break
+            # a node left out as quiet was given a node-less trajectory: its first action
+            # joins that queue, so the pass runs again with every such queue in
+            for pid in skipped:
+                out.discard(pid)
+                del quiet[pid]
+                queued.extend([r.action for r in queues[pid].values()])
+            skipped = []
+            waiting = [*head, *queued]
             waiting.sort(key=_SEQ)
-            decision = schedule(replace(snap, waiting=waiting), now, self.sched)
+            snap = replace(
+                snap,
+                waiting=waiting,
+                running=_OnDemand([pid for pid in pools if live(pid)], running),
+                load=_OnDemand([pid for pid in pools if live(pid) and pid in cpu], load),
+            )
+        if self.use_quiet and decision.quiet:
+            # (not where the pass gave a node-less action a node it did not place: its
+            # queue had that action, which stays node-less)
+            gave = {pid for _, pid in decision.assigned}
+            for pid, until, reads in decision.quiet:
+                if pid in cpu and pid not in gave:
+                    quiet[pid] = (until, meter.oldest(pid, now), reads)
         mem_free: dict[str, int] = {}  # per node this pass: free memory, kept up to date
         placing: set[ActionId] = set()  # batching: the calls this pass places or fails
         if self.batcher is not None:  # ride in no batch
@@ -726,6 +801,25 @@ class Engine:
         return summarize(
             self.policy.name, self.records, self.step_durations, self.busy, self.reserved, makespan
         )
+
+
+def _holds(
+    reads: tuple[tuple[str, float, float], ...], estimate: Callable[[str], float], now: float
+) -> bool:
+    """Whether the short calls a quiet node's pass held by a reservation on the history
+    estimate of their class (``Decision.quiet``) are held still: the estimate (their
+    duration, a CPU node adding nothing) above the reservation they were held by, and
+    behind an elastic action's reservation, not yet waited that long (with the margin of
+    ``tangram.sched.schedule._quiet_until``)."""
+    for klass, held_by, since in reads:
+        d = estimate(klass) + 0.0
+        if not d > held_by:
+            return False
+        if since < math.inf:
+            at = since + d
+            if not now < at - 1e-6 * max(1.0, abs(at)):
+                return False
+    return True
 
 
 def pool_of_run(run: Run, affinity: Any) -> str:
