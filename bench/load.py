@@ -66,14 +66,25 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def daemon_usage(daemon: SpawnedDaemon) -> dict[str, int]:
-    """The daemon's RSS and fds, and its fork server's lodgers (the daemon holds one socket
-    to each)."""
+    """The daemon's RSS and fds, its fork server's lodgers (the daemon holds one socket
+    to each), and ``kept_fds``: the descriptors it keeps open on purpose once opened, the
+    environments' journal and one cgroup ``tasks`` file per core set it has run on (passed
+    to the spawner with each exec), which a leak check leaves out."""
     proc = psutil.Process(daemon.proc.pid)
     helper = spawner_of(daemon)
     lodgers = 0
     with contextlib.suppress(psutil.Error):
         lodgers = sum(_is_spawner(c) for c in helper.children()) if helper else 0
-    return {"rss_mib": proc.memory_info().rss >> 20, "fds": proc.num_fds(), "lodgers": lodgers}
+    kept = 0
+    with contextlib.suppress(psutil.Error):
+        for f in proc.open_files():
+            kept += f.path.endswith("/tasks") or f.path.endswith("/envs.journal")
+    return {
+        "rss_mib": proc.memory_info().rss >> 20,
+        "fds": proc.num_fds(),
+        "kept_fds": kept,
+        "lodgers": lodgers,
+    }
 
 
 def _is_spawner(proc: psutil.Process) -> bool:
