@@ -12,8 +12,12 @@ live in ``tangram.sim.baselines``; the engine routes the actions they manage to 
 Events sit in one heap ordered by ``(time, priority, sequence)``: deterministic, with no
 wall clock and no randomness (generators draw randomness up front from a seed). All events
 of one timestamp are handled first; then one scheduling pass runs over the pools whose state
-changed (an action arrived in their queue or one of theirs released units), so a pass costs
-``O(queue)`` of the touched pools only.
+changed (an action arrived in their queue or one of theirs released units). While some
+trajectory waits without a node, a pass also reads every CPU node for the node choice; a
+full node's queue is left out (it can start nothing), and so is a *quiet* node's: its last
+pass found no candidate, nothing on it changed since, and the scheduler's bound
+(``Decision.quiet``) says the clock alone cannot change that yet. Both leave the decisions
+as they would be with every queue in the pass.
 
 Trajectories alternate generation time and actions. Each RL task runs its steps in order:
 step ``k+1`` of a task starts ``step_train_s`` after the last trajectory of its step ``k``
