@@ -34,9 +34,9 @@ def line(tid: str, action: dict, arrival_s: float = 0.0) -> str:
     return json.dumps({"id": tid, "arrival_s": arrival_s, "steps": [{"action": action}]})
 
 
-def run(lines: list[str], cluster: str = CLUSTER) -> Engine:
+def run(lines: list[str], cluster: str = CLUSTER, policy: str = "tangram") -> Engine:
     spec = parse_cluster(tomllib.loads(cluster), "test")
-    eng = Engine(spec, parse_lines(lines), parse_policy("tangram"), check=True)
+    eng = Engine(spec, parse_lines(lines), parse_policy(policy), check=True)
     eng.run()
     return eng
 
@@ -73,6 +73,28 @@ def test_a_plain_exec_is_not_held_back_by_the_api():
     eng = run([line("a", holds), line("b", holds), line("c", {"kind": "exec", "dur_s": 1.0})])
     starts = {r.action_id.split("#")[0]: r.start_s for r in eng.records}
     assert starts == {"a": 0.0, "b": pytest.approx(3.0), "c": 0.0}
+
+
+@pytest.mark.parametrize("policy", ["k8s", "baseline"])
+def test_under_k8s_the_pods_command_retries_for_the_slot(policy: str) -> None:
+    """Under the `k8s` pods (and `baseline`) there is no joint admission: each exec runs in
+    its own pod, whose command takes the API slot or, refused, backs off and tries again
+    (as `api-retry` does); the slot is still never held twice, and it is given back."""
+    action = {"kind": "exec", "cpu": 2, "api": "search", "dur_s": 3.0}
+    eng = run([line("a", action), line("b", action)], policy=policy)
+    first, second = sorted(eng.records, key=lambda r: r.start_s)
+    assert not first.failed and not second.failed
+    assert second.start_s >= first.start_s + first.exec_s  # one slot: one at a time
+    assert second.queue_s > first.queue_s  # the second backed off
+    assert eng.apis["api:search"].in_use == 0 and eng.apis["api:search"].leases() == ()
+
+
+def test_under_k8s_without_api_the_pods_run_together() -> None:
+    """The same two execs without `api` under `k8s`: both pods run theirs at once."""
+    action = {"kind": "exec", "cpu": 2, "dur_s": 3.0}
+    eng = run([line("a", action), line("b", action)], policy="k8s")
+    first, second = sorted(eng.records, key=lambda r: r.start_s)
+    assert second.start_s < first.start_s + first.exec_s
 
 
 def test_the_field_round_trips_and_is_validated():

@@ -20,7 +20,9 @@ resource kind.
   (processor sharing, recomputed at every arrival and departure). tangram's own batching
   (``tangram.sim.gpubatch``, a service's ``max_batch``) times its passes with this model.
 - ``ApiRetry`` (API): each call tries to take a lease; a refused call backs off
-  ``api_retry_backoff_s`` doubling up to ``MAX_BACKOFF_S`` and tries again.
+  ``api_retry_backoff_s`` doubling up to ``MAX_BACKOFF_S`` and tries again. Under ``k8s``
+  an exec that also holds an API slot (a trace's ``api`` on an exec) does the same from its
+  pod, whose cores wait meanwhile: no joint admission there.
 
 They use the same pure pools as tangram for bookkeeping (so capacity is checked the same
 way) and never touch the scheduler. They drive the run through the engine's small ``Host``
@@ -90,6 +92,7 @@ class K8sPods:
         self.exec_s = b.k8s_exec_overhead_s
         self.queue: deque[Traj] = deque()
         self.dirty = False
+        self.api: ApiRetry | None = None  # how an exec with an API slot gets it (the engine's)
         self._bind_free_at = 0.0  # when the (serial) kube-scheduler can bind the next pod
         self._bind_wake = False
 
@@ -104,10 +107,20 @@ class K8sPods:
 
     def _start(self, run: Run, now: float) -> None:
         action = run.action
-        allowed = action.allowed_units()
-        if allowed[0] > self.cores:
+        if action.allowed_units()[0] > self.cores:
             self.host.fail_run(run, now)  # the action needs more cores than a pod has
             return
+        if action.extra and self.api is not None:
+            # cores and an API slot (the trace's "api"): the command in the pod calls the
+            # API and, refused, backs off and tries again; its pod's cores wait meanwhile
+            self.api.attempt(run, now)
+            return
+        self.run_in_pod(run, now)
+
+    def run_in_pod(self, run: Run, now: float) -> None:
+        """Run the exec in its trajectory's pod, at the largest allowed amount that fits."""
+        action = run.action
+        allowed = action.allowed_units()
         amount = max(a for a in allowed if a <= self.cores) if action.is_elastic() else allowed[0]
         self.host.start_run(run, now, amount, 0.0, "cpu", delay=self.exec_s)
 
@@ -333,17 +346,33 @@ class ApiRetry:
         self.apis = apis
         self.retry_kind = retry_kind
         self.backoff_s = host.cluster.baselines.api_retry_backoff_s
+        self.pods: K8sPods | None = None  # where an exec with an API slot runs (k8s)
 
     def attempt(self, run: Run, now: float) -> None:
-        pool = self.apis[run.action.key]
+        """Take a slot of the call's API (an ``api`` action's, or an exec's with ``api``: it
+        then runs in its pod, ``pods``); refused, try again after the back-off."""
+        key = _api_of(run)
+        pool = self.apis[key]
         pool.advance(now)
         if pool.acquire(LeaseId(str(run.action.id)), now, ttl_s=NO_TTL) is not None:
-            self.host.start_run(run, now, 1, 0.0, run.action.key)
+            if run.action.kind == "api":
+                self.host.start_run(run, now, 1, 0.0, key)
+            else:
+                assert self.pods is not None, "an exec with an API slot runs in a k8s pod"
+                self.pods.run_in_pod(run, now)
             return
         backoff = min(self.backoff_s * 2**run.attempts, MAX_BACKOFF_S)
         run.attempts += 1
         self.host.push(now + backoff, self.retry_kind, run)
 
     def done(self, run: Run, now: float) -> None:
-        self.apis[run.action.key].release_lease(LeaseId(str(run.action.id)))
-        self.host.add_reserved(run.action.key, run.exec)
+        key = _api_of(run)
+        self.apis[key].release_lease(LeaseId(str(run.action.id)))
+        self.host.add_reserved(key, run.exec)
+
+
+def _api_of(run: Run) -> str:
+    """The API pool a retried call holds a slot of: an ``api`` action's own, or the one an
+    exec names with ``api`` (its ``extra``)."""
+    action = run.action
+    return action.key if action.kind == "api" else action.extra[0][0]

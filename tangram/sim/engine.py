@@ -215,6 +215,7 @@ class Engine:
         # baselines (set up in _build_steps once the trace is known)
         self.k8s = K8sPods(self, list(self.cpu.values()), self.env_bytes, (POD_READY, POD_BIND))
         self.retry = ApiRetry(self, self.apis, RETRY)
+        self.k8s.api, self.retry.pods = self.retry, self.k8s
         self.static: StaticServices | None = None
         # tangram's dynamic batching of service calls (a service with max_batch > 1)
         enabled = self.policy.gpu != "static" and GpuBatcher.enabled(c)
@@ -431,7 +432,7 @@ class Engine:
             self.add_reserved(self.pools[pid].resource, run.units * (now - run.start))
         elif action.kind == "service" and self.static is not None:  # a static replica
             self.static.done(run, now)
-        elif action.kind == "api":  # api-retry lease
+        elif action.kind == "api" or action.extra:  # an api-retry lease (a k8s exec's too)
             self.retry.done(run, now)
         self._record(run, now, failed=False)
         self._on_gen_done(run.traj, now)
