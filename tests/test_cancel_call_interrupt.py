@@ -21,7 +21,7 @@ from harness import pid_alive, running_daemon, service_worker_pid
 
 from tangram.client import AsyncClient
 from tangram.protocol.errors import BadRequest, NotFound
-from tangram.testing import wait_for
+from tangram.testing import wait_for, wait_for_async
 
 SERVICES = Path(__file__).parent / "data" / "services"
 ONE_GPU = "[gpu]\nsimulated = { count = 1, mem_gb = 0.1 }\nnvml = false\n"
@@ -109,9 +109,8 @@ def test_cancel_finds_a_call_by_its_ref_on_its_own_connection(daemon, tmp_path):
         async with AsyncClient(daemon.socket) as ac, AsyncClient(daemon.socket) as other:
             payload = {"x": 1, "sleep": 30.0, "started": str(started)}
             task = asyncio.ensure_future(ac.call("s", payload, ref="mine"))
-            while not started.exists():
-                assert not task.done(), task
-                await asyncio.sleep(0.05)
+            await wait_for_async(lambda: started.exists() or task.done(), 60, "its handler")
+            assert not task.done(), task
             with pytest.raises(NotFound, match="mine"):
                 await other.request("cancel", {"ref": "mine"})
             with pytest.raises(NotFound, match="nobody-has-this"):
@@ -131,9 +130,8 @@ def test_cancel_finds_a_call_by_its_ref_on_its_own_connection(daemon, tmp_path):
 
             started.unlink()
             task = asyncio.ensure_future(ac.call("s", payload))
-            while not started.exists():
-                assert not task.done(), task
-                await asyncio.sleep(0.05)
+            await wait_for_async(lambda: started.exists() or task.done(), 60, "its handler")
+            assert not task.done(), task
             rows = (await other.queue())["running"]
             task.cancel()
             with pytest.raises(asyncio.CancelledError):

@@ -25,7 +25,7 @@ from harness import pid_alive, service_worker_pid
 
 from tangram.client import AsyncClient
 from tangram.protocol.errors import NotFound
-from tangram.testing import wait_for
+from tangram.testing import wait_for, wait_for_async
 from tangramctl.main import cli
 
 SERVICES = Path(__file__).parent / "data" / "services"
@@ -124,9 +124,8 @@ def test_a_call_is_cancelled_by_its_ref_through_a_node(
             async with AsyncClient(a.socket) as ac, AsyncClient(a.socket) as other:
                 payload = {"x": 1.0, "sleep": 30.0, "started": str(started)}
                 task = asyncio.ensure_future(ac.call("s", payload, ref="r1", timeout_s=120))
-                while not started.exists():
-                    assert not task.done(), task
-                    await asyncio.sleep(0.05)
+                await wait_for_async(lambda: started.exists() or task.done(), 60, "its handler")
+                assert not task.done(), task
                 pid = wait_for(lambda: service_worker_pid(c), 30, "the worker", every_s=0.2)
                 with pytest.raises(NotFound, match="r1"):
                     await other.request("cancel", {"ref": "r1"})

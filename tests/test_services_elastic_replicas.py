@@ -17,6 +17,7 @@ import psutil
 import pytest
 import torch  # noqa: F401  # the tests need torch installed (the gpu extra), as CI has it
 
+from tangram.testing import wait_for_async
 from tangramd.services import ServiceHost, ServiceSpec, SimulatedGpus, discover
 from tangramd.services.inventory import Inventory
 from tangramd.services.torch_runtime import TorchReplica
@@ -120,10 +121,8 @@ def test_a_dead_worker_fails_the_call_as_infra_and_the_next_call_restarts_it(
         started = tmp_path / "started"
         payload = {**X, "sleep": 1.0, "started": str(started)}
         call = asyncio.ensure_future(host.call("m", (2, 3), payload, 60))
-        deadline = loop.time() + 30
-        while not started.exists():  # worker 0 is in the handler (its sleep)
-            assert loop.time() < deadline, "the call never reached worker 0's handler"
-            await asyncio.sleep(0.01)
+        # worker 0 is in the handler (its sleep)
+        await wait_for_async(started.exists, 30, "the call in worker 0's handler")
         os.kill(victim, signal.SIGKILL)
         return await call
 
