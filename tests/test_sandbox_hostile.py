@@ -19,6 +19,7 @@ import pytest
 pytest.register_assert_rewrite("backend_conformance")
 from backend_conformance import BOTH_CORES, BackendConformance, cpulist, ex, new_env  # noqa: E402
 
+from tangram.testing import wait_for  # noqa: E402
 from tangramd.backends.base import ExecRequest  # noqa: E402
 from tangramd.backends.process import SANDBOX_ID_BASE, ProcessBackend  # noqa: E402
 from tangramd.config import load_config  # noqa: E402
@@ -52,15 +53,6 @@ def alive_with(token: str) -> list[int]:
         cmdline = proc.info["cmdline"] or []
         if any(token in part for part in cmdline):
             found.append(proc.pid)
-    return found
-
-
-def wait_alive(token: str, timeout: float = 10.0) -> list[int]:
-    """``alive_with(token)`` once it finds some (a command that put a process in the
-    background may answer before that process has exec'd its command line)."""
-    deadline = time.monotonic() + timeout
-    while not (found := alive_with(token)) and time.monotonic() < deadline:
-        time.sleep(0.02)
     return found
 
 
@@ -202,12 +194,12 @@ def test_nothing_outlives_the_session_or_the_env(backend):
         run = ExecRequest(env, f"setsid sleep {first} & echo ok", ONE_CORE, session="s1")
         r = await backend.exec(run)
         assert r.outcome == "ok", r
-        assert await asyncio.to_thread(wait_alive, first)
+        await asyncio.to_thread(wait_for, lambda: alive_with(first), 10, "the setsid sleep")
         await backend.close_session("s1")
         await backend.open_session(env, "s2")
         run = ExecRequest(env, f"setsid sleep {second} & echo ok", ONE_CORE, session="s2")
         assert (await backend.exec(run)).outcome == "ok"
-        assert await asyncio.to_thread(wait_alive, second)
+        await asyncio.to_thread(wait_for, lambda: alive_with(second), 10, "the setsid sleep")
         await backend.close_env(env)
 
     asyncio.run(scenario())
