@@ -8,11 +8,13 @@ a service call its timeout plus `[gpu] restore_timeout_s` plus that grace."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -157,18 +159,35 @@ def call_done(action_id: str, result: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+@contextlib.contextmanager
+def _rogue_cluster(tmp_path: Path, config: str, **rogue: Any) -> Iterator[tuple[Any, RogueNode]]:
+    """A real coordinator with the rogue node joined (``rogue``: RogueNode's options)."""
+    coord = spawn_coordinator(tmp_path / "c", config)
+    node = None
+    try:
+        node = RogueNode(coord.join, **rogue)
+        wait_for(lambda: _state(coord) == "ready", 20, "the rogue node joined")
+        yield coord, node
+    finally:
+        if node is not None:
+            node.close()
+        stop_all([coord])
+
+
 @pytest.fixture
 def cluster(tmp_path) -> Iterator[tuple[Any, RogueNode]]:
-    coord = spawn_coordinator(tmp_path / "c", CONFIG)
-    rogue = None
-    try:
-        rogue = RogueNode(coord.join)
-        wait_for(lambda: _state(coord) == "ready", 20, "the rogue node joined")
+    with _rogue_cluster(tmp_path, CONFIG) as both:
+        yield both
+
+
+@pytest.fixture
+def gpu_cluster(tmp_path) -> Iterator[tuple[Any, RogueNode]]:
+    """The rogue node with one GPU, and service `s` registered (it answers no call
+    message until a test adds it to ``answers``)."""
+    with _rogue_cluster(tmp_path, GPU_CONFIG, gpus=ONE_GPU) as (coord, rogue):
+        with Client(coord.socket) as c:
+            c.service_register("s", mem_gb=0.1, entry="tiny_services:small", path=str(tmp_path))
         yield coord, rogue
-    finally:
-        if rogue is not None:
-            rogue.close()
-        stop_all([coord])
 
 
 def _state(coord: Any) -> str | None:
@@ -247,117 +266,89 @@ def test_session_open_and_close_the_node_never_answers(cluster):
         assert not [r for r in c.request("env.list", {})["envs"] if r["id"] == env]
 
 
-def test_a_call_the_node_never_answers_fails_infra_error_and_frees_its_gpu(tmp_path):
+def test_a_call_the_node_never_answers_fails_infra_error_and_frees_its_gpu(gpu_cluster):
     """run_call swallowed by a node with a GPU: once its timeout plus `[gpu]
     restore_timeout_s` plus node_request_timeout_s have passed, not before, the node is
     told to stop the call (`stop_call`) and, once it confirms (`call_stopped`), the call
     ends `infra_error` naming the node; the node is drained as suspect; the GPU is free
     again in the pool (the next call is placed on it, and answered); the late `call_done`
     of the first call is acknowledged and changes nothing."""
-    coord = spawn_coordinator(tmp_path / "c", GPU_CONFIG)
-    rogue = None
-    try:
-        rogue = RogueNode(coord.join, gpus=ONE_GPU)
-        rogue.answers.add("stop_call")
-        wait_for(lambda: _state(coord) == "ready", 20, "the rogue node joined")
-        with Client(coord.socket) as c:
-            c.service_register("s", mem_gb=0.1, entry="tiny_services:small", path=str(tmp_path))
-            started = time.monotonic()
-            res = c.call("s", {"x": 1.0}, timeout_s=1.5)
-            took = time.monotonic() - started
-            limit = 1.5 + RESTORE_TIMEOUT_S + TIMEOUT_S
-            assert res.outcome == "infra_error", res
-            assert rogue.trace[:3] == [
-                ("run_call", res.action_id),
-                ("stop_call", res.action_id),
-                ("call_stopped", res.action_id),
-            ], rogue.trace
-            assert f"node rogue did not answer run_call for call {res.action_id}" in (
-                res.error or ""
-            ), res
-            assert f"within {limit:.3g} s" in (res.error or ""), res
-            assert limit <= took < 20, took
-            assert node_row(coord, "rogue")["state"] == "draining"
-            (first,) = rogue.kinds("run_call")
-            assert first["action_id"] == res.action_id and first["gpus"] == [0]
-            # the GPU went back to the pool: the next call is placed on it and answered
-            rogue.answers.add("run_call")
-            again = c.call("s", {"x": 2.0}, timeout_s=1.5)
-            assert again.outcome == "ok" and again.result == {"y": 1.0}, again
-            assert again.node == "rogue" and again.gpus == (0,), again
-            # the first call's answer, late: acknowledged, and the call stays as it ended
-            rogue.send(call_done(res.action_id, {"y": 2.0}))
-            wait_for(
-                lambda: any(m.get("key") == f"cd:{res.action_id}" for m in rogue.kinds("ack")),
-                10,
-                "the late call_done acknowledged",
-            )
-            story = json.dumps(c.story(res.action_id))
-            assert "did not answer run_call" in story and '"y": 2.0' not in story, story
-            assert "node_suspect" in coord.log()
-    finally:
-        if rogue is not None:
-            rogue.close()
-        stop_all([coord])
+    coord, rogue = gpu_cluster
+    rogue.answers.add("stop_call")
+    with Client(coord.socket) as c:
+        started = time.monotonic()
+        res = c.call("s", {"x": 1.0}, timeout_s=1.5)
+        took = time.monotonic() - started
+        limit = 1.5 + RESTORE_TIMEOUT_S + TIMEOUT_S
+        assert res.outcome == "infra_error", res
+        assert rogue.trace[:3] == [
+            ("run_call", res.action_id),
+            ("stop_call", res.action_id),
+            ("call_stopped", res.action_id),
+        ], rogue.trace
+        assert f"node rogue did not answer run_call for call {res.action_id}" in (
+            res.error or ""
+        ), res
+        assert f"within {limit:.3g} s" in (res.error or ""), res
+        assert limit <= took < 20, took
+        assert node_row(coord, "rogue")["state"] == "draining"
+        (first,) = rogue.kinds("run_call")
+        assert first["action_id"] == res.action_id and first["gpus"] == [0]
+        # the GPU went back to the pool: the next call is placed on it and answered
+        rogue.answers.add("run_call")
+        again = c.call("s", {"x": 2.0}, timeout_s=1.5)
+        assert again.outcome == "ok" and again.result == {"y": 1.0}, again
+        assert again.node == "rogue" and again.gpus == (0,), again
+        # the first call's answer, late: acknowledged, and the call stays as it ended
+        rogue.send(call_done(res.action_id, {"y": 2.0}))
+        wait_for(
+            lambda: any(m.get("key") == f"cd:{res.action_id}" for m in rogue.kinds("ack")),
+            10,
+            "the late call_done acknowledged",
+        )
+        story = json.dumps(c.story(res.action_id))
+        assert "did not answer run_call" in story and '"y": 2.0' not in story, story
+        assert "node_suspect" in coord.log()
 
 
-def test_a_call_past_its_deadline_keeps_its_gpu_until_the_node_confirms_the_stop(tmp_path):
+def test_a_call_past_its_deadline_keeps_its_gpu_until_the_node_confirms_the_stop(gpu_cluster):
     """The rogue node confirms `stop_call` only a while later: the call past its deadline
     ends then, not before, and a call that waits for the node's one GPU meanwhile is sent
     there only after the node said the first one stopped (the GPU is never given twice)."""
-    coord = spawn_coordinator(tmp_path / "c", GPU_CONFIG)
-    rogue = None
-    try:
-        rogue = RogueNode(coord.join, gpus=ONE_GPU)
-        rogue.answers.add("stop_call")
-        rogue.stop_delay_s = TIMEOUT_S / 2
-        wait_for(lambda: _state(coord) == "ready", 20, "the rogue node joined")
+    coord, rogue = gpu_cluster
+    rogue.answers.add("stop_call")
+    rogue.stop_delay_s = TIMEOUT_S / 2
+
+    def call(x: float) -> Any:
         with Client(coord.socket) as c:
-            c.service_register("s", mem_gb=0.1, entry="tiny_services:small", path=str(tmp_path))
+            return c.call("s", {"x": x}, timeout_s=1.5)
 
-        def call(x: float) -> Any:
-            with Client(coord.socket) as c:
-                return c.call("s", {"x": x}, timeout_s=1.5)
-
-        with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(call, 1.0)
-            wait_for(lambda: rogue.kinds("stop_call"), 30, "the node told to stop the call")
-            rogue.answers.add("run_call")  # (the next call it gets: answered)
-            second = pool.submit(call, 2.0)
-            res, again = first.result(60), second.result(60)
-        assert res.outcome == "infra_error" and "did not answer run_call" in (res.error or "")
-        assert again.outcome == "ok" and again.gpus == (0,), again
-        trace = rogue.trace
-        assert trace.index(("call_stopped", res.action_id)) < trace.index(
-            ("run_call", again.action_id)
-        ), trace
-        assert "node_suspect" in coord.log()
-    finally:
-        if rogue is not None:
-            rogue.close()
-        stop_all([coord])
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(call, 1.0)
+        wait_for(lambda: rogue.kinds("stop_call"), 30, "the node told to stop the call")
+        rogue.answers.add("run_call")  # (the next call it gets: answered)
+        second = pool.submit(call, 2.0)
+        res, again = first.result(60), second.result(60)
+    assert res.outcome == "infra_error" and "did not answer run_call" in (res.error or "")
+    assert again.outcome == "ok" and again.gpus == (0,), again
+    trace = rogue.trace
+    assert trace.index(("call_stopped", res.action_id)) < trace.index(
+        ("run_call", again.action_id)
+    ), trace
+    assert "node_suspect" in coord.log()
 
 
-def test_a_node_that_never_confirms_a_stop_is_lost(tmp_path):
+def test_a_node_that_never_confirms_a_stop_is_lost(gpu_cluster):
     """A node that neither answers a call nor confirms its `stop_call` within
     node_request_timeout_s is counted lost (though it heartbeats): that ends the call
     `infra_error` and takes its GPUs out of the pool."""
-    coord = spawn_coordinator(tmp_path / "c", GPU_CONFIG)
-    rogue = None
-    try:
-        rogue = RogueNode(coord.join, gpus=ONE_GPU)
-        wait_for(lambda: _state(coord) == "ready", 20, "the rogue node joined")
-        with Client(coord.socket) as c:
-            c.service_register("s", mem_gb=0.1, entry="tiny_services:small", path=str(tmp_path))
-            started = time.monotonic()
-            res = c.call("s", {"x": 1.0}, timeout_s=1.5)
-            took = time.monotonic() - started
-            assert res.outcome == "infra_error", res
-            assert took >= 1.5 + RESTORE_TIMEOUT_S + 2 * TIMEOUT_S, took
-            assert [m["action_id"] for m in rogue.kinds("stop_call")] == [res.action_id]
-            assert "did not confirm stop_call for call" in coord.log()
-            assert node_row(coord, "rogue")["state"] == "lost"
-    finally:
-        if rogue is not None:
-            rogue.close()
-        stop_all([coord])
+    coord, rogue = gpu_cluster
+    with Client(coord.socket) as c:
+        started = time.monotonic()
+        res = c.call("s", {"x": 1.0}, timeout_s=1.5)
+        took = time.monotonic() - started
+        assert res.outcome == "infra_error", res
+        assert took >= 1.5 + RESTORE_TIMEOUT_S + 2 * TIMEOUT_S, took
+        assert [m["action_id"] for m in rogue.kinds("stop_call")] == [res.action_id]
+        assert "did not confirm stop_call for call" in coord.log()
+        assert node_row(coord, "rogue")["state"] == "lost"
