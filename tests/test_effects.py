@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 from tangram.protocol.results import ExecSpec
+from tangram.testing import wait_for_async
 from tangramd import events as ev
 from tangramd.run.remote import OnNode, PutOnNode, RemoteEffects
 
@@ -144,8 +145,8 @@ def test_a_call_batch_the_node_never_answers_fails_each_call_left() -> None:
     async def go() -> None:
         effects.run_call(cmd)
         assert effects.answered("cl:r2")  # r2's call_done came in time
-        while len(sent) < 3:  # past the deadline: the node is told to stop them
-            await asyncio.sleep(0.01)
+        # past the deadline: the node is told to stop them
+        await wait_for_async(lambda: len(sent) >= 3, 30, "the two stop_calls sent")
         assert reported == [] and effects.stopping("r1") and effects.stopping("c1")
         effects.call_stopped("r1")  # the node confirms (call_stopped): each ends now
         effects.call_stopped("c1")
@@ -176,8 +177,7 @@ def test_a_call_whose_stop_the_node_never_confirms_loses_the_node() -> None:
 
     async def go() -> None:
         effects.run_call(cmd)
-        while not lost:
-            await asyncio.sleep(0.01)
+        await wait_for_async(lambda: lost, 30, "the node reported lost")
 
     asyncio.run(asyncio.wait_for(go(), 30))
     assert [m["t"] for _, m in sent] == ["run_call", "stop_call"]
