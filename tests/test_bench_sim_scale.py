@@ -7,6 +7,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parents[1] / "bench" / "paper" / "sim_scale.py"
 
 
@@ -66,3 +68,19 @@ def test_cap_stops_a_run_and_says_how_far_it_got():
     assert row["finished"] is False and doc["goal_met"] is False
     assert row["simulated_s"] > 0 and 0 <= row["trajectories_done"] < row["trajectories"] == 192
     assert row["passes"] > 0
+
+
+def test_both_pass_modes_side_by_side():
+    mod = _sim_scale()
+    argv = ["--batch", "256", "--nodes", "2", "--mem-gb", "64", "--policies", "tangram"]
+    doc = mod.main([*argv, "--passes", "all,touched"])
+    assert doc["passes"] == ["all", "touched"]
+    every, touched = doc["policies"]["tangram@all"], doc["policies"]["tangram@touched"]
+    assert every["finished"] and touched["finished"]
+    assert every["actions"] == touched["actions"] == doc["trace_actions"]
+    ratios = doc["touched_vs_all"]["tangram"]
+    assert ratios["avg_act_s"] == round(touched["avg_act_s"] / every["avg_act_s"], 4)
+    assert ratios["passes"] == round(touched["passes"] / every["passes"], 4)
+    assert set(doc["goal_met_by_passes"]) == {"all", "touched"}
+    with pytest.raises(SystemExit):
+        mod.main([*argv, "--passes", "all,some"])

@@ -1,6 +1,7 @@
 """The simulator at 10× (issue 36 goal 4): wall time of AI coding, batch 20,480 on 40 × 64 cores.
 
 Usage: python bench/paper/sim_scale.py [--scale 10] [--policies tangram,k8s,...] [--seed 0]
+                                       [--passes all|touched|all,touched]
                                        [--profile FILE] [--json]
 
 Scale ``s`` runs AI coding at batch ``2048·s`` on ``4·s`` CPU nodes of 64 cores (2 NUMA nodes,
@@ -12,6 +13,13 @@ JSON gives each policy's wall seconds (``wall_s``, not deterministic; ``cpu_s``,
 CPU seconds, is less sensitive to other work on a shared machine), the scheduler passes it
 made and the simulated results (avg ACT, step time, makespan: deterministic for a seed), and
 whether the core ran compiled. Goal: ``wall_s`` ≤ 120 s per policy at scale 10.
+
+``--passes`` chooses which CPU nodes' queues a scheduling pass runs while trajectories wait
+for a node (``tangram.sim.engine``): ``all`` (the default, the simulator's default) or
+``touched`` (only those whose state changed). ``--passes all,touched`` runs each policy under
+both, keys the rows ``policy@mode`` and adds ``touched_vs_all``: per policy, touched's avg
+ACT, p99 ACT, makespan, step time, CPU seconds and passes over all's (1.0: the same), and
+``goal_met_by_passes``.
 
 ``--profile FILE`` runs the policies under cProfile and writes the stats there (``pstats``).
 ``--cap-s S`` stops a policy's run after S wall seconds: its row says ``"finished": false``,
@@ -33,6 +41,7 @@ from common import ROOT, load_cluster
 import tangram.sched as _sched_pkg
 from tangram.sim import generate, parse_policy, simulate
 from tangram.sim.cluster import ClusterSpec, CpuNodeSpec
+from tangram.sim.engine import PASSES
 
 POLICIES = ("tangram", "tangram-eft", "k8s", "baseline")
 GOAL_S = 120.0
@@ -58,7 +67,11 @@ class _Cap(Exception):
 
 
 def run_one(
-    cluster: ClusterSpec, trace: list[Any], name: str, cap_s: float | None = None
+    cluster: ClusterSpec,
+    trace: list[Any],
+    name: str,
+    cap_s: float | None = None,
+    passes: str = "all",
 ) -> dict[str, Any]:
     calls = 0
     real = _sched_pkg.schedule
@@ -91,7 +104,7 @@ def run_one(
     c0 = time.process_time()
     try:
         t0 = time.perf_counter()
-        res = simulate(cluster, trace, parse_policy(name), progress=progress)
+        res = simulate(cluster, trace, parse_policy(name), progress=progress, passes=passes)
         wall = time.perf_counter() - t0
     except _Cap:
         # not finished: how far it got (the wall time is a lower bound)
@@ -121,6 +134,19 @@ def run_one(
     }
 
 
+def compare(rows: dict[str, dict[str, Any]], name: str) -> dict[str, float | None]:
+    """``name``'s run under ``passes="touched"`` over its run under ``"all"``: the ratio of
+    each simulated result (1.0: the same) and of the CPU seconds (None where a run did not
+    finish)."""
+    a, t = rows[f"{name}@all"], rows[f"{name}@touched"]
+    out: dict[str, float | None] = {}
+    for f in ("avg_act_s", "p99_act_s", "makespan_s", "step_s", "cpu_s", "passes"):
+        x, y = a.get(f), t.get(f)
+        ok = a["finished"] and t["finished"] and x and y is not None
+        out[f] = round(y / x, 4) if ok else None
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=float, default=10.0)
@@ -138,8 +164,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         metavar="S",
         help="stop a policy's run after S wall seconds and report how far it got",
     )
+    ap.add_argument(
+        "--passes",
+        default="all",
+        metavar="MODE[,MODE]",
+        help="which CPU node queues a pass runs while trajectories wait node-less (all: "
+        "every node's, the default; touched: those whose state changed); two modes run "
+        "each policy under both and compare them (touched_vs_all)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    modes = args.passes.split(",")
+    for mode in modes:
+        if mode not in PASSES:
+            ap.error(f"--passes: {mode!r} is not one of {', '.join(PASSES)}")
     cluster = scale_cluster(args.scale, args.nodes, args.mem_gb)
     batch = args.batch or max(1, round(2048 * args.scale))
     t0 = time.perf_counter()
@@ -156,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "trace_actions": sum(1 for t in trace for _ in t.actions()),
         "generate_s": round(gen_s, 2),
         "compiled": compiled(),
+        "passes": modes,
         "goal_s": GOAL_S,
         "policies": {},
     }
@@ -164,20 +203,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import cProfile
 
         prof = cProfile.Profile()
-    for name in args.policies.split(","):
-        if prof is not None:
-            prof.enable()
-        row = run_one(cluster, trace, name, args.cap_s)
-        if prof is not None:
-            prof.disable()
-        doc["policies"][name] = row
-        print(f"  [{name}: {row['wall_s']:.1f}s wall, {row['passes']} passes]", file=sys.stderr)
+    names = args.policies.split(",")
+    for name in names:
+        for mode in modes:
+            if prof is not None:
+                prof.enable()
+            row = run_one(cluster, trace, name, args.cap_s, mode)
+            if prof is not None:
+                prof.disable()
+            key = name if len(modes) == 1 else f"{name}@{mode}"
+            doc["policies"][key] = row
+            print(f"  [{key}: {row['wall_s']:.1f}s wall, {row['passes']} passes]", file=sys.stderr)
     if prof is not None:
         prof.dump_stats(args.profile)
     walls = [r["wall_s"] for r in doc["policies"].values()]
     doc["max_wall_s"] = max(walls)
     finished = all(r["finished"] for r in doc["policies"].values())
     doc["goal_met"] = finished and doc["max_wall_s"] <= GOAL_S
+    if len(modes) > 1:
+        doc["goal_met_by_passes"] = {
+            mode: all(
+                doc["policies"][f"{n}@{mode}"]["finished"]
+                and doc["policies"][f"{n}@{mode}"]["wall_s"] <= GOAL_S
+                for n in names
+            )
+            for mode in modes
+        }
+        if {"all", "touched"} <= set(modes):
+            doc["touched_vs_all"] = {n: compare(doc["policies"], n) for n in names}
     if args.json:
         print(json.dumps(doc, indent=1))
     else:

@@ -14,7 +14,7 @@ import click
 from tangram.jobs import JobError, load_jobs
 from tangram.sched import SchedConfig
 from tangram.sim.cluster import ClusterError, load_cluster
-from tangram.sim.engine import SimError
+from tangram.sim.engine import PASSES, SimError
 from tangram.sim.engine import simulate as run_policy
 from tangram.sim.policy import POLICY_HELP, PolicyError, parse_policy
 from tangram.sim.report import plot, table, to_json
@@ -89,6 +89,15 @@ class _Progress:
     type=click.Path(dir_okay=False),
     help="Write the generated trace here (JSON lines).",
 )
+@click.option(
+    "--passes",
+    type=click.Choice(PASSES),
+    default="all",
+    show_default=True,
+    help="Which CPU nodes' queues a pass runs while trajectories wait for a node: all of "
+    "them, or only those whose state changed (touched: several times faster on large "
+    "clusters, decisions differ slightly; docs/results.md).",
+)
 @click.option("--quiet", is_flag=True, help="No progress on stderr.")
 def simulate(
     cluster_file: str,
@@ -103,6 +112,7 @@ def simulate(
     as_json: bool,
     plot_file: str | None,
     save_trace: str | None,
+    passes: str,
     quiet: bool,
 ) -> None:
     """Replay a trace (or a generated workload) under each --policy and compare them."""
@@ -134,6 +144,7 @@ def simulate(
                     SchedConfig(depth=depth, order=pol.order, rule=pol.rule),
                     progress=progress,
                     jobs=jobs,
+                    passes=passes,
                 )
             )
             if not quiet:
@@ -154,7 +165,10 @@ def simulate(
         click.echo(
             to_json(
                 results,
-                {"trace": {"source": source, "trajectories": len(trajs), "actions": n_actions}},
+                {
+                    "trace": {"source": source, "trajectories": len(trajs), "actions": n_actions},
+                    "passes": passes,
+                },
             )
         )
     else:

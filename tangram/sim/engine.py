@@ -19,6 +19,17 @@ pass found no candidate, nothing on it changed since, and the scheduler's bound
 (``Decision.quiet``) says the clock alone cannot change that yet. Both leave the decisions
 as they would be with every queue in the pass.
 
+``passes="touched"`` (``Engine``, ``simulate``; ``"all"`` is the default above) leaves out
+more: a CPU node whose state did not change and that has not the memory free for any
+node-less trajectory (so the node choice cannot give it one) is in the pass for the node
+choice only, whatever its last pass found. The rule of a pass with no node-less trajectory
+then holds throughout. Not the same decisions: an elastic action a node held back (its
+candidates all sent back by the eviction step) is looked at again at that node's next
+event, not at the next event anywhere, so it may start later. Where memory never binds,
+every node with a queue has the memory free and the two modes decide alike
+(``tests/test_sim_passes.py``); at 10× touched is about 9× faster (docs/results.md). Lean
+passes only (one job, no caps, no decayed usage, no joint demands), as for quiet nodes.
+
 Trajectories alternate generation time and actions. Each RL task runs its steps in order:
 step ``k+1`` of a task starts ``step_train_s`` after the last trajectory of its step ``k``
 finished; a trajectory arrives ``arrival_s`` after its step's start.
@@ -53,6 +64,7 @@ from tangram.sim.trace import TraceAction, Trajectory
 DONE, POD_READY, RETRY, GEN_DONE, ARRIVE, WAKE, POD_BIND, BATCH_DONE = range(8)
 
 _SEQ = operator.attrgetter("seq")
+PASSES = ("all", "touched")  # Engine(passes=...): which CPU node queues a pass runs
 _V = TypeVar("_V")
 
 
@@ -103,8 +115,15 @@ class Engine:
         progress: Callable[[float, int, int], None] | None = None,
         jobs: Mapping[str, Job] | None = None,
         quiet: bool = True,
+        passes: str = "all",
     ) -> None:
+        if passes not in PASSES:
+            raise ValueError(f"passes: {passes!r} is not one of {', '.join(PASSES)}")
         self.cluster = cluster
+        # "touched": while trajectories wait node-less, a pass runs only the queues of the
+        # CPU nodes whose state changed (see the module doc); "all": every CPU node's
+        # queue (the default: the decisions the stored results were made with)
+        self.touched = passes == "touched"
         # leave out the queues of CPU nodes whose last pass found no candidate while the
         # scheduler says none would be found again (Decision.quiet; see _pass). False: every
         # pass runs them (the same decisions, tests/test_sim_quiet.py)
@@ -114,7 +133,8 @@ class Engine:
         self.held: dict[str, dict[str, int]] = {}
         self.policy = policy
         self.sched = replace(
-            sched or SchedConfig(order=policy.order, rule=policy.rule), quiet=quiet
+            sched or SchedConfig(order=policy.order, rule=policy.rule),
+            quiet=quiet and not self.touched,  # (touched: a node left out is not re-run)
         )
         # decayed usage per job (share_half_life_s > 0), advanced by the virtual clock
         h = self.sched.share_half_life_s
@@ -210,6 +230,7 @@ class Engine:
         # as Decision.quiet gives them); dropped when the node's state changes (it is dirty)
         self._quiet: dict[str, tuple[float, float, tuple[tuple[str, float, float], ...]]] = {}
         self.quiet_skips = 0  # node queues left out so (tests, bench/paper/sim_scale.py)
+        self.touched_skips = 0  # untouched node queues left out (passes="touched")
         self.meter = LoadMeter()  # recent offered load per CPU node, for the "priced" rule
         self._wakes: set[tuple[str, float]] = set()
         # baselines (set up in _build_steps once the trace is known)
@@ -476,8 +497,10 @@ class Engine:
         apis, queues, all_pools, cpu = self.apis, self.queues, self.pools, self.cpu
         # whether the unassigned actions take part in the node choice (all CPU nodes in)
         nodeless = bool(unassigned)
+        touched = self.touched and lean
         if unassigned:
-            dirty = dirty | self._cpu_ids
+            if not touched:
+                dirty = dirty | self._cpu_ids
             most = self._mem_most
             if most < 0:  # memory was reserved or freed since it was last read
                 most = self._mem_most = max([n.mem_free for n in cpu.values()])
@@ -495,6 +518,10 @@ class Engine:
             else:
                 waiting.extend([r.action for r in unassigned.values()])
         self._fresh = []
+        smallest = 0  # the least memory of a node-less trajectory (passes="touched")
+        if touched and nodeless:  # (in for the node choice; their queues only if dirty)
+            dirty = dirty | self._cpu_ids
+            smallest = min(self._unassigned_mem)
         heads = len(waiting)
         # A full CPU node is in a pass with node-less actions for the node choice only (a
         # starving trajectory may be given a node whose cores are busy): a pool with no
@@ -515,7 +542,8 @@ class Engine:
         # it a node-less trajectory, the pass runs again with its queue (below). Same
         # decisions; lean passes only (one job: no action is read beyond its own queue).
         quiet = self._quiet
-        for pid in self.dirty:
+        changed = self.dirty
+        for pid in changed:
             quiet.pop(pid, None)
         skipped: list[str] = []
         window = self.meter.window_s
@@ -539,6 +567,20 @@ class Engine:
                         waiting.extend([r.action for r in new if r.action.id in queue])
                     left_out = left_out or bool(queue)
                     continue
+            if (
+                touched
+                and pid not in changed
+                and pid in cpu
+                and pid not in unchecked
+                and cpu[pid].mem_free < smallest
+            ):
+                # passes="touched": in for the node choice only, which cannot give it a
+                # node-less trajectory (none's memory is free there); as a quiet node
+                pools[pid] = pool
+                skipped.append(pid)
+                self.touched_skips += 1
+                left_out = left_out or bool(queue)
+                continue
             got = quiet.get(pid) if use_quiet else None
             if got is not None:
                 if (
@@ -617,9 +659,10 @@ class Engine:
                 break
             # a node left out as quiet was given a node-less trajectory: its first action
             # joins that queue, so the pass runs again with every such queue in
+            # (passes="touched" leaves out only nodes the node choice cannot pick)
             for pid in skipped:
                 out.discard(pid)
-                del quiet[pid]
+                quiet.pop(pid, None)
                 queued.extend([r.action for r in queues[pid].values()])
             skipped = []
             waiting = [*head, *queued]
@@ -863,11 +906,20 @@ def simulate(
     check: bool = False,
     progress: Callable[[float, int, int], None] | None = None,
     jobs: Mapping[str, Job] | None = None,
+    passes: str = "all",
 ) -> SimResult:
     """Run one policy over a trace; see the module doc. ``jobs``: the jobs' terms (weight,
-    priority, caps) for fair share across the trace's jobs; a job not named has weight 1."""
+    priority, caps) for fair share across the trace's jobs; a job not named has weight 1.
+    ``passes``: ``"all"`` or ``"touched"`` (the module doc)."""
     return Engine(
-        cluster, trajectories, policy, sched, check=check, progress=progress, jobs=jobs
+        cluster,
+        trajectories,
+        policy,
+        sched,
+        check=check,
+        progress=progress,
+        jobs=jobs,
+        passes=passes,
     ).run()
 
 
