@@ -1,12 +1,13 @@
 """The scheduling core, compiled by mypyc or interpreted: one source, chosen at ``import tangram``.
 
 ``pip install`` compiles ``MODULES`` (the action model, the scheduler, the pools: the pure
-core every scheduling pass runs) with mypyc into C extensions placed next to their sources
-(setup.py). It is the same code: mypyc compiles the type-annotated Python, so the compiled
-pass makes the same decisions as the interpreted one (``tests/test_native.py`` compares them
-on random snapshots) in fewer instructions (docs/results.md, ``bench/sched.py``). The build
-is optional: with no C compiler, or ``TANGRAM_PURE_BUILD=1`` at install, nothing is compiled
-and nothing changes but speed.
+core every scheduling pass runs; and the simulator's event loop that drives it) with mypyc
+into C extensions placed next to their sources (setup.py). It is the same code: mypyc
+compiles the type-annotated Python, so the compiled pass makes the same decisions as the
+interpreted one (``tests/test_native.py`` compares them on random snapshots) in fewer
+instructions (docs/results.md, ``bench/sched.py``). The build is optional: with no C
+compiler, or ``TANGRAM_PURE_BUILD=1`` at install, nothing is compiled and nothing changes
+but speed.
 
 Python imports an extension before a source of the same name, and compiled modules call each
 other's native classes directly, so the choice is all or nothing, made once per process by
@@ -56,6 +57,9 @@ MODULES = (
     "tangram.pools.buddy",
     "tangram.pools.cpu",
     "tangram.pools.gpu",
+    # the simulator's event loop and its runs: the driver a simulated pass runs in
+    "tangram.sim.runs",
+    "tangram.sim.engine",
 )
 ROOT = Path(__file__).resolve().parent.parent  # the directory holding the tangram package
 RECORD = ROOT / "tangram" / "_native.json"  # written by the build: the sources compiled

@@ -24,26 +24,22 @@ def _cluster(nodes: int) -> ClusterSpec:
     return replace(base, cpu_nodes=(CpuNodeSpec(count=nodes, cores=64, numa=2, mem_gb=512.0),))
 
 
-class _Logged(Engine):
-    """An engine that logs every start: (action, node, time, cores)."""
+def _logged(*args: Any, **kwargs: Any) -> tuple[Engine, list[tuple[str, str, float, int]]]:
+    """An engine and the list it logs every start into: (action, node, time, cores)."""
+    starts: list[tuple[str, str, float, int]] = []
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.starts: list[tuple[str, str, float, int]] = []
-        super().__init__(*args, **kwargs)
+    def log(run: Run, now: float, units: int) -> None:
+        starts.append((str(run.action.id), run.pool_id, now, units))
 
-    def start_run(
-        self, run: Run, now: float, units: int, restore: float, resource: str, delay: float = 0.0
-    ) -> None:
-        self.starts.append((str(run.action.id), run.pool_id, now, units))
-        super().start_run(run, now, units, restore, resource, delay)
+    return Engine(*args, on_start=log, **kwargs), starts
 
 
 def _run(cluster: ClusterSpec, batch: int, policy: str, quiet: bool) -> tuple[Any, ...]:
     trace = generate("ai-coding", cluster, batch, seed=0)
-    engine = _Logged(cluster, trace, parse_policy(policy), quiet=quiet)
+    engine, starts = _logged(cluster, trace, parse_policy(policy), quiet=quiet)
     result = engine.run()
     steps = sorted(engine.step_durations.items())
-    return engine.starts, engine.records, steps, result.summary, engine.quiet_skips
+    return starts, engine.records, steps, result.summary, engine.quiet_skips
 
 
 @pytest.mark.parametrize(("nodes", "batch", "policy"), [(2, 512, "tangram")])

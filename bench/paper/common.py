@@ -101,13 +101,20 @@ def started_below(result: SimResult, tag: str, units: int) -> int:
 
 
 def run(
-    cluster: ClusterSpec, workload: str, batch: int, policies: Iterable[str], seed: int = SEED
+    cluster: ClusterSpec,
+    workload: str,
+    batch: int,
+    policies: Iterable[str],
+    seed: int = SEED,
+    schedule_fn: Any = None,
 ) -> dict[str, SimResult]:
+    """Each policy on one generated trace; ``schedule_fn``: the pass the engine calls
+    instead of ``schedule`` (table1.py times it so)."""
     trace = generate(workload, cluster, batch, seed=seed)
     out: dict[str, SimResult] = {}
     for name in policies:
         t0 = time.perf_counter()
-        out[name] = simulate(cluster, trace, parse_policy(name))
+        out[name] = simulate(cluster, trace, parse_policy(name), schedule_fn=schedule_fn)
         if KEEP_TEST_ACTS:  # (kept under the policy's own name by summarize)
             TEST_ACTS[name] = TEST_ACTS.pop(out[name].policy)
         wall = time.perf_counter() - t0

@@ -38,10 +38,9 @@ from typing import Any
 
 from common import ROOT, load_cluster
 
-import tangram.sched as _sched_pkg
-from tangram.sim import generate, parse_policy, simulate
+from tangram.sim import generate, parse_policy
 from tangram.sim.cluster import ClusterSpec, CpuNodeSpec
-from tangram.sim.engine import PASSES
+from tangram.sim.engine import PASSES, Engine
 
 POLICIES = ("tangram", "tangram-eft", "k8s", "baseline")
 GOAL_S = 120.0
@@ -73,16 +72,6 @@ def run_one(
     cap_s: float | None = None,
     passes: str = "all",
 ) -> dict[str, Any]:
-    calls = 0
-    real = _sched_pkg.schedule
-
-    import tangram.sim.engine as engine
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        return real(*args, **kwargs)
-
     seen = {"now": 0.0, "done": 0, "total": len(trace), "shown": 0.0}
     t0 = time.perf_counter()
 
@@ -93,18 +82,18 @@ def run_one(
             seen["shown"] = wall
             print(
                 f"  {name}: {wall:.0f}s wall, t={now:,.0f}s simulated, "
-                f"{done}/{total} trajectories, {calls} passes",
+                f"{done}/{total} trajectories, {eng.passes} passes",
                 file=sys.stderr,
                 flush=True,
             )
         if cap_s is not None and wall > cap_s:
             raise _Cap
 
-    engine.schedule = counted  # type: ignore[assignment]
+    eng = Engine(cluster, trace, parse_policy(name), progress=progress, passes=passes)
     c0 = time.process_time()
     try:
         t0 = time.perf_counter()
-        res = simulate(cluster, trace, parse_policy(name), progress=progress, passes=passes)
+        res = eng.run()
         wall = time.perf_counter() - t0
     except _Cap:
         # not finished: how far it got (the wall time is a lower bound)
@@ -112,19 +101,17 @@ def run_one(
             "finished": False,
             "wall_s": round(time.perf_counter() - t0, 2),
             "cpu_s": round(time.process_time() - c0, 2),
-            "passes": calls,
+            "passes": eng.passes,
             "simulated_s": round(seen["now"], 1),
             "trajectories_done": seen["done"],
             "trajectories": seen["total"],
         }
-    finally:
-        engine.schedule = real  # type: ignore[assignment]
     s = res.summary
     return {
         "finished": True,
         "wall_s": round(wall, 2),
         "cpu_s": round(time.process_time() - c0, 2),
-        "passes": calls,
+        "passes": eng.passes,
         "actions": s["actions"],
         "failed": s["failed"],
         "avg_act_s": s["avg_act_s"],

@@ -28,9 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
+
+# It replaces a method of the simulator's Engine, which a compiled Engine (tangram/_native.py)
+# does not allow: the interpreted core, chosen before tangram is imported
+os.environ["TANGRAM_PURE"] = "1"
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "paper"))

@@ -50,7 +50,8 @@ from tangram.pools.api import ApiPool
 from tangram.pools.cpu import CpuNodePool
 from tangram.pools.gpu import GpuCluster, GpuNodePool
 from tangram.pools.gpu import ServiceSpec as GpuServiceSpec
-from tangram.sched import LoadMeter, SchedConfig, Snapshot, schedule
+from tangram.sched import Decision, LoadMeter, SchedConfig, Snapshot
+from tangram.sched.schedule import schedule
 from tangram.sched.share import DecayedUsage, Job, pool_totals
 from tangram.sim.baselines import ApiRetry, K8sPods, SimError, StaticServices
 from tangram.sim.cluster import GB, ClusterSpec
@@ -116,6 +117,8 @@ class Engine:
         jobs: Mapping[str, Job] | None = None,
         quiet: bool = True,
         passes: str = "all",
+        schedule_fn: Callable[[Snapshot, float, SchedConfig], Decision] | None = None,
+        on_start: Callable[[Run, float, int], None] | None = None,
     ) -> None:
         if passes not in PASSES:
             raise ValueError(f"passes: {passes!r} is not one of {', '.join(PASSES)}")
@@ -124,6 +127,12 @@ class Engine:
         # CPU nodes whose state changed (see the module doc); "all": every CPU node's
         # queue (the default: the decisions the stored results were made with)
         self.touched = passes == "touched"
+        # the pass (``schedule``; a tool may wrap it, e.g. to time it: bench/paper/table1.py)
+        # and how many it ran
+        self._schedule = schedule if schedule_fn is None else schedule_fn
+        self.passes = 0
+        # called at every start with (run, now, units): tests and tools that log them
+        self.on_start = on_start
         # leave out the queues of CPU nodes whose last pass found no candidate while the
         # scheduler says none would be found again (Decision.quiet; see _pass). False: every
         # pass runs them (the same decisions, tests/test_sim_quiet.py)
@@ -411,6 +420,8 @@ class Engine:
     ) -> None:
         """Start ``run`` on ``units`` units; ``delay`` seconds of dispatch cost (counted as
         queueing) come before its restore and execution."""
+        if self.on_start is not None:
+            self.on_start(run, now, units)
         run.start = now + delay
         run.units = units
         run.restore = restore
@@ -644,7 +655,8 @@ class Engine:
             usage=self._usage(now, waiting),
         )
         while True:
-            decision = schedule(snap, now, self.sched)
+            decision = self._schedule(snap, now, self.sched)
+            self.passes += 1
             while cut >= 0 and not self._head_covers(decision, cut):
                 # the memory left after the head could have gone to one left out: again
                 # with four times as many (a pure pass, nothing applied yet; the loads read
@@ -654,7 +666,8 @@ class Engine:
                 heads = len(head)
                 waiting = [*head, *queued]
                 waiting.sort(key=_SEQ)
-                decision = schedule(replace(snap, waiting=waiting), now, self.sched)
+                decision = self._schedule(replace(snap, waiting=waiting), now, self.sched)
+                self.passes += 1
             if not skipped or not any(pid in skipped for _, pid in decision.assigned):
                 break
             # a node left out as quiet was given a node-less trajectory: its first action
@@ -907,10 +920,12 @@ def simulate(
     progress: Callable[[float, int, int], None] | None = None,
     jobs: Mapping[str, Job] | None = None,
     passes: str = "all",
+    schedule_fn: Callable[[Snapshot, float, SchedConfig], Decision] | None = None,
 ) -> SimResult:
     """Run one policy over a trace; see the module doc. ``jobs``: the jobs' terms (weight,
     priority, caps) for fair share across the trace's jobs; a job not named has weight 1.
-    ``passes``: ``"all"`` or ``"touched"`` (the module doc)."""
+    ``passes``: ``"all"`` or ``"touched"`` (the module doc); ``schedule_fn``: the pass to
+    call instead of ``schedule`` (one that wraps it, to time it)."""
     return Engine(
         cluster,
         trajectories,
@@ -920,6 +935,7 @@ def simulate(
         progress=progress,
         jobs=jobs,
         passes=passes,
+        schedule_fn=schedule_fn,
     ).run()
 
 

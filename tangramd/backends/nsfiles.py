@@ -7,9 +7,10 @@ Two ways in, one set of operations (``put`` a file, ``put`` a tar stream into a 
 
 - **Inside** (an isolated environment, ``nsbox.py``): the fork server forks a short-lived
   *file helper* (:func:`serve`) that closes every descriptor of the fork server's but one
-  socket to the daemon, joins the environment's cgroups and enters its mount and user
-  namespaces as its exec children do (``nsbox.enter_for_good``: root inside, mapped to the
-  environment's host uid, no capability), changes to the environment's home and does the
+  socket to the daemon and enters the environment's mount and user namespaces as its exec
+  children do (``nsbox.enter_for_good``: root inside, mapped to the environment's host uid,
+  no capability; not its cgroups: a cgroup v1 join waits milliseconds, and the transfer's
+  cap bounds what a helper holds), changes to the environment's home and does the
   operation there. Paths resolve against the environment's own root, as a command's do:
   ``/testbed``, ``/tmp``, ``/root`` are the environment's, ``..`` and symlinks go where
   they go inside, and nothing outside is reachable by any path or race. What it creates
