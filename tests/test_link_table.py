@@ -503,7 +503,15 @@ def test_real_link_traffic_matches_the_table(
             with ThreadPoolExecutor(1) as pool:  # a running exec cancelled: cancel_exec
                 running = pool.submit(c2.exec, "sleep 30")
                 rows = wait_for(lambda: c.queue()["running"], 20, "the exec running")
-                assert c.cancel(rows[0]["action_id"])["outcome"] == "cancelled"
+                # the node says it started (exec_started) DEFER_S after the start, unless it
+                # ended by then: cancelled only once that was said, or the traffic may lack it
+                said = rows[0]["action_id"]
+                wait_for(
+                    lambda: any(m["t"] == "exec_started" and said in m["action_ids"] for m in seen),
+                    20,
+                    "the node's exec_started",
+                )
+                assert c.cancel(said)["outcome"] == "cancelled"
                 assert running.result().outcome == "cancelled"
             c.request("session.close", {"id": session})
             c.request("env.close", {"id": env})
