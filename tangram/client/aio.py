@@ -137,6 +137,13 @@ class AsyncClient(Ops):
             self._protocol = fresh
             return fresh
 
+    async def _reconnected(self) -> tuple[_ClientProtocol, asyncio.Transport]:
+        """A new connection in place of one that is closing (nothing was sent on it)."""
+        self._protocol = None
+        protocol = await self._connected()
+        assert protocol.transport is not None
+        return protocol, protocol.transport
+
     async def close(self) -> None:
         """Close the connection; calls still waiting fail with ConnectionFailed."""
         protocol, self._protocol = self._protocol, None
@@ -158,23 +165,17 @@ class AsyncClient(Ops):
         transport = protocol.transport
         if transport is None or transport.is_closing():
             # Closed between connecting and writing: nothing was sent, reconnect once.
-            self._protocol = None
-            protocol = await self._connected()
-            transport = protocol.transport
-            assert transport is not None
+            protocol, transport = await self._reconnected()
         future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
         protocol.pending[request_id] = future
         try:
             transport.write(frame)
             if transport.is_closing():
                 # The write failed at once: the daemon had shut this connection (an idle
-                # close) and never read the request. Resend it on a new connection, once.
+                # close) and never read the request. Resend it on a new connection, once
+                # (the future leaves the old connection before it can fail it).
                 protocol.pending.pop(request_id, None)
-                self._protocol = None
-                protocol = await self._connected()
-                transport = protocol.transport
-                assert transport is not None
-                future = asyncio.get_running_loop().create_future()
+                protocol, transport = await self._reconnected()
                 protocol.pending[request_id] = future
                 transport.write(frame)
             await protocol.drain()
