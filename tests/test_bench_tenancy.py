@@ -32,11 +32,12 @@ def test_burst_seed_0_steady_meets_the_goal_poisson_beside(capsys):
     assert row["b_last_start_s"] > 220.0  # B stayed backlogged past its burst
     rise = row["a_p99_fair_s"] / row["a_p99_alone_s"] - 1.0
     assert row["rise_fair"] == pytest.approx(rise, abs=1e-4)
-    assert rise <= 0.20 and row["met"]
+    assert rise <= 0.20 and row["met"] and row["judged"]
     # beside it, the same trajectories at Poisson times: the same calls (alone, none waits),
     # A's load in the burst window a draw, not its share
     drawn = mod.burst(0, full=False, even=False)
     assert drawn["scenario"] == "burst_poisson" and drawn["a_arrivals"] == "poisson"
+    assert not drawn["judged"]
     assert drawn["a_p99_alone_s"] == row["a_p99_alone_s"]
     assert abs(drawn["a_load_burst"] - 0.5) > 0.01
 
