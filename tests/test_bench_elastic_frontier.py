@@ -4,26 +4,18 @@ from the fixed DoPs' runs, and bad arguments are refused by name."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from scripts import load_script
 
 SCRIPT = Path(__file__).parents[1] / "bench" / "paper" / "elastic_frontier.py"
 
 
 def _module():
-    sys.path.insert(0, str(SCRIPT.parent))  # it imports its sibling common.py
-    try:
-        spec = importlib.util.spec_from_file_location("elastic_frontier_under_test", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    return load_script(SCRIPT, "elastic_frontier_under_test")
 
 
 def test_frontier_by_hand():

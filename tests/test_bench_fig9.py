@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
+
+from scripts import load_script
 
 FIG9 = Path(__file__).parents[1] / "bench" / "paper" / "fig9.py"
 
 
 def _fig9():
-    sys.path.insert(0, str(FIG9.parent))  # fig9 imports its sibling common.py
-    try:
-        spec = importlib.util.spec_from_file_location("fig9_under_test", FIG9)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(FIG9.parent))
+    return load_script(FIG9, "fig9_under_test")
 
 
 def test_tally_counts_the_simulated_rows():

@@ -6,7 +6,6 @@ slow-marked test runs them; the others run the same code on tiny snapshots.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -15,13 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from scripts import load_script
 from tangram.sched import SchedConfig
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "sched.py"
-_spec = importlib.util.spec_from_file_location("bench_sched", BENCH)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script(BENCH, "bench_sched")
 
 ROW = {"queued", "units", "nodes", "p50_ms", "p99_ms", "placed", "passes", "assign_p50_ms"}
 

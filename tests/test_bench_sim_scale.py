@@ -3,25 +3,17 @@ simulated part of it is the same on a second run of the same seed."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from scripts import load_script
 
 SCRIPT = Path(__file__).parents[1] / "bench" / "paper" / "sim_scale.py"
 
 
 def _sim_scale():
-    sys.path.insert(0, str(SCRIPT.parent))  # it imports its sibling common.py
-    try:
-        spec = importlib.util.spec_from_file_location("sim_scale_under_test", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    return load_script(SCRIPT, "sim_scale_under_test")
 
 
 def test_small_mode_json(capsys):

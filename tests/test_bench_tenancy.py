@@ -4,21 +4,18 @@ trajectories at Poisson times are reported beside it; an unknown arrival mode is
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from scripts import load_script
+
 SCRIPT = Path(__file__).parents[1] / "bench" / "paper" / "tenancy.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("tenancy_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "tenancy_under_test")
 
 
 def test_burst_seed_0_steady_meets_the_goal_poisson_beside(capsys):

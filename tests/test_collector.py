@@ -5,11 +5,11 @@ the pass through the same function."""
 from __future__ import annotations
 
 import gc
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from scripts import load_script
 from tangram.pools.cpu import CpuCluster, CpuNodePool
 from tangram.protocol.results import ExecSpec
 from tangramd import collector
@@ -84,10 +84,7 @@ def test_the_daemon_runs_its_passes_with_the_collector_paused(
 
 def test_the_bench_times_the_daemon_s_pass(collector_on, monkeypatch) -> None:
     path = Path(__file__).resolve().parents[1] / "bench" / "sched.py"
-    spec = importlib.util.spec_from_file_location("bench_sched_gc", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script(path, "bench_sched_gc")
     assert bench.schedule_paused is collector.schedule_paused
     seen: list[bool] = []
     real = collector.schedule

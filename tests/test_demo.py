@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from scripts import load_script
 from tangram import AsyncClient, Client
 from tangram.testing import SpawnedDaemon, wait_for_async
 
@@ -21,11 +21,7 @@ MIN_SPEEDUP = 1.15  # examples/rollout.py: a second core is taken only where it 
 
 
 def _rollout() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("rollout", REPO / "examples" / "rollout.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "examples" / "rollout.py", "rollout")
 
 
 def test_the_demo_drives_a_rollout_and_reports_honestly_where_its_logs_are() -> None:

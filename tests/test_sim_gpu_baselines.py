@@ -4,15 +4,14 @@ table (c) in a small mode."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from scripts import load_script
 from tangram.sim import generate, load_cluster, parse_cluster, parse_lines, parse_policy, simulate
 from tangram.sim.cluster import ClusterError
 from tangram.sim.workloads import WorkloadError
@@ -124,15 +123,7 @@ def test_teacher_skew_sets_the_call_volume_spread() -> None:
 
 
 def _fig8():
-    sys.path.insert(0, str(SCRIPT.parent))  # it imports its sibling common.py
-    try:
-        spec = importlib.util.spec_from_file_location("fig8_gpu_under_test", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    return load_script(SCRIPT, "fig8_gpu_under_test")
 
 
 def test_fig8_baselines_table_small() -> None:
