@@ -4,7 +4,9 @@ from the fixed DoPs' runs, and bad arguments are refused by name."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -29,9 +31,34 @@ def test_frontier_by_hand():
     # λ = 10: a: 1100, 720, 700 -> 4 units; b -> 2 units
     assert pts[1] == {"lambda": 10, "mean_run_s": 27.5, "mean_units": 3.0, "core_s": 210.0}
     assert pts[2]["mean_run_s"] == 27.5  # the fastest amounts: nothing beyond
-    assert mod.least_core_s(pts, 30.0) == pytest.approx(130.0 + (210.0 - 130.0) * 2.5 / 5.0)
-    assert mod.least_core_s(pts, 32.5) == 130.0
-    assert mod.least_core_s(pts, 40.0) is None and mod.least_core_s(pts, 20.0) is None
+    # the hull: (27.5, 210) fastest, (32.5, 130), (52.5, 110) cheapest (a on 1 unit)
+    least = mod.least_core_s
+    assert least(runs, 27.5) == 210.0 and least(runs, 32.5) == 130.0
+    assert least(runs, 30.0) == pytest.approx(170.0)
+    assert least(runs, 40.0) == pytest.approx(130.0 - 20.0 * 7.5 / 20.0)
+    assert least(runs, 52.5) == 110.0 and least(runs, 80.0) == 110.0  # no cheaper choice
+    assert least(runs, 20.0) is None  # faster than every run at its fastest
+
+
+def test_the_hull_bounds_every_choice_and_touches_the_priced_ones():
+    mod = _module()
+    rng = random.Random(7)
+    for _ in range(40):
+        runs = []
+        for _ in range(rng.randint(1, 4)):
+            t1 = rng.uniform(10.0, 300.0)
+            f = rng.uniform(0.01, 0.6)  # Amdahl: t(k) = t1 (f + (1 - f) / k), a few amounts
+            ks = sorted(rng.sample(range(1, 17), rng.randint(1, 5)))
+            runs.append([(k, t1 * (f + (1 - f) / k)) for k in ks])
+        n = len(runs)
+        for choice in itertools.product(*runs):  # every choice of one amount per run
+            x = sum(d for _, d in choice) / n
+            cs = sum(k * d for k, d in choice)
+            bound = mod.least_core_s(runs, x)
+            assert bound is not None and cs >= bound - 1e-6 * cs
+        for p in mod.frontier(runs, lambdas=(0.5, 2, 8, 32)):
+            bound = mod.least_core_s(runs, p["mean_run_s"])
+            assert bound == pytest.approx(p["core_s"], rel=1e-5, abs=0.2)  # on the hull
 
 
 def test_real_runs_respect_the_frontier(capsys):

@@ -7,12 +7,13 @@ On one generated trace (``--workload``: ``ai-coding`` on config/cluster-paper.to
 mixed workload on config/cluster-mixed.toml), three things:
 
 1. ``frontier``: the least core-seconds the trace's test runs need for a given mean run
-   time, with no queue at all. For each price ``λ`` (``LAMBDAS``, core-seconds per second of
-   run time) every test run takes the allowed amount ``k`` that minimises
-   ``k · t(k) + λ · t(k)``; each such point lies on the lower convex hull of (mean run time,
-   core-seconds) over every choice of one amount per test run, so the line between two
-   neighbouring points is a lower bound on the core-seconds of any schedule whose test runs
-   run that long on average (``least_core_s``). Pure arithmetic on the trace's speed-ups.
+   time, with no queue at all. Every choice of one allowed amount ``k`` per test run gives
+   a total run time and a total of core-seconds ``k · t(k)``; the lower convex hull of all
+   those choices (``Hull``: the Minkowski sum of each run's own hull, its edges merged by
+   slope) is a lower bound on the core-seconds of any schedule whose test runs run that
+   long on average (``least_core_s``), exact at its vertices. The table shows the hull's
+   points at prices ``λ`` (``LAMBDAS``, core-seconds per second of run time): every test run
+   at the amount that minimises ``(k + λ) · t(k)``. Pure arithmetic on the trace's speed-ups.
 2. ``policies``: each policy's run split as ``avg ACT = run + wait`` (means over all
    actions), the test runs' mean run time and their core-seconds against the frontier's
    least at that mean run time (``excess``), and where the wait went: per trajectory, in
@@ -94,14 +95,56 @@ def frontier(runs: Sequence[Table], lambdas: Sequence[float] = LAMBDAS) -> list[
     return out
 
 
-def least_core_s(points: Sequence[dict[str, float]], x: float) -> float | None:
-    """The frontier's least core-seconds at mean run time ``x`` (linear between its points;
-    None outside them)."""
-    pts = sorted((p["mean_run_s"], p["core_s"]) for p in points)
-    for (x0, c0), (x1, c1) in itertools.pairwise(pts):
-        if x0 <= x <= x1:
-            return c0 if x1 == x0 else c0 + (c1 - c0) * (x - x0) / (x1 - x0)
-    return None
+class Hull:
+    """The lower convex hull of (total run time, total core-seconds) over every choice of one
+    amount per test run, from the fastest choice to the cheapest (module doc, 1)."""
+
+    def __init__(self, runs: Sequence[Table]) -> None:
+        self.n = len(runs)
+        x = c = 0.0
+        edges: list[tuple[float, float, float]] = []  # (slope, run time, core-seconds)
+        for table in runs:
+            pts: list[tuple[float, float]] = []
+            for t, cs in sorted((d, k * d) for k, d in table):
+                if pts and t == pts[-1][0]:
+                    continue  # the same run time on more units: never cheaper
+                while len(pts) >= 2 and _turn(pts[-2], pts[-1], (t, cs)) <= 0.0:
+                    pts.pop()
+                pts.append((t, cs))
+            cheapest = min(range(len(pts)), key=lambda i: (pts[i][1], pts[i][0]))
+            pts = pts[: cheapest + 1]  # past the cheapest choice, slower costs more
+            x += pts[0][0]
+            c += pts[0][1]
+            for (t0, c0), (t1, c1) in itertools.pairwise(pts):
+                edges.append(((c1 - c0) / (t1 - t0), t1 - t0, c1 - c0))
+        edges.sort()
+        self.vertices = [(x, c)]
+        for _, dx, dc in edges:
+            x += dx
+            c += dc
+            self.vertices.append((x, c))
+
+    def least_core_s(self, mean_run_s: float) -> float | None:
+        """The least core-seconds at that mean run time; None below the fastest choice's."""
+        total = mean_run_s * self.n
+        vs = self.vertices
+        if total < vs[0][0]:  # (a mean rounded to 4 places may fall just short of it)
+            return vs[0][1] if total >= vs[0][0] - 1e-4 * self.n else None
+        for (x0, c0), (x1, c1) in itertools.pairwise(vs):
+            if total <= x1:
+                return c0 + (c1 - c0) * (total - x0) / (x1 - x0)
+        return vs[-1][1]  # slower than the cheapest choice: its core-seconds
+
+
+def _turn(o: tuple[float, float], a: tuple[float, float], b: tuple[float, float]) -> float:
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+def least_core_s(runs: Sequence[Table], mean_run_s: float) -> float | None:
+    """The least core-seconds of any choice of amounts whose test runs run ``mean_run_s`` on
+    average (the lower convex hull: a bound, exact at its vertices); None where no choice is
+    that fast."""
+    return Hull(runs).least_core_s(mean_run_s)
 
 
 def decompose(records: Sequence[ActionRecord], trajectories: int) -> dict[str, Any]:
@@ -149,6 +192,7 @@ def measure(workload: str, batch: int, seed: int, policies: Sequence[str]) -> di
     if not runs:
         raise ValueError(f"workload {workload!r} has no test runs (elastic exec, tag reward)")
     points = frontier(runs)
+    hull = Hull(runs)
     kept: dict[str, list[ActionRecord]] = {}
     wrapped = _engine.summarize
 
@@ -164,7 +208,7 @@ def measure(workload: str, batch: int, seed: int, policies: Sequence[str]) -> di
             result = simulate(cluster, trace, parse_policy(name))
             row = decompose(kept.pop(result.policy), len(trace))
             row["p99_act_s"] = result.summary["p99_act_s"]
-            least = least_core_s(points, row["test_run_s"])
+            least = hull.least_core_s(row["test_run_s"])
             row["least_test_core_s"] = None if least is None else round(least, 1)
             row["test_core_s_excess"] = (
                 None if least is None else round(row["test_core_s"] / least - 1.0, 4)
