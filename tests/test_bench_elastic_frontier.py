@@ -10,8 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
-
-from scripts import load_script
+from script_loader import load_script
 
 SCRIPT = Path(__file__).parents[1] / "bench" / "paper" / "elastic_frontier.py"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from scripts import load_script
+from script_loader import load_script
 
 FIG9 = Path(__file__).parents[1] / "bench" / "paper" / "fig9.py"
 

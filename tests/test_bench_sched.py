@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
-from scripts import load_script
 from tangram.sched import SchedConfig
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "sched.py"

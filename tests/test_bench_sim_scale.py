@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from scripts import load_script
+from script_loader import load_script
 
 SCRIPT = Path(__file__).parents[1] / "bench" / "paper" / "sim_scale.py"
 

@@ -8,8 +8,8 @@ import gc
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
-from scripts import load_script
 from tangram.pools.cpu import CpuCluster, CpuNodePool
 from tangram.protocol.results import ExecSpec
 from tangramd import collector

@@ -12,7 +12,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from scripts import load_script
+from script_loader import load_script
+
 from tangram import AsyncClient, Client
 from tangram.testing import SpawnedDaemon, wait_for_async
 

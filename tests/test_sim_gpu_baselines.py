@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from script_loader import load_script
 
-from scripts import load_script
 from tangram.sim import generate, load_cluster, parse_cluster, parse_lines, parse_policy, simulate
 from tangram.sim.cluster import ClusterError
 from tangram.sim.workloads import WorkloadError
