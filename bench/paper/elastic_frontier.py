@@ -45,12 +45,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # (wraps the simulator's summarize: before the simulator runs)
+import common
 from common import ROOT, action_kind, paper_cluster
 
-import tangram.sim.engine as _engine
-from tangram.sim import generate, load_cluster, parse_policy, simulate
-from tangram.sim.metrics import ActionRecord, SimResult
+from tangram.sim import generate, load_cluster, parse_policy
+from tangram.sim.engine import Engine
+from tangram.sim.metrics import ActionRecord
 from tangram.sim.policy import PolicyError
 from tangram.sim.trace import Trajectory
 
@@ -193,31 +193,21 @@ def measure(workload: str, batch: int, seed: int, policies: Sequence[str]) -> di
         raise ValueError(f"workload {workload!r} has no test runs (elastic exec, tag reward)")
     points = frontier(runs)
     hull = Hull(runs)
-    kept: dict[str, list[ActionRecord]] = {}
-    wrapped = _engine.summarize
-
-    def keep(policy: str, records: Sequence[ActionRecord], *args: Any) -> SimResult:
-        kept[policy] = list(records)
-        return wrapped(policy, records, *args)
-
     rows: dict[str, dict[str, Any]] = {}
-    _engine.summarize = keep  # type: ignore[assignment]
-    try:
-        for name in policies:
-            t0 = time.perf_counter()
-            result = simulate(cluster, trace, parse_policy(name))
-            row = decompose(kept.pop(result.policy), len(trace))
-            row["p99_act_s"] = result.summary["p99_act_s"]
-            least = hull.least_core_s(row["test_run_s"])
-            row["least_test_core_s"] = None if least is None else round(least, 1)
-            row["test_core_s_excess"] = (
-                None if least is None else round(row["test_core_s"] / least - 1.0, 4)
-            )
-            row["wall_s"] = round(time.perf_counter() - t0, 1)
-            rows[name] = row
-            print(f"  [{workload} b={batch} {name}: {row['wall_s']} s]", file=sys.stderr)
-    finally:
-        _engine.summarize = wrapped  # type: ignore[assignment]
+    for name in policies:
+        t0 = time.perf_counter()
+        engine = Engine(cluster, trace, parse_policy(name))
+        result = engine.run()
+        row = decompose(engine.records, len(trace))
+        row["p99_act_s"] = result.summary["p99_act_s"]
+        least = hull.least_core_s(row["test_run_s"])
+        row["least_test_core_s"] = None if least is None else round(least, 1)
+        row["test_core_s_excess"] = (
+            None if least is None else round(row["test_core_s"] / least - 1.0, 4)
+        )
+        row["wall_s"] = round(time.perf_counter() - t0, 1)
+        rows[name] = row
+        print(f"  [{workload} b={batch} {name}: {row['wall_s']} s]", file=sys.stderr)
     out: dict[str, Any] = {
         "workload": workload,
         "batch": batch,
