@@ -10,17 +10,17 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import pytest
 from click.testing import CliRunner
+from sim_starts import logged
 
 from tangram.sim import generate, parse_policy
 from tangram.sim.cli import simulate as simulate_cmd
 from tangram.sim.cluster import ClusterSpec, CpuNodeSpec, load_cluster
 from tangram.sim.engine import PASSES, Engine
 from tangram.sim.metrics import ActionRecord, SimResult
-from tangram.sim.runs import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,16 +29,6 @@ def _cluster(nodes: int, mem_gb: float) -> ClusterSpec:
     base = load_cluster(ROOT / "config" / "cluster-mixed.toml")
     node = CpuNodeSpec(count=nodes, cores=64, numa=2, mem_gb=mem_gb)
     return replace(base, cpu_nodes=(node,))
-
-
-def _logged(*args: Any, **kwargs: Any) -> tuple[Engine, list[tuple[str, str, float, int]]]:
-    """An engine and the list it logs every start into: (action, node, time, cores)."""
-    starts: list[tuple[str, str, float, int]] = []
-
-    def log(run: Run, now: float, units: int) -> None:
-        starts.append((str(run.action.id), run.pool_id, now, units))
-
-    return Engine(*args, on_start=log, **kwargs), starts
 
 
 class _Ran(NamedTuple):
@@ -57,7 +47,7 @@ class _Ran(NamedTuple):
 
 def _run(cluster: ClusterSpec, batch: int, policy: str, passes: str) -> _Ran:
     trace = generate("ai-coding", cluster, batch, seed=0)
-    engine, starts = _logged(cluster, trace, parse_policy(policy), passes=passes, check=True)
+    engine, starts = logged(cluster, trace, parse_policy(policy), passes=passes, check=True)
     return _Ran(engine, starts, engine.run())
 
 

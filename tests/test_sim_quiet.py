@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sim_starts import logged
 
 from tangram.sim import generate, parse_policy
 from tangram.sim.cluster import ClusterSpec, CpuNodeSpec, load_cluster
-from tangram.sim.engine import Engine
-from tangram.sim.runs import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,19 +23,9 @@ def _cluster(nodes: int) -> ClusterSpec:
     return replace(base, cpu_nodes=(CpuNodeSpec(count=nodes, cores=64, numa=2, mem_gb=512.0),))
 
 
-def _logged(*args: Any, **kwargs: Any) -> tuple[Engine, list[tuple[str, str, float, int]]]:
-    """An engine and the list it logs every start into: (action, node, time, cores)."""
-    starts: list[tuple[str, str, float, int]] = []
-
-    def log(run: Run, now: float, units: int) -> None:
-        starts.append((str(run.action.id), run.pool_id, now, units))
-
-    return Engine(*args, on_start=log, **kwargs), starts
-
-
 def _run(cluster: ClusterSpec, batch: int, policy: str, quiet: bool) -> tuple[Any, ...]:
     trace = generate("ai-coding", cluster, batch, seed=0)
-    engine, starts = _logged(cluster, trace, parse_policy(policy), quiet=quiet)
+    engine, starts = logged(cluster, trace, parse_policy(policy), quiet=quiet)
     result = engine.run()
     steps = sorted(engine.step_durations.items())
     return starts, engine.records, steps, result.summary, engine.quiet_skips
