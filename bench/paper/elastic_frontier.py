@@ -49,6 +49,7 @@ import common
 from common import ROOT, action_kind, paper_cluster
 
 from tangram.sim import generate, load_cluster, parse_policy
+from tangram.sim.cluster import ClusterSpec
 from tangram.sim.engine import Engine
 from tangram.sim.metrics import ActionRecord
 from tangram.sim.policy import PolicyError
@@ -60,6 +61,13 @@ POLICIES = "tangram,fixed-dop:4,fixed-dop:8,fixed-dop:16"
 WORKLOADS = ("ai-coding", "coding+search", "mixed")
 
 Table = list[tuple[int, float]]  # one test run's (amount, run time) for every allowed amount
+
+
+def cluster_of(workload: str) -> ClusterSpec:
+    """AI coding runs on the paper's testbed, the mixed workloads on the 4 × 64-core one."""
+    if workload == "ai-coding":
+        return paper_cluster()
+    return load_cluster(ROOT / "config" / "cluster-mixed.toml")
 
 
 def test_runs(trace: Sequence[Trajectory]) -> list[Table]:
@@ -182,11 +190,7 @@ def decompose(records: Sequence[ActionRecord], trajectories: int) -> dict[str, A
 def measure(workload: str, batch: int, seed: int, policies: Sequence[str]) -> dict[str, Any]:
     if workload not in WORKLOADS:
         raise ValueError(f"workload: expected one of {', '.join(WORKLOADS)}, got {workload!r}")
-    cluster = (
-        paper_cluster()
-        if workload == "ai-coding"
-        else load_cluster(ROOT / "config" / "cluster-mixed.toml")
-    )
+    cluster = cluster_of(workload)
     trace = generate(workload, cluster, batch, seed=seed)
     runs = test_runs(trace)
     if not runs:
