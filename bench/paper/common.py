@@ -28,6 +28,7 @@ import tangram.sim.engine as _engine  # noqa: E402
 from tangram.sim import generate, load_cluster, parse_policy, simulate  # noqa: E402
 from tangram.sim.cluster import ClusterSpec  # noqa: E402
 from tangram.sim.metrics import ActionRecord, SimResult, _stats  # noqa: E402
+from tangram.sim.trace import TraceAction  # noqa: E402
 
 OUT = ROOT / "bench" / "paper" / "out"
 IMG = ROOT / "docs" / "img"
@@ -84,6 +85,12 @@ def action_kind(r: ActionRecord) -> str:
     if r.kind == "service":
         return "gpu"
     return "test" if r.tag == "reward" else "tool"
+
+
+def is_test(step: object) -> bool:
+    """A trace step that is a test run (an elastic exec tagged ``reward``; in a record,
+    ``action_kind`` "test")."""
+    return isinstance(step, TraceAction) and step.kind == "exec" and step.tag == "reward"
 
 
 # fig9's oracle reads every test run's ACT per policy: kept only when a script asks for it

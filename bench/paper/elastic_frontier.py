@@ -46,7 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
-from common import ROOT, action_kind, paper_cluster
+from common import ROOT, action_kind, is_test, paper_cluster
 
 from tangram.sim import generate, load_cluster, parse_policy
 from tangram.sim.cluster import ClusterSpec
@@ -71,13 +71,24 @@ def cluster_of(workload: str) -> ClusterSpec:
 
 
 def test_runs(trace: Sequence[Trajectory]) -> list[Table]:
-    """Every test run of the trace (an elastic exec tagged ``reward``): its run times."""
+    """Every test run of the trace: its run times."""
     return [
         [(k, a.true_duration(k)) for k in a.template.allowed_units()]
         for t in trace
         for a in t.actions()
-        if a.kind == "exec" and a.tag == "reward"
+        if is_test(a)
     ]
+
+
+def run_policy(
+    cluster: ClusterSpec, trace: Sequence[Trajectory], policy: str
+) -> tuple[dict[str, Any], list[ActionRecord]]:
+    """One policy's run on the trace: ``decompose``'s row with the p99, and the records."""
+    engine = Engine(cluster, trace, parse_policy(policy))
+    result = engine.run()
+    row = decompose(engine.records, len(trace))
+    row["p99_act_s"] = result.summary["p99_act_s"]
+    return row, engine.records
 
 
 def frontier(runs: Sequence[Table], lambdas: Sequence[float] = LAMBDAS) -> list[dict[str, float]]:
@@ -200,10 +211,7 @@ def measure(workload: str, batch: int, seed: int, policies: Sequence[str]) -> di
     rows: dict[str, dict[str, Any]] = {}
     for name in policies:
         t0 = time.perf_counter()
-        engine = Engine(cluster, trace, parse_policy(name))
-        result = engine.run()
-        row = decompose(engine.records, len(trace))
-        row["p99_act_s"] = result.summary["p99_act_s"]
+        row, _ = run_policy(cluster, trace, name)
         least = hull.least_core_s(row["test_run_s"])
         row["least_test_core_s"] = None if least is None else round(least, 1)
         row["test_core_s_excess"] = (

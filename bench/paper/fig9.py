@@ -46,7 +46,19 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import common
-from common import IMG, KINDS, OUT, ROOT, generate, load_cluster, paper_cluster, ratio, run, save
+from common import (
+    IMG,
+    KINDS,
+    OUT,
+    ROOT,
+    generate,
+    is_test,
+    load_cluster,
+    paper_cluster,
+    ratio,
+    run,
+    save,
+)
 
 from tangram.sim.trace import Trajectory
 
@@ -96,7 +108,7 @@ def oracle(acts: dict[str, dict[str, float]], trace: Sequence[Trajectory]) -> di
         min(a.true_duration(k) for k in a.template.allowed_units())
         for t in trace
         for a in t.actions()
-        if a.kind == "exec" and a.tag == "reward"
+        if is_test(a)
     ]
     return {
         "test_runs": len(ids),

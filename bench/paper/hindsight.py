@@ -59,13 +59,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
-from common import action_kind
-from elastic_frontier import WORKLOADS, cluster_of, decompose, save
+from common import action_kind, is_test
+from elastic_frontier import WORKLOADS, cluster_of, goal, run_policy, save
 
 from tangram.model import Choices, Range
-from tangram.sim import generate, parse_policy
+from tangram.sim import generate
 from tangram.sim.cluster import ClusterSpec
-from tangram.sim.engine import Engine
 from tangram.sim.metrics import ActionRecord
 from tangram.sim.trace import TraceAction, Trajectory
 
@@ -76,10 +75,6 @@ Vector = tuple[Choice, ...]  # one choice per window
 # what each run reports (``elastic_frontier.decompose``'s names)
 KEYS = ("avg_act_s", "p99_act_s", "test_avg_act_s", "test_run_s", "test_wait_s", "test_units",
         "tool_avg_act_s", "tool_wait_s")  # fmt: skip
-
-
-def is_test(a: object) -> bool:
-    return isinstance(a, TraceAction) and a.kind == "exec" and a.tag == "reward"
 
 
 def amount(a: TraceAction, choice: Choice) -> int:
@@ -113,12 +108,10 @@ def pinned(trace: Sequence[Trajectory], dop: dict[str, int]) -> list[Trajectory]
 def measure_run(
     cluster: ClusterSpec, trace: Sequence[Trajectory], policy: str
 ) -> tuple[dict[str, Any], list[ActionRecord]]:
-    """One policy's run: ``decompose``'s row with the p99, and the records."""
-    engine = Engine(cluster, trace, parse_policy(policy))
-    result = engine.run()
-    row = decompose(engine.records, len(trace))
-    row["p99_act_s"] = round(result.summary["p99_act_s"], 4)
-    return row, engine.records
+    """``elastic_frontier.run_policy``, its p99 to 4 decimals (as the goals compare it)."""
+    row, records = run_policy(cluster, trace, policy)
+    row["p99_act_s"] = round(row["p99_act_s"], 4)
+    return row, records
 
 
 def baseline(
@@ -217,11 +210,9 @@ def search(
 ) -> dict[str, Any]:
     """The policies' runs, then the search (module doc); one JSON-ready row."""
     rows, labels, used, picks = baseline(workload, batch, seed, window_s)
-    fixed = [p for p in POLICIES if p.startswith("fixed-dop:")]
-    best_all = min(fixed, key=lambda p: rows[p]["avg_act_s"])
-    best_test = min(fixed, key=lambda p: rows[p]["test_avg_act_s"])
-    a_goal, p_goal = rows[best_all]["avg_act_s"], rows[best_all]["p99_act_s"]
-    t_goal = rows[best_test]["test_avg_act_s"]
+    g = goal(rows, [p for p in POLICIES if p.startswith("fixed-dop:")], ())
+    a_goal, t_goal = g["all_avg_goal_s"], g["test_avg_goal_s"]
+    p_goal = rows[g["best_all"]]["p99_act_s"]
     n = len(used)
 
     def keeps(r: dict[str, Any]) -> bool:
@@ -281,10 +272,10 @@ def search(
             for i, w in enumerate(used)
         ],
         "goal": {
-            "best_all": best_all,
+            "best_all": g["best_all"],
             "all_avg_goal_s": a_goal,
             "all_p99_goal_s": p_goal,
-            "best_test": best_test,
+            "best_test": g["best_test"],
             "test_avg_goal_s": t_goal,
         },
         "policies": {p: {k: r[k] for k in KEYS} for p, r in rows.items()},
